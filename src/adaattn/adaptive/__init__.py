@@ -1,0 +1,1 @@
+"""Analysis and control for adaptive precision and rank (block pooling, sampling, controllers)."""

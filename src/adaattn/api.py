@@ -1,0 +1,202 @@
+"""attention(): the one entry point, SDPA-compatible."""
+
+from __future__ import annotations
+
+import torch
+
+from . import planner, stats
+from .backends import REGISTRY
+from .planner import Plan
+from .policy import EXACT, Policy
+from .problem import Problem, validate
+
+
+def _check_policy(policy: object) -> Policy:
+    if policy is None:
+        return EXACT
+    if not isinstance(policy, Policy):
+        raise TypeError(f"policy must be an adaattn.Policy or None, got {type(policy).__name__}")
+    return policy
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    layout: str = "bhsd",
+    window: tuple[int | None, int | None] | None = None,
+    policy: Policy | None = None,
+    label: str | None = None,
+) -> torch.Tensor:
+    """Scaled dot-product attention, a drop-in for torch.nn.functional.scaled_dot_product_attention.
+
+    Shapes with layout="bhsd" (default): query (B, Hq, Nq, D), key (B, Hkv, Nk, D),
+    value (B, Hkv, Nk, Dv) -> (B, Hq, Nq, Dv). With layout="bshd" every tensor is
+    (B, N, H, D) instead, and the result is a (B, Nq, Hq, Dv) view; no copies are made.
+    dtypes: float16, bfloat16, float32 (and float64), all three the same.
+
+    attn_mask: bool (True = takes part) or additive in the query dtype, broadcastable to
+        (B, Hq, Nq, Nk); it is always in (B, H, Nq, Nk) order, whatever the layout.
+    is_causal: top-left aligned causal mask, as SDPA; may be combined with attn_mask.
+    window: (left, right) sliding window: query i attends keys i-left .. i+right
+        (None on a side = unbounded); combines with is_causal and attn_mask.
+    enable_gqa: allow Hq a multiple of Hkv (grouped-query / multi-query attention).
+    dropout_p: applied whenever > 0, as SDPA (pass 0.0 in eval).
+    policy: what may be approximated; None means exact.
+    label: a name recorded in adaattn.stats for this call (a layer name, say).
+
+    A row with no key to attend (fully masked) gives zeros, as SDPA's math backend.
+    Raises TypeError/ValueError on bad arguments, NoBackendError (a ValueError) when no
+    backend can run the call under the policy.
+    """
+    problem = validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout, window)
+    pol = _check_policy(policy)
+    compiling = _compiling()
+    plan = planner.get_plan(problem, pol, compiling)
+    if problem.layout == "bshd":
+        query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if compiling:
+        out = REGISTRY[plan.backend].run(query, key, value, attn_mask, problem, plan)
+    elif stats.enabled:
+        out = _run_recorded(query, key, value, attn_mask, problem, plan, pol, label)
+    else:
+        out, _ = _run(query, key, value, attn_mask, problem, plan)
+    if problem.layout == "bshd":
+        out = out.transpose(1, 2)
+    return out
+
+
+def _run(q, k, v, attn_mask, problem: Problem, plan: Plan) -> tuple[torch.Tensor, tuple[str, ...]]:
+    """Run the first candidate; a backend that raises is marked failed and the next one runs."""
+    failed: list[str] = []
+    error: BaseException | None = None
+    for name in plan.candidates:
+        try:
+            return REGISTRY[name].run(q, k, v, attn_mask, problem, plan), tuple(failed)
+        except torch.OutOfMemoryError as e:
+            raise torch.OutOfMemoryError(
+                f"adaattn: out of memory in backend {name} for {problem.describe()}: {e}"
+            ) from e
+        except Exception as e:  # a kernel failure: fall back to a slower correct path
+            planner.mark_failed(name, problem, e)
+            failed.append(name)
+            error = e
+    raise RuntimeError(
+        f"adaattn: every candidate backend failed for {problem.describe()}: {', '.join(failed)}"
+    ) from error
+
+
+def _run_recorded(q, k, v, attn_mask, problem, plan, policy, label):
+    if stats.timing():
+        with stats.Timer(q.device) as t:
+            out, failed = _run(q, k, v, attn_mask, problem, plan)
+        wall = t.ms
+    else:
+        out, failed = _run(q, k, v, attn_mask, problem, plan)
+        wall = None
+    ran = next(n for n in plan.candidates if n not in failed)
+    stats.add(
+        stats.CallRecord(
+            backend=ran,
+            shape=f"B={problem.batch} Hq={problem.q_heads} Hkv={problem.kv_heads} "
+            f"Nq={problem.q_len} Nk={problem.kv_len} D={problem.head_dim}",
+            dtype=str(problem.dtype).replace("torch.", ""),
+            device=f"{problem.device_type}/{plan.arch}",
+            mode=policy.mode,
+            decisions={"precision": "native", "approximation": "none", "notes": list(plan.notes)},
+            fallbacks=failed,
+            label=label,
+            wall_ms=wall,
+        )
+    )
+    return out
+
+
+class Explanation:
+    """What `attention` would do for a problem: every backend, its reasons, and the choice."""
+
+    def __init__(self, problem: Problem, policy: Policy, plan: Plan | None, error: str | None):
+        self.problem = problem
+        self.policy = policy
+        self.plan = plan
+        self.error = error
+
+    @property
+    def chosen(self) -> str | None:
+        return None if self.plan is None else self.plan.backend
+
+    def as_dict(self) -> dict:
+        return {
+            "problem": self.problem.describe(),
+            "policy": repr(self.policy),
+            "chosen": self.chosen,
+            "order": list(self.plan.order) if self.plan else None,
+            "backends": {n: list(r) for n, r in self.plan.reasons} if self.plan else None,
+            "notes": list(self.plan.notes) if self.plan else [],
+            "error": self.error,
+        }
+
+    def __str__(self) -> str:
+        lines = [f"problem: {self.problem.describe()}", f"policy:  {self.policy}"]
+        if self.plan is None:
+            lines.append(str(self.error))
+            return "\n".join(lines)
+        p = self.plan
+        lines.append(f"priority ({self.problem.device_type}/{p.arch}, {self.problem.seq_bucket} sequences): "
+                     + (" > ".join(p.order) or "(none)"))
+        width = max(len(n) for n, _ in p.reasons)
+        for name, why in p.reasons:
+            if name == p.backend:
+                status = "CHOSEN"
+            elif not why:
+                status = "ok (fallback)"
+            else:
+                status = "no: " + " ".join(why)
+            lines.append(f"  {name:<{width}}  {status}")
+        lines.append(f"chosen: {p.backend}")
+        lines += [f"note: {n}" for n in p.notes]
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def explain_problem(problem: Problem, policy: Policy | None = None) -> Explanation:
+    pol = _check_policy(policy)
+    try:
+        plan = planner.make_plan(problem, pol)
+        return Explanation(problem, pol, plan, None)
+    except planner.NoBackendError as e:
+        return Explanation(problem, pol, None, str(e))
+
+
+def explain(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    layout: str = "bhsd",
+    window: tuple[int | None, int | None] | None = None,
+    policy: Policy | None = None,
+) -> Explanation:
+    """What `attention` with these arguments would run, and why every other backend declined.
+
+    Takes the same arguments as `attention` and raises the same input errors; launches nothing.
+    `str()` of the result is a table; `.as_dict()` gives the same as data.
+    """
+    problem = validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout, window)
+    return explain_problem(problem, policy)

@@ -1,0 +1,22 @@
+"""The backend registry: every way adaattn can compute attention, by name."""
+
+from __future__ import annotations
+
+from .base import Backend
+from .flash_attn import FlashAttnBackend
+from .reference import ReferenceBackend
+from .sdpa import sdpa_backends
+
+REGISTRY: dict[str, Backend] = {}
+
+
+def register(backend: Backend) -> Backend:
+    """Add (or replace) a backend; the priority data decides when it is chosen."""
+    REGISTRY[backend.name] = backend
+    return backend
+
+
+for _b in (*sdpa_backends(), FlashAttnBackend(), ReferenceBackend()):
+    register(_b)
+
+__all__ = ["Backend", "REGISTRY", "register"]

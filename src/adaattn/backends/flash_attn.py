@@ -1,0 +1,59 @@
+"""The `flash_attn` package (FlashAttention 2/3), when it imports."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import hardware
+from .base import Backend
+
+_func = None
+_import_error: str | None = None
+
+
+def _load():
+    global _func, _import_error
+    if _func is None and _import_error is None:
+        try:
+            from flash_attn import flash_attn_func  # type: ignore[import-not-found]
+
+            _func = flash_attn_func
+        except Exception as e:  # ImportError, or a broken CUDA extension
+            _import_error = f"{type(e).__name__}: {e}".splitlines()[0][:120]
+    return _func
+
+
+class FlashAttnBackend(Backend):
+    name = "flash_attn"
+
+    def supports(self, problem) -> list[str]:
+        if _load() is None:
+            return [f"the flash_attn package does not import ({_import_error})."]
+        reasons = []
+        if problem.device_type != "cuda":
+            reasons.append("runs on CUDA tensors only.")
+            return reasons
+        if problem.dtype not in (torch.float16, torch.bfloat16):
+            reasons.append("takes float16 or bfloat16 only.")
+        dev = hardware.device(problem.device_index)
+        if dev is not None and dev.capability < (8, 0):
+            reasons.append(f"needs sm80 or newer, this GPU is {dev.arch}.")
+        if problem.head_dim > 256 or problem.value_dim != problem.head_dim:
+            reasons.append("needs head_dim <= 256 and equal query/value head dims.")
+        if problem.mask_kind != "none":
+            reasons.append("takes no attn_mask.")
+        if problem.q_len != problem.kv_len and (problem.causal or problem.window is not None):
+            reasons.append("aligns causal/window masks bottom-right when q_len != k_len; SDPA aligns top-left.")
+        if problem.q_len == 0 or problem.kv_len == 0:
+            reasons.append("does not take empty sequences.")
+        return reasons
+
+    def run(self, query, key, value, attn_mask, problem, plan):
+        left, right = problem.window if problem.window is not None else (None, None)
+        window = (-1 if left is None else left, -1 if right is None else right)
+        out = _load()(
+            query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+            dropout_p=problem.dropout_p, softmax_scale=problem.scale,
+            causal=problem.causal, window_size=window,
+        )
+        return out.transpose(1, 2)

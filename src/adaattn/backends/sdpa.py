@@ -1,0 +1,126 @@
+"""torch's scaled_dot_product_attention, each of its kernels addressable on its own.
+
+`sdpa.cpu` lets torch choose on the CPU; on CUDA each of `sdpa.cudnn`, `sdpa.flash`,
+`sdpa.efficient` and `sdpa.math` pins one kernel, so the dispatcher (not torch's heuristics)
+decides, from measured data, which one runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from .. import hardware
+from .base import Backend
+from .masks import fold_positions
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+class SdpaBackend(Backend):
+    """One SDPA kernel. `kernel` None means torch's own choice (used on the CPU)."""
+
+    def __init__(
+        self,
+        name: str,
+        kernel: SDPBackend | None,
+        device_type: str,
+        dtypes: tuple[torch.dtype, ...],
+        min_capability: tuple[int, int] = (0, 0),
+        max_head_dim: int | None = None,
+        masks: bool = True,
+        dropout: bool = True,
+        native_gqa: bool = True,
+        causal_unequal: bool = True,
+        value_dim_differs: bool = True,
+        empty: bool = True,
+    ):
+        self.name = name
+        self.kernel = kernel
+        self.device_type = device_type
+        self.dtypes = dtypes
+        self.min_capability = min_capability
+        self.max_head_dim = max_head_dim
+        self.masks = masks
+        self.dropout = dropout
+        self.native_gqa = native_gqa
+        self.causal_unequal = causal_unequal
+        self.value_dim_differs = value_dim_differs
+        self.empty = empty
+
+    def supports(self, problem) -> list[str]:
+        reasons = []
+        if problem.device_type != self.device_type:
+            reasons.append(f"runs on {self.device_type} tensors only, got {problem.device_type}.")
+            return reasons
+        if problem.dtype not in self.dtypes:
+            names = ", ".join(str(d).replace("torch.", "") for d in self.dtypes)
+            reasons.append(f"dtype {str(problem.dtype).replace('torch.', '')} not supported (takes {names}).")
+        if self.device_type == "cuda" and self.min_capability > (0, 0):
+            dev = hardware.device(problem.device_index)
+            if dev is not None and dev.capability < self.min_capability:
+                need = "sm{}{}".format(*self.min_capability)
+                reasons.append(f"needs compute capability {need} or newer, this GPU is {dev.arch}.")
+        if self.max_head_dim is not None and max(problem.head_dim, problem.value_dim) > self.max_head_dim:
+            reasons.append(f"head_dim {max(problem.head_dim, problem.value_dim)} exceeds its limit {self.max_head_dim}.")
+        if not self.value_dim_differs and problem.value_dim != problem.head_dim:
+            reasons.append("value head_dim differs from query/key head_dim.")
+        if not self.masks:
+            if problem.mask_kind != "none":
+                reasons.append("takes no attn_mask.")
+            if problem.window is not None:
+                reasons.append("has no sliding window, and takes no mask to emulate one.")
+        if not self.dropout and problem.dropout_p > 0:
+            reasons.append("does not implement dropout.")
+        if not self.causal_unequal and problem.causal and problem.q_len != problem.kv_len:
+            reasons.append("causal with q_len != k_len would not be top-left aligned as SDPA defines it.")
+        if not self.empty and (problem.q_len == 0 or problem.kv_len == 0):
+            reasons.append("does not take empty sequences.")
+        return reasons
+
+    def run(self, query, key, value, attn_mask, problem, plan):
+        causal = problem.causal
+        if problem.window is not None or (causal and attn_mask is not None):
+            attn_mask = fold_positions(
+                attn_mask, problem.q_len, problem.kv_len, causal, problem.window, query.device, query.dtype
+            )
+            causal = False
+        gqa = problem.q_heads != problem.kv_heads
+        if gqa and not self.native_gqa:
+            key = key.repeat_interleave(problem.gqa_groups, dim=1)
+            value = value.repeat_interleave(problem.gqa_groups, dim=1)
+            gqa = False
+        if self.kernel is None:
+            return F.scaled_dot_product_attention(
+                query, key, value, attn_mask=attn_mask, dropout_p=problem.dropout_p,
+                is_causal=causal, scale=problem.scale, enable_gqa=gqa,
+            )
+        with sdpa_kernel(self.kernel):
+            return F.scaled_dot_product_attention(
+                query, key, value, attn_mask=attn_mask, dropout_p=problem.dropout_p,
+                is_causal=causal, scale=problem.scale, enable_gqa=gqa,
+            )
+
+
+def sdpa_backends() -> list[SdpaBackend]:
+    all_float = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    return [
+        SdpaBackend("sdpa.cpu", None, "cpu", all_float),
+        SdpaBackend(
+            "sdpa.cudnn", SDPBackend.CUDNN_ATTENTION, "cuda", HALF, min_capability=(8, 0),
+            max_head_dim=128, masks=True, dropout=False, native_gqa=False,
+            causal_unequal=False, value_dim_differs=False, empty=False,
+        ),
+        SdpaBackend(
+            "sdpa.flash", SDPBackend.FLASH_ATTENTION, "cuda", HALF, min_capability=(8, 0),
+            max_head_dim=256, masks=False, native_gqa=True, causal_unequal=False,
+            value_dim_differs=False, empty=False,
+        ),
+        SdpaBackend(
+            "sdpa.efficient", SDPBackend.EFFICIENT_ATTENTION, "cuda",
+            (torch.float16, torch.bfloat16, torch.float32), min_capability=(5, 0),
+            native_gqa=False, empty=False,
+        ),
+        SdpaBackend("sdpa.math", SDPBackend.MATH, "cuda", all_float),
+    ]

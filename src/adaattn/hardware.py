@@ -1,0 +1,164 @@
+"""What the machine can do: versions, devices and their tensor-core precisions. Cached."""
+
+from __future__ import annotations
+
+import functools
+import platform
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class Device:
+    index: int
+    name: str
+    capability: tuple[int, int]
+    sm_count: int
+    memory_gib: float
+    shared_memory_per_block_kib: float | None
+    tensor_core_precisions: tuple[str, ...]
+
+    @property
+    def arch(self) -> str:
+        return f"sm{self.capability[0]}{self.capability[1]}"
+
+
+@dataclass(frozen=True)
+class Hardware:
+    python: str
+    torch: str
+    triton: str | None
+    cuda: str | None
+    cudnn: int | None
+    cpu: str
+    cpu_threads: int
+    devices: tuple[Device, ...] = field(default_factory=tuple)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        for dev, src in zip(d["devices"], self.devices):
+            dev["arch"] = src.arch
+        return d
+
+
+def tensor_core_precisions(capability: tuple[int, int]) -> tuple[str, ...]:
+    """Matrix precisions the tensor cores of an NVIDIA GPU of this compute capability run."""
+    major, minor = capability
+    out: list[str] = []
+    if major >= 7:
+        out.append("fp16")
+    if (major, minor) >= (7, 5):
+        out.append("int8")
+    if major >= 8:
+        out[:0] = ["bf16", "tf32"]
+    if (major, minor) >= (8, 9):
+        out.append("fp8")
+    return tuple(out)
+
+
+def triton_version() -> str | None:
+    try:
+        import triton
+    except Exception:
+        return None
+    return str(triton.__version__)
+
+
+@functools.lru_cache(maxsize=1)
+def detect() -> Hardware:
+    """Detect once per process; later calls return the cached result."""
+    devices = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            cap = (p.major, p.minor)
+            smem = getattr(p, "shared_memory_per_block_optin", None)
+            devices.append(
+                Device(
+                    index=i,
+                    name=p.name,
+                    capability=cap,
+                    sm_count=p.multi_processor_count,
+                    memory_gib=round(p.total_memory / 2**30, 1),
+                    shared_memory_per_block_kib=None if smem is None else smem / 1024,
+                    tensor_core_precisions=tensor_core_precisions(cap),
+                )
+            )
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return Hardware(
+        python=platform.python_version(),
+        torch=torch.__version__,
+        triton=triton_version(),
+        cuda=torch.version.cuda,
+        cudnn=cudnn,
+        cpu=platform.processor() or platform.machine(),
+        cpu_threads=torch.get_num_threads(),
+        devices=tuple(devices),
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def device(index: int | None) -> Device | None:
+    """The CUDA device with this index (None: the current one), or None without CUDA."""
+    hw = detect()
+    if not hw.devices:
+        return None
+    i = torch.cuda.current_device() if index is None else index
+    return hw.devices[i]
+
+
+def arch(device_type: str, index: int | None) -> str:
+    """A short name for the device family dispatch keys on: "cpu", "sm80", "sm90", ..."""
+    if device_type != "cuda":
+        return device_type
+    dev = device(index)
+    return dev.arch if dev is not None else "cuda"
+
+
+def report() -> dict:
+    """Versions, devices and which backends are available here (and why not)."""
+    from .backends import REGISTRY
+    from .problem import Problem
+
+    hw = detect()
+    out = hw.as_dict()
+    backends = {}
+    for device_type in ("cpu", "cuda"):
+        if device_type == "cuda" and not hw.devices:
+            continue
+        # A plain bf16/fp32 problem per device shows what each backend needs beyond the shape.
+        for dtype in ((torch.float32,) if device_type == "cpu" else (torch.bfloat16, torch.float32)):
+            probe = Problem(
+                batch=1, q_heads=8, kv_heads=8, q_len=1024, kv_len=1024, head_dim=128, value_dim=128,
+                dtype=dtype, device_type=device_type, device_index=0 if device_type == "cuda" else None,
+                causal=False, window=None, mask_kind="none", dropout_p=0.0, scale=None,
+                needs_grad=False, layout="bhsd",
+            )
+            key = f"{device_type}/{str(dtype).replace('torch.', '')}"
+            backends[key] = {name: b.supports(probe) for name, b in REGISTRY.items()}
+    out["backends"] = backends
+    return out
+
+
+def format_report(rep: dict) -> str:
+    lines = [
+        f"python {rep['python']}, torch {rep['torch']}, triton {rep['triton'] or 'not installed'}, "
+        f"CUDA {rep['cuda'] or 'none'}, cuDNN {rep['cudnn'] or 'none'}",
+        f"cpu: {rep['cpu']}, {rep['cpu_threads']} torch threads",
+    ]
+    if not rep["devices"]:
+        lines.append("GPUs: none")
+    for d in rep["devices"]:
+        smem = d["shared_memory_per_block_kib"]
+        lines.append(
+            f"GPU {d['index']}: {d['name']}, compute capability {d['capability'][0]}.{d['capability'][1]} "
+            f"({d['arch']}), {d['sm_count']} SMs, {d['memory_gib']} GiB"
+            + (f", {smem:.0f} KiB shared memory per block" if smem else "")
+        )
+        lines.append(f"  tensor-core precisions: {', '.join(d['tensor_core_precisions']) or 'none'}")
+    for where, table in rep["backends"].items():
+        lines.append(f"backends for {where} (probe: B=1 H=8 N=1024 D=128):")
+        for name, why in table.items():
+            lines.append(f"  {name:<16} {'available' if not why else 'no: ' + ' '.join(why)}")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""@triton.jit kernels only: no policy, no autograd, no dispatch."""

@@ -1,0 +1,153 @@
+"""Plan: which backend runs a problem, chosen by walking a measured priority list."""
+
+from __future__ import annotations
+
+import json
+import threading
+import warnings
+from dataclasses import dataclass
+from importlib import resources
+
+from . import hardware
+from .backends import REGISTRY
+from .policy import Policy
+from .problem import Problem
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The backend to run, those to fall back to, and why every other backend declined."""
+
+    backend: str
+    candidates: tuple[str, ...]
+    order: tuple[str, ...]
+    reasons: tuple[tuple[str, tuple[str, ...]], ...]
+    notes: tuple[str, ...]
+    arch: str
+
+
+class NoBackendError(ValueError):
+    """No backend can run the problem under the policy; the message lists each one's reasons."""
+
+
+def _load_priority() -> list[dict]:
+    text = resources.files("adaattn").joinpath("priority.json").read_text()
+    return json.loads(text)["rules"]
+
+
+PRIORITY_RULES: list[dict] = _load_priority()
+
+_lock = threading.Lock()
+_cache: dict[tuple, Plan] = {}
+_failed: dict[tuple[str, tuple], str] = {}  # (backend, shape class) -> error
+
+
+def _matches(rule: dict, facts: dict) -> bool:
+    for field, want in rule.items():
+        if field == "order":
+            continue
+        have = facts[field]
+        if isinstance(want, list):
+            if have not in want:
+                return False
+        elif have != want:
+            return False
+    return True
+
+
+def priority(problem: Problem, arch: str) -> tuple[str, ...]:
+    """The ordered backend names the priority data gives for this problem."""
+    facts = {
+        "device": problem.device_type,
+        "arch": arch,
+        "dtype": str(problem.dtype).replace("torch.", ""),
+        "seq_bucket": problem.seq_bucket,
+        "causal": problem.causal,
+        "mask": problem.mask_kind,
+        "needs_grad": problem.needs_grad,
+    }
+    for rule in PRIORITY_RULES:
+        if _matches(rule, facts):
+            return tuple(rule["order"])
+    return ()
+
+
+def make_plan(problem: Problem, policy: Policy) -> Plan:
+    """Walk the priority list; every registered backend gets its reasons recorded."""
+    arch = hardware.arch(problem.device_type, problem.device_index)
+    order = priority(problem, arch)
+    if policy.backends is not None:
+        # Named backends absent from the list (reference, say) go last, in the order named.
+        extra = [n for b in policy.backends for n in REGISTRY if n not in order and policy.admits(n) and (n == b or n.startswith(b + "."))]
+        order = order + tuple(dict.fromkeys(extra))
+    names = list(order) + [n for n in REGISTRY if n not in order]
+    reasons = []
+    candidates = []
+    shape_class = problem.shape_class
+    for name in names:
+        backend = REGISTRY[name]
+        why = list(backend.supports(problem))
+        if name not in order:
+            why.append(f"not in the priority list for {problem.device_type}/{arch}; used only when named in Policy.backends.")
+        if not policy.admits(name):
+            why.append(f"excluded by Policy.backends={policy.backends}.")
+        failed = _failed.get((name, shape_class))
+        if failed is not None:
+            why.append(f"failed at run time earlier for this problem class ({failed}).")
+        reasons.append((name, tuple(why)))
+        if not why:
+            candidates.append(name)
+    notes = []
+    if policy.mode == "auto":
+        notes.append(
+            "mode='auto': no adaptive (quantized or low-rank) backend is available in this "
+            "version, so the call runs exact on the fastest exact backend."
+        )
+    if not candidates:
+        lines = [f"no backend can run {problem.describe()} under {policy}:"]
+        lines += [f"  {n}: {' '.join(r)}" for n, r in reasons]
+        raise NoBackendError("\n".join(lines))
+    return Plan(
+        backend=candidates[0],
+        candidates=tuple(candidates),
+        order=order,
+        reasons=tuple(reasons),
+        notes=tuple(notes),
+        arch=arch,
+    )
+
+
+def get_plan(problem: Problem, policy: Policy, compiling: bool = False) -> Plan:
+    """The cached plan for this problem class and policy (computed fresh under torch.compile)."""
+    if compiling:
+        return make_plan(problem, policy)
+    key = (problem.shape_class, problem.device_index, policy)
+    plan = _cache.get(key)
+    if plan is None:
+        plan = make_plan(problem, policy)
+        with _lock:
+            _cache[key] = plan
+    return plan
+
+
+def mark_failed(name: str, problem: Problem, error: BaseException) -> None:
+    """Remember that `name` failed for this problem class, and say so once."""
+    summary = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}"
+    with _lock:
+        first = (name, problem.shape_class) not in _failed
+        _failed[(name, problem.shape_class)] = summary
+        _cache.clear()
+    if first:
+        warnings.warn(
+            f"adaattn: backend {name} failed for {problem.describe()} ({summary}); "
+            "falling back to the next backend for this problem class.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+
+def reset() -> None:
+    """Forget cached plans and remembered failures (for tests, or after changing the environment)."""
+    with _lock:
+        _cache.clear()
+        _failed.clear()

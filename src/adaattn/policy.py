@@ -1,0 +1,95 @@
+"""Policy: what the caller allows adaattn to do."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+MODES = ("exact", "auto")
+PRECISIONS = ("native", "int8", "fp8")
+APPROXIMATIONS = ("lowrank", "skip")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What a call may do beyond exact attention.
+
+    mode:           "exact" (default) computes exact attention on the fastest exact backend;
+                    "auto" allows the precisions and approximations listed, per head, under
+                    `tolerance`.
+    tolerance:      largest relative L2 error of one head's output, ||o - o_exact|| / ||o_exact||.
+    precisions:     matrix precisions allowed: "native" (the input dtype), "int8", "fp8".
+    approximations: tile approximations allowed: "lowrank", "skip".
+    verify:         fraction of calls in [0, 1] on which sampled exact rows check the error.
+    backends:       restrict dispatch to these backend names; a prefix such as "sdpa" admits
+                    every "sdpa.*" sub-backend. None admits all.
+    deterministic:  ask for bitwise-reproducible forward and backward.
+
+    Raises ValueError/TypeError on construction for values outside those listed.
+    """
+
+    mode: str = "exact"
+    tolerance: float = 1e-2
+    precisions: tuple[str, ...] = ("native",)
+    approximations: tuple[str, ...] = ()
+    verify: float = 0.05
+    backends: tuple[str, ...] | None = None
+    deterministic: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"Policy.mode must be one of {MODES}, got {self.mode!r}")
+        tol = self.tolerance
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)):
+            raise TypeError(f"Policy.tolerance must be a float, got {type(tol).__name__}")
+        if not (math.isfinite(tol) and tol > 0):
+            raise ValueError(f"Policy.tolerance must be a finite float > 0, got {tol!r}")
+        object.__setattr__(self, "precisions", _names("precisions", self.precisions, PRECISIONS))
+        object.__setattr__(
+            self, "approximations", _names("approximations", self.approximations, APPROXIMATIONS)
+        )
+        if not self.precisions:
+            raise ValueError("Policy.precisions must name at least one precision, got ()")
+        if self.mode == "exact" and (self.precisions != ("native",) or self.approximations):
+            raise ValueError(
+                "Policy(mode='exact') allows only precisions=('native',) and approximations=(); "
+                f"got precisions={self.precisions}, approximations={self.approximations}. "
+                "Use mode='auto' to allow them."
+            )
+        ver = self.verify
+        if isinstance(ver, bool) or not isinstance(ver, (int, float)) or not 0.0 <= ver <= 1.0:
+            raise ValueError(f"Policy.verify must be a fraction in [0, 1], got {ver!r}")
+        if self.backends is not None:
+            if isinstance(self.backends, str):
+                object.__setattr__(self, "backends", (self.backends,))
+            if not isinstance(self.backends, (tuple, list)) or not all(
+                isinstance(b, str) and b for b in self.backends
+            ):
+                raise TypeError(
+                    f"Policy.backends must be None or a tuple of backend names, got {self.backends!r}"
+                )
+            if not self.backends:
+                raise ValueError("Policy.backends must name at least one backend, or be None")
+            object.__setattr__(self, "backends", tuple(self.backends))
+        if not isinstance(self.deterministic, bool):
+            raise TypeError(f"Policy.deterministic must be a bool, got {type(self.deterministic).__name__}")
+
+    def admits(self, backend_name: str) -> bool:
+        """Whether `backends` allows the backend called `backend_name`."""
+        if self.backends is None:
+            return True
+        return any(backend_name == b or backend_name.startswith(b + ".") for b in self.backends)
+
+
+def _names(field: str, value: object, allowed: tuple[str, ...]) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, (tuple, list)):
+        raise TypeError(f"Policy.{field} must be a tuple of names from {allowed}, got {value!r}")
+    for v in value:
+        if v not in allowed:
+            raise ValueError(f"Policy.{field} entries must be from {allowed}, got {v!r}")
+    return tuple(dict.fromkeys(value))
+
+
+EXACT = Policy()

@@ -1,0 +1,141 @@
+"""Per-call records of what ran: off by default, thread-safe, one branch when off.
+
+    import adaattn
+    with adaattn.stats.collect(timing=True) as records:
+        model(x)
+    print(adaattn.stats.summary(records))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+enabled = False  # read on every call: keep it a plain module global
+_timing = False
+_lock = threading.Lock()
+_records: list[CallRecord] = []
+_limit = 100_000
+
+
+@dataclass
+class CallRecord:
+    """One call of `attention`: what ran, on what, and why."""
+
+    backend: str
+    shape: str
+    dtype: str
+    device: str
+    mode: str
+    decisions: dict = field(default_factory=dict)
+    fallbacks: tuple[str, ...] = ()
+    label: str | None = None
+    wall_ms: float | None = None
+
+    def as_dict(self) -> dict:
+        return {
+            "backend": self.backend,
+            "shape": self.shape,
+            "dtype": self.dtype,
+            "device": self.device,
+            "mode": self.mode,
+            "decisions": dict(self.decisions),
+            "fallbacks": list(self.fallbacks),
+            "label": self.label,
+            "wall_ms": self.wall_ms,
+        }
+
+
+def enable(timing: bool = False, limit: int = 100_000) -> None:
+    """Start recording calls; with `timing`, each record gets its wall time (synchronises CUDA)."""
+    global enabled, _timing, _limit
+    _timing = bool(timing)
+    _limit = int(limit)
+    enabled = True
+
+
+def disable() -> None:
+    global enabled, _timing
+    enabled = False
+    _timing = False
+
+
+def timing() -> bool:
+    return _timing
+
+
+def clear() -> None:
+    with _lock:
+        _records.clear()
+
+
+def records() -> list[CallRecord]:
+    """A copy of the records kept so far (oldest first)."""
+    with _lock:
+        return list(_records)
+
+
+def add(record: CallRecord) -> None:
+    with _lock:
+        if len(_records) >= _limit:
+            del _records[: len(_records) // 2]  # keep the newest half
+        _records.append(record)
+
+
+class Timer:
+    """Wall time of a block; synchronises the device so the time covers the work."""
+
+    def __init__(self, device: torch.device | None):
+        self.cuda = device is not None and device.type == "cuda"
+        self.device = device
+
+    def __enter__(self) -> "Timer":
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        self.ms = (time.perf_counter() - self.t0) * 1e3
+
+
+@contextlib.contextmanager
+def collect(timing: bool = False) -> Iterator[list[CallRecord]]:
+    """Record the calls made inside the block into the list it yields."""
+    was_enabled, was_timing = enabled, _timing
+    with _lock:
+        start = len(_records)
+    enable(timing=timing, limit=_limit)
+    out: list[CallRecord] = []
+    try:
+        yield out
+    finally:
+        with _lock:
+            out.extend(_records[start:])
+        if was_enabled:
+            enable(timing=was_timing, limit=_limit)
+        else:
+            disable()
+
+
+def summary(recs: list[CallRecord] | None = None) -> str:
+    """A short table: how many calls each backend served, per shape."""
+    recs = records() if recs is None else recs
+    if not recs:
+        return "no attention calls recorded (adaattn.stats.enable() turns recording on)"
+    counts = Counter((r.label or "-", r.backend, r.shape, r.dtype) for r in recs)
+    lines = [f"{'label':<20} {'backend':<16} {'calls':>6}  shape, dtype"]
+    for (label, backend, shape, dtype), n in counts.most_common():
+        lines.append(f"{label:<20} {backend:<16} {n:>6}  {shape}, {dtype}")
+    times = [r.wall_ms for r in recs if r.wall_ms is not None]
+    if times:
+        lines.append(f"total wall time {sum(times):.3f} ms over {len(times)} timed calls")
+    return "\n".join(lines)
