@@ -1,0 +1,109 @@
+"""`adaattn info | explain | bench`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+DTYPES = {"float16": torch.float16, "fp16": torch.float16, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float32": torch.float32, "fp32": torch.float32}
+
+
+def _ints(text: str, count: int | None = None) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in text.replace("x", ",").split(",") if x != "")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if count is not None and len(vals) != count:
+        raise argparse.ArgumentTypeError(f"expected {count} comma-separated integers, got {text!r}")
+    return vals
+
+
+def _window(text: str) -> tuple[int | None, int | None]:
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(f"--window takes LEFT,RIGHT (use - for unbounded), got {text!r}")
+    try:
+        left, right = (None if p.strip() in ("", "-", "none") else int(p) for p in parts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--window takes LEFT,RIGHT integers, got {text!r}") from None
+    return left, right
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from .hardware import format_report, report
+
+    rep = report()
+    print(json.dumps(rep, indent=2, default=str) if args.json else format_report(rep))
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from .api import explain_problem
+    from .policy import Policy
+    from .problem import Problem, check_window
+
+    b, h, n, d = args.shape
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        print("adaattn explain: --device cuda given but no CUDA device is available", file=sys.stderr)
+        return 2
+    kv_heads = args.kv_heads or h
+    if h % kv_heads:
+        print(f"adaattn explain: heads ({h}) must be a multiple of --kv-heads ({kv_heads})", file=sys.stderr)
+        return 2
+    policy = Policy(mode=args.mode, backends=tuple(args.backends.split(",")) if args.backends else None)
+    problem = Problem(
+        batch=b, q_heads=h, kv_heads=kv_heads, q_len=n, kv_len=args.kv_len or n, head_dim=d,
+        value_dim=d, dtype=DTYPES[args.dtype], device_type=dev.type,
+        device_index=(dev.index or 0) if dev.type == "cuda" else None, causal=args.causal,
+        window=check_window(args.window), mask_kind=args.mask, dropout_p=0.0, scale=None,
+        needs_grad=args.grad, layout="bhsd",
+    )
+    exp = explain_problem(problem, policy)
+    print(json.dumps(exp.as_dict(), indent=2) if args.json else exp)
+    return 0 if exp.chosen else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .bench import add_arguments as bench_arguments
+
+    p = argparse.ArgumentParser(prog="adaattn", description="adaattn: adaptive attention for PyTorch")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    pi = sub.add_parser("info", help="versions, devices, tensor-core precisions and available backends")
+    pi.add_argument("--json", action="store_true", help="print JSON instead of text")
+    pi.set_defaults(func=cmd_info)
+
+    pe = sub.add_parser("explain", help="which backend a call of this shape runs, and why the others decline")
+    pe.add_argument("--shape", type=lambda s: _ints(s, 4), required=True, metavar="B,H,N,D",
+                    help="batch, query heads, query length, head dim")
+    pe.add_argument("--kv-len", type=int, default=None, help="key/value length (default: N)")
+    pe.add_argument("--kv-heads", type=int, default=None, help="key/value heads for GQA (default: H)")
+    pe.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    pe.add_argument("--device", default=None, help="cpu or cuda[:i] (default: cuda if available)")
+    pe.add_argument("--causal", action="store_true")
+    pe.add_argument("--window", type=_window, default=None, metavar="LEFT,RIGHT")
+    pe.add_argument("--mask", choices=("none", "bool", "additive"), default="none")
+    pe.add_argument("--grad", action="store_true", help="inputs require grad (training)")
+    pe.add_argument("--mode", choices=("exact", "auto"), default="exact")
+    pe.add_argument("--backends", default=None, help="comma-separated Policy.backends restriction")
+    pe.add_argument("--json", action="store_true")
+    pe.set_defaults(func=cmd_explain)
+
+    pb = sub.add_parser("bench", help="time every available backend over a grid of shapes")
+    bench_arguments(pb)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
