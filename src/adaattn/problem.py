@@ -37,6 +37,7 @@ class Problem:
     scale: float | None
     needs_grad: bool
     layout: str
+    gqa: bool = False  # q_heads != kv_heads, decided once (a plain bool even under torch.compile)
 
     @property
     def gqa_groups(self) -> int:
@@ -64,7 +65,7 @@ class Problem:
             self.causal,
             self.window is not None,
             self.mask_kind,
-            self.q_heads != self.kv_heads,
+            self.gqa,
             self.dropout_p > 0.0,
             self.needs_grad,
         )
@@ -209,7 +210,9 @@ def validate(
         raise ValueError(f"head_dim must be positive, got query/key {d} and value {dv}")
     if not isinstance(enable_gqa, bool):
         raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
+    gqa = False
     if hk != hq:
+        gqa = True
         if not enable_gqa:
             raise ValueError(
                 f"key/value heads ({hk}) differ from query heads ({hq}); pass enable_gqa=True for "
@@ -267,4 +270,5 @@ def validate(
         scale=scale_f,
         needs_grad=needs_grad,
         layout=layout,
+        gqa=gqa,
     )

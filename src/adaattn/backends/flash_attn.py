@@ -7,27 +7,21 @@ import torch
 from .. import hardware
 from .base import Backend
 
-_func = None
-_import_error: str | None = None
+# Imported once, here: an import inside supports() would break torch.compile tracing.
+try:
+    from flash_attn import flash_attn_func as _func  # type: ignore[import-not-found]
 
-
-def _load():
-    global _func, _import_error
-    if _func is None and _import_error is None:
-        try:
-            from flash_attn import flash_attn_func  # type: ignore[import-not-found]
-
-            _func = flash_attn_func
-        except Exception as e:  # ImportError, or a broken CUDA extension
-            _import_error = f"{type(e).__name__}: {e}".splitlines()[0][:120]
-    return _func
+    _import_error: str | None = None
+except Exception as e:  # ImportError, or a broken CUDA extension
+    _func = None
+    _import_error = f"{type(e).__name__}: {e}".splitlines()[0][:120]
 
 
 class FlashAttnBackend(Backend):
     name = "flash_attn"
 
     def supports(self, problem) -> list[str]:
-        if _load() is None:
+        if _func is None:
             return [f"the flash_attn package does not import ({_import_error})."]
         reasons = []
         if problem.device_type != "cuda":
@@ -51,7 +45,7 @@ class FlashAttnBackend(Backend):
     def run(self, query, key, value, attn_mask, problem, plan):
         left, right = problem.window if problem.window is not None else (None, None)
         window = (-1 if left is None else left, -1 if right is None else right)
-        out = _load()(
+        out = _func(
             query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
             dropout_p=problem.dropout_p, softmax_scale=problem.scale,
             causal=problem.causal, window_size=window,

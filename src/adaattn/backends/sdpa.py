@@ -86,7 +86,7 @@ class SdpaBackend(Backend):
                 attn_mask, problem.q_len, problem.kv_len, causal, problem.window, query.device, query.dtype
             )
             causal = False
-        gqa = problem.q_heads != problem.kv_heads
+        gqa = problem.gqa
         if gqa and not self.native_gqa:
             key = key.repeat_interleave(problem.gqa_groups, dim=1)
             value = value.repeat_interleave(problem.gqa_groups, dim=1)

@@ -1,0 +1,56 @@
+"""Shared test helpers: the MEASURING.md error standard and an independent SDPA equivalent."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; 0/0 counts as 0 and x/0 as inf."""
+    out, ref = out.double(), ref.double()
+    num = (out - ref).norm().item()
+    den = ref.norm().item()
+    if den == 0.0:
+        return 0.0 if num == 0.0 else float("inf")
+    return num / den
+
+
+def keep_mask(q_len, kv_len, causal, window, device=None):
+    """Written independently of adaattn.backends.masks: True where query i may see key j."""
+    keep = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
+    for i in range(q_len):
+        for j in range(kv_len):
+            ok = True
+            if causal and j > i:
+                ok = False
+            if window is not None:
+                left, right = window
+                if left is not None and j < i - left:
+                    ok = False
+                if right is not None and j > i + right:
+                    ok = False
+            keep[i, j] = ok
+    return keep
+
+
+def sdpa_equivalent(q, k, v, attn_mask=None, is_causal=False, scale=None, window=None, enable_gqa=False):
+    """torch SDPA on (B, H, N, D) inputs with causal/window turned into an explicit mask."""
+    if window is not None or (is_causal and attn_mask is not None):
+        keep = keep_mask(q.shape[-2], k.shape[-2], is_causal, window, q.device)
+        if attn_mask is None:
+            attn_mask = keep
+        elif attn_mask.dtype == torch.bool:
+            attn_mask = attn_mask & keep
+        else:
+            attn_mask = attn_mask.masked_fill(~keep, float("-inf"))
+        is_causal = False
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+    )
+
+
+def assert_within_standard(ours, ref64, torch_out, what="output"):
+    """MEASURING.md: err(ours) <= 2 * err(torch) + 1e-6 against the float64 reference."""
+    e_ours, e_torch = rel_err(ours, ref64), rel_err(torch_out, ref64)
+    assert e_ours <= 2 * e_torch + 1e-6, f"{what}: err(ours)={e_ours:.3e} > 2*err(torch)={2 * e_torch:.3e} + 1e-6"

@@ -1,0 +1,278 @@
+"""attention() against the float64 reference and against torch SDPA, on CPU."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import adaattn
+from adaattn import planner, stats
+from adaattn.backends import REGISTRY
+from adaattn.backends.base import Backend
+from adaattn.backends.reference import reference_attention
+from adaattn.problem import SEQ_BUCKETS
+
+from helpers import assert_within_standard, rel_err, sdpa_equivalent
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Broadcast patterns for a (B, H, Nq, Nk) mask: which leading dims are kept (1 = broadcast).
+MASK_SHAPES = ["bhqk", "b1qk", "1hqk", "qk", "11qk", "b11k", "1qk"]
+
+
+def _mask_shape(pattern, b, h, nq, nk):
+    sizes = {"b": b, "h": h, "q": nq, "k": nk, "1": 1}
+    return tuple(sizes[c] for c in pattern)
+
+
+@st.composite
+def problems(draw):
+    b = draw(st.integers(1, 2))
+    hkv = draw(st.integers(1, 3))
+    groups = draw(st.integers(1, 3))
+    hq = hkv * groups
+    nq = draw(st.integers(0, 40))
+    nk = draw(st.integers(0, 40))
+    d = draw(st.sampled_from([8, 16, 24, 32, 64]))
+    dv = draw(st.sampled_from([d, d, 16]))
+    dtype = draw(st.sampled_from(DTYPES))
+    mask_kind = draw(st.sampled_from(["none", "bool", "additive"]))
+    mask_pattern = draw(st.sampled_from(MASK_SHAPES))
+    causal = draw(st.booleans())
+    window = draw(
+        st.one_of(st.none(), st.tuples(st.one_of(st.none(), st.integers(0, 8)), st.one_of(st.none(), st.integers(0, 8))))
+    )
+    layout = draw(st.sampled_from(["bhsd", "bshd"]))
+    scale = draw(st.one_of(st.none(), st.floats(0.05, 2.0)))
+    seed = draw(st.integers(0, 2**31 - 1))
+    return dict(b=b, hkv=hkv, hq=hq, nq=nq, nk=nk, d=d, dv=dv, dtype=dtype, mask_kind=mask_kind,
+                mask_pattern=mask_pattern, causal=causal, window=window, layout=layout, scale=scale, seed=seed)
+
+
+def _inputs(p):
+    g = torch.Generator().manual_seed(p["seed"])
+    q = torch.randn(p["b"], p["hq"], p["nq"], p["d"], generator=g).to(p["dtype"])
+    k = torch.randn(p["b"], p["hkv"], p["nk"], p["d"], generator=g).to(p["dtype"])
+    v = torch.randn(p["b"], p["hkv"], p["nk"], p["dv"], generator=g).to(p["dtype"])
+    mask = None
+    shape = _mask_shape(p["mask_pattern"], p["b"], p["hq"], p["nq"], p["nk"])
+    if p["mask_kind"] == "bool":
+        mask = torch.rand(shape, generator=g) > 0.3
+    elif p["mask_kind"] == "additive":
+        mask = (torch.randn(shape, generator=g) * 2).to(p["dtype"])
+        mask = mask.masked_fill(torch.rand(shape, generator=g) < 0.2, float("-inf"))
+    return q, k, v, mask
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_attention_matches_reference_and_sdpa_on_random_problems(p):
+    q, k, v, mask = _inputs(p)
+    gqa = p["hq"] != p["hkv"]
+    if p["layout"] == "bshd":
+        args = (q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous())
+    else:
+        args = (q, k, v)
+    out = adaattn.attention(*args, attn_mask=mask, is_causal=p["causal"], scale=p["scale"],
+                            enable_gqa=gqa, layout=p["layout"], window=p["window"])
+    if p["layout"] == "bshd":
+        out = out.transpose(1, 2)
+    assert out.shape == (p["b"], p["hq"], p["nq"], p["dv"])
+    assert out.dtype == p["dtype"]
+    ref = reference_attention(q, k, v, mask, p["causal"], p["scale"], p["window"])
+    theirs = sdpa_equivalent(q, k, v, mask, p["causal"], p["scale"], p["window"], enable_gqa=gqa)
+    assert_within_standard(out, ref, theirs)
+    # Same kernel underneath on CPU: agreement with SDPA is tight, not just within the standard.
+    tol = 1e-6 if p["dtype"] == torch.float32 else 1e-2
+    assert rel_err(out, theirs) <= tol
+
+
+def test_reference_gives_zero_rows_where_everything_is_masked():
+    q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    mask = torch.ones(4, 5, dtype=torch.bool)
+    mask[2] = False
+    out = adaattn.attention(q, k, v, attn_mask=mask)
+    assert torch.all(out[:, :, 2] == 0)
+    ref = reference_attention(q, k, v, mask)
+    assert torch.all(ref[:, :, 2] == 0)
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("nq,nk", [(0, 5), (5, 0), (0, 0)])
+def test_empty_sequences_match_sdpa(nq, nk):
+    q, k, v = torch.randn(2, 3, nq, 16), torch.randn(2, 3, nk, 16), torch.randn(2, 3, nk, 16)
+    out = adaattn.attention(q, k, v)
+    theirs = F.scaled_dot_product_attention(q, k, v)
+    assert out.shape == theirs.shape == (2, 3, nq, 16)
+    assert torch.equal(out, theirs)
+
+
+def test_dropout_matches_sdpa_under_the_same_seed():
+    q, k, v = torch.randn(2, 4, 33, 16), torch.randn(2, 4, 40, 16), torch.randn(2, 4, 40, 16)
+    torch.manual_seed(7)
+    ours = adaattn.attention(q, k, v, dropout_p=0.3)
+    torch.manual_seed(7)
+    theirs = F.scaled_dot_product_attention(q, k, v, dropout_p=0.3)
+    assert torch.equal(ours, theirs)
+    assert not torch.allclose(ours, adaattn.attention(q, k, v))
+
+
+def test_causal_is_top_left_for_unequal_lengths():
+    q, k, v = torch.randn(1, 2, 7, 16), torch.randn(1, 2, 12, 16), torch.randn(1, 2, 12, 16)
+    out = adaattn.attention(q, k, v, is_causal=True)
+    ref = reference_attention(q, k, v, is_causal=True)
+    assert rel_err(out, ref) < 1e-6
+    # Top-left: query 0 sees key 0 only.
+    assert torch.allclose(out[:, :, 0], v[:, :, 0], atol=1e-6)
+
+
+def test_causal_combines_with_a_mask():
+    q, k, v = torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 16)
+    mask = torch.rand(9, 9) > 0.2
+    out = adaattn.attention(q, k, v, attn_mask=mask, is_causal=True)
+    ref = reference_attention(q, k, v, mask, is_causal=True)
+    assert rel_err(out, ref) < 1e-6
+
+
+def test_bshd_layout_passes_views_without_copying(monkeypatch):
+    seen = {}
+    real = REGISTRY["sdpa.cpu"]
+
+    class Spy(Backend):
+        name = "sdpa.cpu"
+
+        def supports(self, problem):
+            return real.supports(problem)
+
+        def run(self, q, k, v, attn_mask, problem, plan):
+            seen["ptrs"] = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+            seen["shape"] = tuple(q.shape)
+            return real.run(q, k, v, attn_mask, problem, plan)
+
+    monkeypatch.setitem(REGISTRY, "sdpa.cpu", Spy())
+    q, k, v = torch.randn(2, 11, 4, 16), torch.randn(2, 13, 4, 16), torch.randn(2, 13, 4, 16)
+    out = adaattn.attention(q, k, v, layout="bshd")
+    assert seen["ptrs"] == (q.data_ptr(), k.data_ptr(), v.data_ptr())
+    assert seen["shape"] == (2, 4, 11, 16)
+    assert out.shape == (2, 11, 4, 16)
+    theirs = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    assert torch.allclose(out, theirs.transpose(1, 2), atol=1e-6)
+
+
+def test_gradients_match_reference():
+    q = torch.randn(2, 4, 19, 16, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, 23, 16, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(2, 2, 23, 16, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(19, 23) > 0.1
+    go = torch.randn(2, 4, 19, 16, dtype=torch.float64)
+    out = adaattn.attention(q, k, v, attn_mask=mask, is_causal=True, enable_gqa=True, window=(5, 2))
+    grads = torch.autograd.grad(out, (q, k, v), go)
+    ref = reference_attention(q, k, v, mask, True, None, (5, 2))
+    ref_grads = torch.autograd.grad(ref, (q, k, v), go)
+    for g, r in zip(grads, ref_grads):
+        assert rel_err(g, r) < 1e-10
+
+
+def test_policy_can_restrict_to_the_reference_backend():
+    q, k, v = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    with stats.collect() as recs:
+        out = adaattn.attention(q, k, v, policy=adaattn.Policy(backends=("reference",)))
+    assert recs[-1].backend == "reference"
+    assert rel_err(out, reference_attention(q, k, v)) < 1e-6
+
+
+def test_unsatisfiable_backend_restriction_lists_every_reason():
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(adaattn.NoBackendError) as e:
+        adaattn.attention(q, q, q, policy=adaattn.Policy(backends=("sdpa.cudnn",)))
+    msg = str(e.value)
+    assert "sdpa.cudnn: runs on cuda tensors only" in msg
+    assert "sdpa.cpu:" in msg and "excluded by Policy.backends" in msg
+
+
+class _Broken(Backend):
+    name = "broken"
+
+    def __init__(self, error):
+        self.error = error
+        self.calls = 0
+
+    def supports(self, problem):
+        return []
+
+    def run(self, *args):
+        self.calls += 1
+        raise self.error
+
+
+def _put_first(monkeypatch, backend):
+    monkeypatch.setitem(REGISTRY, backend.name, backend)
+    monkeypatch.setattr(planner, "PRIORITY_RULES", [{"device": "cpu", "order": [backend.name, "sdpa.cpu"]}])
+
+
+def test_backend_failing_at_run_time_falls_back_with_one_warning(monkeypatch):
+    broken = _Broken(RuntimeError("compile error in kernel"))
+    _put_first(monkeypatch, broken)
+    q, k, v = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
+    with pytest.warns(RuntimeWarning, match="backend broken failed") as caught:
+        with stats.collect() as recs:
+            outs = [adaattn.attention(q, k, v) for _ in range(3)]
+    assert len([w for w in caught if "broken" in str(w.message)]) == 1
+    assert broken.calls == 1  # remembered as failed for this problem class
+    for out in outs:
+        assert torch.equal(out, F.scaled_dot_product_attention(q, k, v))
+    assert [r.backend for r in recs] == ["sdpa.cpu"] * 3
+    assert recs[0].fallbacks == ("broken",)
+    assert "failed at run time earlier" in str(adaattn.explain(q, k, v))
+
+
+def test_out_of_memory_is_reraised_with_the_sizes(monkeypatch):
+    _put_first(monkeypatch, _Broken(torch.OutOfMemoryError("CUDA out of memory")))
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(torch.OutOfMemoryError, match=r"backend broken .*Nq=8 Nk=8 D=16"):
+        adaattn.attention(q, q, q)
+
+
+def test_explain_lists_every_backend_and_the_choice():
+    q = torch.randn(1, 2, 8, 16)
+    text = str(adaattn.explain(q, q, q, policy=adaattn.Policy(mode="auto")))
+    for name in REGISTRY:
+        assert name in text
+    assert "chosen: sdpa.cpu" in text
+    assert "mode='auto'" in text and "runs exact" in text
+
+
+def test_stats_off_records_nothing_and_on_records_each_call():
+    stats.disable()
+    stats.clear()
+    q = torch.randn(1, 2, 8, 16)
+    adaattn.attention(q, q, q)
+    assert stats.records() == []
+    with stats.collect(timing=True) as recs:
+        adaattn.attention(q, q, q, is_causal=True, label="layer0")
+    assert len(recs) == 1
+    r = recs[0]
+    assert (r.backend, r.label, r.dtype) == ("sdpa.cpu", "layer0", "float32")
+    assert "Nq=8" in r.shape and r.wall_ms is not None and r.wall_ms >= 0
+    assert "sdpa.cpu" in stats.summary(recs)
+    assert not stats.enabled
+
+
+def test_stats_are_thread_safe():
+    q = torch.randn(1, 1, 4, 8)
+    with stats.collect() as recs:
+        threads = [threading.Thread(target=lambda: [adaattn.attention(q, q, q) for _ in range(50)]) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len(recs) == 200
+
+
+def test_seq_buckets_are_few_and_ordered():
+    limits = [lim for lim, _ in SEQ_BUCKETS]
+    assert limits == sorted(limits) and len(SEQ_BUCKETS) <= 4

@@ -1,0 +1,61 @@
+"""attention under torch.compile: no graph break, and recompiles only per dispatch bucket."""
+
+from __future__ import annotations
+
+import torch
+from torch._dynamo.testing import CompileCounter
+
+import adaattn
+from adaattn.problem import SEQ_BUCKETS
+
+
+def _bucket(n: int) -> str:
+    for limit, name in SEQ_BUCKETS[1:]:
+        if n <= limit:
+            return name
+    return "long"
+
+
+def _block(q, k, v, mask):
+    out = adaattn.attention(q, k, v, attn_mask=mask, is_causal=True, enable_gqa=True, window=(64, 0))
+    return out.relu() * 2
+
+
+def test_fullgraph_compile_matches_eager():
+    torch._dynamo.reset()
+    q, k, v = torch.randn(2, 4, 70, 32), torch.randn(2, 2, 70, 32), torch.randn(2, 2, 70, 32)
+    mask = torch.rand(70, 70) > 0.1
+    compiled = torch.compile(_block, fullgraph=True)
+    assert torch.allclose(compiled(q, k, v, mask), _block(q, k, v, mask), atol=1e-5)
+
+
+def test_compiled_gradients_match_eager():
+    torch._dynamo.reset()
+    f = lambda q, k, v: adaattn.attention(q, k, v, is_causal=True).square().sum()  # noqa: E731
+    inputs = [torch.randn(1, 2, 50, 16, requires_grad=True) for _ in range(3)]
+    g_eager = torch.autograd.grad(f(*inputs), inputs)
+    g_comp = torch.autograd.grad(torch.compile(f, fullgraph=True)(*inputs), inputs)
+    for a, b in zip(g_eager, g_comp):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_dynamic_lengths_recompile_at_most_once_per_bucket():
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    f = lambda q, k, v: adaattn.attention(q, k, v, is_causal=True) * 2  # noqa: E731
+    compiled = torch.compile(f, fullgraph=True, dynamic=True, backend=counter)
+    lengths = [100, 300, 1000, 2500, 4000]
+    for n in lengths:
+        q = torch.randn(1, 2, n, 16)
+        assert torch.allclose(compiled(q, q, q), f(q, q, q), atol=1e-5)
+    buckets = {_bucket(n) for n in lengths}
+    assert buckets == {"short", "medium"}
+    assert counter.frame_count <= len(buckets), f"{counter.frame_count} compilations for buckets {buckets}"
+
+
+def test_module_compiles_without_graph_break():
+    torch._dynamo.reset()
+    m = adaattn.AdaAttention(32, 4, batch_first=True, num_kv_heads=2).eval()
+    x = torch.randn(2, 20, 32)
+    compiled = torch.compile(m, fullgraph=True)
+    assert torch.allclose(compiled(x, x, x, is_causal=True)[0], m(x, x, x, is_causal=True)[0], atol=1e-5)
