@@ -1,0 +1,58 @@
+"""`adaattn info` and `adaattn explain` print what the issue says they print."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from adaattn.cli import main
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def test_info_prints_versions_devices_and_backends(capsys):
+    assert main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert f"torch {torch.__version__}" in out
+    assert "triton" in out and "CUDA" in out
+    if not torch.cuda.is_available():
+        assert "GPUs: none" in out
+    for name in ("sdpa.cpu", "sdpa.cudnn", "sdpa.flash", "sdpa.efficient", "sdpa.math", "flash_attn", "reference"):
+        assert name in out
+    assert "sdpa.cpu         available" in out
+
+
+def test_info_json_has_device_fields(capsys):
+    import json
+
+    assert main(["info", "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert {"torch", "triton", "cuda", "devices", "backends"} <= rep.keys()
+    for d in rep["devices"]:
+        assert {"name", "capability", "sm_count", "memory_gib", "tensor_core_precisions"} <= d.keys()
+
+
+def test_explain_shows_every_backend_its_reasons_and_the_choice(capsys):
+    assert main(["explain", "--shape", "2,16,4096,128", "--device", "cpu", "--causal", "--window", "256,0"]) == 0
+    out = capsys.readouterr().out
+    assert "B=2 Hq=16 Hkv=16 Nq=4096 Nk=4096 D=128" in out and "window=(256, 0)" in out
+    assert "sdpa.cpu        CHOSEN" in out
+    assert "sdpa.flash      no: runs on cuda tensors only, got cpu." in out
+    assert "chosen: sdpa.cpu" in out
+
+
+def test_explain_with_unsatisfiable_backends_exits_nonzero(capsys):
+    assert main(["explain", "--shape", "1,4,128,64", "--device", "cpu", "--backends", "sdpa.flash"]) == 1
+    assert "no backend can run" in capsys.readouterr().out
+
+
+def test_python_dash_m_runs():
+    env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-m", "adaattn", "explain", "--shape", "1,2,64,32", "--device", "cpu"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "chosen: sdpa.cpu" in r.stdout
