@@ -1,0 +1,92 @@
+"""On a CUDA GPU: every SDPA sub-backend through adaattn against the float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import adaattn
+from adaattn import Policy, planner, stats
+from adaattn.backends import REGISTRY
+from adaattn.backends.reference import reference_attention
+
+from helpers import assert_within_standard, sdpa_equivalent
+
+pytestmark = pytest.mark.gpu
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+SUB = ["sdpa.cudnn", "sdpa.flash", "sdpa.efficient", "sdpa.math"]
+CASES = [
+    # b, hq, hk, nq, nk, d, causal, mask, window
+    (2, 8, 8, 1000, 1000, 128, False, None, None),
+    (2, 8, 8, 1000, 1000, 128, True, None, None),
+    (2, 8, 2, 127, 300, 64, False, None, None),
+    (1, 4, 4, 17, 17, 256, True, None, None),
+    (2, 4, 4, 333, 333, 64, False, "bool", None),
+    (2, 4, 4, 333, 400, 64, True, "additive", None),
+    (1, 4, 4, 257, 257, 128, True, None, (32, 0)),
+    (1, 4, 4, 100, 120, 80, True, None, None),
+    (1, 4, 4, 1, 4096, 128, False, None, None),
+]
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[:6])) + f"-c{int(c[6])}-{c[7]}-{c[8]}")
+@pytest.mark.parametrize("backend", SUB + ["default"])
+def test_sdpa_sub_backend_meets_the_standard(backend, case, dtype):
+    b, hq, hk, nq, nk, d, causal, mask_kind, window = case
+    policy = None if backend == "default" else Policy(backends=(backend,))
+    q = torch.randn(b, hq, nq, d, device="cuda", dtype=dtype)
+    k = torch.randn(b, hk, nk, d, device="cuda", dtype=dtype)
+    v = torch.randn(b, hk, nk, d, device="cuda", dtype=dtype)
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(b, 1, nq, nk, device="cuda") > 0.3
+        mask[0, 0, 5] = False  # one fully masked row
+    elif mask_kind == "additive":
+        mask = torch.randn(1, hq, nq, nk, device="cuda", dtype=dtype)
+    kwargs = dict(attn_mask=mask, is_causal=causal, enable_gqa=hq != hk, window=window)
+    if backend != "default" and REGISTRY[backend].supports(adaattn.problem.validate(q, k, v, mask, 0.0, causal, None, hq != hk, "bhsd", window)):
+        with pytest.raises(adaattn.NoBackendError):
+            adaattn.attention(q, k, v, policy=policy, **kwargs)
+        return
+    with stats.collect() as recs:
+        out = adaattn.attention(q, k, v, policy=policy, **kwargs)
+    if backend != "default":
+        assert recs[-1].backend == backend and not recs[-1].fallbacks
+    ref = reference_attention(q, k, v, mask, causal, None, window)
+    theirs = sdpa_equivalent(q, k, v, mask, causal, None, window, enable_gqa=hq != hk)
+    assert_within_standard(out, ref, theirs)
+    if mask_kind == "bool":
+        assert torch.all(out[0, :, 5] == 0), "fully masked row must be zero, as SDPA's math backend"
+
+
+@cuda
+def test_backward_through_the_default_backend_meets_the_standard():
+    q, k, v = (torch.randn(2, 8, 512, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    go = torch.randn(2, 8, 512, 128, device="cuda", dtype=torch.bfloat16)
+    out = adaattn.attention(q, k, v, is_causal=True)
+    grads = torch.autograd.grad(out, (q, k, v), go)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref_grads = torch.autograd.grad(reference_attention(q64, k64, v64, is_causal=True), (q64, k64, v64), go.double())
+    torch_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch_grads = torch.autograd.grad(torch_out, (q, k, v), go)
+    for g, r, t in zip(grads, ref_grads, torch_grads):
+        assert_within_standard(g, r, t, "grad")
+
+
+@cuda
+def test_compiled_on_cuda_without_graph_break():
+    torch._dynamo.reset()
+    f = lambda q, k, v: adaattn.attention(q, k, v, is_causal=True) * 2  # noqa: E731
+    q = torch.randn(2, 8, 1024, 128, device="cuda", dtype=torch.bfloat16)
+    assert torch.allclose(torch.compile(f, fullgraph=True)(q, q, q), f(q, q, q), atol=1e-2)
+
+
+@cuda
+def test_explain_on_gpu_picks_a_cuda_kernel():
+    q = torch.randn(2, 16, 4096, 128, device="cuda", dtype=torch.bfloat16)
+    exp = adaattn.explain(q, q, q, is_causal=True)
+    assert exp.chosen in planner.priority(exp.problem, exp.plan.arch)
+    print(exp)
