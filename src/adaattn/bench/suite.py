@@ -1,0 +1,191 @@
+"""The table: every available backend, torch's SDPA and `adaattn.attention`, on each shape."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .. import planner
+from ..api import attention
+from ..backends import REGISTRY
+from ..policy import EXACT, Policy
+from ..problem import validate
+from . import accuracy, timing
+from .grid import Shape
+from .progress import Progress
+
+TORCH = "torch"  # F.scaled_dot_product_attention called directly: torch's own kernel choice
+ADAATTN = "adaattn"  # adaattn.attention with the default policy: dispatch included
+YARDSTICK = "reference"  # the float64 error yardstick, never timed
+
+HOW_BACKENDS_RUN = (
+    "Each registry backend row calls Backend.run(q, k, v, None, problem, plan) directly, with the plan "
+    "from planner.make_plan(problem, Policy(backends=(name,))): the kernel without adaattn's dispatch. "
+    "Row 'torch' calls torch.nn.functional.scaled_dot_product_attention directly (torch chooses the "
+    "kernel); row 'adaattn' calls adaattn.attention with the default policy (validation, plan lookup "
+    "and the chosen backend), its choice in 'picked'."
+)
+
+
+@dataclass
+class Settings:
+    """How each figure is taken."""
+
+    device: torch.device
+    backward: bool = False
+    warmup_ms: float = 25.0
+    rep_ms: float = 100.0
+    error_rows: int = 256
+    seed: int = 0
+    wanted: Callable[[str], bool] = lambda name: True
+    progress: bool = True
+    declined: dict = field(default_factory=dict)  # shape label -> {backend: reasons}, filled by run
+
+
+def error_text(e: BaseException) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {first}"[:240]
+
+
+def make_inputs(shape: Shape, device: torch.device, seed: int, requires_grad: bool) -> tuple[torch.Tensor, ...]:
+    """Fresh torch.randn query, key, value in (B, H, N, D), reproducible from `seed`."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    out = []
+    for heads in (shape.heads, shape.kv_heads, shape.kv_heads):
+        t = torch.randn(shape.batch, heads, shape.seq_len, shape.head_dim, generator=gen)
+        out.append(t.to(device=device, dtype=shape.dtype).requires_grad_(requires_grad))
+    return tuple(out)
+
+
+def runners(shape: Shape, q, k, v, settings: Settings) -> tuple[list[tuple[str, Callable | str, str | None]], dict]:
+    """(name, forward function or an error string, backend picked) per row, and the declined backends."""
+    gqa = shape.gqa
+    problem = validate(q, k, v, None, 0.0, shape.causal, None, gqa)
+    rows: list[tuple[str, Callable | str, str | None]] = []
+    declined: dict[str, list[str]] = {}
+
+    if settings.wanted(TORCH):
+        extra = {"enable_gqa": True} if gqa else {}
+        rows.append((TORCH, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, **extra), None))
+
+    for name, backend in REGISTRY.items():
+        if name == YARDSTICK or not settings.wanted(name):
+            continue
+        reasons = backend.supports(problem)
+        if reasons:
+            declined[name] = list(reasons)
+            continue
+        try:
+            plan = planner.make_plan(problem, Policy(backends=(name,)))
+        except Exception as e:  # NoBackendError: it failed earlier in this process, say
+            rows.append((name, error_text(e), None))
+            continue
+        rows.append((name, lambda b=backend, p=plan: b.run(q, k, v, None, problem, p), None))
+
+    if settings.wanted(ADAATTN):
+        try:
+            picked = planner.get_plan(problem, EXACT).backend
+        except Exception as e:
+            rows.append((ADAATTN, error_text(e), None))
+        else:
+            rows.append((ADAATTN, lambda: attention(q, k, v, is_causal=shape.causal, enable_gqa=gqa), picked))
+    return rows, declined
+
+
+def _with_backward(forward: Callable, inputs: tuple[torch.Tensor, ...], grad_out: torch.Tensor) -> Callable:
+    def step():
+        out = forward()
+        return torch.autograd.grad(out, inputs, grad_out)
+
+    return step
+
+
+def measure(name: str, forward: Callable, shape: Shape, inputs, ref, rows_idx, settings: Settings) -> dict:
+    """One row: time, TFLOP/s, error and peak memory of one runner; an exception becomes `error`."""
+    row: dict = {"ms": None, "tflops": None, "rel_error": None, "peak_mib": None, "error": None}
+    device = settings.device
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            out = forward()
+            if ref is not None:
+                row["rel_error"] = accuracy.relative_error(out, ref, rows_idx)
+            fn = forward
+            if settings.backward:
+                fn = _with_backward(forward, inputs, torch.randn_like(out))
+                fn()  # the backward's first run, so its failures land here
+            del out
+            row["ms"] = timing.median_ms(fn, device, settings.warmup_ms, settings.rep_ms)
+            row["tflops"] = shape.flops(settings.backward) / (row["ms"] * 1e-3) / 1e12
+            row["peak_mib"] = timing.peak_mib(fn, device)
+        except Exception as e:
+            row["error"] = error_text(e)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                torch.cuda.empty_cache()
+    msgs = list(dict.fromkeys(str(w.message).strip().splitlines()[0][:200] for w in caught if str(w.message).strip()))
+    if msgs:
+        row["warnings"] = msgs
+    return row
+
+
+def run_suite(shapes: list[Shape], settings: Settings) -> list[dict]:
+    """Benchmark every shape; one dict per (shape, runner), in order.
+
+    Each row holds the shape's fields, `backend`, `picked` (for the adaattn row), `ms`
+    (median), `tflops`, `rel_error` against the float64 reference on `error_rows` sampled
+    query rows (None if the reference failed), `peak_mib` (CUDA), and `error` (a string
+    when the runner raised; its figures are then None). Never raises for a failing backend.
+    """
+    progress = Progress(len(shapes), enabled=settings.progress)
+    out: list[dict] = []
+    try:
+        for i, shape in enumerate(shapes):
+            progress.step(shape.label())
+            out.extend(_run_shape(shape, settings, progress, seed=settings.seed + i))
+    finally:
+        progress.close()
+    return out
+
+
+def _run_shape(shape: Shape, settings: Settings, progress: Progress, seed: int) -> list[dict]:
+    device = settings.device
+    q, k, v = make_inputs(shape, device, seed, settings.backward)
+    rows_idx = accuracy.sample_rows(shape.seq_len, settings.error_rows)
+    ref, ref_error = None, None
+    progress.note("float64 reference")
+    try:
+        with torch.no_grad():
+            ref = accuracy.sampled_reference(q.detach(), k.detach(), v.detach(), rows_idx, shape.causal)
+    except Exception as e:
+        ref_error = error_text(e)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    table, declined = runners(shape, q, k, v, settings)
+    settings.declined[shape.label()] = declined
+    rows = []
+    for name, fn, picked in table:
+        progress.note(name)
+        base = {**shape.as_dict(), "backend": name, "picked": picked, "error_rows": len(rows_idx)}
+        if isinstance(fn, str):
+            row = {"ms": None, "tflops": None, "rel_error": None, "peak_mib": None, "error": fn}
+        else:
+            row = measure(name, fn, shape, (q, k, v), ref, rows_idx, settings)
+        if ref_error is not None:
+            row["reference_error"] = ref_error
+        rows.append({**base, **row})
+    _mark_error_checks(rows)
+    return rows
+
+
+def _mark_error_checks(rows: list[dict]) -> None:
+    """MEASURING.md's bar: err ≤ 2·err(torch) + 1e-6, where the torch row has an error figure."""
+    peer = next((r["rel_error"] for r in rows if r["backend"] == TORCH and r["rel_error"] is not None), None)
+    for r in rows:
+        r["error_within_2x_torch"] = None if peer is None or r["rel_error"] is None else bool(
+            r["rel_error"] <= 2 * peer + 1e-6
+        )
