@@ -94,3 +94,13 @@ def test_backend_restriction_naming_no_backend_lists_reasons():
     q, k, v = qkv()
     with pytest.raises(adaattn.NoBackendError, match=r"no backend can run .*\n  sdpa.cpu: excluded by Policy.backends"):
         adaattn.attention(q, k, v, policy=Policy(backends=("nonexistent",)))
+
+
+def test_a_repeated_call_is_still_validated_when_its_arguments_change_type():
+    q, k, v = qkv()
+    adaattn.attention(q, k, v, is_causal=True)  # cached signature
+    with pytest.raises(TypeError, match="is_causal must be a bool, got int"):
+        adaattn.attention(q, k, v, is_causal=1)
+    adaattn.attention(q, k, v, dropout_p=0.0)
+    with pytest.raises(TypeError, match="dropout_p must be a float"):
+        adaattn.attention(q, k, v, dropout_p=False)

@@ -59,10 +59,17 @@ def attention(
     Raises TypeError/ValueError on bad arguments, NoBackendError (a ValueError) when no
     backend can run the call under the policy.
     """
-    problem = validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout, window)
-    pol = _check_policy(policy)
     compiling = _compiling()
-    plan = planner.get_plan(problem, pol, compiling)
+    hit = None if compiling else _cached(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout, window, policy)
+    if hit is None:
+        problem = validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout, window)
+        pol = _check_policy(policy)
+        plan = planner.get_plan(problem, pol, compiling)
+        if not compiling:
+            planner.remember_call(_signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                             layout, window, policy), (problem, pol, plan))
+    else:
+        problem, pol, plan = hit
     if problem.layout == "bshd":
         query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     if compiling:
@@ -74,6 +81,29 @@ def attention(
     if problem.layout == "bshd":
         out = out.transpose(1, 2)
     return out
+
+
+def _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout, window, policy):
+    """Everything validation depends on: calls with equal signatures have equal Problems."""
+    return (
+        query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype,
+        query.device, key.device, value.device,
+        None if attn_mask is None else (attn_mask.shape, attn_mask.dtype, attn_mask.device),
+        dropout_p, is_causal, scale, enable_gqa, layout, window, policy,
+        type(dropout_p), type(is_causal), type(scale), type(enable_gqa),
+        torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
+    )
+
+
+def _cached(*args):
+    """The (problem, policy, plan) of an earlier call with the same signature, if any.
+
+    Validation and planning cost more than a short kernel; a repeated call skips both.
+    """
+    try:
+        return planner.recall_call(_signature(*args))
+    except (AttributeError, TypeError):  # not tensors, or unhashable arguments: validate() says why
+        return None
 
 
 def _run(q, k, v, attn_mask, problem: Problem, plan: Plan) -> tuple[torch.Tensor, tuple[str, ...]]:

@@ -40,6 +40,8 @@ PRIORITY_RULES: list[dict] = _load_priority()
 _lock = threading.Lock()
 _cache: dict[tuple, Plan] = {}
 _failed: dict[tuple[str, tuple], str] = {}  # (backend, shape class) -> error
+_calls: dict[tuple, tuple] = {}  # call signature -> (problem, policy, plan), see api._signature
+_CALLS_LIMIT = 4096
 
 
 def _matches(rule: dict, facts: dict) -> bool:
@@ -130,6 +132,20 @@ def get_plan(problem: Problem, policy: Policy, compiling: bool = False) -> Plan:
     return plan
 
 
+def recall_call(signature: tuple):
+    return _calls.get(signature)
+
+
+def remember_call(signature: tuple, entry: tuple) -> None:
+    try:
+        with _lock:
+            if len(_calls) >= _CALLS_LIMIT:
+                _calls.clear()
+            _calls[signature] = entry
+    except TypeError:  # an unhashable argument: such calls are simply not cached
+        pass
+
+
 def mark_failed(name: str, problem: Problem, error: BaseException) -> None:
     """Remember that `name` failed for this problem class, and say so once."""
     summary = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}"
@@ -137,6 +153,7 @@ def mark_failed(name: str, problem: Problem, error: BaseException) -> None:
         first = (name, problem.shape_class) not in _failed
         _failed[(name, problem.shape_class)] = summary
         _cache.clear()
+        _calls.clear()
     if first:
         warnings.warn(
             f"adaattn: backend {name} failed for {problem.describe()} ({summary}); "
@@ -150,4 +167,5 @@ def reset() -> None:
     """Forget cached plans and remembered failures (for tests, or after changing the environment)."""
     with _lock:
         _cache.clear()
+        _calls.clear()
         _failed.clear()

@@ -68,6 +68,7 @@ class Problem:
             self.gqa,
             self.dropout_p > 0.0,
             self.needs_grad,
+            self.layout,
         )
 
     def describe(self) -> str:

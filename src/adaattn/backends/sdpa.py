@@ -3,6 +3,10 @@
 `sdpa.cpu` lets torch choose on the CPU; on CUDA each of `sdpa.cudnn`, `sdpa.flash`,
 `sdpa.efficient` and `sdpa.math` pins one kernel, so the dispatcher (not torch's heuristics)
 decides, from measured data, which one runs.
+
+Where a call needs no mask, window, dropout or GQA, the pinned kernel is called as the aten
+op SDPA itself would call: `sdpa_kernel(...)` costs tens of microseconds per call, which is
+more than the whole kernel at short lengths.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ class SdpaBackend(Backend):
         causal_unequal: bool = True,
         value_dim_differs: bool = True,
         empty: bool = True,
+        direct=None,
+        masks_reason: str = "takes no attn_mask.",
     ):
         self.name = name
         self.kernel = kernel
@@ -48,6 +54,8 @@ class SdpaBackend(Backend):
         self.causal_unequal = causal_unequal
         self.value_dim_differs = value_dim_differs
         self.empty = empty
+        self.direct = direct
+        self.masks_reason = masks_reason
 
     def supports(self, problem) -> list[str]:
         reasons = []
@@ -68,9 +76,9 @@ class SdpaBackend(Backend):
             reasons.append("value head_dim differs from query/key head_dim.")
         if not self.masks:
             if problem.mask_kind != "none":
-                reasons.append("takes no attn_mask.")
+                reasons.append(self.masks_reason)
             if problem.window is not None:
-                reasons.append("has no sliding window, and takes no mask to emulate one.")
+                reasons.append("has no sliding window, and cannot take the mask that would emulate one.")
         if not self.dropout and problem.dropout_p > 0:
             reasons.append("does not implement dropout.")
         if not self.causal_unequal and problem.causal and problem.q_len != problem.kv_len:
@@ -80,6 +88,16 @@ class SdpaBackend(Backend):
         return reasons
 
     def run(self, query, key, value, attn_mask, problem, plan):
+        if (
+            self.direct is not None
+            and problem.mask_kind == "none"
+            and problem.window is None
+            and not problem.gqa
+            and problem.dropout_p == 0.0
+            and problem.head_dim % 8 == 0
+            and problem.value_dim == problem.head_dim
+        ):
+            return self.direct(query, key, value, problem)
         causal = problem.causal
         if problem.window is not None or (causal and attn_mask is not None):
             attn_mask = fold_positions(
@@ -103,24 +121,42 @@ class SdpaBackend(Backend):
             )
 
 
+def _cudnn(q, k, v, problem):
+    return torch._scaled_dot_product_cudnn_attention(
+        q, k, v, None, problem.needs_grad, 0.0, problem.causal, False, scale=problem.scale
+    )[0]
+
+
+def _flash(q, k, v, problem):
+    return torch._scaled_dot_product_flash_attention(q, k, v, 0.0, problem.causal, False, scale=problem.scale)[0]
+
+
+def _efficient(q, k, v, problem):
+    return torch._scaled_dot_product_efficient_attention(
+        q, k, v, None, problem.needs_grad, 0.0, problem.causal, scale=problem.scale
+    )[0]
+
+
 def sdpa_backends() -> list[SdpaBackend]:
     all_float = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
     return [
         SdpaBackend("sdpa.cpu", None, "cpu", all_float),
         SdpaBackend(
             "sdpa.cudnn", SDPBackend.CUDNN_ATTENTION, "cuda", HALF, min_capability=(8, 0),
-            max_head_dim=128, masks=True, dropout=False, native_gqa=False,
-            causal_unequal=False, value_dim_differs=False, empty=False,
+            max_head_dim=128, masks=False, dropout=False, native_gqa=True,
+            causal_unequal=False, value_dim_differs=False, empty=False, direct=_cudnn,
+            masks_reason="takes no attn_mask here: with one, a fully masked row gives non-zero output "
+            "where SDPA's math backend gives zeros (seen on H100, torch 2.11).",
         ),
         SdpaBackend(
             "sdpa.flash", SDPBackend.FLASH_ATTENTION, "cuda", HALF, min_capability=(8, 0),
             max_head_dim=256, masks=False, native_gqa=True, causal_unequal=False,
-            value_dim_differs=False, empty=False,
+            value_dim_differs=False, empty=False, direct=_flash,
         ),
         SdpaBackend(
             "sdpa.efficient", SDPBackend.EFFICIENT_ATTENTION, "cuda",
             (torch.float16, torch.bfloat16, torch.float32), min_capability=(5, 0),
-            native_gqa=False, empty=False,
+            native_gqa=False, empty=False, direct=_efficient,
         ),
         SdpaBackend("sdpa.math", SDPBackend.MATH, "cuda", all_float),
     ]

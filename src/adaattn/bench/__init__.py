@@ -138,6 +138,8 @@ def main(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     given = {k: getattr(args, k) for k in GRID_OPTIONS if getattr(args, k) is not None}
     mode = "full" if args.full else ("quick" if args.quick or not given else "custom")
+    if args.overhead == "only":
+        mode = "overhead"
     grid = override(base_grid(args.full, device.type), dtypes=given.pop("dtype", None), **given)
     kv = grid.kv_heads or grid.heads
     if grid.heads % kv:

@@ -1,0 +1,657 @@
+"""Our exact fused attention in Triton: launch glue, torch custom ops, autograd, the backend.
+
+Layers, top to bottom:
+  triton_attention / varlen_attention   public functions on (B, H, N, D) / packed (T, H, D)
+  adaattn::flash_fwd, adaattn::flash_bwd torch custom ops (fake impls + autograd), so
+                                        torch.compile(fullgraph=True) traces through them
+  launch_fwd / launch_bwd               strides, grids and kernel configs; no host sync
+  kernels/attention_fwd.py, _bwd.py     the @triton.jit code
+
+float32 inputs run their matrix products in full fp32 (tl.dot input_precision="ieee"),
+not TF32, so fp32 results match SDPA's fp32 paths; bf16/fp16 use the tensor cores with
+fp32 accumulation.
+
+Kernel configs are picked per bucketed shape class (dtype, head dim, mask/causal/window
+flags, next power of two of the lengths, capped), by timing the candidates that fit the
+device's shared memory the first time a class is seen. Under TRITON_INTERPRET=1 one small
+fixed config runs.
+"""
+
+import math
+import os
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .. import hardware
+from .base import Backend
+
+try:
+    import triton
+
+    from ..kernels.attention_bwd import (
+        attention_bwd_delta_kernel,
+        attention_bwd_dkdv_kernel,
+        attention_bwd_dq_kernel,
+    )
+    from ..kernels.attention_fwd import LOG2E, MASK_ADDITIVE, MASK_BOOL, MASK_NONE, attention_fwd_kernel
+
+    TRITON_ERROR: Optional[str] = None
+except Exception as e:  # ImportError, or a triton that does not work on this machine
+    triton = None
+    TRITON_ERROR = f"{type(e).__name__}: {e}".splitlines()[0][:120]
+
+ALIGNMENTS = ("top_left", "bottom_right")
+MAX_HEAD_DIM = 256
+
+# Tests set this so every output starts as NaN: an element the kernel forgot to write fails.
+POISON_OUTPUTS = os.environ.get("ADAATTN_POISON_OUTPUTS", "") == "1"
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+# ---- kernel configs ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __str__(self) -> str:
+        return f"BM{self.block_m}/BN{self.block_n}/w{self.num_warps}/s{self.num_stages}"
+
+
+# One small config for the CPU interpreter: BLOCK_M != BLOCK_N exercises the tile ranges.
+INTERPRET_CONFIGS = {
+    "fwd": KernelConfig(32, 16, 1, 1),
+    "dkdv": KernelConfig(16, 32, 1, 1),
+    "dq": KernelConfig(32, 16, 1, 1),
+    "delta": KernelConfig(32, 32, 1, 1),
+}
+
+# Candidates, best-guess first (Hopper). Each is kept only if its shared memory fits.
+FWD_CONFIGS = {
+    "small_d": [  # head_dim <= 64
+        KernelConfig(128, 64, 4, 3), KernelConfig(128, 128, 8, 3), KernelConfig(128, 64, 8, 4),
+        KernelConfig(64, 64, 4, 3), KernelConfig(64, 32, 4, 2),
+    ],
+    "mid_d": [  # head_dim <= 128
+        KernelConfig(128, 64, 8, 3), KernelConfig(128, 128, 8, 3), KernelConfig(128, 64, 8, 4),
+        KernelConfig(128, 128, 8, 2), KernelConfig(64, 64, 4, 3), KernelConfig(64, 32, 4, 2),
+    ],
+    "large_d": [  # head_dim <= 256
+        KernelConfig(128, 64, 8, 2), KernelConfig(64, 64, 4, 2), KernelConfig(128, 32, 8, 2),
+        KernelConfig(64, 32, 4, 2), KernelConfig(32, 32, 4, 1),
+    ],
+}
+DKDV_CONFIGS = {
+    "small_d": [KernelConfig(64, 128, 8, 3), KernelConfig(32, 128, 4, 3), KernelConfig(64, 64, 4, 3),
+                KernelConfig(32, 64, 4, 2)],
+    "mid_d": [KernelConfig(64, 128, 8, 2), KernelConfig(32, 128, 8, 3), KernelConfig(64, 64, 4, 3),
+              KernelConfig(32, 64, 4, 2)],
+    "large_d": [KernelConfig(32, 128, 8, 2), KernelConfig(32, 64, 4, 2), KernelConfig(16, 64, 4, 2),
+                KernelConfig(16, 32, 4, 1)],
+}
+DQ_CONFIGS = {
+    "small_d": [KernelConfig(128, 64, 8, 3), KernelConfig(128, 32, 4, 3), KernelConfig(64, 64, 4, 3),
+                KernelConfig(64, 32, 4, 2)],
+    "mid_d": [KernelConfig(128, 64, 8, 2), KernelConfig(128, 32, 8, 3), KernelConfig(64, 64, 4, 3),
+              KernelConfig(64, 32, 4, 2)],
+    "large_d": [KernelConfig(128, 32, 8, 2), KernelConfig(64, 32, 4, 2), KernelConfig(64, 16, 4, 2),
+                KernelConfig(32, 16, 4, 1)],
+}
+DELTA_CONFIG = KernelConfig(64, 64, 4, 1)
+
+
+def _d_class(block_d: int) -> str:
+    return "small_d" if block_d <= 64 else ("mid_d" if block_d <= 128 else "large_d")
+
+
+def shared_memory_estimate(kind: str, cfg: KernelConfig, block_d: int, elem: int) -> int:
+    """Bytes of shared memory a config needs, roughly: pipelined tiles plus one score tile."""
+    bm, bn, buffers = cfg.block_m, cfg.block_n, max(cfg.num_stages - 1, 1)
+    if kind == "fwd":
+        tiles = bm * block_d + buffers * 2 * bn * block_d + bm * bn
+    elif kind == "dkdv":
+        tiles = 2 * bn * block_d + buffers * 2 * bm * block_d + 2 * bm * bn
+    else:  # dq
+        tiles = 2 * bm * block_d + buffers * 2 * bn * block_d + 2 * bm * bn
+    return tiles * elem
+
+
+_smem_cache: dict = {}
+
+
+def max_shared_memory(device: torch.device) -> int:
+    """Shared memory one program may use on this device, in bytes."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _smem_cache:
+        try:
+            props = triton.runtime.driver.active.utils.get_device_properties(index)
+            _smem_cache[index] = int(props["max_shared_mem"])
+        except Exception:
+            p = torch.cuda.get_device_properties(index)
+            _smem_cache[index] = int(getattr(p, "shared_memory_per_block_optin", 48 * 1024))
+    return _smem_cache[index]
+
+
+def fitting_configs(kind: str, block_d: int, dtype: torch.dtype, device: torch.device) -> list:
+    table = {"fwd": FWD_CONFIGS, "dkdv": DKDV_CONFIGS, "dq": DQ_CONFIGS}[kind]
+    configs = table[_d_class(block_d)]
+    elem = torch.empty((), dtype=dtype).element_size()
+    limit = max_shared_memory(device)
+    fit = [c for c in configs if shared_memory_estimate(kind, c, block_d, elem) <= limit]
+    if not fit:  # keep the smallest and let the launch say if even that is too big
+        fit = [min(configs, key=lambda c: shared_memory_estimate(kind, c, block_d, elem))]
+    return fit
+
+
+def length_bucket(n: int) -> int:
+    """Lengths share a tuned config within a power of two; 1 (decode) is its own class."""
+    return 1 if n <= 1 else min(triton.next_power_of_2(n), 16384)
+
+
+class ConfigChooser:
+    """Times the fitting candidates once per shape class and remembers the fastest."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.chosen: dict = {}
+        self.timings: dict = {}
+        self.forced: dict = {}
+
+    def pick(self, kind: str, key: tuple, candidates: list, launch: Callable) -> KernelConfig:
+        if kind in self.forced:
+            return self.forced[kind]
+        if interpreting():
+            return INTERPRET_CONFIGS[kind]
+        cfg = self.chosen.get((kind, key))
+        if cfg is not None:
+            return cfg
+        if len(candidates) == 1 or torch.cuda.is_current_stream_capturing():
+            # No timing inside CUDA-graph capture: take the first candidate that fits.
+            return candidates[0]
+        timings = {}
+        for c in candidates:
+            try:
+                timings[c] = triton.testing.do_bench(lambda: launch(c), warmup=5, rep=20,
+                                                     return_mode="median")
+            except Exception as e:  # out of resources, or a compile failure for this shape
+                if isinstance(e, torch.OutOfMemoryError):
+                    raise
+        if not timings:
+            raise RuntimeError(f"adaattn triton: no {kind} config ran for shape class {key}")
+        best = min(timings, key=timings.get)
+        with self._lock:
+            self.chosen[(kind, key)] = best
+            self.timings[(kind, key)] = {str(c): t for c, t in timings.items()}
+        return best
+
+
+CONFIGS = ConfigChooser()
+
+
+@contextmanager
+def forced_configs(**kinds: KernelConfig):
+    """Run with fixed configs, e.g. forced_configs(fwd=KernelConfig(128, 64, 8, 3)); for tests
+    and benchmarks comparing variants."""
+    old = dict(CONFIGS.forced)
+    CONFIGS.forced.update(kinds)
+    try:
+        yield
+    finally:
+        CONFIGS.forced.clear()
+        CONFIGS.forced.update(old)
+
+
+# ---- launch glue ------------------------------------------------------------------------
+
+
+def _new_output(shape, dtype, device, fill: float = 0.0) -> torch.Tensor:
+    if POISON_OUTPUTS:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+@dataclass
+class _Layout:
+    """Where rows of one (batch, head) live: strides (batch, head, row) of a dense
+    (B, H, N, D) tensor, or (0, head, row) of a packed (T, H, D) one."""
+
+    batch: int
+    q_heads: int
+    kv_heads: int
+    q_len: int  # dense length, or max_seqlen for packed
+    k_len: int
+    head_dim: int
+    varlen: bool
+
+    def strides(self, t: torch.Tensor) -> tuple:
+        if self.varlen:
+            return (0, t.stride(1), t.stride(0))
+        return (t.stride(0), t.stride(1), t.stride(2))
+
+
+def _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k) -> _Layout:
+    if cu_seqlens_q is not None:
+        return _Layout(cu_seqlens_q.shape[0] - 1, q.shape[1], k.shape[1], max_seqlen_q, max_seqlen_k,
+                       q.shape[-1], True)
+    return _Layout(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[-1], False)
+
+
+def _lse_shape(q: torch.Tensor, lay: _Layout) -> tuple:
+    return (q.shape[1], q.shape[0]) if lay.varlen else (q.shape[0], q.shape[1], q.shape[2])
+
+
+def _lse_strides(lse: torch.Tensor, lay: _Layout) -> tuple:
+    if lay.varlen:
+        return (0, lse.stride(0), lse.stride(1))
+    return (lse.stride(0), lse.stride(1), lse.stride(2))
+
+
+def _mask_args(attn_mask, lay: _Layout, like: torch.Tensor):
+    """(tensor, strides (b, h, q, k), MASK_KIND) with stride 0 on broadcast dimensions."""
+    if attn_mask is None:
+        return like, (0, 0, 0, 0), MASK_NONE
+    m = attn_mask.expand(lay.batch, lay.q_heads, lay.q_len, lay.k_len)
+    if m.dtype == torch.bool:
+        return m.view(torch.uint8), m.stride(), MASK_BOOL
+    return m, m.stride(), MASK_ADDITIVE
+
+
+def _position_flags(causal: bool, window_left: int, window_right: int):
+    """(HAS_LEFT, left, HAS_RIGHT, right); causal is the right bound 0. -1 means unbounded."""
+    has_left = window_left >= 0
+    has_right = causal or window_right >= 0
+    right = 0 if causal else max(window_right, 0)
+    return has_left, max(window_left, 0), has_right, right
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    if interpreting() and dtype == torch.bfloat16:
+        return "interpreter_bf16"  # see kernels/attention_fwd.py: dot, round_to
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _block_d(head_dim: int) -> int:
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def _shape_key(q, lay, causal, bottom_right, window_left, window_right, mask_kind) -> tuple:
+    return (q.device.type, q.device.index, q.dtype, lay.head_dim, lay.varlen, causal, bottom_right,
+            window_left >= 0, window_right >= 0, mask_kind, lay.q_heads != lay.kv_heads,
+            length_bucket(lay.q_len), length_bucket(lay.k_len))
+
+
+def launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+               scale, causal, bottom_right, window_left, window_right):
+    """Run the forward kernel; returns (out like q, lse fp32 (B, Hq, Nq) or (Hq, T))."""
+    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    lay = _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    out = _new_output(q.shape, q.dtype, q.device)
+    lse = _new_output(_lse_shape(q, lay), torch.float32, q.device)
+    if lay.batch * lay.q_heads == 0 or lay.q_len == 0 or q.numel() == 0:
+        return out, lse
+    mask, mask_strides, mask_kind = _mask_args(attn_mask, lay, q)
+    has_left, left, has_right, right = _position_flags(causal, window_left, window_right)
+    block_d = _block_d(lay.head_dim)
+    cu_q = cu_seqlens_q if lay.varlen else q
+    cu_k = cu_seqlens_k if lay.varlen else q
+
+    def launch(cfg: KernelConfig):
+        grid = (triton.cdiv(lay.q_len, cfg.block_m), lay.batch * lay.q_heads)
+        attention_fwd_kernel[grid](
+            q, k, v, out, lse, mask, cu_q, cu_k,
+            *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(out),
+            *_lse_strides(lse, lay), *mask_strides,
+            lay.q_heads, lay.q_heads // lay.kv_heads, lay.q_len, lay.k_len,
+            scale * LOG2E, left, right,
+            HEAD_DIM=lay.head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            IS_VARLEN=lay.varlen, BOTTOM_RIGHT=bottom_right, HAS_LEFT=has_left, HAS_RIGHT=has_right,
+            MASK_KIND=mask_kind, DOT_PRECISION=_dot_precision(q.dtype),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    key = _shape_key(q, lay, causal, bottom_right, window_left, window_right, mask_kind)
+    candidates = [] if interpreting() else fitting_configs("fwd", block_d, q.dtype, q.device)
+    cfg = CONFIGS.pick("fwd", key, candidates, launch)
+    launch(cfg)
+    return out, lse
+
+
+def launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+               max_seqlen_k, scale, causal, bottom_right, window_left, window_right):
+    """Run delta, dk/dv and dq kernels; returns (dq, dk, dv) shaped like q, k, v."""
+    q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
+    dout, out = _last_dim_contiguous(dout), _last_dim_contiguous(out)
+    lay = _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    dq = _new_output(q.shape, q.dtype, q.device)
+    dk = _new_output(k.shape, k.dtype, k.device)
+    dv = _new_output(v.shape, v.dtype, v.device)
+    if lay.batch * lay.q_heads == 0 or q.numel() == 0 or k.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    mask, mask_strides, mask_kind = _mask_args(attn_mask, lay, q)
+    has_left, left, has_right, right = _position_flags(causal, window_left, window_right)
+    block_d = _block_d(lay.head_dim)
+    cu_q = cu_seqlens_q if lay.varlen else q
+    cu_k = cu_seqlens_k if lay.varlen else q
+    precision = _dot_precision(q.dtype)
+    flags = dict(IS_VARLEN=lay.varlen, BOTTOM_RIGHT=bottom_right, HAS_LEFT=has_left, HAS_RIGHT=has_right,
+                 MASK_KIND=mask_kind, DOT_PRECISION=precision)
+    lse_strides = _lse_strides(lse, lay)
+
+    delta = torch.empty_like(lse)
+    dcfg = INTERPRET_CONFIGS["delta"] if interpreting() else DELTA_CONFIG
+    attention_bwd_delta_kernel[(triton.cdiv(lay.q_len, dcfg.block_m), lay.batch * lay.q_heads)](
+        out, dout, delta, cu_q, *lay.strides(out), *lay.strides(dout), *lse_strides,
+        lay.q_heads, lay.q_len,
+        HEAD_DIM=lay.head_dim, BLOCK_D=block_d, BLOCK_M=dcfg.block_m, IS_VARLEN=lay.varlen,
+        num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
+    )
+
+    def launch_dkdv(cfg: KernelConfig):
+        grid = (triton.cdiv(lay.k_len, cfg.block_n), lay.batch * lay.kv_heads)
+        attention_bwd_dkdv_kernel[grid](
+            q, k, v, dout, lse, delta, dk, dv, mask, cu_q, cu_k,
+            *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(dout), *lse_strides,
+            *lay.strides(dk), *lay.strides(dv), *mask_strides,
+            lay.kv_heads, lay.q_heads // lay.kv_heads, lay.q_len, lay.k_len,
+            scale, scale * LOG2E, left, right,
+            HEAD_DIM=lay.head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+        )
+
+    def launch_dq(cfg: KernelConfig):
+        grid = (triton.cdiv(lay.q_len, cfg.block_m), lay.batch * lay.q_heads)
+        attention_bwd_dq_kernel[grid](
+            q, k, v, dout, lse, delta, dq, mask, cu_q, cu_k,
+            *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(dout), *lse_strides,
+            *lay.strides(dq), *mask_strides,
+            lay.q_heads, lay.q_heads // lay.kv_heads, lay.q_len, lay.k_len,
+            scale, scale * LOG2E, left, right,
+            HEAD_DIM=lay.head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+        )
+
+    key = _shape_key(q, lay, causal, bottom_right, window_left, window_right, mask_kind)
+    interp = interpreting()
+    cfg = CONFIGS.pick("dkdv", key, [] if interp else fitting_configs("dkdv", block_d, q.dtype, q.device),
+                       launch_dkdv)
+    launch_dkdv(cfg)
+    cfg = CONFIGS.pick("dq", key, [] if interp else fitting_configs("dq", block_d, q.dtype, q.device),
+                       launch_dq)
+    launch_dq(cfg)
+    return dq, dk, dv
+
+
+# ---- custom ops -------------------------------------------------------------------------
+
+
+@torch.library.custom_op("adaattn::flash_fwd", mutates_args=())
+def flash_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
+    cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
+    max_seqlen_q: int, max_seqlen_k: int, scale: float, causal: bool, bottom_right: bool,
+    window_left: int, window_right: int, deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse). Dense q (B, Hq, Nq, D) or packed (T, Hq, D) with cu_seqlens; window sides
+    are -1 when unbounded; `deterministic` only travels to the backward."""
+    return launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      scale, causal, bottom_right, window_left, window_right)
+
+
+@flash_fwd.register_fake
+def _flash_fwd_fake(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    scale, causal, bottom_right, window_left, window_right, deterministic):
+    if cu_seqlens_q is not None:
+        lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    else:
+        lse = q.new_empty((q.shape[0], q.shape[1], q.shape[2]), dtype=torch.float32)
+    return torch.empty_like(q), lse
+
+
+@torch.library.custom_op("adaattn::flash_bwd", mutates_args=())
+def flash_bwd(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, attn_mask: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int, scale: float,
+    causal: bool, bottom_right: bool, window_left: int, window_right: int, deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv). The kernels use no atomics, so every run is deterministic."""
+    return launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                      max_seqlen_k, scale, causal, bottom_right, window_left, window_right)
+
+
+@flash_bwd.register_fake
+def _flash_bwd_fake(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                    max_seqlen_k, scale, causal, bottom_right, window_left, window_right, deterministic):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    (q, k, v, attn_mask, cu_q, cu_k, max_q, max_k, scale, causal, bottom_right,
+     window_left, window_right, deterministic) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask, cu_q, cu_k)
+    ctx.options = (max_q, max_k, scale, causal, bottom_right, window_left, window_right, deterministic)
+    ctx.mark_non_differentiable(lse)
+
+
+def _fwd_backward(ctx, dout, dlse):
+    q, k, v, out, lse, attn_mask, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = flash_bwd(dout, q, k, v, out, lse, attn_mask, cu_q, cu_k, *ctx.options)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+
+
+flash_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
+
+
+# ---- public functions -------------------------------------------------------------------
+
+
+def _window_sides(window) -> tuple[int, int]:
+    if window is None:
+        return -1, -1
+    left, right = window
+    return (-1 if left is None else int(left)), (-1 if right is None else int(right))
+
+
+def _check_alignment(causal_alignment: str) -> bool:
+    if causal_alignment not in ALIGNMENTS:
+        raise ValueError(f"causal_alignment must be one of {ALIGNMENTS}, got {causal_alignment!r}")
+    return causal_alignment == "bottom_right"
+
+
+def triton_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    window: Optional[tuple] = None,
+    *,
+    causal_alignment: str = "top_left",
+    deterministic: bool = False,
+) -> torch.Tensor:
+    """Exact attention with our Triton kernels on (B, H, N, D) tensors; returns (B, Hq, Nq, D).
+
+    query (B, Hq, Nq, D), key/value (B, Hkv, Nk, D), Hq a multiple of Hkv (GQA/MQA read the
+    kv head q_head // groups, never repeated in memory); float16, bfloat16 or float32.
+    attn_mask: bool (True takes part) or additive in the query dtype, broadcastable to
+        (B, Hq, Nq, Nk); additive masks get no gradient.
+    is_causal / window (left, right): as SDPA and adaattn.attention, aligned top-left; with
+        causal_alignment="bottom_right" query i sits at position i + (Nk - Nq), so key j is
+        visible iff j <= i + Nk - Nq (the KV-cache convention); windows shift the same way.
+    deterministic: bitwise-reproducible gradients (the kernels use no atomics, so always).
+    Rows that see no key give 0. Raises ValueError for a bad causal_alignment.
+    """
+    bottom_right = _check_alignment(causal_alignment)
+    d = query.shape[-1]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    left, right = _window_sides(window)
+    out, _ = flash_fwd(query, key, value, attn_mask, None, None, query.shape[2], key.shape[2], scale,
+                       bool(is_causal), bottom_right, left, right, bool(deterministic))
+    return out
+
+
+def triton_can_run(device: torch.device, dtype: torch.dtype, head_dim: int) -> list:
+    """Reasons our Triton kernels cannot run on this device/dtype/head_dim (empty: they can)."""
+    reasons = []
+    if triton is None:
+        reasons.append(f"triton does not import ({TRITON_ERROR}).")
+        return reasons
+    if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
+        reasons.append(f"runs on CUDA tensors only (CPU only under TRITON_INTERPRET=1), got {device.type}.")
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        reasons.append(f"takes float16, bfloat16 or float32, got {str(dtype).replace('torch.', '')}.")
+    if head_dim > MAX_HEAD_DIM:
+        reasons.append(f"head_dim {head_dim} exceeds its limit {MAX_HEAD_DIM}.")
+    if device.type == "cuda" and not interpreting():
+        dev = hardware.device(device.index)
+        if dev is not None and dev.capability < (8, 0):
+            reasons.append(f"needs compute capability sm80 or newer, this GPU is {dev.arch}.")
+    return reasons
+
+
+def _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a packed 3-D tensor (total_tokens, heads, head_dim), got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != v.shape or k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k and v must have equal shapes with q's head_dim, got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]})")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(cu, torch.Tensor) or cu.dim() != 1 or cu.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"{name} must be a 1-D int32 tensor of batch + 1 offsets")
+        if cu.device != q.device:
+            raise ValueError(f"{name} must be on the device of q ({q.device}), got {cu.device}")
+    if cu_seqlens_q.shape != cu_seqlens_k.shape:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must have the same length (batch + 1), got "
+                         f"{cu_seqlens_q.shape[0]} and {cu_seqlens_k.shape[0]}")
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    window: Optional[tuple] = None,
+    *,
+    causal_alignment: str = "top_left",
+    deterministic: bool = False,
+) -> torch.Tensor:
+    """Attention over a batch of sequences of different lengths, packed without padding.
+
+    q (total_q, Hq, D), k and v (total_k, Hkv, D), Hq a multiple of Hkv; sequence b is rows
+    cu_seqlens_q[b]:cu_seqlens_q[b+1] of q and cu_seqlens_k[b]:cu_seqlens_k[b+1] of k/v
+    (int32 or int64, batch + 1 entries, starting at 0). max_seqlen_q/k bound the lengths
+    (they size the launch grid; no host synchronisation on the Triton path).
+    is_causal, window and causal_alignment apply within each sequence as in triton_attention.
+    Returns (total_q, Hq, D) in q's dtype; differentiable. Where the Triton kernels cannot run
+    (no triton, CPU without TRITON_INTERPRET=1, float64, ...) each sequence goes through
+    torch SDPA instead, which reads the offsets on the host.
+    Raises ValueError/TypeError for inconsistent shapes, dtypes or offsets.
+    """
+    _check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    bottom_right = _check_alignment(causal_alignment)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    left, right = _window_sides(window)
+    if not triton_can_run(q.device, q.dtype, q.shape[-1]):  # no reasons: the kernels run
+        cu_q = cu_seqlens_q.to(torch.int32)
+        cu_k = cu_seqlens_k.to(torch.int32)
+        out, _ = flash_fwd(q, k, v, None, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), scale,
+                           bool(is_causal), bottom_right, left, right, bool(deterministic))
+        return out
+    return _varlen_sdpa(q, k, v, cu_seqlens_q, cu_seqlens_k, bool(is_causal), scale, window, bottom_right)
+
+
+def _varlen_sdpa(q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal, scale, window, bottom_right):
+    """Per-sequence torch SDPA: the fallback where the Triton kernels cannot run."""
+    cu_q = cu_seqlens_q.tolist()
+    cu_k = cu_seqlens_k.tolist()
+    groups = q.shape[1] // k.shape[1]
+    outs = []
+    for b in range(len(cu_q) - 1):
+        qs = q[cu_q[b]:cu_q[b + 1]].transpose(0, 1)
+        ks = k[cu_k[b]:cu_k[b + 1]].transpose(0, 1).repeat_interleave(groups, dim=0)
+        vs = v[cu_k[b]:cu_k[b + 1]].transpose(0, 1).repeat_interleave(groups, dim=0)
+        nq, nk = qs.shape[1], ks.shape[1]
+        if nq == 0:
+            outs.append(q.new_zeros(0, q.shape[1], q.shape[2]))
+            continue
+        keep = _keep(nq, nk, is_causal, window, bottom_right, q.device)
+        if nk == 0:
+            o = qs.new_zeros(qs.shape)
+        elif keep is None:
+            o = F.scaled_dot_product_attention(qs, ks, vs, scale=scale)
+        else:
+            # Fully masked rows: SDPA's math gives NaN on some versions; define them as 0.
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=keep, scale=scale)
+            o = torch.where(keep.any(-1, keepdim=True), o, torch.zeros_like(o))
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs, 0) if outs else q.new_zeros(q.shape)
+
+
+def _keep(nq, nk, causal, window, bottom_right, device):
+    """(nq, nk) bool, True where query i sees key j, or None when every key is visible."""
+    if not causal and window is None:
+        return None
+    i = torch.arange(nq, device=device).unsqueeze(1) + (nk - nq if bottom_right else 0)
+    j = torch.arange(nk, device=device).unsqueeze(0)
+    keep = torch.ones(nq, nk, dtype=torch.bool, device=device)
+    if causal:
+        keep &= j <= i
+    if window is not None:
+        if window[0] is not None:
+            keep &= j >= i - window[0]
+        if window[1] is not None:
+            keep &= j <= i + window[1]
+    return keep
+
+
+# ---- backend ----------------------------------------------------------------------------
+
+
+class TritonBackend(Backend):
+    """Our exact fused attention (forward and backward) in Triton."""
+
+    name = "triton"
+
+    def supports(self, problem) -> list[str]:
+        device = torch.device(problem.device_type, problem.device_index)
+        reasons = triton_can_run(device, problem.dtype, problem.head_dim)
+        if problem.value_dim != problem.head_dim:
+            reasons.append("value head_dim differs from query/key head_dim.")
+        if problem.dropout_p > 0:
+            reasons.append("dropout is not implemented.")
+        return reasons
+
+    def run(self, query, key, value, attn_mask, problem, plan):
+        return triton_attention(
+            query, key, value, attn_mask, problem.causal, problem.scale, problem.window,
+            deterministic=torch.are_deterministic_algorithms_enabled(),
+        )

@@ -1,0 +1,358 @@
+"""Exact fused attention, backward: dq, dk, dv from the saved log-sum-exp, no atomics.
+
+Three kernels:
+  attention_bwd_delta_kernel  delta = rowsum(dO * O), per query row, fp32.
+  attention_bwd_dkdv_kernel   one program owns BLOCK_N keys of one kv head; it walks every
+                              query head of the GQA group and the query tiles that can see
+                              those keys, accumulating dk and dv in registers, then writes
+                              them once (the GQA sum happens in a fixed order).
+  attention_bwd_dq_kernel     one program owns BLOCK_M query rows; it walks the same key tiles
+                              as the forward and writes dq once.
+Every output element is written by exactly one program in a fixed order, so gradients are
+bitwise reproducible. Recomputed probabilities: p = exp2(s - lse * log2(e)) with s in the
+log2 domain; a row with lse = -inf (it saw no key) is given lse = +inf so p = 0.
+
+Masking and tile ranges are the forward's (attention_fwd), seen from the key side here.
+"""
+
+import triton
+import triton.language as tl
+
+from .attention_fwd import apply_masks, dot, round_to, key_tile_range, load_rows, sequence_bounds, store_rows
+
+
+@triton.jit
+def load_row_stats(lse_base, delta_base, rows, q_len, stride_lm, CHECK_ROWS: tl.constexpr):
+    """lse (log2 domain, +inf for rows that saw nothing or lie past the end) and delta."""
+    if CHECK_ROWS:
+        lse = tl.load(lse_base + rows * stride_lm, mask=rows < q_len, other=float("inf"))
+        delta = tl.load(delta_base + rows * stride_lm, mask=rows < q_len, other=0.0)
+    else:
+        lse = tl.load(lse_base + rows * stride_lm)
+        delta = tl.load(delta_base + rows * stride_lm)
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    return lse, delta
+
+
+@triton.jit
+def query_tile_range(start_n, q_len, k_len, diag, window_left, window_right,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Query tiles that can see keys [start_n, start_n + BLOCK_N), in three runs as
+    key_tile_range: [lo, full_lo) edge, [full_lo, full_hi) fully visible, [full_hi, hi) edge.
+
+    Key j is visible to row i iff j - right <= i + diag (HAS_RIGHT) and i + diag <= j + left
+    (HAS_LEFT).
+    """
+    first_key = start_n
+    last_key = tl.minimum(start_n + BLOCK_N, k_len) - 1
+    lo = 0
+    hi = q_len
+    full_lo = 0
+    full_hi = (q_len // BLOCK_M) * BLOCK_M
+    if HAS_RIGHT:
+        lo = (tl.maximum(first_key - window_right - diag, 0) // BLOCK_M) * BLOCK_M
+        full_lo = ((tl.maximum(last_key - window_right - diag, 0) + BLOCK_M - 1) // BLOCK_M) * BLOCK_M
+    if HAS_LEFT:
+        hi = tl.minimum(q_len, tl.maximum(last_key + window_left - diag + 1, 0))
+        full_hi = (tl.minimum(q_len, tl.maximum(first_key + window_left - diag + 1, 0)) // BLOCK_M) * BLOCK_M
+    hi = tl.maximum(hi, lo)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+# ---- delta ------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["q_len_dense"])
+def attention_bwd_delta_kernel(
+    Out, DOut, Delta, CuSeqlensQ,
+    stride_ob, stride_oh, stride_om,
+    stride_dob, stride_doh, stride_dom,
+    stride_lb, stride_lh, stride_lm,
+    q_heads, q_len_dense,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
+):
+    """Grid: (query blocks, batch * q_heads). Delta has the layout of the saved lse."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // q_heads
+    head = pid_bh % q_heads
+    q_start, q_len = sequence_bounds(CuSeqlensQ, batch, q_len_dense, IS_VARLEN)
+    start_m = pid_m * BLOCK_M
+    if start_m >= q_len:
+        return
+    b64 = batch.to(tl.int64)
+    o_base = Out + b64 * stride_ob + head.to(tl.int64) * stride_oh
+    do_base = DOut + b64 * stride_dob + head.to(tl.int64) * stride_doh
+    d_base = Delta + b64 * stride_lb + head.to(tl.int64) * stride_lh
+    if IS_VARLEN:
+        o_base += q_start.to(tl.int64) * stride_om
+        do_base += q_start.to(tl.int64) * stride_dom
+        d_base += q_start.to(tl.int64) * stride_lm
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    o = load_rows(o_base + offs_m[:, None] * stride_om + offs_d[None, :], offs_m, q_len, offs_d,
+                  HEAD_DIM, BLOCK_D, True).to(tl.float32)
+    do = load_rows(do_base + offs_m[:, None] * stride_dom + offs_d[None, :], offs_m, q_len, offs_d,
+                   HEAD_DIM, BLOCK_D, True).to(tl.float32)
+    tl.store(d_base + offs_m * stride_lm, tl.sum(o * do, 1), mask=offs_m < q_len)
+
+
+# ---- dk, dv -----------------------------------------------------------------------------
+
+
+@triton.jit
+def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, start_m,
+              offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+              stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, scale_log2,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EDGE: tl.constexpr,
+              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
+              DOT_PRECISION: tl.constexpr):
+    """Add one query tile's contribution to dk and dv (unscaled), in (key, query) orientation."""
+    rows = start_m + offs_m
+    q = load_rows(q_base + rows[:, None] * stride_qm + offs_d[None, :], rows, q_len, offs_d,
+                  HEAD_DIM, BLOCK_D, EDGE)
+    do = load_rows(do_base + rows[:, None] * stride_dom + offs_d[None, :], rows, q_len, offs_d,
+                   HEAD_DIM, BLOCK_D, EDGE)
+    lse, delta = load_row_stats(lse_base, delta_base, rows, q_len, stride_lm, EDGE)
+    s_t = dot(k, tl.trans(q), None, DOT_PRECISION) * scale_log2
+    s_t = apply_masks(s_t, rows[None, :], offs_n[:, None], q_len, k_len, diag, window_left, window_right,
+                      mask_base, stride_mm, stride_mn, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND)
+    p_t = tl.math.exp2(s_t - lse[None, :])
+    dv = dot(round_to(p_t, do.dtype, DOT_PRECISION), do, dv, DOT_PRECISION)
+    dp_t = dot(v, tl.trans(do), None, DOT_PRECISION)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk = dot(round_to(ds_t, q.dtype, DOT_PRECISION), q, dk, DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, tile_start, tile_end,
+                  offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                  stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, scale_log2,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                  EDGE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                  MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The tile loop over query rows [tile_start, tile_end), in steps of BLOCK_M."""
+    for start_m in range(tile_start, tile_end, BLOCK_M):
+        start_m = tl.multiple_of(start_m, BLOCK_M)
+        dk, dv = dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, start_m,
+                           offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                           stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, scale_log2,
+                           HEAD_DIM, BLOCK_D, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["q_len_dense", "k_len_dense", "window_left", "window_right"])
+def attention_bwd_dkdv_kernel(
+    Q, K, V, DOut, LSE, Delta, DK, DV, Mask, CuSeqlensQ, CuSeqlensK,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_lb, stride_lh, stride_lm,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    kv_heads, kv_group, q_len_dense, k_len_dense,
+    scale, scale_log2, window_left, window_right,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Grid: (key blocks, batch * kv_heads). dk/dv are (B, Hkv, Nk, D), summed over the group."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // kv_heads
+    kv_head = pid_bh % kv_heads
+    q_start, q_len = sequence_bounds(CuSeqlensQ, batch, q_len_dense, IS_VARLEN)
+    k_start, k_len = sequence_bounds(CuSeqlensK, batch, k_len_dense, IS_VARLEN)
+    start_n = pid_n * BLOCK_N
+    if start_n >= k_len:
+        return
+    diag = 0
+    if BOTTOM_RIGHT:
+        diag = k_len - q_len
+
+    b64 = batch.to(tl.int64)
+    k_base = K + b64 * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_base = V + b64 * stride_vb + kv_head.to(tl.int64) * stride_vh
+    dk_base = DK + b64 * stride_dkb + kv_head.to(tl.int64) * stride_dkh
+    dv_base = DV + b64 * stride_dvb + kv_head.to(tl.int64) * stride_dvh
+    if IS_VARLEN:
+        k_base += k_start.to(tl.int64) * stride_kn
+        v_base += k_start.to(tl.int64) * stride_vn
+        dk_base += k_start.to(tl.int64) * stride_dkn
+        dv_base += k_start.to(tl.int64) * stride_dvn
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    k = load_rows(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, k_len, offs_d,
+                  HEAD_DIM, BLOCK_D, True)
+    v = load_rows(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, k_len, offs_d,
+                  HEAD_DIM, BLOCK_D, True)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    lo, full_lo, full_hi, hi = query_tile_range(start_n, q_len, k_len, diag, window_left, window_right,
+                                                BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    for g in range(0, kv_group):
+        head = (kv_head * kv_group + g).to(tl.int64)
+        q_base = Q + b64 * stride_qb + head * stride_qh
+        do_base = DOut + b64 * stride_dob + head * stride_doh
+        lse_base = LSE + b64 * stride_lb + head * stride_lh
+        delta_base = Delta + b64 * stride_lb + head * stride_lh
+        mask_base = Mask + b64 * stride_mb + head * stride_mh
+        if IS_VARLEN:
+            q_base += q_start.to(tl.int64) * stride_qm
+            do_base += q_start.to(tl.int64) * stride_dom
+            lse_base += q_start.to(tl.int64) * stride_lm
+            delta_base += q_start.to(tl.int64) * stride_lm
+        dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, lo, full_lo,
+                               offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                               stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, scale_log2,
+                               HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
+                               DOT_PRECISION)
+        dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, full_lo,
+                               full_hi, offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                               stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, scale_log2,
+                               HEAD_DIM, BLOCK_D, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, MASK_KIND,
+                               DOT_PRECISION)
+        dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, full_hi, hi,
+                               offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                               stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, scale_log2,
+                               HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
+                               DOT_PRECISION)
+
+    store_rows(dk_base + offs_n[:, None] * stride_dkn + offs_d[None, :], round_to(dk * scale, DK.dtype.element_ty, DOT_PRECISION),
+               offs_n, k_len, offs_d, HEAD_DIM, BLOCK_D)
+    store_rows(dv_base + offs_n[:, None] * stride_dvn + offs_d[None, :], round_to(dv, DV.dtype.element_ty, DOT_PRECISION),
+               offs_n, k_len, offs_d, HEAD_DIM, BLOCK_D)
+
+
+# ---- dq ---------------------------------------------------------------------------------
+
+
+@triton.jit
+def dq_tile(dq, q, do, lse, delta, k_base, v_base, mask_base, start_n,
+            offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+            stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
+            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EDGE: tl.constexpr,
+            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
+            DOT_PRECISION: tl.constexpr):
+    """Add one key tile's contribution to dq (unscaled)."""
+    cols = start_n + offs_n
+    k = load_rows(k_base + cols[:, None] * stride_kn + offs_d[None, :], cols, k_len, offs_d,
+                  HEAD_DIM, BLOCK_D, EDGE)
+    v = load_rows(v_base + cols[:, None] * stride_vn + offs_d[None, :], cols, k_len, offs_d,
+                  HEAD_DIM, BLOCK_D, EDGE)
+    s = dot(q, tl.trans(k), None, DOT_PRECISION) * scale_log2
+    s = apply_masks(s, offs_m[:, None], cols[None, :], q_len, k_len, diag, window_left, window_right,
+                    mask_base, stride_mm, stride_mn, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND)
+    p = tl.math.exp2(s - lse[:, None])
+    dp = dot(do, tl.trans(v), None, DOT_PRECISION)
+    ds = p * (dp - delta[:, None])
+    dq = dot(round_to(ds, k.dtype, DOT_PRECISION), k, dq, DOT_PRECISION)
+    return dq
+
+
+@triton.jit
+def dq_tile_run(dq, q, do, lse, delta, k_base, v_base, mask_base, tile_start, tile_end,
+                offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                EDGE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The tile loop over keys [tile_start, tile_end), in steps of BLOCK_N."""
+    for start_n in range(tile_start, tile_end, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        dq = dq_tile(dq, q, do, lse, delta, k_base, v_base, mask_base, start_n,
+                     offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                     stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
+                     HEAD_DIM, BLOCK_D, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION)
+    return dq
+
+
+@triton.jit(do_not_specialize=["q_len_dense", "k_len_dense", "window_left", "window_right"])
+def attention_bwd_dq_kernel(
+    Q, K, V, DOut, LSE, Delta, DQ, Mask, CuSeqlensQ, CuSeqlensK,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_lb, stride_lh, stride_lm,
+    stride_dqb, stride_dqh, stride_dqm,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    q_heads, kv_group, q_len_dense, k_len_dense,
+    scale, scale_log2, window_left, window_right,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Grid: (query blocks, batch * q_heads). dq is (B, Hq, Nq, D)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // q_heads
+    head = pid_bh % q_heads
+    kv_head = head // kv_group
+    q_start, q_len = sequence_bounds(CuSeqlensQ, batch, q_len_dense, IS_VARLEN)
+    k_start, k_len = sequence_bounds(CuSeqlensK, batch, k_len_dense, IS_VARLEN)
+    start_m = pid_m * BLOCK_M
+    if start_m >= q_len:
+        return
+    diag = 0
+    if BOTTOM_RIGHT:
+        diag = k_len - q_len
+
+    b64 = batch.to(tl.int64)
+    q_base = Q + b64 * stride_qb + head.to(tl.int64) * stride_qh
+    do_base = DOut + b64 * stride_dob + head.to(tl.int64) * stride_doh
+    dq_base = DQ + b64 * stride_dqb + head.to(tl.int64) * stride_dqh
+    lse_base = LSE + b64 * stride_lb + head.to(tl.int64) * stride_lh
+    delta_base = Delta + b64 * stride_lb + head.to(tl.int64) * stride_lh
+    k_base = K + b64 * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_base = V + b64 * stride_vb + kv_head.to(tl.int64) * stride_vh
+    mask_base = Mask + b64 * stride_mb + head.to(tl.int64) * stride_mh
+    if IS_VARLEN:
+        q_base += q_start.to(tl.int64) * stride_qm
+        do_base += q_start.to(tl.int64) * stride_dom
+        dq_base += q_start.to(tl.int64) * stride_dqm
+        lse_base += q_start.to(tl.int64) * stride_lm
+        delta_base += q_start.to(tl.int64) * stride_lm
+        k_base += k_start.to(tl.int64) * stride_kn
+        v_base += k_start.to(tl.int64) * stride_vn
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = load_rows(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, q_len, offs_d,
+                  HEAD_DIM, BLOCK_D, True)
+    do = load_rows(do_base + offs_m[:, None] * stride_dom + offs_d[None, :], offs_m, q_len, offs_d,
+                   HEAD_DIM, BLOCK_D, True)
+    lse, delta = load_row_stats(lse_base, delta_base, offs_m, q_len, stride_lm, True)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    lo, full_lo, full_hi, hi = key_tile_range(start_m, q_len, k_len, diag, window_left, window_right,
+                                              BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    dq = dq_tile_run(dq, q, do, lse, delta, k_base, v_base, mask_base, lo, full_lo,
+                     offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                     stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
+                     HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION)
+    dq = dq_tile_run(dq, q, do, lse, delta, k_base, v_base, mask_base, full_lo, full_hi,
+                     offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                     stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
+                     HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION)
+    dq = dq_tile_run(dq, q, do, lse, delta, k_base, v_base, mask_base, full_hi, hi,
+                     offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                     stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
+                     HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION)
+    store_rows(dq_base + offs_m[:, None] * stride_dqm + offs_d[None, :], round_to(dq * scale, DQ.dtype.element_ty, DOT_PRECISION),
+               offs_m, q_len, offs_d, HEAD_DIM, BLOCK_D)

@@ -1,0 +1,282 @@
+"""Exact fused attention, forward: online softmax over key tiles, fp32 accumulation.
+
+One program owns BLOCK_M query rows of one (batch, query head). It walks the key tiles that
+can be visible to those rows (the tile range), applies the causal/window/sequence-end and
+user masks (masking), and folds each tile into a running max, sum and output (per-tile
+work). The three pieces are separate functions so a tile can later be computed another
+way (quantized, low-rank) without touching the loop or the masks.
+
+Scores live in the log2 domain: s = (q . k) * scale * log2(e), so exp2 replaces exp.
+The saved log-sum-exp is in the natural-log domain (as SDPA's), -inf for a row that sees
+no key.
+
+Positions: query row i sits at position i + diag, where diag = k_len - q_len for
+bottom-right alignment (KV cache) and 0 for top-left (SDPA). Key j is visible iff
+j <= pos + right (causal folds in as right = 0) and j >= pos - left, each only when that
+side is bounded (HAS_RIGHT / HAS_LEFT).
+"""
+
+import triton
+import triton.language as tl
+
+MASK_NONE = 0
+MASK_BOOL = 1
+MASK_ADDITIVE = 2
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+# ---- shared pieces (the backward imports these) ----------------------------------------
+
+
+@triton.jit
+def dot(a, b, acc, DOT_PRECISION: tl.constexpr):
+    """a @ b (+ acc) accumulated in fp32. "ieee" and "tf32" go to tl.dot as they are.
+    "interpreter_bf16" is for bfloat16 under the CPU interpreter, whose tl.dot reads bf16
+    bits as integers (triton 3.9): both operands are upcast first. Products of bf16 values
+    are exact in fp32, so only the summation order differs from the tensor cores."""
+    if DOT_PRECISION == "interpreter_bf16":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """x cast to dtype, rounding to nearest. The interpreter truncates fp32 -> bf16 unless
+    asked to round; the GPU rounds to nearest by default."""
+    if DOT_PRECISION == "interpreter_bf16":
+        return x.to(dtype, fp_downcast_rounding="rtne")
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def sequence_bounds(CuSeqlens, batch_index, dense_len, IS_VARLEN: tl.constexpr):
+    """(start row in the packed tensor, length) of one sequence."""
+    if IS_VARLEN:
+        start = tl.load(CuSeqlens + batch_index)
+        end = tl.load(CuSeqlens + batch_index + 1)
+        return start, end - start
+    else:
+        return 0, dense_len
+
+
+@triton.jit
+def load_rows(ptrs, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+              CHECK_ROWS: tl.constexpr):
+    """A (rows, BLOCK_D) tile; rows past n_rows and columns past HEAD_DIM read as 0."""
+    if CHECK_ROWS:
+        if BLOCK_D != HEAD_DIM:
+            return tl.load(ptrs, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+        else:
+            return tl.load(ptrs, mask=rows[:, None] < n_rows, other=0.0)
+    else:
+        if BLOCK_D != HEAD_DIM:
+            return tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        else:
+            return tl.load(ptrs)
+
+
+@triton.jit
+def store_rows(ptrs, value, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    if BLOCK_D != HEAD_DIM:
+        tl.store(ptrs, value, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
+    else:
+        tl.store(ptrs, value, mask=rows[:, None] < n_rows)
+
+
+@triton.jit
+def key_tile_range(start_m, q_len, k_len, diag, window_left, window_right,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Key tiles a query block [start_m, start_m + BLOCK_M) can see, in three runs:
+    [lo, full_lo) edge tiles, [full_lo, full_hi) tiles visible to every row (no position
+    masks, no bounds checks), [full_hi, hi) edge tiles. Tiles outside [lo, hi) are skipped.
+    """
+    first_pos = start_m + diag
+    last_pos = tl.minimum(start_m + BLOCK_M, q_len) - 1 + diag
+    lo = 0
+    hi = k_len
+    full_lo = 0
+    full_hi = (k_len // BLOCK_N) * BLOCK_N
+    if HAS_LEFT:
+        lo = (tl.maximum(first_pos - window_left, 0) // BLOCK_N) * BLOCK_N
+        full_lo = ((tl.maximum(last_pos - window_left, 0) + BLOCK_N - 1) // BLOCK_N) * BLOCK_N
+    if HAS_RIGHT:
+        hi = tl.minimum(k_len, tl.maximum(last_pos + window_right + 1, 0))
+        full_hi = (tl.minimum(k_len, tl.maximum(first_pos + window_right + 1, 0)) // BLOCK_N) * BLOCK_N
+    hi = tl.maximum(hi, lo)
+    full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def position_keep(q_idx, k_idx, q_len, k_len, diag, window_left, window_right,
+                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """True where query q_idx may see key k_idx (broadcast shapes), sequence ends included."""
+    keep = (k_idx < k_len) & (q_idx < q_len)
+    pos = q_idx + diag
+    if HAS_RIGHT:
+        keep = keep & (k_idx <= pos + window_right)
+    if HAS_LEFT:
+        keep = keep & (k_idx >= pos - window_left)
+    return keep
+
+
+@triton.jit
+def apply_masks(s, q_idx, k_idx, q_len, k_len, diag, window_left, window_right,
+                mask_base, stride_mm, stride_mn,
+                EDGE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                MASK_KIND: tl.constexpr):
+    """Scores s (log2 domain) with masked entries set to -inf and the additive mask added.
+
+    q_idx and k_idx broadcast to the shape of s, so the same code serves the (query, key)
+    orientation of the forward and the (key, query) orientation of the backward.
+    """
+    if MASK_KIND != 0:
+        in_bounds = (q_idx < q_len) & (k_idx < k_len)
+        mask_ptrs = mask_base + q_idx.to(tl.int64) * stride_mm + k_idx * stride_mn
+        if MASK_KIND == 1:
+            user_keep = tl.load(mask_ptrs, mask=in_bounds, other=0) != 0
+            s = tl.where(user_keep, s, float("-inf"))
+        else:
+            bias = tl.load(mask_ptrs, mask=in_bounds, other=0.0).to(tl.float32)
+            s = s + bias * 1.4426950408889634
+    if EDGE:
+        keep = position_keep(q_idx, k_idx, q_len, k_len, diag, window_left, window_right,
+                             HAS_LEFT, HAS_RIGHT)
+        s = tl.where(keep, s, float("-inf"))
+    return s
+
+
+# ---- forward -----------------------------------------------------------------------------
+
+
+@triton.jit
+def fwd_tile(acc, l_i, m_i, q, k_base, v_base, mask_base, start_n,
+             offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+             stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
+             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EDGE: tl.constexpr,
+             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
+             DOT_PRECISION: tl.constexpr):
+    """Fold one key tile into the running (acc, l_i, m_i) of the online softmax."""
+    cols = start_n + offs_n
+    k = load_rows(k_base + cols[:, None] * stride_kn + offs_d[None, :], cols, k_len, offs_d,
+                  HEAD_DIM, BLOCK_D, EDGE)
+    s = dot(q, tl.trans(k), None, DOT_PRECISION) * scale_log2
+    s = apply_masks(s, offs_m[:, None], cols[None, :], q_len, k_len, diag, window_left, window_right,
+                    mask_base, stride_mm, stride_mn, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND)
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # A row that has seen only masked keys keeps m = -inf; subtracting 0 keeps p = 0, not NaN.
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.math.exp2(m_i - m_shift)
+    p = tl.math.exp2(s - m_shift[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = load_rows(v_base + cols[:, None] * stride_vn + offs_d[None, :], cols, k_len, offs_d,
+                  HEAD_DIM, BLOCK_D, EDGE)
+    acc = acc * alpha[:, None]
+    acc = dot(round_to(p, v.dtype, DOT_PRECISION), v, acc, DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def fwd_tile_run(acc, l_i, m_i, q, k_base, v_base, mask_base, tile_start, tile_end,
+                 offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                 stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                 EDGE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                 MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """The tile loop over keys [tile_start, tile_end), in steps of BLOCK_N."""
+    for start_n in range(tile_start, tile_end, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        acc, l_i, m_i = fwd_tile(acc, l_i, m_i, q, k_base, v_base, mask_base, start_n,
+                                 offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                                 stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
+                                 HEAD_DIM, BLOCK_D, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION)
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["q_len_dense", "k_len_dense", "window_left", "window_right"])
+def attention_fwd_kernel(
+    Q, K, V, Out, LSE, Mask, CuSeqlensQ, CuSeqlensK,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    stride_lb, stride_lh, stride_lm,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    q_heads, kv_group, q_len_dense, k_len_dense,
+    scale_log2, window_left, window_right,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Grid: (query blocks, batch * q_heads). Writes Out rows and their log-sum-exp."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // q_heads
+    head = pid_bh % q_heads
+    kv_head = head // kv_group
+    q_start, q_len = sequence_bounds(CuSeqlensQ, batch, q_len_dense, IS_VARLEN)
+    k_start, k_len = sequence_bounds(CuSeqlensK, batch, k_len_dense, IS_VARLEN)
+    start_m = pid_m * BLOCK_M
+    if start_m >= q_len:
+        return
+    diag = 0
+    if BOTTOM_RIGHT:
+        diag = k_len - q_len
+
+    b64 = batch.to(tl.int64)
+    q_base = Q + b64 * stride_qb + head.to(tl.int64) * stride_qh
+    k_base = K + b64 * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_base = V + b64 * stride_vb + kv_head.to(tl.int64) * stride_vh
+    o_base = Out + b64 * stride_ob + head.to(tl.int64) * stride_oh
+    l_base = LSE + b64 * stride_lb + head.to(tl.int64) * stride_lh
+    mask_base = Mask + b64 * stride_mb + head.to(tl.int64) * stride_mh
+    if IS_VARLEN:
+        q_base += q_start.to(tl.int64) * stride_qm
+        k_base += k_start.to(tl.int64) * stride_kn
+        v_base += k_start.to(tl.int64) * stride_vn
+        o_base += q_start.to(tl.int64) * stride_om
+        l_base += q_start.to(tl.int64) * stride_lm
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = load_rows(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, q_len, offs_d,
+                  HEAD_DIM, BLOCK_D, True)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    lo, full_lo, full_hi, hi = key_tile_range(start_m, q_len, k_len, diag, window_left, window_right,
+                                              BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    acc, l_i, m_i = fwd_tile_run(acc, l_i, m_i, q, k_base, v_base, mask_base, lo, full_lo,
+                                 offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                                 stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
+                                 HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
+                                 DOT_PRECISION)
+    acc, l_i, m_i = fwd_tile_run(acc, l_i, m_i, q, k_base, v_base, mask_base, full_lo, full_hi,
+                                 offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                                 stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
+                                 HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, MASK_KIND,
+                                 DOT_PRECISION)
+    acc, l_i, m_i = fwd_tile_run(acc, l_i, m_i, q, k_base, v_base, mask_base, full_hi, hi,
+                                 offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                                 stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
+                                 HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
+                                 DOT_PRECISION)
+
+    # A row that saw no key (fully masked) writes 0 and lse = -inf, as SDPA's math path.
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    store_rows(o_base + offs_m[:, None] * stride_om + offs_d[None, :], round_to(out, Out.dtype.element_ty, DOT_PRECISION),
+               offs_m, q_len, offs_d, HEAD_DIM, BLOCK_D)
+    tl.store(l_base + offs_m * stride_lm, lse, mask=offs_m < q_len)
