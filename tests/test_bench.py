@@ -137,7 +137,7 @@ def test_overhead_row_compares_adaattn_with_the_same_kernel_called_directly():
 
 
 def test_out_writes_json_with_versions_config_and_every_row(tmp_path):
-    rc = cli.main(["bench", "--seq-lens", "32,64", "--heads", "2", "--head-dim", "16", "--causal", "yes",
+    rc = cli.main(["bench", "--device", "cpu", "--seq-lens", "32,64", "--heads", "2", "--head-dim", "16", "--causal", "yes",
                    "--rep-ms", "2", "--no-overhead", "--no-progress", "--out", str(tmp_path)])
     assert rc == 0
     (path,) = tmp_path.glob("bench-*.json")
@@ -156,7 +156,7 @@ def test_out_writes_json_with_versions_config_and_every_row(tmp_path):
 def test_backends_option_restricts_rows_and_rejects_unknown_names(tmp_path, capsys):
     assert cli.main(["bench", "--backends", "nonesuch"]) == 2
     assert "unknown nonesuch" in capsys.readouterr().err
-    rc = cli.main(["bench", "--seq-lens", "16", "--heads", "2", "--head-dim", "16", "--causal", "no",
+    rc = cli.main(["bench", "--device", "cpu", "--seq-lens", "16", "--heads", "2", "--head-dim", "16", "--causal", "no",
                    "--backends", "sdpa,torch", "--rep-ms", "2", "--no-progress", "--out", str(tmp_path)])
     assert rc == 0
     (path,) = tmp_path.glob("bench-*.json")
@@ -169,10 +169,23 @@ def test_seq_lens_take_k_suffixes():
         parse_seq_lens("12x")
 
 
+def test_git_commit_read_from_the_git_files_matches_git():
+    here = SRC / "adaattn" / "bench"
+    try:
+        res = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
+    except OSError:
+        pytest.skip("git is not installed")
+    if res.returncode != 0:
+        pytest.skip("not a git checkout")
+    assert report._read_head(here) == res.stdout.strip()
+    assert report.git_commit() == res.stdout.strip()
+
+
 def test_quick_cli_runs_the_quick_grid_and_overhead_and_writes_json(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
     res = subprocess.run(
-        [sys.executable, "-m", "adaattn", "bench", "--quick", "--rep-ms", "5", "--out", str(tmp_path)],
+        [sys.executable, "-m", "adaattn", "bench", "--quick", "--device", "cpu", "--threads", "1",
+         "--rep-ms", "5", "--out", str(tmp_path)],
         capture_output=True, text=True, env=env, timeout=120,
     )
     assert res.returncode == 0, res.stderr

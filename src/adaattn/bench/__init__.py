@@ -93,14 +93,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                     help="measure only the dispatch overhead, no table")
     parser.add_argument("--out", type=Path, default=None, metavar="DIR",
                         help="write bench-<date>-<device>.json (and .png with matplotlib) here")
-    parser.add_argument("--rep-ms", type=float, default=None,
-                        help="time budget per figure: do_bench rep on CUDA (default 100), loop on the CPU (default 100)")
+    parser.add_argument("--rep-ms", type=float, default=100.0,
+                        help="time budget per figure in ms: do_bench rep on CUDA, the timed loop on the CPU "
+                        "(default 100)")
     parser.add_argument("--warmup-ms", type=float, default=25.0, help="do_bench warmup on CUDA (default 25)")
     parser.add_argument("--error-rows", type=_positive, default=256,
                         help="query rows sampled for the float64 error (default 256)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=_positive, default=None,
                         help="torch.set_num_threads for the run (CPU timing; default: torch's)")
+    parser.add_argument("--commit", default=None, metavar="SHA",
+                        help="git commit to record where the checkout has no usable history (a copied tree)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     parser.set_defaults(func=main)
 
@@ -149,12 +152,14 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as e:
         return _fail(str(e))
     run_overhead = args.overhead or ("yes" if device.type == "cuda" or mode == "quick" else "no")
-    rep_ms = args.rep_ms if args.rep_ms is not None else 100.0
+    rep_ms = args.rep_ms
     settings = Settings(device=device, backward=args.backward, warmup_ms=args.warmup_ms, rep_ms=rep_ms,
                         error_rows=args.error_rows, seed=args.seed, wanted=wanted,
                         progress=not args.no_progress)
     shapes = grid.shapes()
     env = report.environment(device)
+    if args.commit:
+        env["git_commit"] = args.commit
     started = datetime.datetime.now(datetime.timezone.utc)
     t0 = time.perf_counter()
     print(f"adaattn bench ({mode}) on {env['device_name']}: torch {env['torch']}, triton {env['triton']}, "

@@ -29,7 +29,7 @@ class Shape:
     causal: bool
 
     def flops(self, backward: bool = False) -> float:
-        """Attention FLOPs as MEASURING.md counts them: 4·B·H·N²·D, halved when causal, 3.5x with backward."""
+        """FLOPs as MEASURING.md counts them: 4·B·H·N²·D, halved when causal, 3.5x with backward."""
         fwd = 4.0 * self.batch * self.heads * self.seq_len * self.seq_len * self.head_dim
         if self.causal:
             fwd /= 2

@@ -52,25 +52,29 @@ def error_text(e: BaseException) -> str:
 
 
 def make_inputs(shape: Shape, device: torch.device, seed: int, requires_grad: bool) -> tuple[torch.Tensor, ...]:
-    """Fresh torch.randn query, key, value in (B, H, N, D), reproducible from `seed`."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    """Fresh torch.randn query, key, value in (B, H, N, D), made on `device`, reproducible from `seed`."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     out = []
     for heads in (shape.heads, shape.kv_heads, shape.kv_heads):
-        t = torch.randn(shape.batch, heads, shape.seq_len, shape.head_dim, generator=gen)
-        out.append(t.to(device=device, dtype=shape.dtype).requires_grad_(requires_grad))
+        t = torch.randn(shape.batch, heads, shape.seq_len, shape.head_dim, generator=gen, device=device)
+        out.append(t.to(shape.dtype).requires_grad_(requires_grad))
     return tuple(out)
 
 
-def runners(shape: Shape, q, k, v, settings: Settings) -> tuple[list[tuple[str, Callable | str, str | None]], dict]:
-    """(name, forward function or an error string, backend picked) per row, and the declined backends."""
+Runner = tuple[str, "Callable | str", "str | None"]  # name, forward call or error string, backend picked
+
+
+def runners(shape: Shape, q, k, v, settings: Settings) -> tuple[list[Runner], dict[str, list[str]]]:
+    """The rows to measure on one shape, and the backends that declined it with their reasons."""
     gqa = shape.gqa
     problem = validate(q, k, v, None, 0.0, shape.causal, None, gqa)
-    rows: list[tuple[str, Callable | str, str | None]] = []
+    rows: list[Runner] = []
     declined: dict[str, list[str]] = {}
 
     if settings.wanted(TORCH):
         extra = {"enable_gqa": True} if gqa else {}
-        rows.append((TORCH, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, **extra), None))
+        sdpa = F.scaled_dot_product_attention
+        rows.append((TORCH, lambda: sdpa(q, k, v, is_causal=shape.causal, **extra), None))
 
     for name, backend in REGISTRY.items():
         if name == YARDSTICK or not settings.wanted(name):
@@ -125,9 +129,13 @@ def measure(name: str, forward: Callable, shape: Shape, inputs, ref, rows_idx, s
         except Exception as e:
             row["error"] = error_text(e)
             if device.type == "cuda":
-                torch.cuda.synchronize(device)
-                torch.cuda.empty_cache()
-    msgs = list(dict.fromkeys(str(w.message).strip().splitlines()[0][:200] for w in caught if str(w.message).strip()))
+                try:  # after an out-of-memory, give the cache back before the next row
+                    torch.cuda.synchronize(device)
+                    torch.cuda.empty_cache()
+                except Exception:
+                    pass
+    texts = (str(w.message).strip() for w in caught)
+    msgs = list(dict.fromkeys(t.splitlines()[0][:200] for t in texts if t))
     if msgs:
         row["warnings"] = msgs
     return row
