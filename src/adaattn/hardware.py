@@ -98,22 +98,37 @@ def detect() -> Hardware:
     )
 
 
-@functools.lru_cache(maxsize=None)
+_devices: dict[int, Device] = {}
+
+
 def device(index: int | None) -> Device | None:
     """The CUDA device with this index (None: the current one), or None without CUDA."""
-    hw = detect()
-    if not hw.devices:
-        return None
     i = torch.cuda.current_device() if index is None else index
-    return hw.devices[i]
+    dev = _devices.get(i)
+    if dev is None:
+        hw = detect()
+        if i >= len(hw.devices):
+            return None
+        dev = _devices[i] = hw.devices[i]
+    return dev
 
 
+# Constant for the life of the process: torch.compile calls these once while tracing and
+# bakes the answer in, instead of tracing device queries.
+@torch.compiler.assume_constant_result
+def capability(index: int | None) -> tuple[int, int]:
+    """Compute capability of a CUDA device, (0, 0) where there is none."""
+    dev = device(index)
+    return (0, 0) if dev is None else dev.capability
+
+
+@torch.compiler.assume_constant_result
 def arch(device_type: str, index: int | None) -> str:
     """A short name for the device family dispatch keys on: "cpu", "sm80", "sm90", ..."""
     if device_type != "cuda":
         return device_type
-    dev = device(index)
-    return dev.arch if dev is not None else "cuda"
+    major, minor = capability(index)
+    return f"sm{major}{minor}" if major else "cuda"
 
 
 def report() -> dict:
