@@ -96,6 +96,7 @@ class SdpaBackend(Backend):
             and problem.dropout_p == 0.0
             and problem.head_dim % 8 == 0
             and problem.value_dim == problem.head_dim
+            and not torch.compiler.is_compiling()  # dynamo cannot wrap these ops' SymInt outputs
         ):
             return self.direct(query, key, value, problem)
         causal = problem.causal
