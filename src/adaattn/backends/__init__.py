@@ -19,4 +19,13 @@ def register(backend: Backend) -> Backend:
 for _b in (*sdpa_backends(), FlashAttnBackend(), ReferenceBackend()):
     register(_b)
 
+try:  # our Triton kernels, only where triton imports
+    import triton  # noqa: F401
+
+    from .triton_attention import TritonBackend
+
+    register(TritonBackend())
+except Exception:
+    pass
+
 __all__ = ["Backend", "REGISTRY", "register"]

@@ -107,11 +107,11 @@ def attention_bwd_delta_kernel(
 @triton.jit
 def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, start_m,
               offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
-              stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, scale_log2,
+              stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, scale, scale_log2,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EDGE: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
               DOT_PRECISION: tl.constexpr):
-    """Add one query tile's contribution to dk and dv (unscaled), in (key, query) orientation."""
+    """Add one query tile's contribution to dk and dv, in (key, query) orientation."""
     rows = start_m + offs_m
     q = load_rows(q_base + rows[:, None] * stride_qm + offs_d[None, :], rows, q_len, offs_d,
                   HEAD_DIM, BLOCK_D, EDGE)
@@ -124,7 +124,8 @@ def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, st
     p_t = tl.math.exp2(s_t - lse[None, :])
     dv = dot(round_to(p_t, do.dtype, DOT_PRECISION), do, dv, DOT_PRECISION)
     dp_t = dot(v, tl.trans(do), None, DOT_PRECISION)
-    ds_t = p_t * (dp_t - delta[None, :])
+    # Scaled before the cast: ds * scale is the true score gradient and stays in range.
+    ds_t = p_t * (dp_t - delta[None, :]) * scale
     dk = dot(round_to(ds_t, q.dtype, DOT_PRECISION), q, dk, DOT_PRECISION)
     return dk, dv
 
@@ -132,7 +133,7 @@ def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, st
 @triton.jit
 def dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, tile_start, tile_end,
                   offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
-                  stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, scale_log2,
+                  stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, scale, scale_log2,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                   EDGE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                   MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -141,7 +142,7 @@ def dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base
         start_m = tl.multiple_of(start_m, BLOCK_M)
         dk, dv = dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, start_m,
                            offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
-                           stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, scale_log2,
+                           stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, scale, scale_log2,
                            HEAD_DIM, BLOCK_D, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION)
     return dk, dv
 
@@ -216,21 +217,21 @@ def attention_bwd_dkdv_kernel(
             delta_base += q_start.to(tl.int64) * stride_lm
         dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, lo, full_lo,
                                offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
-                               stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, scale_log2,
+                               stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, scale, scale_log2,
                                HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
                                DOT_PRECISION)
         dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, full_lo,
                                full_hi, offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
-                               stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, scale_log2,
+                               stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, scale, scale_log2,
                                HEAD_DIM, BLOCK_D, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, MASK_KIND,
                                DOT_PRECISION)
         dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, full_hi, hi,
                                offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
-                               stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, scale_log2,
+                               stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, scale, scale_log2,
                                HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
                                DOT_PRECISION)
 
-    store_rows(dk_base + offs_n[:, None] * stride_dkn + offs_d[None, :], round_to(dk * scale, DK.dtype.element_ty, DOT_PRECISION),
+    store_rows(dk_base + offs_n[:, None] * stride_dkn + offs_d[None, :], round_to(dk, DK.dtype.element_ty, DOT_PRECISION),
                offs_n, k_len, offs_d, HEAD_DIM, BLOCK_D)
     store_rows(dv_base + offs_n[:, None] * stride_dvn + offs_d[None, :], round_to(dv, DV.dtype.element_ty, DOT_PRECISION),
                offs_n, k_len, offs_d, HEAD_DIM, BLOCK_D)
@@ -242,11 +243,11 @@ def attention_bwd_dkdv_kernel(
 @triton.jit
 def dq_tile(dq, q, do, lse, delta, k_base, v_base, mask_base, start_n,
             offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
-            stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
+            stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EDGE: tl.constexpr,
             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
             DOT_PRECISION: tl.constexpr):
-    """Add one key tile's contribution to dq (unscaled)."""
+    """Add one key tile's contribution to dq."""
     cols = start_n + offs_n
     k = load_rows(k_base + cols[:, None] * stride_kn + offs_d[None, :], cols, k_len, offs_d,
                   HEAD_DIM, BLOCK_D, EDGE)
@@ -257,7 +258,7 @@ def dq_tile(dq, q, do, lse, delta, k_base, v_base, mask_base, start_n,
                     mask_base, stride_mm, stride_mn, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND)
     p = tl.math.exp2(s - lse[:, None])
     dp = dot(do, tl.trans(v), None, DOT_PRECISION)
-    ds = p * (dp - delta[:, None])
+    ds = p * (dp - delta[:, None]) * scale
     dq = dot(round_to(ds, k.dtype, DOT_PRECISION), k, dq, DOT_PRECISION)
     return dq
 
@@ -265,7 +266,7 @@ def dq_tile(dq, q, do, lse, delta, k_base, v_base, mask_base, start_n,
 @triton.jit
 def dq_tile_run(dq, q, do, lse, delta, k_base, v_base, mask_base, tile_start, tile_end,
                 offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
-                stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
+                stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                 EDGE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                 MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -274,7 +275,7 @@ def dq_tile_run(dq, q, do, lse, delta, k_base, v_base, mask_base, tile_start, ti
         start_n = tl.multiple_of(start_n, BLOCK_N)
         dq = dq_tile(dq, q, do, lse, delta, k_base, v_base, mask_base, start_n,
                      offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
-                     stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
+                     stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
                      HEAD_DIM, BLOCK_D, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION)
     return dq
 
@@ -344,15 +345,15 @@ def attention_bwd_dq_kernel(
                                               BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     dq = dq_tile_run(dq, q, do, lse, delta, k_base, v_base, mask_base, lo, full_lo,
                      offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
-                     stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
+                     stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
                      HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION)
     dq = dq_tile_run(dq, q, do, lse, delta, k_base, v_base, mask_base, full_lo, full_hi,
                      offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
-                     stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
+                     stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
                      HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION)
     dq = dq_tile_run(dq, q, do, lse, delta, k_base, v_base, mask_base, full_hi, hi,
                      offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
-                     stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
+                     stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
                      HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION)
-    store_rows(dq_base + offs_m[:, None] * stride_dqm + offs_d[None, :], round_to(dq * scale, DQ.dtype.element_ty, DOT_PRECISION),
+    store_rows(dq_base + offs_m[:, None] * stride_dqm + offs_d[None, :], round_to(dq, DQ.dtype.element_ty, DOT_PRECISION),
                offs_m, q_len, offs_d, HEAD_DIM, BLOCK_D)

@@ -44,10 +44,14 @@ def dot(a, b, acc, DOT_PRECISION: tl.constexpr):
 
 @triton.jit
 def round_to(x, dtype: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """x cast to dtype, rounding to nearest. The interpreter truncates fp32 -> bf16 unless
-    asked to round; the GPU rounds to nearest by default."""
+    """fp32 x cast to dtype, rounding to nearest even as the GPU does. The interpreter
+    truncates fp32 -> bf16 (triton 3.9, whatever rounding is asked for), so there the
+    rounding increment is added to the bits first and its truncation then rounds."""
     if DOT_PRECISION == "interpreter_bf16":
-        return x.to(dtype, fp_downcast_rounding="rtne")
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)).to(tl.float32, bitcast=True)
+        # Zeros and subnormals: the interpreter's conversion mangles subnormal inputs.
+        return tl.where((bits & 0x7F800000) == 0, 0.0, rounded).to(dtype)
     else:
         return x.to(dtype)
 

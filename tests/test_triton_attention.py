@@ -1,0 +1,569 @@
+"""Our Triton attention kernels (forward and backward) against the float64 reference.
+
+On a machine without CUDA the kernels run in the Triton interpreter (TRITON_INTERPRET=1,
+set here before triton imports) at small sizes; tests marked `gpu` run on the GPU machine
+(`pytest -m gpu tests/test_triton_attention.py`). Every output is poisoned with NaN before
+the kernels run, so an element they fail to write fails the comparison.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from adaattn.backends import triton_attention as ta  # noqa: E402
+from adaattn.backends.reference import reference_attention  # noqa: E402
+from adaattn.problem import Problem  # noqa: E402
+
+from helpers import keep_mask, rel_err  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(
+    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs CUDA or TRITON_INTERPRET=1",
+)
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs(monkeypatch):
+    monkeypatch.setattr(ta, "POISON_OUTPUTS", True)
+
+
+# ---- helpers ----------------------------------------------------------------------------
+
+
+def _randn(shape, dtype, gen, mult=1.0):
+    return (torch.randn(shape, generator=gen, device=DEVICE, dtype=torch.float32) * mult).to(dtype)
+
+
+def _gen(seed):
+    return torch.Generator(device=DEVICE).manual_seed(seed)
+
+
+def bottom_right_keep(nq, nk, causal, window, device=DEVICE):
+    """Written independently of the backend: query i sits at position i + nk - nq."""
+    i = torch.arange(nq, device=device)[:, None] + (nk - nq)
+    j = torch.arange(nk, device=device)[None, :]
+    keep = torch.ones(nq, nk, dtype=torch.bool, device=device)
+    if causal:
+        keep = keep & (j <= i)
+    if window is not None:
+        if window[0] is not None:
+            keep = keep & (j >= i - window[0])
+        if window[1] is not None:
+            keep = keep & (j <= i + window[1])
+    return keep
+
+
+def explicit_mask(nq, nk, causal, window, attn_mask, align):
+    """The user mask with causal/window folded in, as a bool or additive SDPA mask."""
+    if not causal and window is None:
+        return attn_mask
+    if align == "bottom_right":
+        keep = bottom_right_keep(nq, nk, causal, window)
+    else:
+        keep = keep_mask(nq, nk, causal, window, DEVICE)
+    if attn_mask is None:
+        return keep
+    if attn_mask.dtype == torch.bool:
+        return attn_mask & keep
+    return attn_mask.masked_fill(~keep, float("-inf"))
+
+
+def sdpa_grads(q, k, v, mask, scale, dout):
+    """torch SDPA in the inputs' dtype: output and (dq, dk, dv); NaN rows count as 0."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    gqa = q.shape[1] != k.shape[1]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    out.backward(dout)
+    return [torch.nan_to_num(t) for t in (out, q.grad, k.grad, v.grad)]
+
+
+def reference_grads(q, k, v, mask, scale, dout):
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out = reference_attention(q, k, v, mask, scale=scale)
+    out.backward(dout.double())
+    return [out, q.grad, k.grad, v.grad]
+
+
+def assert_standard(ours, ref64, torch_out, what):
+    """MEASURING.md: err(ours) <= 2 * err(torch in the same dtype) + 1e-6 against float64."""
+    assert torch.isfinite(ours).all(), f"{what}: non-finite values (unwritten or overflowed)"
+    e_ours, e_torch = rel_err(ours, ref64), rel_err(torch_out, ref64)
+    assert e_ours <= 2 * e_torch + 1e-6, f"{what}: err(ours)={e_ours:.3e} > 2*err(torch)={2 * e_torch:.3e} + 1e-6"
+
+
+def check_case(b=1, hq=2, hkv=None, nq=33, nk=None, d=32, dtype=torch.bfloat16, causal=False, window=None,
+               attn_mask=None, align="top_left", scale=None, grad=True, seed=0, qk_mult=1.0, v_mult=1.0):
+    """Run ours, torch SDPA and the float64 reference on one problem and hold ours to the standard."""
+    hkv = hq if hkv is None else hkv
+    nk = nq if nk is None else nk
+    g = _gen(seed)
+    q = _randn((b, hq, nq, d), dtype, g, qk_mult).requires_grad_(grad)
+    k = _randn((b, hkv, nk, d), dtype, g, qk_mult).requires_grad_(grad)
+    v = _randn((b, hkv, nk, d), dtype, g, v_mult).requires_grad_(grad)
+    out = ta.triton_attention(q, k, v, attn_mask, causal, scale, window, causal_alignment=align)
+    assert out.shape == (b, hq, nq, d) and out.dtype == dtype
+    mask = explicit_mask(nq, nk, causal, window, attn_mask, align)
+    dout = _randn(out.shape, dtype, g)
+    ref = reference_grads(q, k, v, mask, scale, dout)
+    peer = sdpa_grads(q, k, v, mask, scale, dout)
+    assert_standard(out, ref[0], peer[0], "output")
+    if grad:
+        out.backward(dout)
+        for name, ours, r, p in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), ref[1:], peer[1:]):
+            assert_standard(ours, r, p, name)
+    return out, q, k, v
+
+
+# ---- forward and backward, shapes and dtypes ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "nq,nk,d,dtype",
+    [
+        (1, 1, 16, torch.float32),
+        (1, 77, 64, torch.bfloat16),
+        (17, 17, 16, torch.float16),
+        (17, 40, 40, torch.bfloat16),
+        (127, 127, 64, torch.bfloat16),
+        (127, 60, 80, torch.float32),
+        (60, 127, 128, torch.float16),
+        (200, 200, 48, torch.bfloat16),
+    ],
+)
+def test_forward_and_gradients_match_reference(nq, nk, d, dtype):
+    check_case(nq=nq, nk=nk, d=d, dtype=dtype, seed=nq * 1000 + nk + d)
+
+
+def test_head_dim_256():
+    check_case(hq=1, nq=40, nk=50, d=256, dtype=torch.bfloat16, causal=True, seed=256)
+
+
+def test_head_dim_below_16_is_padded():
+    check_case(hq=1, nq=20, nk=20, d=8, dtype=torch.float32, seed=8)
+
+
+def test_several_batches_and_explicit_scale():
+    check_case(b=3, hq=2, nq=45, nk=45, d=32, dtype=torch.float16, scale=0.3, seed=3)
+
+
+@pytest.mark.parametrize("hq,hkv,causal", [(4, 2, False), (4, 1, True)])
+def test_grouped_and_multi_query_attention(hq, hkv, causal):
+    check_case(b=2, hq=hq, hkv=hkv, nq=37, nk=52, d=32, dtype=torch.bfloat16, causal=causal, seed=hq + hkv)
+
+
+@pytest.mark.parametrize("nq,nk", [(17, 17), (50, 90), (90, 50), (127, 127)])
+def test_causal_top_left_matches_sdpa(nq, nk):
+    out, q, k, v = check_case(nq=nq, nk=nk, d=32, dtype=torch.float32, causal=True, seed=nq + 7 * nk)
+    with torch.no_grad():
+        peer = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert rel_err(out, peer) < 1e-5
+
+
+@pytest.mark.parametrize("nq,nk", [(1, 77), (20, 77), (77, 40), (64, 64)])
+def test_causal_bottom_right_follows_kv_cache_convention(nq, nk):
+    check_case(nq=nq, nk=nk, d=32, dtype=torch.bfloat16, causal=True, align="bottom_right", seed=nq + nk)
+
+
+def test_bottom_right_equals_top_left_for_equal_lengths():
+    g = _gen(11)
+    q, k, v = (_randn((1, 2, 50, 32), torch.float32, g) for _ in range(3))
+    a = ta.triton_attention(q, k, v, is_causal=True)
+    b = ta.triton_attention(q, k, v, is_causal=True, causal_alignment="bottom_right")
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "nq,nk,causal,window",
+    [
+        (100, 100, True, (8, None)),
+        (90, 120, False, (16, 4)),
+        (120, 90, False, (None, 3)),
+        (70, 70, False, (5, None)),
+        (64, 64, False, (0, 0)),
+    ],
+)
+def test_sliding_window(nq, nk, causal, window):
+    check_case(nq=nq, nk=nk, d=32, dtype=torch.bfloat16, causal=causal, window=window, seed=nq + nk)
+
+
+def test_window_with_bottom_right_alignment():
+    check_case(nq=30, nk=100, d=32, dtype=torch.float32, causal=True, window=(10, None),
+               align="bottom_right", seed=5)
+
+
+# Mask shapes broadcast over (B, H, Nq, Nk): batch/head/query dims may be 1 or absent.
+MASK_SHAPES = [(2, 2, 33, 47), (2, 1, 33, 47), (1, 2, 33, 47), (33, 47), (2, 1, 1, 47), (1, 47)]
+
+
+@pytest.mark.parametrize("shape", MASK_SHAPES)
+def test_bool_mask_broadcast(shape):
+    g = _gen(len(shape) * 10 + shape[0])
+    mask = torch.rand(shape, generator=g, device=DEVICE) > 0.3
+    check_case(b=2, hq=2, nq=33, nk=47, d=32, dtype=torch.bfloat16, attn_mask=mask, seed=1)
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 33, 47), (33, 47), (1, 2, 1, 47)])
+def test_additive_mask_broadcast(shape):
+    g = _gen(len(shape) + 100)
+    mask = (torch.randn(shape, generator=g, device=DEVICE) * 2).to(torch.float16)
+    check_case(b=2, hq=2, nq=33, nk=47, d=32, dtype=torch.float16, attn_mask=mask, seed=2)
+
+
+def test_mask_combined_with_causal_and_gqa():
+    g = _gen(4)
+    mask = torch.rand((1, 4, 40, 40), generator=g, device=DEVICE) > 0.2
+    check_case(b=1, hq=4, hkv=2, nq=40, d=32, dtype=torch.float32, causal=True, attn_mask=mask, seed=4)
+
+
+def test_fully_masked_rows_give_zero_and_finite_gradients():
+    nq, nk = 40, 50
+    mask = torch.rand((nq, nk), generator=_gen(9), device=DEVICE) > 0.4
+    mask[[0, 7, 31, 39]] = False
+    out, q, k, v = check_case(nq=nq, nk=nk, d=32, dtype=torch.bfloat16, attn_mask=mask, seed=9)
+    assert (out[:, :, [0, 7, 31, 39]] == 0).all()
+    assert (q.grad[:, :, [0, 7, 31, 39]] == 0).all()
+
+
+def test_fully_masked_rows_from_additive_minus_inf():
+    nq, nk = 33, 20
+    mask = torch.randn((nq, nk), generator=_gen(10), device=DEVICE)
+    mask[5] = float("-inf")
+    mask[:, 3] = float("-inf")
+    out, *_ = check_case(nq=nq, nk=nk, d=16, dtype=torch.float32, attn_mask=mask, seed=10)
+    assert (out[:, :, 5] == 0).all()
+
+
+def test_rows_before_the_first_key_under_bottom_right_are_zero():
+    out, *_ = check_case(nq=50, nk=20, d=32, dtype=torch.float32, causal=True, align="bottom_right", seed=12)
+    assert (out[:, :, :30] == 0).all()
+
+
+def test_large_logits():
+    # |q . k| ~ 1e4: the online softmax must not overflow or lose the maximum.
+    check_case(nq=45, nk=60, d=64, dtype=torch.float32, qk_mult=12.0, seed=13)
+    check_case(nq=45, nk=60, d=64, dtype=torch.bfloat16, qk_mult=12.0, causal=True, seed=14)
+
+
+def test_float16_near_overflow():
+    # q . k sums past the fp16 range (fp32 accumulation needed) and values near its limit.
+    check_case(nq=40, nk=40, d=64, dtype=torch.float16, qk_mult=25.0, v_mult=1e4, scale=1e-3, seed=15)
+
+
+def test_empty_sequences():
+    g = _gen(16)
+    q = _randn((1, 2, 5, 16), torch.float32, g).requires_grad_()
+    k = _randn((1, 2, 0, 16), torch.float32, g).requires_grad_()
+    v = _randn((1, 2, 0, 16), torch.float32, g).requires_grad_()
+    out = ta.triton_attention(q, k, v)
+    assert torch.equal(out, torch.zeros_like(out))
+    out.sum().backward()
+    assert torch.equal(q.grad, torch.zeros_like(q))
+    q0 = _randn((1, 2, 0, 16), torch.float32, g)
+    assert ta.triton_attention(q0, q0, q0).shape == (1, 2, 0, 16)
+
+
+def test_non_contiguous_bshd_views():
+    g = _gen(17)
+    q, k, v = (_randn((2, 30, 2, 32), torch.bfloat16, g).transpose(1, 2) for _ in range(3))
+    out = ta.triton_attention(q, k, v, is_causal=True)
+    ref = reference_attention(q, k, v, is_causal=True)
+    peer = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert_standard(out, ref, peer, "output")
+
+
+def test_log_sum_exp_is_saved_per_row():
+    g = _gen(18)
+    q, k, v = (_randn((1, 2, 37, 32), torch.float32, g) for _ in range(3))
+    mask = torch.ones(37, 37, dtype=torch.bool, device=DEVICE)
+    mask[3] = False
+    _, lse = ta.flash_fwd(q, k, v, mask, None, None, 37, 37, 0.2, True, False, -1, -1, False)
+    s = (q.double() @ k.double().transpose(-1, -2)) * 0.2
+    s = s.masked_fill(~(mask & keep_mask(37, 37, True, None, DEVICE)), float("-inf"))
+    expect = torch.logsumexp(s, -1)
+    assert torch.isneginf(lse[:, :, 3]).all()
+    finite = torch.isfinite(expect)
+    assert torch.allclose(lse[finite].double(), expect[finite], atol=1e-5, rtol=1e-5)
+
+
+def test_block_m_smaller_than_block_n():
+    cfg = dict(fwd=ta.KernelConfig(16, 32, 4, 1), dkdv=ta.KernelConfig(32, 16, 4, 1), dq=ta.KernelConfig(16, 32, 4, 1))
+    with ta.forced_configs(**cfg):
+        check_case(nq=70, nk=90, d=32, dtype=torch.bfloat16, causal=True, window=(20, None), seed=19)
+        check_case(nq=70, nk=90, d=32, dtype=torch.float32, causal=True, align="bottom_right", seed=20)
+
+
+def test_gradients_are_bitwise_deterministic():
+    g = _gen(21)
+    q, k, v = (_randn((1, 4, 70, 32), torch.bfloat16, g) for _ in range(3))
+    k, v = k[:, :2], v[:, :2]
+    dout = _randn((1, 4, 70, 32), torch.bfloat16, g)
+    grads = []
+    for _ in range(2):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        ta.triton_attention(qq, kk, vv, is_causal=True, deterministic=True).backward(dout)
+        grads.append((qq.grad, kk.grad, vv.grad))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_bad_causal_alignment_is_rejected():
+    q = torch.randn(1, 1, 4, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="causal_alignment"):
+        ta.triton_attention(q, q, q, is_causal=True, causal_alignment="bottom")
+
+
+# ---- varlen --------------------------------------------------------------------------------
+
+
+def _packed(lengths_q, lengths_k, hq, hkv, d, dtype, seed):
+    g = _gen(seed)
+    q = _randn((sum(lengths_q), hq, d), dtype, g).requires_grad_()
+    k = _randn((sum(lengths_k), hkv, d), dtype, g).requires_grad_()
+    v = _randn((sum(lengths_k), hkv, d), dtype, g).requires_grad_()
+    cu_q = torch.tensor([0] + list(torch.tensor(lengths_q).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0] + list(torch.tensor(lengths_k).cumsum(0)), dtype=torch.int32, device=DEVICE)
+    return q, k, v, cu_q, cu_k
+
+
+@pytest.mark.parametrize(
+    "lengths_q,lengths_k,causal,window,align",
+    [
+        ([17, 1, 40, 0, 23], [17, 1, 40, 0, 23], True, None, "top_left"),
+        ([5, 30, 12], [20, 30, 7], False, None, "top_left"),
+        ([5, 30, 12], [20, 30, 7], True, (6, None), "bottom_right"),
+    ],
+)
+def test_varlen_matches_per_sequence_reference(lengths_q, lengths_k, causal, window, align):
+    hq, hkv, d, dtype = 4, 2, 32, torch.bfloat16
+    q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, hq, hkv, d, dtype, seed=sum(lengths_q))
+    out = ta.varlen_attention(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), is_causal=causal,
+                              window=window, causal_alignment=align)
+    dout = _randn(out.shape, dtype, _gen(1))
+    out.backward(dout)
+    # Reference and SDPA per sequence, packed back; compared over the whole packed tensors
+    # (a one-key sequence has dq = 0 exactly, which no relative error of its own can judge).
+    refs = [torch.zeros_like(t, dtype=torch.float64) for t in (q, q, k, v)]
+    peers = [torch.zeros_like(t) for t in (q, q, k, v)]
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(lengths_q)):
+        if lengths_q[i] == 0:
+            continue
+        sl_q, sl_k = slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])
+        qs, ks, vs = (t.detach()[s].transpose(0, 1)[None] for t, s in ((q, sl_q), (k, sl_k), (v, sl_k)))
+        mask = explicit_mask(lengths_q[i], lengths_k[i], causal, window, None, align)
+        do_s = dout[sl_q].transpose(0, 1)[None]
+        for packed, got in ((refs, reference_grads(qs, ks, vs, mask, None, do_s)),
+                            (peers, sdpa_grads(qs, ks, vs, mask, None, do_s))):
+            for j, (t, sl) in enumerate(zip(got, (sl_q, sl_q, sl_k, sl_k))):
+                packed[j][sl] = t[0].transpose(0, 1)
+    for name, ours, r, p in zip(("output", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad), refs, peers):
+        assert_standard(ours, r, p, name)
+
+
+def test_varlen_fallback_agrees_with_kernels(monkeypatch):
+    q, k, v, cu_q, cu_k = _packed([9, 25, 3], [9, 25, 14], 2, 1, 16, torch.float32, seed=22)
+    ours = ta.varlen_attention(q, k, v, cu_q, cu_k, 25, 25, is_causal=True)
+    monkeypatch.setattr(ta, "triton_can_run", lambda *a: ["forced fallback"])
+    fallback = ta.varlen_attention(q, k, v, cu_q, cu_k, 25, 25, is_causal=True)
+    assert rel_err(ours, fallback) < 1e-5
+
+
+def test_varlen_rejects_inconsistent_offsets():
+    q = torch.randn(10, 2, 16, device=DEVICE)
+    cu = torch.tensor([0, 10], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        ta.varlen_attention(q, q, q, cu, torch.tensor([0, 4, 10], dtype=torch.int32, device=DEVICE), 10, 10)
+    with pytest.raises(ValueError, match="3-D"):
+        ta.varlen_attention(q[None], q[None], q[None], cu, cu, 10, 10)
+
+
+# ---- custom ops, backend ------------------------------------------------------------------
+
+
+def test_custom_ops_pass_opcheck():
+    g = _gen(23)
+    q, k, v = (_randn((1, 2, 20, 16), torch.float32, g).requires_grad_() for _ in range(3))
+    args = (q, k, v, None, None, None, 20, 20, 0.25, True, False, -1, -1, False)
+    torch.library.opcheck(ta.flash_fwd, args, test_utils=("test_schema", "test_faketensor",
+                                                          "test_autograd_registration"))
+
+
+def test_compiles_with_fullgraph_and_no_graph_break():
+    g = _gen(24)
+    q, k, v = (_randn((1, 2, 24, 16), torch.float32, g).requires_grad_() for _ in range(3))
+
+    def f(q, k, v):
+        return ta.triton_attention(q, k, v, is_causal=True).sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    compiled(q, k, v).backward()
+    eager = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    f(*eager).backward()
+    for a, b in zip((q.grad, k.grad, v.grad), (t.grad for t in eager)):
+        assert torch.equal(a, b)
+
+
+def _problem(**over):
+    base = dict(batch=1, q_heads=2, kv_heads=2, q_len=16, kv_len=16, head_dim=64, value_dim=64,
+                dtype=torch.bfloat16, device_type=DEVICE, device_index=0 if DEVICE == "cuda" else None,
+                causal=False, window=None, mask_kind="none", dropout_p=0.0, scale=None,
+                needs_grad=False, layout="bhsd")
+    base.update(over)
+    return Problem(**base)
+
+
+def test_backend_declines_with_reasons(monkeypatch):
+    backend = ta.TritonBackend()
+    assert backend.name == "triton"
+    assert backend.supports(_problem()) == []
+    assert any("float64" in r for r in backend.supports(_problem(dtype=torch.float64)))
+    assert any("256" in r for r in backend.supports(_problem(head_dim=512, value_dim=512)))
+    assert any("value head_dim" in r for r in backend.supports(_problem(value_dim=32)))
+    assert any("dropout" in r for r in backend.supports(_problem(dropout_p=0.1)))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert any("CUDA" in r for r in backend.supports(_problem(device_type="cpu", device_index=None)))
+
+
+def test_backend_runs_through_attention():
+    import adaattn
+    from adaattn.backends import REGISTRY
+
+    if "triton" not in REGISTRY:
+        pytest.skip("triton backend not registered in adaattn.backends")
+    g = _gen(25)
+    q, k, v = (_randn((1, 2, 30, 32), torch.bfloat16, g) for _ in range(3))
+    policy = adaattn.Policy(backends=("triton",))
+    out = adaattn.attention(q, k, v, is_causal=True, policy=policy)
+    assert adaattn.explain(q, k, v, is_causal=True, policy=policy).chosen == "triton"
+    peer = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert_standard(out, reference_attention(q, k, v, is_causal=True), peer, "output")
+
+
+# ---- GPU-sized (run on the GPU machine with -m gpu) -----------------------------------------
+
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("n,d,causal", [(1000, 64, False), (1000, 128, True), (2048, 256, True), (4096, 128, False)])
+def test_gpu_medium_sizes(n, d, causal, dtype):
+    check_case(b=2, hq=4, hkv=2, nq=n, nk=n, d=d, dtype=dtype, causal=causal, seed=n + d)
+
+
+@gpu
+@needs_cuda
+def test_gpu_masks_windows_and_unequal_lengths():
+    mask = torch.rand((2, 1, 700, 1300), device=DEVICE) > 0.2
+    check_case(b=2, hq=4, hkv=1, nq=700, nk=1300, d=128, causal=True, attn_mask=mask, seed=1)
+    check_case(b=2, hq=4, nq=700, nk=1300, d=128, causal=True, align="bottom_right", seed=2)
+    check_case(b=1, hq=4, nq=2000, nk=2000, d=64, window=(256, 0), seed=3)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_long_sequence_memory_is_linear(causal):
+    n, h, d = 131072, 8, 128
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    g = _gen(5)
+    q, k, v = (_randn((1, h, n, d), torch.bfloat16, g).requires_grad_() for _ in range(3))
+    base = torch.cuda.memory_allocated()
+    out = ta.triton_attention(q, k, v, is_causal=causal)
+    out.backward(torch.randn_like(out))
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak < 0.05 * n * n, f"peak {peak / 2**30:.2f} GiB is not linear in N"
+    for t in (out, q.grad, k.grad, v.grad):
+        assert torch.isfinite(t).all()
+    # A sample of query rows against all keys, in float64.
+    rows = torch.tensor([0, 1, 4097, n // 2, n - 1], device=DEVICE)
+    s = (q[0, :, rows].double() @ k[0].double().transpose(-1, -2)) / math.sqrt(d)
+    if causal:
+        s = s.masked_fill(torch.arange(n, device=DEVICE)[None, None, :] > rows[None, :, None], float("-inf"))
+    ref = torch.softmax(s, -1) @ v[0].double()
+    assert rel_err(out[0, :, rows], ref) < 1e-2
+
+
+@gpu
+@needs_cuda
+def test_gpu_compile_fullgraph_and_cuda_graph_replay():
+    g = _gen(6)
+    q, k, v = (_randn((2, 8, 1024, 128), torch.bfloat16, g).requires_grad_() for _ in range(3))
+
+    def f(q, k, v):
+        return ta.triton_attention(q, k, v, is_causal=True)
+
+    compiled = torch.compile(f, fullgraph=True)
+    out = compiled(q, k, v)
+    out.backward(torch.ones_like(out))
+    eager = f(q, k, v)
+    assert torch.equal(out, eager)
+
+    # CUDA graph: configs are chosen on the warm-up call; capture and replay the raw ops.
+    args = (q.detach(), k.detach(), v.detach(), None, None, None, 1024, 1024, 128 ** -0.5, True, False, -1, -1,
+            False)
+    o, lse = ta.flash_fwd(*args)
+    dout = torch.randn_like(o)
+    ta.flash_bwd(dout, *args[:3], o, lse, *args[3:])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_g, lse_g = ta.flash_fwd(*args)
+        dq_g, dk_g, dv_g = ta.flash_bwd(dout, *args[:3], o_g, lse_g, *args[3:])
+    for _ in range(2):
+        q.data.copy_(torch.randn_like(q))
+        graph.replay()
+        o_e, lse_e = ta.flash_fwd(*args)
+        dq_e, dk_e, dv_e = ta.flash_bwd(dout, *args[:3], o_e, lse_e, *args[3:])
+        torch.cuda.synchronize()
+        for a, b in ((o_g, o_e), (dq_g, dq_e), (dk_g, dk_e), (dv_g, dv_e)):
+            assert torch.equal(a, b)
+
+
+@gpu
+@needs_cuda
+def test_gpu_gradients_are_bitwise_deterministic():
+    g = _gen(7)
+    q = _randn((2, 16, 4096, 128), torch.bfloat16, g)
+    k, v = (_randn((2, 4, 4096, 128), torch.bfloat16, g) for _ in range(2))
+    dout = torch.randn_like(q)
+    grads = []
+    for _ in range(2):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        ta.triton_attention(qq, kk, vv, is_causal=True, deterministic=True).backward(dout)
+        grads.append((qq.grad, kk.grad, vv.grad))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+@gpu
+@needs_cuda
+def test_gpu_varlen():
+    lengths = [1, 511, 2048, 17, 1000]
+    q, k, v, cu_q, cu_k = _packed(lengths, lengths, 8, 2, 128, torch.bfloat16, seed=8)
+    out = ta.varlen_attention(q, k, v, cu_q, cu_k, max(lengths), max(lengths), is_causal=True)
+    c = cu_q.tolist()
+    for i in range(len(lengths)):
+        s = slice(c[i], c[i + 1])
+        qs, ks, vs = (t.detach()[s].transpose(0, 1)[None] for t in (q, k, v))
+        ref = reference_attention(qs, ks, vs, is_causal=True)
+        peer = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        assert_standard(out[s].transpose(0, 1)[None], ref, peer, f"seq {i}")
