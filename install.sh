@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Set up adaattn from this source tree: ./install.sh [extras], e.g. ./install.sh test
+# Set up adaattn from this source tree: ./install.sh [extras], e.g. ./install.sh test,triton
 # Installs torch only where none is importable (a GPU machine keeps its own torch), then
 # the package in editable mode with the extras asked for.
 set -euo pipefail
@@ -13,7 +13,11 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
 fi
 spec="."
 [ -n "$extras" ] && spec=".[$extras]"
-flags=(-q -e "$spec")
+isolation=()
 # Without network (the GPU machine) build isolation cannot fetch setuptools: use the local one.
-if "$PY" -c "import setuptools" >/dev/null 2>&1; then flags+=(--no-build-isolation); fi
-"$PY" -m pip install "${flags[@]}"
+if "$PY" -c "import setuptools" >/dev/null 2>&1; then isolation=(--no-build-isolation); fi
+if ! "$PY" -m pip install -q "${isolation[@]}" -e "$spec"; then
+    # No package index reachable: use the packages present, and say so.
+    echo "install.sh: could not install the extras '$extras'; installing adaattn alone against the packages present" >&2
+    "$PY" -m pip install -q "${isolation[@]}" --no-deps -e .
+fi

@@ -132,9 +132,10 @@ def summary(recs: list[CallRecord] | None = None) -> str:
     if not recs:
         return "no attention calls recorded (adaattn.stats.enable() turns recording on)"
     counts = Counter((r.label or "-", r.backend, r.shape, r.dtype) for r in recs)
-    lines = [f"{'label':<20} {'backend':<16} {'calls':>6}  shape, dtype"]
+    width = max(5, *(len(label) for label, *_ in counts))
+    lines = [f"{'label':<{width}} {'backend':<16} {'calls':>6}  shape, dtype"]
     for (label, backend, shape, dtype), n in counts.most_common():
-        lines.append(f"{label:<20} {backend:<16} {n:>6}  {shape}, {dtype}")
+        lines.append(f"{label:<{width}} {backend:<16} {n:>6}  {shape}, {dtype}")
     times = [r.wall_ms for r in recs if r.wall_ms is not None]
     if times:
         lines.append(f"total wall time {sum(times):.3f} ms over {len(times)} timed calls")
