@@ -78,36 +78,38 @@ INTERPRET_CONFIGS = {
     "delta": KernelConfig(32, 32, 1, 1),
 }
 
-# Candidates, best-guess first (Hopper). Each is kept only if its shared memory fits.
-FWD_CONFIGS = {
-    "small_d": [  # head_dim <= 64
-        KernelConfig(128, 64, 4, 3), KernelConfig(128, 128, 8, 3), KernelConfig(128, 64, 8, 4),
-        KernelConfig(64, 64, 4, 3), KernelConfig(64, 32, 4, 2),
-    ],
-    "mid_d": [  # head_dim <= 128
-        KernelConfig(128, 64, 8, 3), KernelConfig(128, 128, 8, 3), KernelConfig(128, 64, 8, 4),
-        KernelConfig(128, 128, 8, 2), KernelConfig(64, 64, 4, 3), KernelConfig(64, 32, 4, 2),
-    ],
-    "large_d": [  # head_dim <= 256
-        KernelConfig(128, 64, 8, 2), KernelConfig(64, 64, 4, 2), KernelConfig(128, 32, 8, 2),
-        KernelConfig(64, 32, 4, 2), KernelConfig(32, 32, 4, 1),
-    ],
+# Candidates, best-guess first, for Hopper (H100/H200); each kept only if its shared memory
+# fits the device. Chosen from sm90 compiles of these kernels (triton 3.9): none of the
+# 16-bit configs below spills registers except where noted, and all use wgmma.
+HALF_CONFIGS = {
+    "fwd": {
+        "small_d": [KernelConfig(128, 64, 4, 3), KernelConfig(128, 128, 8, 3), KernelConfig(128, 64, 8, 4),
+                    KernelConfig(64, 64, 4, 3)],
+        "mid_d": [KernelConfig(128, 64, 8, 3), KernelConfig(128, 128, 8, 2), KernelConfig(128, 64, 8, 4),
+                  KernelConfig(128, 128, 8, 3), KernelConfig(64, 64, 4, 3)],
+        "large_d": [KernelConfig(128, 32, 8, 2), KernelConfig(128, 64, 8, 2), KernelConfig(64, 32, 4, 3),
+                    KernelConfig(64, 32, 4, 2)],
+    },
+    # dk/dv accumulators live in registers all along: small query tiles keep them there.
+    "dkdv": {
+        "small_d": [KernelConfig(32, 128, 8, 2), KernelConfig(64, 128, 8, 2), KernelConfig(32, 64, 4, 2)],
+        "mid_d": [KernelConfig(16, 128, 8, 2), KernelConfig(32, 128, 8, 2), KernelConfig(32, 128, 8, 1),
+                  KernelConfig(32, 64, 4, 1)],
+        # Every wgmma config spills at head_dim 256; the mma.sync one below does not.
+        "large_d": [KernelConfig(16, 32, 4, 1), KernelConfig(16, 64, 8, 1), KernelConfig(16, 32, 4, 2)],
+    },
+    "dq": {
+        "small_d": [KernelConfig(128, 64, 8, 3), KernelConfig(128, 32, 4, 3), KernelConfig(64, 64, 4, 3)],
+        "mid_d": [KernelConfig(128, 64, 8, 2), KernelConfig(128, 64, 8, 3), KernelConfig(128, 32, 8, 3),
+                  KernelConfig(64, 32, 4, 2)],
+        "large_d": [KernelConfig(128, 32, 8, 2), KernelConfig(64, 16, 4, 2), KernelConfig(64, 16, 4, 1)],
+    },
 }
-DKDV_CONFIGS = {
-    "small_d": [KernelConfig(64, 128, 8, 3), KernelConfig(32, 128, 4, 3), KernelConfig(64, 64, 4, 3),
-                KernelConfig(32, 64, 4, 2)],
-    "mid_d": [KernelConfig(64, 128, 8, 2), KernelConfig(32, 128, 8, 3), KernelConfig(64, 64, 4, 3),
-              KernelConfig(32, 64, 4, 2)],
-    "large_d": [KernelConfig(32, 128, 8, 2), KernelConfig(32, 64, 4, 2), KernelConfig(16, 64, 4, 2),
-                KernelConfig(16, 32, 4, 1)],
-}
-DQ_CONFIGS = {
-    "small_d": [KernelConfig(128, 64, 8, 3), KernelConfig(128, 32, 4, 3), KernelConfig(64, 64, 4, 3),
-                KernelConfig(64, 32, 4, 2)],
-    "mid_d": [KernelConfig(128, 64, 8, 2), KernelConfig(128, 32, 8, 3), KernelConfig(64, 64, 4, 3),
-              KernelConfig(64, 32, 4, 2)],
-    "large_d": [KernelConfig(128, 32, 8, 2), KernelConfig(64, 32, 4, 2), KernelConfig(64, 16, 4, 2),
-                KernelConfig(32, 16, 4, 1)],
+# float32 runs exact fp32 products (no tensor cores): small tiles, or the registers spill.
+FP32_CONFIGS = {
+    "fwd": [KernelConfig(32, 16, 4, 1), KernelConfig(16, 32, 4, 1)],
+    "dkdv": [KernelConfig(16, 32, 4, 1), KernelConfig(32, 16, 4, 1)],
+    "dq": [KernelConfig(32, 16, 4, 1), KernelConfig(16, 32, 4, 1)],
 }
 DELTA_CONFIG = KernelConfig(64, 64, 4, 1)
 
@@ -116,19 +118,17 @@ def _d_class(block_d: int) -> str:
     return "small_d" if block_d <= 64 else ("mid_d" if block_d <= 128 else "large_d")
 
 
-def shared_memory_estimate(kind: str, cfg: KernelConfig, block_d: int, elem: int) -> int:
-    """Bytes of shared memory a config needs, roughly: pipelined tiles plus one score tile."""
-    bm, bn, buffers = cfg.block_m, cfg.block_n, max(cfg.num_stages - 1, 1)
+def shared_memory_estimate(kind: str, cfg: KernelConfig, block_d: int, elem: int, mask_elem: int = 0) -> int:
+    """Bytes of shared memory a config needs: tiles resident for the whole program plus
+    num_stages copies of each pipelined tile (matches sm90 compiles within a few percent)."""
+    bm, bn, stages = cfg.block_m, cfg.block_n, max(cfg.num_stages, 1)
     if kind == "fwd":
-        tiles = bm * block_d + buffers * 2 * bn * block_d + bm * bn
+        resident, pipelined = bm * block_d, 2 * bn * block_d
     elif kind == "dkdv":
-        tiles = 2 * bn * block_d + buffers * 2 * bm * block_d + 2 * bm * bn
+        resident, pipelined = 2 * bn * block_d, 2 * bm * block_d
     else:  # dq
-        tiles = 2 * bm * block_d + buffers * 2 * bn * block_d + 2 * bm * bn
-    return tiles * elem
-
-
-_smem_cache: dict = {}
+        resident, pipelined = 2 * bm * block_d, 2 * bn * block_d
+    return (resident + stages * pipelined) * elem + stages * bm * bn * mask_elem * 2 + 1024
 
 
 def max_shared_memory(device: torch.device) -> int:
@@ -144,14 +144,23 @@ def max_shared_memory(device: torch.device) -> int:
     return _smem_cache[index]
 
 
-def fitting_configs(kind: str, block_d: int, dtype: torch.dtype, device: torch.device) -> list:
-    table = {"fwd": FWD_CONFIGS, "dkdv": DKDV_CONFIGS, "dq": DQ_CONFIGS}[kind]
-    configs = table[_d_class(block_d)]
+def fitting_configs(kind: str, block_d: int, dtype: torch.dtype, device: torch.device,
+                    mask_elem: int = 0) -> list:
+    """The candidates for this kernel whose estimated shared memory fits the device."""
+    if dtype == torch.float32:
+        configs = FP32_CONFIGS[kind]
+    else:
+        configs = HALF_CONFIGS[kind][_d_class(block_d)]
     elem = torch.empty((), dtype=dtype).element_size()
     limit = max_shared_memory(device)
-    fit = [c for c in configs if shared_memory_estimate(kind, c, block_d, elem) <= limit]
-    if not fit:  # keep the smallest and let the launch say if even that is too big
-        fit = [min(configs, key=lambda c: shared_memory_estimate(kind, c, block_d, elem))]
+    fit = [c for c in configs if shared_memory_estimate(kind, c, block_d, elem, mask_elem) <= limit]
+    if not fit:  # the smallest, shrunk until it fits; the launch says if even that is too big
+        c = min(configs, key=lambda c: shared_memory_estimate(kind, c, block_d, elem, mask_elem))
+        while shared_memory_estimate(kind, c, block_d, elem, mask_elem) > limit and c.num_stages > 1:
+            c = KernelConfig(c.block_m, c.block_n, c.num_warps, c.num_stages - 1)
+        while shared_memory_estimate(kind, c, block_d, elem, mask_elem) > limit and max(c.block_m, c.block_n) > 16:
+            c = KernelConfig(max(c.block_m // 2, 16), max(c.block_n // 2, 16), c.num_warps, c.num_stages)
+        fit = [c]
     return fit
 
 
@@ -168,6 +177,8 @@ class ConfigChooser:
         self.chosen: dict = {}
         self.timings: dict = {}
         self.forced: dict = {}
+        # ADAATTN_TRITON_AUTOTUNE=0: take the first fitting candidate, time nothing.
+        self.tune = os.environ.get("ADAATTN_TRITON_AUTOTUNE", "1") != "0"
 
     def pick(self, kind: str, key: tuple, candidates: list, launch: Callable) -> KernelConfig:
         if kind in self.forced:
@@ -177,7 +188,7 @@ class ConfigChooser:
         cfg = self.chosen.get((kind, key))
         if cfg is not None:
             return cfg
-        if len(candidates) == 1 or torch.cuda.is_current_stream_capturing():
+        if not self.tune or len(candidates) == 1 or torch.cuda.is_current_stream_capturing():
             # No timing inside CUDA-graph capture: take the first candidate that fits.
             return candidates[0]
         timings = {}
@@ -326,7 +337,8 @@ def launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
         )
 
     key = _shape_key(q, lay, causal, bottom_right, window_left, window_right, mask_kind)
-    candidates = [] if interpreting() else fitting_configs("fwd", block_d, q.dtype, q.device)
+    candidates = [] if interpreting() else fitting_configs("fwd", block_d, q.dtype, q.device,
+                                                           mask.element_size() if mask_kind else 0)
     cfg = CONFIGS.pick("fwd", key, candidates, launch)
     launch(cfg)
     return out, lse
@@ -388,12 +400,10 @@ def launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, m
 
     key = _shape_key(q, lay, causal, bottom_right, window_left, window_right, mask_kind)
     interp = interpreting()
-    cfg = CONFIGS.pick("dkdv", key, [] if interp else fitting_configs("dkdv", block_d, q.dtype, q.device),
-                       launch_dkdv)
-    launch_dkdv(cfg)
-    cfg = CONFIGS.pick("dq", key, [] if interp else fitting_configs("dq", block_d, q.dtype, q.device),
-                       launch_dq)
-    launch_dq(cfg)
+    mask_elem = mask.element_size() if mask_kind else 0
+    for kind, launch in (("dkdv", launch_dkdv), ("dq", launch_dq)):
+        candidates = [] if interp else fitting_configs(kind, block_d, q.dtype, q.device, mask_elem)
+        launch(CONFIGS.pick(kind, key, candidates, launch))
     return dq, dk, dv
 
 

@@ -299,7 +299,9 @@ def attention_bwd_dq_kernel(
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Grid: (query blocks, batch * q_heads). dq is (B, Hq, Nq, D)."""
-    pid_m = tl.program_id(0)
+    # Query blocks run last-first: under causal masks the last blocks do the most work, and
+    # starting them first shortens the tail of the grid.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
     batch = pid_bh // q_heads
     head = pid_bh % q_heads
