@@ -396,9 +396,12 @@ def test_varlen_rejects_inconsistent_offsets():
 def test_custom_ops_pass_opcheck():
     g = _gen(23)
     q, k, v = (_randn((1, 2, 20, 16), torch.float32, g).requires_grad_() for _ in range(3))
-    args = (q, k, v, None, None, None, 20, 20, 0.25, True, False, -1, -1, False)
-    torch.library.opcheck(ta.flash_fwd, args, test_utils=("test_schema", "test_faketensor",
-                                                          "test_autograd_registration"))
+    mask = torch.rand((20, 20), generator=g, device=DEVICE) > 0.3
+    torch.library.opcheck(ta.flash_fwd, (q, k, v, None, None, None, 20, 20, 0.25, True, False, -1, -1, False))
+    torch.library.opcheck(ta.flash_fwd, (q, k, v, mask, None, None, 20, 20, 0.25, False, True, 3, -1, True))
+    qp, kp, vp = (_randn((30, 2, 16), torch.float32, g).requires_grad_() for _ in range(3))
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32, device=DEVICE)
+    torch.library.opcheck(ta.flash_fwd, (qp, kp, vp, None, cu, cu, 20, 20, 0.25, True, False, -1, -1, False))
 
 
 def test_compiles_with_fullgraph_and_no_graph_break():

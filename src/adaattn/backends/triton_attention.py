@@ -191,20 +191,22 @@ class ConfigChooser:
         if not self.tune or len(candidates) == 1 or torch.cuda.is_current_stream_capturing():
             # No timing inside CUDA-graph capture: take the first candidate that fits.
             return candidates[0]
-        timings = {}
+        timings: dict = {}
+        failures: dict = {}
         for c in candidates:
             try:
                 timings[c] = triton.testing.do_bench(lambda: launch(c), warmup=5, rep=20,
                                                      return_mode="median")
+            except torch.OutOfMemoryError:
+                raise
             except Exception as e:  # out of resources, or a compile failure for this shape
-                if isinstance(e, torch.OutOfMemoryError):
-                    raise
+                failures[str(c)] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:120] if str(e).strip() else ''}"
         if not timings:
-            raise RuntimeError(f"adaattn triton: no {kind} config ran for shape class {key}")
+            raise RuntimeError(f"adaattn triton: no {kind} config ran for shape class {key}: {failures}")
         best = min(timings, key=timings.get)
         with self._lock:
             self.chosen[(kind, key)] = best
-            self.timings[(kind, key)] = {str(c): t for c, t in timings.items()}
+            self.timings[(kind, key)] = {**{str(c): t for c, t in timings.items()}, **failures}
         return best
 
 
