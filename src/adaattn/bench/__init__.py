@@ -3,6 +3,7 @@
     adaattn bench                      # --quick: small shapes, under a minute on a 2-core CPU
     adaattn bench --full --out DIR     # the prefill yardstick (bf16, B=2, H=16, D=128, N 1k-16k)
     adaattn bench --seq-lens 1k,4k --causal yes --backends sdpa.cudnn,torch,adaattn
+    adaattn bench --workload gpt       # q, k, v captured from the shipped GPT on held-out text
 
 Prints a table last: per (shape, backend) the median time, TFLOP/s, speed relative to torch's
 own SDPA, relative error against the float64 reference and peak memory (CUDA). `--out` writes
@@ -22,7 +23,8 @@ import torch
 from . import overhead as overhead_mod
 from . import report, timing
 from .grid import CAUSAL, Grid, Shape, base_grid, dtype_name, override, parse_dtypes, parse_seq_lens
-from .suite import ADAATTN, HOW_BACKENDS_RUN, TORCH, YARDSTICK, Settings, run_suite
+from .suite import ADAATTN, HOW_BACKENDS_RUN, TORCH, YARDSTICK, Case, Settings, run_suite
+from .workload import WORKLOADS
 
 SCHEMA = "adaattn-bench/1"
 GRID_OPTIONS = ("seq_lens", "batch", "heads", "kv_heads", "head_dim", "dtype", "causal")
@@ -80,6 +82,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", type=_arg(parse_dtypes), default=None, metavar="DTYPE[,DTYPE]",
                    help="bf16, fp16, fp32 (comma-separated for several)")
     g.add_argument("--causal", choices=tuple(CAUSAL), default=None)
+    w = parser.add_argument_group("workload")
+    w.add_argument("--workload", choices=WORKLOADS, default="random",
+                   help="random: torch.randn inputs (default); gpt: each layer's q, k, v captured from the "
+                   "shipped byte-level GPT on held-out stdlib text (heads, kv heads and head dim are the "
+                   "model's; causal defaults to yes)")
+    w.add_argument("--weights", type=Path, default=None, help="GPT weights for --workload gpt (default: shipped)")
+    w.add_argument("--gpt-layers", default="ends", metavar="ends|all|I,J",
+                   help="layers to take q, k, v from (default ends: first, middle, last)")
     parser.add_argument("--backends", default=None, metavar="NAME,...",
                         help="only these rows: registry backends (a prefix such as 'sdpa' takes every "
                         "sdpa.*), 'torch' and 'adaattn'")
@@ -126,6 +136,14 @@ def _wanted(spec: str | None):
     return names, (lambda name: any(name == b or name.startswith(b + ".") for b in names))
 
 
+def _gpt_cases(grid: Grid, device: torch.device, args: argparse.Namespace):
+    from .workload import gpt_cases
+
+    if getattr(args, "no_progress", False) is False:
+        print("bench: capturing q, k, v from the GPT", file=sys.stderr, flush=True)
+    return gpt_cases(grid, device, args.weights, args.gpt_layers)
+
+
 def main(args: argparse.Namespace) -> int:
     """Run `adaattn bench` with parsed arguments; returns the exit code (2 for bad arguments)."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -143,6 +161,12 @@ def main(args: argparse.Namespace) -> int:
     mode = "full" if args.full else ("quick" if args.quick or not given else "custom")
     if args.overhead == "only":
         mode = "overhead"
+    gpt = getattr(args, "workload", "random") == "gpt"
+    if gpt:
+        fixed = [f"--{k.replace('_', '-')}" for k in ("heads", "kv_heads", "head_dim") if k in given]
+        if fixed:
+            return _fail(f"{', '.join(fixed)}: --workload gpt takes heads and head dim from the model")
+        given.setdefault("causal", "yes")
     grid = override(base_grid(args.full, device.type), dtypes=given.pop("dtype", None), **given)
     kv = grid.kv_heads or grid.heads
     if grid.heads % kv:
@@ -157,6 +181,14 @@ def main(args: argparse.Namespace) -> int:
                         error_rows=args.error_rows, seed=args.seed, wanted=wanted,
                         progress=not args.no_progress)
     shapes = grid.shapes()
+    cases: list[Case] | None = None
+    workload = None
+    if gpt and run_overhead != "only":
+        try:
+            cases, workload = _gpt_cases(grid, device, args)
+        except (FileNotFoundError, ValueError) as e:
+            return _fail(f"--workload gpt: {e}")
+        shapes = [c.shape for c in cases]
     env = report.environment(device)
     if args.commit:
         env["git_commit"] = args.commit
@@ -165,7 +197,7 @@ def main(args: argparse.Namespace) -> int:
     print(f"adaattn bench ({mode}) on {env['device_name']}: torch {env['torch']}, triton {env['triton']}, "
           f"commit {(env['git_commit'] or 'unknown')[:12]}; timing: {timing.method(device)}", flush=True)
 
-    rows = [] if run_overhead == "only" else run_suite(shapes, settings)
+    rows = [] if run_overhead == "only" else run_suite(shapes, settings, cases)
     ov_rows = []
     if run_overhead in ("yes", "only"):
         if settings.progress:
@@ -184,6 +216,7 @@ def main(args: argparse.Namespace) -> int:
                 "backward": args.backward, "backends": list(restrict) if restrict else None,
                 "rep_ms": rep_ms, "warmup_ms": args.warmup_ms, "error_rows": args.error_rows,
                 "seed": args.seed, "overhead": run_overhead,
+                **({"workload": workload} if workload else {}),
             },
             "method": {
                 "timing": timing.method(device), "flops": FLOPS_NOTE, "error_rows": _error_note(args.error_rows),

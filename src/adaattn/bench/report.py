@@ -135,6 +135,8 @@ def format_table(rows: list[dict], backward: bool = False) -> str:
         peer = torch_ms.get(key)
         ratio = None if peer is None or r["ms"] is None else peer / r["ms"]
         note = []
+        if r.get("layer") is not None:
+            note.append(f"{r.get('workload', '')} layer {r['layer']}".strip())
         if r.get("picked"):
             note.append(f"picked {r['picked']}")
         if r.get("error_within_2x_torch") is False:
@@ -177,7 +179,8 @@ def format_overhead(rows: list[dict]) -> str:
 
 
 def _shape_key(r: dict) -> tuple:
-    return (r["dtype"], r["batch"], r["heads"], r["kv_heads"], r["head_dim"], r["seq_len"], r["causal"])
+    return (r["dtype"], r["batch"], r["heads"], r["kv_heads"], r["head_dim"], r["seq_len"], r["causal"],
+            r.get("layer"))
 
 
 def output_stem(env: dict, when: datetime.datetime) -> str:
@@ -205,13 +208,15 @@ def write_plot(path: Path, rows: list[dict], title: str) -> Path | None:
         return None
     configs: dict[tuple, list[dict]] = {}
     for r in rows:
-        key = (r["dtype"], r["batch"], r["heads"], r["kv_heads"], r["head_dim"], r["causal"])
+        key = (r["dtype"], r["batch"], r["heads"], r["kv_heads"], r["head_dim"], r["causal"], r.get("layer"))
         configs.setdefault(key, []).append(r)
     with_memory = any(r["peak_mib"] is not None for r in rows)
     ncols = 2 if with_memory else 1
     fig, axes = plt.subplots(len(configs), ncols, figsize=(6 * ncols, 3.6 * len(configs)), squeeze=False)
-    for ax_row, ((dtype, b, h, hkv, d, causal), group) in zip(axes, configs.items()):
+    for ax_row, ((dtype, b, h, hkv, d, causal, layer), group) in zip(axes, configs.items()):
         label = f"{dtype} B={b} H={h}{'/' + str(hkv) if hkv != h else ''} D={d}{' causal' if causal else ''}"
+        if layer is not None:
+            label += f" {group[0].get('workload', '')} layer {layer}"
         backends = list(dict.fromkeys(r["backend"] for r in group))
         for name in backends:
             pts = sorted((r["seq_len"], r["ms"], r["peak_mib"]) for r in group if r["backend"] == name and r["ms"] is not None)

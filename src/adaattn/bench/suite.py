@@ -141,28 +141,51 @@ def measure(name: str, forward: Callable, shape: Shape, inputs, ref, rows_idx, s
     return row
 
 
-def run_suite(shapes: list[Shape], settings: Settings) -> list[dict]:
-    """Benchmark every shape; one dict per (shape, runner), in order.
+@dataclass
+class Case:
+    """One benchmarked call: its shape, where its inputs come from, and fields added to its rows.
 
-    Each row holds the shape's fields, `backend`, `picked` (for the adaattn row), `ms`
-    (median), `tflops`, `rel_error` against the float64 reference on `error_rows` sampled
-    query rows (None if the reference failed), `peak_mib` (CUDA), and `error` (a string
+    make: (device, requires_grad) -> (q, k, v) in (B, H, N, D) with the shape's sizes and dtype;
+    None means fresh torch.randn inputs. fields: e.g. {"workload": "gpt", "layer": 3}.
+    """
+
+    shape: Shape
+    make: Callable[[torch.device, bool], tuple[torch.Tensor, ...]] | None = None
+    fields: dict = field(default_factory=dict)
+
+    def label(self) -> str:
+        extra = " ".join(f"{k}={v}" for k, v in self.fields.items())
+        return f"{self.shape.label()} {extra}" if extra else self.shape.label()
+
+
+def run_suite(shapes: list[Shape], settings: Settings, cases: list[Case] | None = None) -> list[dict]:
+    """Benchmark every shape (or every case, when `cases` is given); one dict per (shape, runner), in order.
+
+    Each row holds the shape's fields (and the case's), `backend`, `picked` (for the adaattn
+    row), `ms` (median), `tflops`, `rel_error` against the float64 reference on `error_rows`
+    sampled query rows (None if the reference failed), `peak_mib` (CUDA), and `error` (a string
     when the runner raised; its figures are then None). Never raises for a failing backend.
     """
-    progress = Progress(len(shapes), enabled=settings.progress)
+    if cases is None:
+        cases = [Case(s) for s in shapes]
+    progress = Progress(len(cases), enabled=settings.progress)
     out: list[dict] = []
     try:
-        for i, shape in enumerate(shapes):
-            progress.step(shape.label())
-            out.extend(_run_shape(shape, settings, progress, seed=settings.seed + i))
+        for i, case in enumerate(cases):
+            progress.step(case.label())
+            out.extend(_run_shape(case, settings, progress, seed=settings.seed + i))
     finally:
         progress.close()
     return out
 
 
-def _run_shape(shape: Shape, settings: Settings, progress: Progress, seed: int) -> list[dict]:
+def _run_shape(case: Case, settings: Settings, progress: Progress, seed: int) -> list[dict]:
     device = settings.device
-    q, k, v = make_inputs(shape, device, seed, settings.backward)
+    shape = case.shape
+    if case.make is None:
+        q, k, v = make_inputs(shape, device, seed, settings.backward)
+    else:
+        q, k, v = case.make(device, settings.backward)
     rows_idx = accuracy.sample_rows(shape.seq_len, settings.error_rows)
     ref, ref_error = None, None
     progress.note("float64 reference")
@@ -174,11 +197,11 @@ def _run_shape(shape: Shape, settings: Settings, progress: Progress, seed: int) 
         if device.type == "cuda":
             torch.cuda.empty_cache()
     table, declined = runners(shape, q, k, v, settings)
-    settings.declined[shape.label()] = declined
+    settings.declined[case.label()] = declined
     rows = []
     for name, fn, picked in table:
         progress.note(name)
-        base = {**shape.as_dict(), "backend": name, "picked": picked, "error_rows": len(rows_idx)}
+        base = {**shape.as_dict(), **case.fields, "backend": name, "picked": picked, "error_rows": len(rows_idx)}
         if isinstance(fn, str):
             row = {"ms": None, "tflops": None, "rel_error": None, "peak_mib": None, "error": fn}
         else:

@@ -1,0 +1,239 @@
+"""A compact decoder-only transformer whose attention is `adaattn.attention`.
+
+Pre-norm (RMSNorm), rotary position embeddings, optional grouped-query attention, SwiGLU
+MLP, byte vocabulary by default. `GPT(config, policy=...)` passes the policy to every
+attention call; `attention="sdpa"` calls torch's SDPA instead (the peer in comparisons).
+Runs on the CPU in float32 and on CUDA under bf16 autocast.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from ..api import attention as ada_attention
+from ..policy import Policy
+
+ATTENTION_KINDS = ("adaattn", "sdpa")
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Sizes of the model. `mlp_hidden` None means 8/3 * d_model rounded up to a multiple of 64."""
+
+    vocab_size: int = 256
+    n_layer: int = 8
+    n_head: int = 6
+    n_kv_head: int = 2
+    d_model: int = 384
+    mlp_hidden: int | None = None
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-5
+    train_seq_len: int = 8192  # the length it was trained at (RoPE itself has no limit)
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_head:
+            raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_head ({self.n_head})")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def hidden(self) -> int:
+        if self.mlp_hidden is not None:
+            return self.mlp_hidden
+        return 64 * math.ceil(8 * self.d_model / 3 / 64)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GPTConfig":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def rope_tables(seq_len: int, head_dim: int, base: float, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, each (seq_len, head_dim / 2), computed in float32 then cast to `dtype`."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate (B, N, H, D) by position: the two halves of D are the real and imaginary parts."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]  # (N, 1, D/2) broadcasts over heads
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+Recorder = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+class Attention(nn.Module):
+    """Causal self-attention: fused QKV projection, RoPE on Q and K, attention, output projection."""
+
+    def __init__(self, config: GPTConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.n_head, self.n_kv_head, self.head_dim = config.n_head, config.n_kv_head, config.head_dim
+        kv_dim = config.n_kv_head * config.head_dim
+        self.qkv = nn.Linear(config.d_model, config.d_model + 2 * kv_dim, bias=False)
+        self.proj = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.kind = "adaattn"  # GPT.set_attention sets these three on every layer
+        self.policy: Policy | None = None
+        self.recorder: Recorder | None = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        h, hk, hd = self.n_head, self.n_kv_head, self.head_dim
+        q, k, v = self.qkv(x).split([h * hd, hk * hd, hk * hd], dim=-1)
+        q = apply_rope(q.view(b, n, h, hd), cos, sin)
+        k = apply_rope(k.view(b, n, hk, hd), cos, sin)
+        v = v.view(b, n, hk, hd)
+        gqa = hk != h
+        if self.kind == "sdpa":
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=gqa
+            ).transpose(1, 2)
+        else:
+            out = ada_attention(q, k, v, is_causal=True, enable_gqa=gqa, layout="bshd",
+                                policy=self.policy, label=f"layer{self.layer}")
+        if self.recorder is not None:
+            self.recorder(self.layer, q, k, v, out)
+        return self.proj(out.reshape(b, n, d))
+
+
+class MLP(nn.Module):
+    """SwiGLU: proj(silu(gate(x)) * up(x)), gate and up fused in one matrix."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.hidden = config.hidden
+        self.gate_up = nn.Linear(config.d_model, 2 * config.hidden, bias=False)
+        self.proj = nn.Linear(config.hidden, config.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.proj(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig, layer: int):
+        super().__init__()
+        self.norm1 = RMSNorm(config.d_model, config.norm_eps)
+        self.attn = Attention(config, layer)
+        self.norm2 = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.norm1(x), cos, sin)
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer on token ids.
+
+    attention: "adaattn" (adaattn.attention with `policy`; None is exact) or "sdpa"
+        (torch.nn.functional.scaled_dot_product_attention), both causal.
+    checkpoint: recompute each block in the backward (activation checkpointing) when training.
+    forward(tokens (B, N) int64, targets (B, N) int64 or None) -> (logits (B, N, vocab) in the
+    compute dtype, mean cross-entropy in nats as float32, or None without targets).
+    """
+
+    def __init__(self, config: GPTConfig, *, policy: Policy | None = None, attention: str = "adaattn",
+                 checkpoint: bool = False):
+        super().__init__()
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.checkpoint = checkpoint
+        self.set_attention(attention, policy)
+        self._rope: dict = {}
+        self.reset_parameters()
+
+    def set_attention(self, attention: str = "adaattn", policy: Policy | None = None) -> None:
+        """Switch every layer to adaattn.attention with `policy`, or to torch SDPA."""
+        if attention not in ATTENTION_KINDS:
+            raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
+        if policy is not None and not isinstance(policy, Policy):
+            raise TypeError(f"policy must be an adaattn.Policy or None, got {type(policy).__name__}")
+        self.attention = attention
+        self.policy = policy
+        for block in self.blocks:
+            block.attn.kind, block.attn.policy = attention, policy
+
+    def set_recorder(self, recorder: Recorder | None) -> None:
+        """Call `recorder(layer, q, k, v, out)` in every layer's forward ((B, N, H, D) tensors), or stop."""
+        for block in self.blocks:
+            block.attn.recorder = recorder
+
+    def reset_parameters(self) -> None:
+        """GPT-2 style: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer)."""
+        std = 0.02
+        for name, p in self.named_parameters():
+            if p.dim() < 2:
+                nn.init.ones_(p)
+            elif name.endswith("proj.weight"):
+                nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.config.n_layer))
+            else:
+                nn.init.normal_(p, 0.0, std)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    def rope(self, seq_len: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (seq_len, str(device), dtype)
+        if key not in self._rope:
+            self._rope.clear()  # one length at a time is what training and evaluation use
+            self._rope[key] = rope_tables(seq_len, self.config.head_dim, self.config.rope_base, device, dtype)
+        return self._rope[key]
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be (batch, seq_len) int64, got shape {tuple(tokens.shape)}")
+        x = self.embed(tokens)
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        cos, sin = self.rope(tokens.shape[1], x.device, dtype)
+        for block in self.blocks:
+            if self.checkpoint and self.training and torch.is_grad_enabled():
+                x = checkpoint(block, x, cos, sin, use_reentrant=False)
+            else:
+                x = block(x, cos, sin)
+        logits = self.head(self.norm(x))
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+        return logits, loss
+
+    def optimizer(self, lr: float, weight_decay: float, betas=(0.9, 0.95), fused: bool | None = None):
+        """AdamW with weight decay on the matrices only (not norms, not the embedding)."""
+        decay = [p for n, p in self.named_parameters() if p.dim() >= 2 and not n.startswith("embed")]
+        other = [p for n, p in self.named_parameters() if p.dim() < 2 or n.startswith("embed")]
+        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": other, "weight_decay": 0.0}]
+        kw = {} if fused is None else {"fused": fused}
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, **kw)
