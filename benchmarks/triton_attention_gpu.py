@@ -60,9 +60,6 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
-# ---- 1. correctness -----------------------------------------------------------------------
-
-
 CORRECTNESS = [
     # b, hq, hkv, nq, nk, d, dtype, causal, window, mask
     (2, 8, 8, 1024, 1024, 128, torch.bfloat16, True, None, None),
@@ -132,9 +129,6 @@ def sampled_rows_check(out, q, k, v, causal, rows=(0, 1, 1000, -1)) -> float:
     return rel_err(out[:, :, idx], ref)
 
 
-# ---- 2. speed ---------------------------------------------------------------------------
-
-
 def bench(fn, backward, inputs, out_like):
     if backward:
         grad = torch.randn_like(out_like)
@@ -198,9 +192,6 @@ def speed_rows(b, h, d, sizes) -> list:
     return rows
 
 
-# ---- 3. config variants -------------------------------------------------------------------
-
-
 FWD_VARIANTS = [ta.KernelConfig(128, 64, 8, 3), ta.KernelConfig(128, 128, 8, 3), ta.KernelConfig(128, 64, 8, 4),
                 ta.KernelConfig(128, 128, 8, 2), ta.KernelConfig(128, 64, 4, 3), ta.KernelConfig(64, 64, 4, 3)]
 DKDV_VARIANTS = [ta.KernelConfig(16, 128, 8, 2), ta.KernelConfig(32, 128, 8, 2), ta.KernelConfig(32, 128, 8, 1),
@@ -236,9 +227,6 @@ def variant_rows(b, h, n, d, causal) -> list:
             rows.append(row)
             log(f"    {kind:5s} {str(cfg):18s} " + (f"{row['ms']:.3f} ms" if "ms" in row else row["error"]))
     return rows
-
-
-# ---- main -----------------------------------------------------------------------------------
 
 
 def main() -> int:

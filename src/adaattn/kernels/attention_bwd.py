@@ -62,9 +62,6 @@ def query_tile_range(start_n, q_len, k_len, diag, window_left, window_right,
     return lo, full_lo, full_hi, hi
 
 
-# ---- delta ------------------------------------------------------------------------------
-
-
 @triton.jit(do_not_specialize=["q_len_dense"])
 def attention_bwd_delta_kernel(
     Out, DOut, Delta, CuSeqlensQ,
@@ -99,9 +96,6 @@ def attention_bwd_delta_kernel(
     do = load_rows(do_base + offs_m[:, None] * stride_dom + offs_d[None, :], offs_m, q_len, offs_d,
                    HEAD_DIM, BLOCK_D, True).to(tl.float32)
     tl.store(d_base + offs_m * stride_lm, tl.sum(o * do, 1), mask=offs_m < q_len)
-
-
-# ---- dk, dv -----------------------------------------------------------------------------
 
 
 @triton.jit
@@ -235,9 +229,6 @@ def attention_bwd_dkdv_kernel(
                offs_n, k_len, offs_d, HEAD_DIM, BLOCK_D)
     store_rows(dv_base + offs_n[:, None] * stride_dvn + offs_d[None, :], round_to(dv, DV.dtype.element_ty, DOT_PRECISION),
                offs_n, k_len, offs_d, HEAD_DIM, BLOCK_D)
-
-
-# ---- dq ---------------------------------------------------------------------------------
 
 
 @triton.jit

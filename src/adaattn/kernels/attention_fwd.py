@@ -27,9 +27,6 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
 
-# ---- shared pieces (the backward imports these) ----------------------------------------
-
-
 @triton.jit
 def dot(a, b, acc, DOT_PRECISION: tl.constexpr):
     """a @ b (+ acc) accumulated in fp32. "ieee" and "tf32" go to tl.dot as they are.
@@ -154,9 +151,6 @@ def apply_masks(s, q_idx, k_idx, q_len, k_len, diag, window_left, window_right,
                              HAS_LEFT, HAS_RIGHT)
         s = tl.where(keep, s, float("-inf"))
     return s
-
-
-# ---- forward -----------------------------------------------------------------------------
 
 
 @triton.jit
