@@ -362,17 +362,27 @@ def main(argv: list[str] | None = None) -> int:
     else:
         steps = args.steps
 
-    runs = []
+    runs, failed = [], []
     first_trainer = None
     for spec in specs:
-        record, trainer = train_run(args, config, spec, corpus, heldout_eval, steps, deadline, device, log)
-        runs.append(record)
-        if first_trainer is None:
-            first_trainer = trainer
+        try:
+            record, trainer = train_run(args, config, spec, corpus, heldout_eval, steps, deadline, device, log)
+        except Exception as e:  # one run failing must not lose the other
+            msg = f"{type(e).__name__}: {str(e).strip()[:500]}"
+            log(f"run {spec} FAILED: {msg}")
+            failed.append({"attention": spec, "error": msg})
+            trainer = None
         else:
-            del trainer
+            runs.append(record)
+            if first_trainer is None:
+                first_trainer = trainer
+        del trainer
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if not runs:
+        log("every run failed")
+        (args.out / "train_log.json").write_text(json.dumps({"command": command, "failed": failed}, indent=1) + "\n")
+        return 1
 
     summary = {}
     if len(runs) == 2:
@@ -390,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         "heldout_bits_per_byte_float32": runs[0]["final_heldout"]["bits_per_byte"],
     }
     pretrained.save(first_trainer.model, weights_path, args.storage, meta)
-    log(f"wrote {weights_path} ({weights_path.stat().st_size / 2**20:.2f} MiB, {args.storage})")
+    log(f"wrote {weights_path} ({weights_path.stat().st_size / 2**20:.2f} MiB, {args.storage}) from run {runs[0]['attention']}")
     del first_trainer
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -399,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         "schema": "adaattn-train-gpt/1", "command": command, "environment": env, "corpus": corpus.info,
         "unigram_bits_per_byte": unigram, "config": config.as_dict(), "parameters": n_params,
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "steps": steps, "calibration_s_per_step": timings, "runs": runs, "comparison": summary,
+        "steps": steps, "calibration_s_per_step": timings, "runs": runs, "failed": failed, "comparison": summary,
     }
     (args.out / "train_log.json").write_text(json.dumps(record, indent=1) + "\n")
     title = (f"byte GPT {n_params / 1e6:.1f}M, {args.layers}x{args.d_model}, {args.batch}x{args.seq_len} bytes/step, "
@@ -418,8 +428,20 @@ def main(argv: list[str] | None = None) -> int:
     meta["heldout_bits_per_byte"] = result["heldout"]["bits_per_byte"]
     meta["heldout_context"] = args.eval_context
     pretrained.update_meta(weights_path, meta)
-    log(f"wrote {args.out / 'eval.json'}; total {time.perf_counter() - started:.0f} s")
-    return 0
+    log(f"wrote {args.out / 'eval.json'}")
+    log("\nsummary:")
+    for r in runs:
+        log(f"  {r['attention']:<16} {r['steps']} steps, {r['tokens_per_s']:,.0f} tokens/s, held-out "
+            f"{r['final_heldout']['bits_per_byte']:.4f} bits/byte (float32 weights, context {args.seq_len})")
+    for f in failed:
+        log(f"  {f['attention']:<16} FAILED: {f['error'][:200]}")
+    if summary:
+        log(f"  difference {100 * summary['relative_difference']:.2f}% "
+            f"({'within' if summary['within_1_percent'] else 'NOT within'} 1%)")
+    log(f"  stored {args.storage} weights {weights_path.stat().st_size / 2**20:.2f} MiB: held-out "
+        f"{result['heldout']['bits_per_byte']:.4f} bits/byte at context {args.eval_context} "
+        f"(unigram {unigram:.3f}); total {time.perf_counter() - started:.0f} s")
+    return 0 if not failed else 1
 
 
 if __name__ == "__main__":
