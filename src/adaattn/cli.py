@@ -97,6 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     pb = sub.add_parser("bench", help="time every available backend over a grid of shapes")
     bench_arguments(pb)
+
+    from .models.evaluate import add_arguments as eval_arguments
+
+    pv = sub.add_parser("eval", help="held-out bits per byte of the shipped GPT and a policy's error on its attention")
+    eval_arguments(pv)
     return p
 
 
