@@ -357,6 +357,21 @@ def test_config_chooser_times_candidates_once_and_skips_failures(monkeypatch):
     assert chooser.pick("fwd", ("other",), [a, b, c], launch) == a
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="emulates the GPU launch path on the CPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gpu_launch_path_runs_under_the_interpreter(monkeypatch, dtype):
+    # The glue as it runs on a GPU (config tables, shared-memory fit, timing, caching),
+    # with the kernels still interpreted; bf16 is left out as the interpreter needs its
+    # own dot for it.
+    monkeypatch.setattr(ta, "interpreting", lambda: False)
+    monkeypatch.setattr(ta, "max_shared_memory", lambda device: 232448)
+    monkeypatch.setattr(ta, "CONFIGS", ta.ConfigChooser())
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 1.0)[1])
+    check_case(hq=2, hkv=1, nq=70, nk=150, d=64, dtype=dtype, causal=True, seed=27)
+    kinds = {kind for kind, _ in ta.CONFIGS.chosen}
+    assert kinds == {"fwd", "dkdv", "dq"}
+
+
 def test_config_choice_keys_on_length_buckets():
     assert ta.length_bucket(1) == 1
     assert ta.length_bucket(1000) == ta.length_bucket(1024) == 1024
@@ -377,10 +392,18 @@ def test_gradients_are_bitwise_deterministic():
         assert torch.equal(a, b)
 
 
-def test_bad_causal_alignment_is_rejected():
-    q = torch.randn(1, 1, 4, 16, device=DEVICE)
+def test_bad_arguments_are_rejected():
+    q = torch.randn(1, 4, 4, 16, device=DEVICE)
     with pytest.raises(ValueError, match="causal_alignment"):
         ta.triton_attention(q, q, q, is_causal=True, causal_alignment="bottom")
+    with pytest.raises(ValueError, match="multiple"):
+        ta.triton_attention(q, q[:, :3], q[:, :3])
+    with pytest.raises(TypeError, match="dtype"):
+        ta.triton_attention(q.double(), q.double(), q.double())
+    with pytest.raises(ValueError, match="broadcast"):
+        ta.triton_attention(q, q, q, attn_mask=torch.ones(3, 4, dtype=torch.bool, device=DEVICE))
+    with pytest.raises(ValueError, match="4-D"):
+        ta.triton_attention(q[0], q[0], q[0])
 
 
 def _packed(lengths_q, lengths_k, hq, hkv, d, dtype, seed):

@@ -480,6 +480,37 @@ def _check_alignment(causal_alignment: str) -> bool:
     return causal_alignment == "bottom_right"
 
 
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check_dense(q, k, v, attn_mask) -> None:
+    for name, t in (("query", q), ("key", k), ("value", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"{name} must be a 4-D (B, H, N, D) tensor, got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in KERNEL_DTYPES:
+        raise TypeError(f"query, key and value must share one dtype among float16, bfloat16, float32; got "
+                        f"{q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"query, key and value must be on one device, got {q.device}, {k.device}, {v.device}")
+    b, hq, _, d = q.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"key and value must be (B, Hkv, Nk, D) with query's B={b} and D={d}, got key "
+                         f"{tuple(k.shape)} and value {tuple(v.shape)}")
+    if k.shape[1] == 0 or hq % k.shape[1] != 0:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({k.shape[1]})")
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be at most {MAX_HEAD_DIM}, got {d}")
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor) or (attn_mask.dtype != torch.bool and not attn_mask.is_floating_point()):
+            raise TypeError(f"attn_mask must be a bool or floating tensor, got {attn_mask!r:.80}")
+        try:
+            torch.broadcast_shapes(attn_mask.shape, (b, hq, q.shape[2], k.shape[2]))
+        except RuntimeError:
+            raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+                             f"(B, Hq, Nq, Nk) = {(b, hq, q.shape[2], k.shape[2])}") from None
+
+
 def triton_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -502,8 +533,10 @@ def triton_attention(
         causal_alignment="bottom_right" query i sits at position i + (Nk - Nq), so key j is
         visible iff j <= i + Nk - Nq (the KV-cache convention); windows shift the same way.
     deterministic: bitwise-reproducible gradients (the kernels use no atomics, so always).
-    Rows that see no key give 0. Raises ValueError for a bad causal_alignment.
+    Rows that see no key give 0. Raises ValueError/TypeError for inconsistent shapes, dtypes
+    or devices, head_dim > 256, or a bad causal_alignment.
     """
+    _check_dense(query, key, value, attn_mask)
     bottom_right = _check_alignment(causal_alignment)
     d = query.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
