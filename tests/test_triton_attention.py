@@ -372,6 +372,78 @@ def test_gpu_launch_path_runs_under_the_interpreter(monkeypatch, dtype):
     assert kinds == {"fwd", "dkdv", "dq"}
 
 
+SM90_COMPILE = r"""
+import json, os, re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from adaattn.backends import triton_attention as ta
+from adaattn.kernels.attention_bwd import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
+from adaattn.kernels.attention_fwd import attention_fwd_kernel
+
+def compile_for_sm90(kernel, kind, d=128):
+    cfg = ta.HALF_CONFIGS[kind][ta._d_class(d)][0]
+    consts = dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, IS_VARLEN=False,
+                  BOTTOM_RIGHT=False, HAS_LEFT=False, HAS_RIGHT=True, MASK_KIND=0, DOT_PRECISION="tf32")
+    sig, attrs = {}, {}
+    for i, name in enumerate(kernel.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in ("LSE", "Delta"):
+            sig[name] = "*fp32"
+        elif name.startswith("CuSeqlens"):
+            sig[name] = "*i32"
+        elif name[0].isupper():
+            sig[name] = "*bf16"
+        elif name.startswith("scale"):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+        # Pointers and row strides as the launcher sees them for contiguous tensors.
+        if sig[name][0] == "*" or re.fullmatch(r"stride_(q|k|v|o|do|dq|dk|dv)[bhmn]", name):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    c = triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    stack = None
+    if os.path.exists(tool):
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(c.asm["cubin"]); f.flush()
+            usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+        m = re.search(r"STACK:(\d+)", usage)
+        stack = int(m.group(1)) if m else None
+    return {"kind": kind, "smem": c.metadata.shared, "wgmma": "wgmma" in c.asm["ptx"], "stack": stack}
+
+print(json.dumps([compile_for_sm90(attention_fwd_kernel, "fwd"),
+                  compile_for_sm90(attention_bwd_dkdv_kernel, "dkdv"),
+                  compile_for_sm90(attention_bwd_dq_kernel, "dq")]))
+"""
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the GPU tests compile for the real device")
+def test_kernels_compile_for_hopper_without_spills():
+    # Compiled (not interpreted) for sm90 with the ptxas shipped in triton, no GPU needed:
+    # the first config of each kernel must use wgmma, fit shared memory and not spill.
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.compiler")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", SM90_COMPILE], capture_output=True, text=True, env=env,
+                          timeout=300)
+    if proc.returncode != 0 and ("ptxas" in proc.stderr and "not found" in proc.stderr.lower()):
+        pytest.skip("no ptxas in this triton install")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for r in json.loads(proc.stdout.strip().splitlines()[-1]):
+        assert r["wgmma"], r
+        assert r["smem"] <= 232448, r
+        assert r["stack"] in (0, None), r
+
+
 def test_config_choice_keys_on_length_buckets():
     assert ta.length_bucket(1) == 1
     assert ta.length_bucket(1000) == ta.length_bucket(1024) == 1024
