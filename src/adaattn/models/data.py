@@ -110,9 +110,10 @@ def windows(data: torch.Tensor, seq_len: int, max_windows: int | None = None, of
 def random_batch(data: torch.Tensor, seq_len: int, batch: int, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets), each (batch, seq_len) int64, at uniform random offsets of `data`.
 
-    `generator` must live on data's device; the same seed gives the same batches.
+    `generator` is a CPU generator (the offsets are drawn on the CPU whatever data's device,
+    so the same seed gives the same batches everywhere).
     """
-    starts = torch.randint(0, data.numel() - seq_len - 1, (batch,), generator=generator, device=data.device)
+    starts = torch.randint(0, data.numel() - seq_len - 1, (batch,), generator=generator).to(data.device)
     idx = starts[:, None] + torch.arange(seq_len + 1, device=data.device)
     chunk = data[idx].long()
     return chunk[:, :-1], chunk[:, 1:]
