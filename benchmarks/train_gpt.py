@@ -95,7 +95,7 @@ class Trainer:
         self.model = GPT(config, policy=policy, attention=kind, checkpoint=args.checkpoint).to(device)
         self.forward = torch.compile(self.model) if args.compile else self.model
         self.opt = self.model.optimizer(args.lr, args.weight_decay, fused=device.type == "cuda" or None)
-        self.data = train_data
+        self.data = train_data.to(device)
         self.gen = torch.Generator().manual_seed(args.seed + 1)  # the same batches
         self.autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda"
                          else contextlib.nullcontext())
