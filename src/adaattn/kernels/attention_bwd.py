@@ -18,7 +18,16 @@ Masking and tile ranges are the forward's (attention_fwd), seen from the key sid
 import triton
 import triton.language as tl
 
-from .attention_fwd import apply_masks, dot, round_to, key_tile_range, load_rows, sequence_bounds, store_rows
+from .attention_fwd import (
+    LOG2E_K,
+    apply_masks,
+    dot,
+    key_tile_range,
+    load_rows,
+    round_to,
+    sequence_bounds,
+    store_rows,
+)
 
 
 @triton.jit
@@ -30,7 +39,7 @@ def load_row_stats(lse_base, delta_base, rows, q_len, stride_lm, CHECK_ROWS: tl.
     else:
         lse = tl.load(lse_base + rows * stride_lm)
         delta = tl.load(delta_base + rows * stride_lm)
-    lse = tl.where(lse == float("-inf"), float("inf"), lse) * 1.4426950408889634
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E_K
     return lse, delta
 
 

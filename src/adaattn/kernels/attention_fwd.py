@@ -25,6 +25,9 @@ MASK_ADDITIVE = 2
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+# The same constants, readable inside @triton.jit functions.
+LOG2E_K: tl.constexpr = tl.constexpr(LOG2E)
+LN2_K: tl.constexpr = tl.constexpr(LN2)
 
 
 @triton.jit
@@ -145,7 +148,7 @@ def apply_masks(s, q_idx, k_idx, q_len, k_len, diag, window_left, window_right,
             s = tl.where(user_keep, s, float("-inf"))
         else:
             bias = tl.load(mask_ptrs, mask=in_bounds, other=0.0).to(tl.float32)
-            s = s + bias * 1.4426950408889634
+            s = s + bias * LOG2E_K
     if EDGE:
         keep = position_keep(q_idx, k_idx, q_len, k_len, diag, window_left, window_right,
                              HAS_LEFT, HAS_RIGHT)
@@ -276,7 +279,7 @@ def attention_fwd_kernel(
     # A row that saw no key (fully masked) writes 0 and lse = -inf, as SDPA's math path.
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2_K, float("-inf"))
     store_rows(o_base + offs_m[:, None] * stride_om + offs_d[None, :], round_to(out, Out.dtype.element_ty, DOT_PRECISION),
                offs_m, q_len, offs_d, HEAD_DIM, BLOCK_D)
     tl.store(l_base + offs_m * stride_lm, lse, mask=offs_m < q_len)
