@@ -676,6 +676,11 @@ class TritonBackend(Backend):
 
     name = "triton"
 
+    @property
+    def interpreted(self) -> bool:
+        """True under TRITON_INTERPRET=1: CPU runs are for tests, far too slow to benchmark."""
+        return interpreting()
+
     def supports(self, problem) -> list[str]:
         device = torch.device(problem.device_type, problem.device_index)
         reasons = triton_can_run(device, problem.dtype, problem.head_dim)
