@@ -20,7 +20,6 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -50,8 +49,9 @@ def rel_err(out, ref):
 
 def git_commit() -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or None
+        from adaattn.bench.report import git_commit as commit  # reads .git files where git is absent
+
+        return commit()
     except Exception:
         return None
 
