@@ -549,6 +549,9 @@ def test_custom_ops_pass_opcheck():
     mask = torch.rand((20, 20), generator=g, device=DEVICE) > 0.3
     torch.library.opcheck(ta.flash_fwd, (q, k, v, None, None, None, 20, 20, 0.25, True, False, -1, -1, False))
     torch.library.opcheck(ta.flash_fwd, (q, k, v, mask, None, None, 20, 20, 0.25, False, True, 3, -1, True))
+    # Views with transposed strides: the fake outputs must be laid out as the real ones.
+    qt, kt, vt = (_randn((1, 20, 2, 16), torch.float32, g).transpose(1, 2).requires_grad_() for _ in range(3))
+    torch.library.opcheck(ta.flash_fwd, (qt, kt, vt, None, None, None, 20, 20, 0.25, True, False, -1, -1, False))
     qp, kp, vp = (_randn((30, 2, 16), torch.float32, g).requires_grad_() for _ in range(3))
     cu = torch.tensor([0, 10, 30], dtype=torch.int32, device=DEVICE)
     torch.library.opcheck(ta.flash_fwd, (qp, kp, vp, None, cu, cu, 20, 20, 0.25, True, False, -1, -1, False))

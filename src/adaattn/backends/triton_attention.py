@@ -428,7 +428,8 @@ def _flash_fwd_fake(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     else:
         lse = q.new_empty((q.shape[0], q.shape[1], q.shape[2]), dtype=torch.float32)
-    return torch.empty_like(q), lse
+    # Contiguous, as the real outputs are (empty_like would copy a view's strides).
+    return q.new_empty(q.shape), lse
 
 
 @torch.library.custom_op("adaattn::flash_bwd", mutates_args=())
@@ -446,7 +447,7 @@ def flash_bwd(
 @flash_bwd.register_fake
 def _flash_bwd_fake(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                     max_seqlen_k, scale, causal, bottom_right, window_left, window_right, deterministic):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 def _fwd_setup_context(ctx, inputs, output):
