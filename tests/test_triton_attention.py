@@ -722,3 +722,11 @@ def test_gpu_varlen():
         ref = reference_attention(qs, ks, vs, is_causal=True)
         peer = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
         assert_standard(out[s].transpose(0, 1)[None], ref, peer, f"seq {i}")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("n", [8192, 3000])
+def test_gpu_gradients_at_the_gpt_training_shape(n):
+    # The shipped GPT: 6 query heads over 2 KV heads of 64, causal, bf16, context 8192.
+    check_case(b=1, hq=6, hkv=2, nq=n, nk=n, d=64, dtype=torch.bfloat16, causal=True, seed=n)

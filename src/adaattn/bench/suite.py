@@ -80,6 +80,8 @@ def runners(shape: Shape, q, k, v, settings: Settings) -> tuple[list[Runner], di
         if name == YARDSTICK or not settings.wanted(name):
             continue
         reasons = backend.supports(problem)
+        if getattr(backend, "interpreted", False):
+            reasons = [*reasons, "runs under TRITON_INTERPRET (a correctness path, not a timing one)."]
         if reasons:
             declined[name] = list(reasons)
             continue
