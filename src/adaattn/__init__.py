@@ -2,6 +2,7 @@
 
 from . import stats
 from .api import Explanation, attention, explain
+from .backends.triton_attention import varlen_attention
 from .nn import AdaAttention
 from .planner import NoBackendError
 from .policy import Policy
@@ -28,5 +29,6 @@ __all__ = [
     "explain",
     "info",
     "stats",
+    "varlen_attention",
     "__version__",
 ]
