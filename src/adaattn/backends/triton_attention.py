@@ -333,7 +333,7 @@ def launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
             scale * LOG2E, left, right,
             HEAD_DIM=lay.head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             IS_VARLEN=lay.varlen, BOTTOM_RIGHT=bottom_right, HAS_LEFT=has_left, HAS_RIGHT=has_right,
-            MASK_KIND=mask_kind, DOT_PRECISION=_dot_precision(q.dtype),
+            MASK_KIND=mask_kind, DOT_PRECISION=_dot_precision(q.dtype), SCALE_POSITIVE=scale > 0,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 

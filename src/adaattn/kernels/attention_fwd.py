@@ -162,19 +162,27 @@ def fwd_tile(acc, l_i, m_i, q, k_base, v_base, mask_base, start_n,
              stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EDGE: tl.constexpr,
              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
-             DOT_PRECISION: tl.constexpr):
+             DOT_PRECISION: tl.constexpr, SCALE_POSITIVE: tl.constexpr):
     """Fold one key tile into the running (acc, l_i, m_i) of the online softmax."""
     cols = start_n + offs_n
     k = load_rows(k_base + cols[:, None] * stride_kn + offs_d[None, :], cols, k_len, offs_d,
                   HEAD_DIM, BLOCK_D, EDGE)
-    s = dot(q, tl.trans(k), None, DOT_PRECISION) * scale_log2
-    s = apply_masks(s, offs_m[:, None], cols[None, :], q_len, k_len, diag, window_left, window_right,
-                    mask_base, stride_mm, stride_mn, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND)
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    # A row that has seen only masked keys keeps m = -inf; subtracting 0 keeps p = 0, not NaN.
-    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.math.exp2(m_i - m_shift)
-    p = tl.math.exp2(s - m_shift[:, None])
+    qk = dot(q, tl.trans(k), None, DOT_PRECISION)
+    if (not EDGE) and MASK_KIND == 0 and SCALE_POSITIVE:
+        # Every score of the tile is visible and finite: take the row max of the raw scores
+        # (a positive scale keeps the argmax) and fold scale and shift into one FMA per score.
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(qk * scale_log2 - m_new[:, None])
+    else:
+        s = apply_masks(qk * scale_log2, offs_m[:, None], cols[None, :], q_len, k_len, diag,
+                        window_left, window_right, mask_base, stride_mm, stride_mn, EDGE,
+                        HAS_LEFT, HAS_RIGHT, MASK_KIND)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen only masked keys keeps m = -inf; subtracting 0 keeps p = 0, not NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_shift)
+        p = tl.math.exp2(s - m_shift[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = load_rows(v_base + cols[:, None] * stride_vn + offs_d[None, :], cols, k_len, offs_d,
                   HEAD_DIM, BLOCK_D, EDGE)
@@ -189,14 +197,15 @@ def fwd_tile_run(acc, l_i, m_i, q, k_base, v_base, mask_base, tile_start, tile_e
                  stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                  EDGE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                 MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALE_POSITIVE: tl.constexpr):
     """The tile loop over keys [tile_start, tile_end), in steps of BLOCK_N."""
     for start_n in range(tile_start, tile_end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         acc, l_i, m_i = fwd_tile(acc, l_i, m_i, q, k_base, v_base, mask_base, start_n,
                                  offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
                                  stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
-                                 HEAD_DIM, BLOCK_D, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION)
+                                 HEAD_DIM, BLOCK_D, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION,
+                                 SCALE_POSITIVE)
     return acc, l_i, m_i
 
 
@@ -215,7 +224,7 @@ def attention_fwd_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-    MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALE_POSITIVE: tl.constexpr,
 ):
     """Grid: (query blocks, batch * q_heads). Writes Out rows and their log-sum-exp."""
     # Query blocks run last-first: under causal masks the last blocks do the most work, and
@@ -264,17 +273,17 @@ def attention_fwd_kernel(
                                  offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
                                  stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
                                  HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                                 DOT_PRECISION)
+                                 DOT_PRECISION, SCALE_POSITIVE)
     acc, l_i, m_i = fwd_tile_run(acc, l_i, m_i, q, k_base, v_base, mask_base, full_lo, full_hi,
                                  offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
                                  stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
                                  HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                                 DOT_PRECISION)
+                                 DOT_PRECISION, SCALE_POSITIVE)
     acc, l_i, m_i = fwd_tile_run(acc, l_i, m_i, q, k_base, v_base, mask_base, full_hi, hi,
                                  offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
                                  stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
                                  HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                                 DOT_PRECISION)
+                                 DOT_PRECISION, SCALE_POSITIVE)
 
     # A row that saw no key (fully masked) writes 0 and lse = -inf, as SDPA's math path.
     seen = l_i > 0.0
