@@ -276,3 +276,71 @@ def test_stats_are_thread_safe():
 def test_seq_buckets_are_few_and_ordered():
     limits = [lim for lim, _ in SEQ_BUCKETS]
     assert limits == sorted(limits) and len(SEQ_BUCKETS) <= 4
+
+
+def test_collect_keeps_its_records_when_the_buffer_trims_and_blocks_overlap():
+    q = torch.randn(1, 1, 4, 8)
+    stats.enable(limit=8)
+    try:
+        for _ in range(7):
+            adaattn.attention(q, q, q)
+        with stats.collect() as outer:
+            with stats.collect() as inner:
+                for _ in range(4):
+                    adaattn.attention(q, q, q)
+            adaattn.attention(q, q, q)
+            assert stats.enabled
+    finally:
+        stats.disable()
+        stats.clear()
+    assert len(inner) == 4 and len(outer) == 5
+    assert not stats.enabled
+
+
+def test_cached_plan_is_not_reused_across_equal_and_unequal_lengths(monkeypatch):
+    class SquareOnly(Backend):
+        name = "square_only"
+
+        def supports(self, problem):
+            return ["needs q_len == k_len"] if problem.q_len != problem.kv_len else []
+
+        def run(self, q, k, v, attn_mask, problem, plan):
+            return REGISTRY["sdpa.cpu"].run(q, k, v, attn_mask, problem, plan)
+
+    _put_first(monkeypatch, SquareOnly())
+    q, k = torch.randn(1, 2, 30, 16), torch.randn(1, 2, 40, 16)
+    with stats.collect() as recs:
+        adaattn.attention(q, q, q, is_causal=True)
+        adaattn.attention(q, k, k, is_causal=True)
+        adaattn.attention(q[:, :, :0], k, k, is_causal=True)
+    assert [r.backend for r in recs] == ["square_only", "sdpa.cpu", "sdpa.cpu"]
+
+
+def test_the_last_backend_failing_raises_and_is_not_marked_failed(monkeypatch):
+    calls = {"n": 0}
+    real = REGISTRY["sdpa.cpu"]
+
+    class Flaky(Backend):
+        name = "sdpa.cpu"
+
+        def supports(self, problem):
+            return real.supports(problem)
+
+        def run(self, *args):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("transient failure")
+            return real.run(*args)
+
+    monkeypatch.setitem(REGISTRY, "sdpa.cpu", Flaky())
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(RuntimeError, match="transient failure"):
+        adaattn.attention(q, q, q)
+    assert torch.equal(adaattn.attention(q, q, q), F.scaled_dot_product_attention(q, q, q))
+
+
+def test_cpu_allocation_failure_is_reported_as_out_of_memory(monkeypatch):
+    _put_first(monkeypatch, _Broken(RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate")))
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(torch.OutOfMemoryError, match=r"backend broken .*Nq=8"):
+        adaattn.attention(q, q, q)

@@ -104,3 +104,10 @@ def test_a_repeated_call_is_still_validated_when_its_arguments_change_type():
     adaattn.attention(q, k, v, dropout_p=0.0)
     with pytest.raises(TypeError, match="dropout_p must be a float"):
         adaattn.attention(q, k, v, dropout_p=False)
+
+
+def test_a_repeated_call_checks_window_element_types():
+    q, k, v = qkv()
+    adaattn.attention(q, k, v, window=(1, 2))
+    with pytest.raises(ValueError, match="window must be None or a pair"):
+        adaattn.attention(q, k, v, window=(True, 2))

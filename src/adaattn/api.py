@@ -89,7 +89,8 @@ def _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype,
         query.device, key.device, value.device,
         None if attn_mask is None else (attn_mask.shape, attn_mask.dtype, attn_mask.device),
-        dropout_p, is_causal, scale, enable_gqa, layout, window, policy,
+        dropout_p, is_causal, scale, enable_gqa, layout,
+        None if window is None else tuple((w, type(w)) for w in window), policy,
         type(dropout_p), type(is_causal), type(scale), type(enable_gqa),
         torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
     )
@@ -109,21 +110,22 @@ def _cached(*args):
 def _run(q, k, v, attn_mask, problem: Problem, plan: Plan) -> tuple[torch.Tensor, tuple[str, ...]]:
     """Run the first candidate; a backend that raises is marked failed and the next one runs."""
     failed: list[str] = []
-    error: BaseException | None = None
-    for name in plan.candidates:
+    last = len(plan.candidates) - 1
+    for i, name in enumerate(plan.candidates):
         try:
             return REGISTRY[name].run(q, k, v, attn_mask, problem, plan), tuple(failed)
-        except torch.OutOfMemoryError as e:
-            raise torch.OutOfMemoryError(
-                f"adaattn: out of memory in backend {name} for {problem.describe()}: {e}"
-            ) from e
-        except Exception as e:  # a kernel failure: fall back to a slower correct path
-            planner.mark_failed(name, problem, e)
+        except Exception as e:
+            if isinstance(e, torch.OutOfMemoryError) or "not enough memory" in str(e) or "out of memory" in str(e):
+                raise torch.OutOfMemoryError(
+                    f"adaattn: out of memory in backend {name} for {problem.describe()}: {e}"
+                ) from e
+            if i == last:
+                # Nothing slower is left to fall back to: the error is the caller's to see, and
+                # the backend is not marked failed for calls that may well succeed.
+                raise
+            planner.mark_failed(name, problem, e)  # a kernel failure: fall back to a slower path
             failed.append(name)
-            error = e
-    raise RuntimeError(
-        f"adaattn: every candidate backend failed for {problem.describe()}: {', '.join(failed)}"
-    ) from error
+    raise AssertionError("unreachable: a plan always has a candidate")
 
 
 def _run_recorded(q, k, v, attn_mask, problem, plan, policy, label):

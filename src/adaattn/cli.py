@@ -52,17 +52,20 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if dev.type == "cuda" and not torch.cuda.is_available():
         print("adaattn explain: --device cuda given but no CUDA device is available", file=sys.stderr)
         return 2
-    kv_heads = args.kv_heads or h
+    kv_heads = h if args.kv_heads is None else args.kv_heads
+    if min(b, h, n, d) <= 0 or kv_heads <= 0 or (args.kv_len is not None and args.kv_len < 0):
+        print("adaattn explain: --shape values and --kv-heads must be positive, --kv-len non-negative", file=sys.stderr)
+        return 2
     if h % kv_heads:
         print(f"adaattn explain: heads ({h}) must be a multiple of --kv-heads ({kv_heads})", file=sys.stderr)
         return 2
     policy = Policy(mode=args.mode, backends=tuple(args.backends.split(",")) if args.backends else None)
     problem = Problem(
-        batch=b, q_heads=h, kv_heads=kv_heads, q_len=n, kv_len=args.kv_len or n, head_dim=d,
+        batch=b, q_heads=h, kv_heads=kv_heads, q_len=n, kv_len=n if args.kv_len is None else args.kv_len, head_dim=d,
         value_dim=d, dtype=DTYPES[args.dtype], device_type=dev.type,
         device_index=(dev.index or 0) if dev.type == "cuda" else None, causal=args.causal,
         window=check_window(args.window), mask_kind=args.mask, dropout_p=0.0, scale=None,
-        needs_grad=args.grad, layout="bhsd",
+        needs_grad=args.grad, layout="bhsd", gqa=kv_heads != h,
     )
     exp = explain_problem(problem, policy)
     print(json.dumps(exp.as_dict(), indent=2) if args.json else exp)

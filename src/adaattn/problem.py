@@ -69,6 +69,8 @@ class Problem:
             self.dropout_p > 0.0,
             self.needs_grad,
             self.layout,
+            self.q_len != self.kv_len,  # backends decline causal/window calls on unequal lengths
+            self.q_len == 0 or self.kv_len == 0,  # and empty sequences
         )
 
     def describe(self) -> str:

@@ -17,11 +17,18 @@ from typing import Iterator
 
 import torch
 
-enabled = False  # read on every call: keep it a plain module global
+enabled = False  # read on every call: a plain module global, True while anything records
+_user_enabled = False
 _timing = False
 _lock = threading.Lock()
 _records: list[CallRecord] = []
+_sinks: list[tuple[list[CallRecord], bool]] = []  # open collect() blocks: (their list, timing)
 _limit = 100_000
+
+
+def _refresh() -> None:
+    global enabled
+    enabled = _user_enabled or bool(_sinks)
 
 
 @dataclass
@@ -54,20 +61,25 @@ class CallRecord:
 
 def enable(timing: bool = False, limit: int = 100_000) -> None:
     """Start recording calls; with `timing`, each record gets its wall time (synchronises CUDA)."""
-    global enabled, _timing, _limit
-    _timing = bool(timing)
-    _limit = int(limit)
-    enabled = True
+    global _user_enabled, _timing, _limit
+    with _lock:
+        _timing = bool(timing)
+        _limit = int(limit)
+        _user_enabled = True
+        _refresh()
 
 
 def disable() -> None:
-    global enabled, _timing
-    enabled = False
-    _timing = False
+    """Stop recording (open collect() blocks keep recording until they close)."""
+    global _user_enabled, _timing
+    with _lock:
+        _user_enabled = False
+        _timing = False
+        _refresh()
 
 
 def timing() -> bool:
-    return _timing
+    return _timing or any(t for _, t in _sinks)
 
 
 def clear() -> None:
@@ -76,7 +88,7 @@ def clear() -> None:
 
 
 def records() -> list[CallRecord]:
-    """A copy of the records kept so far (oldest first)."""
+    """A copy of the records kept so far (oldest first, at most `limit`)."""
     with _lock:
         return list(_records)
 
@@ -86,6 +98,8 @@ def add(record: CallRecord) -> None:
         if len(_records) >= _limit:
             del _records[: len(_records) // 2]  # keep the newest half
         _records.append(record)
+        for sink, _ in _sinks:
+            sink.append(record)
 
 
 class Timer:
@@ -109,21 +123,25 @@ class Timer:
 
 @contextlib.contextmanager
 def collect(timing: bool = False) -> Iterator[list[CallRecord]]:
-    """Record the calls made inside the block into the list it yields."""
-    was_enabled, was_timing = enabled, _timing
-    with _lock:
-        start = len(_records)
-    enable(timing=timing, limit=_limit)
+    """Record every call made while the block is open (from any thread) into the list it yields.
+
+    Blocks may nest or overlap; each gets its own list, and recording stops when the last one
+    closes unless enable() turned it on.
+    """
     out: list[CallRecord] = []
+    entry = (out, bool(timing))
+    with _lock:
+        _sinks.append(entry)
+        _refresh()
     try:
         yield out
     finally:
         with _lock:
-            out.extend(_records[start:])
-        if was_enabled:
-            enable(timing=was_timing, limit=_limit)
-        else:
-            disable()
+            for i, e in enumerate(_sinks):
+                if e is entry:
+                    del _sinks[i]
+                    break
+            _refresh()
 
 
 def summary(recs: list[CallRecord] | None = None) -> str:

@@ -13,6 +13,11 @@ REGISTRY: dict[str, Backend] = {}
 def register(backend: Backend) -> Backend:
     """Add (or replace) a backend; the priority data decides when it is chosen."""
     REGISTRY[backend.name] = backend
+    import sys
+
+    planner = sys.modules.get("adaattn.planner")
+    if planner is not None and hasattr(planner, "reset"):  # plans made before it are stale
+        planner.reset()
     return backend
 
 
