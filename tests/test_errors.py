@@ -72,6 +72,7 @@ POLICY_CASES = [
     (dict(mode="auto", approximations=("prune",)), ValueError, r"Policy.approximations entries must be from \('lowrank', 'skip'\), got 'prune'"),
     (dict(precisions=("int8",)), ValueError, r"Policy\(mode='exact'\) allows only precisions=\('native',\)"),
     (dict(verify=2.0), ValueError, r"Policy.verify must be a fraction in \[0, 1\], got 2.0"),
+    (dict(verify="often"), TypeError, r"Policy.verify must be a float in \[0, 1\], got str"),
     (dict(backends=()), ValueError, r"Policy.backends must name at least one backend"),
     (dict(backends=(1,)), TypeError, r"Policy.backends must be None or a tuple of backend names, got \(1,\)"),
     (dict(deterministic="yes"), TypeError, r"Policy.deterministic must be a bool, got str"),

@@ -135,6 +135,10 @@ def test_constructor_rejects_bad_arguments():
         AdaAttention(30, 4)
     with pytest.raises(ValueError, match=r"num_kv_heads must be a positive divisor of num_heads \(4\), got 3"):
         AdaAttention(32, 4, num_kv_heads=3)
+    with pytest.raises(TypeError, match=r"dropout must be a float in \[0, 1\), got str"):
+        AdaAttention(32, 4, dropout="0.1")
+    with pytest.raises(ValueError, match="kdim must be a positive int or None, got 0"):
+        AdaAttention(32, 4, kdim=0)
     with pytest.raises(TypeError, match="policy must be an adaattn.Policy"):
         AdaAttention(32, 4, policy="auto")
     assert isinstance(AdaAttention(32, 4, policy=adaattn.Policy(mode="auto")).policy, adaattn.Policy)

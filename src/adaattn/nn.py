@@ -50,8 +50,13 @@ class AdaAttention(nn.Module):
         kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads <= 0 or num_heads % kv_heads:
             raise ValueError(f"num_kv_heads must be a positive divisor of num_heads ({num_heads}), got {num_kv_heads!r}")
-        if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
+            raise TypeError(f"dropout must be a float in [0, 1), got {type(dropout).__name__}")
+        if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
+        for name, val in (("kdim", kdim), ("vdim", vdim)):
+            if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val <= 0):
+                raise ValueError(f"{name} must be a positive int or None, got {val!r}")
         if policy is not None and not isinstance(policy, Policy):
             raise TypeError(f"policy must be an adaattn.Policy or None, got {type(policy).__name__}")
         factory = {"device": device, "dtype": dtype}

@@ -57,7 +57,9 @@ class Policy:
                 "Use mode='auto' to allow them."
             )
         ver = self.verify
-        if isinstance(ver, bool) or not isinstance(ver, (int, float)) or not 0.0 <= ver <= 1.0:
+        if isinstance(ver, bool) or not isinstance(ver, (int, float)):
+            raise TypeError(f"Policy.verify must be a float in [0, 1], got {type(ver).__name__}")
+        if not 0.0 <= ver <= 1.0:
             raise ValueError(f"Policy.verify must be a fraction in [0, 1], got {ver!r}")
         if self.backends is not None:
             if isinstance(self.backends, str):
