@@ -31,22 +31,11 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
 
-from adaattn import Policy  # noqa: E402
 from adaattn import stats as ada_stats  # noqa: E402
 from adaattn.backends import REGISTRY  # noqa: E402
 from adaattn.bench.report import git_commit, slug  # noqa: E402
 from adaattn.hardware import triton_version  # noqa: E402
-from adaattn.models.gpt import GPT, GPTConfig  # noqa: E402
-
-
-def parse_kind(spec: str) -> tuple[str, Policy | None]:
-    if spec == "sdpa":
-        return "sdpa", None
-    if spec == "adaattn":
-        return "adaattn", None
-    if spec.startswith("adaattn:"):
-        return "adaattn", Policy(backends=(spec.split(":", 1)[1],))
-    raise ValueError(f"--attn entries are sdpa, adaattn or adaattn:BACKEND, got {spec!r}")
+from adaattn.models.gpt import GPT, GPTConfig, parse_attention  # noqa: E402
 
 
 def default_kinds() -> list[str]:
@@ -102,7 +91,7 @@ def try_batch(model, kinds, batch, args, device, log) -> tuple[dict, dict]:
     """One step of every kind at `batch`: ({kind: peak MiB}, {kind: error}); raises OutOfMemoryError."""
     peaks, errors = {}, {}
     for kind in kinds:
-        model.set_attention(*parse_kind(kind))
+        model.set_attention(*parse_attention(kind))
         runner = None
         try:
             free_memory()
@@ -171,14 +160,14 @@ def time_kinds(model, kinds, batch, args, device, log) -> dict:
     """Interleaved rounds of --steps steps per kind; ms per step per round."""
     runners, results, losses = {}, {k: [] for k in kinds}, {}
     for kind in kinds:
-        model.set_attention(*parse_kind(kind))
+        model.set_attention(*parse_attention(kind))
         runners[kind] = Runner(model, batch, args.seq_len, device, args.opt, args.seed)
         for _ in range(args.warmup):
             loss = runners[kind].step()
         losses[kind] = float(loss)
     backends = {}
     for kind in kinds:
-        model.set_attention(*parse_kind(kind))
+        model.set_attention(*parse_attention(kind))
         if kind == "sdpa":
             backends[kind] = ["torch sdpa"]
             continue
@@ -188,7 +177,7 @@ def time_kinds(model, kinds, batch, args, device, log) -> dict:
     for r in range(args.rounds):
         order = kinds[r % len(kinds):] + kinds[:r % len(kinds)]
         for kind in order:
-            model.set_attention(*parse_kind(kind))
+            model.set_attention(*parse_attention(kind))
             sync(device)
             t0 = time.perf_counter()
             for _ in range(args.steps):
@@ -229,7 +218,7 @@ def main(argv=None) -> int:
         return 2
     kinds = args.attn.split(",") if args.attn else default_kinds()
     for k in kinds:
-        parse_kind(k)
+        parse_attention(k)
     started = time.perf_counter()
 
     def log(msg=""):

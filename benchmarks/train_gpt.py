@@ -35,7 +35,6 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch  # noqa: E402
 
-from adaattn import Policy  # noqa: E402
 from adaattn import stats as ada_stats  # noqa: E402
 from adaattn.backends import REGISTRY  # noqa: E402
 from adaattn.bench.report import git_commit  # noqa: E402
@@ -43,7 +42,7 @@ from adaattn.hardware import triton_version  # noqa: E402
 from adaattn.models import evaluate as ev  # noqa: E402
 from adaattn.models import pretrained  # noqa: E402
 from adaattn.models.data import load_corpus, random_batch, unigram_bits_per_byte  # noqa: E402
-from adaattn.models.gpt import GPT, GPTConfig  # noqa: E402
+from adaattn.models.gpt import GPT, GPTConfig, parse_attention  # noqa: E402
 
 try:
     from tqdm import tqdm
@@ -52,17 +51,6 @@ except Exception:  # no tqdm: a plain line every few seconds
 
 
 # ---- what one run is ---------------------------------------------------------------------
-
-
-def parse_attention(spec: str) -> tuple[str, Policy | None]:
-    """'sdpa' -> torch SDPA; 'adaattn' -> adaattn's dispatch; 'adaattn:NAME' -> pinned to a backend."""
-    if spec == "sdpa":
-        return "sdpa", None
-    if spec == "adaattn":
-        return "adaattn", None
-    if spec.startswith("adaattn:"):
-        return "adaattn", Policy(backends=(spec.split(":", 1)[1],))
-    raise ValueError(f"--attn takes sdpa, adaattn or adaattn:BACKEND, got {spec!r}")
 
 
 def our_kernels(device: torch.device) -> str:

@@ -344,3 +344,16 @@ def test_cpu_allocation_failure_is_reported_as_out_of_memory(monkeypatch):
     q = torch.randn(1, 2, 8, 16)
     with pytest.raises(torch.OutOfMemoryError, match=r"backend broken .*Nq=8"):
         adaattn.attention(q, q, q)
+
+
+def test_position_keep_aligns_bottom_right_for_a_kv_cache():
+    from adaattn.backends.masks import position_keep
+
+    from helpers import keep_mask
+
+    top = position_keep(3, 7, True, (2, None), torch.device("cpu"))
+    assert torch.equal(top, keep_mask(3, 7, True, (2, None)))
+    bottom = position_keep(3, 7, True, (2, None), torch.device("cpu"), bottom_right=True)
+    # Query i sits at position i + 4: it sees keys i+2 .. i+4.
+    expected = torch.tensor([[j in range(i + 2, i + 5) for j in range(7)] for i in range(3)])
+    assert torch.equal(bottom, expected)

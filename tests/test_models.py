@@ -349,3 +349,15 @@ def test_gpt_step_script_times_each_kind_on_the_cpu(tmp_path):
     assert [r["attention"] for r in record["rows"]] == ["sdpa", "adaattn"]
     assert all(r["tokens_per_s"] > 0 for r in record["rows"])
     assert record["rows"][0]["loss_after_warmup"] == pytest.approx(record["rows"][1]["loss_after_warmup"], rel=1e-3)
+
+
+def test_attention_spec_parses_the_three_forms_and_rejects_others():
+    from adaattn import Policy
+    from adaattn.models.gpt import parse_attention
+
+    assert parse_attention("sdpa") == ("sdpa", None)
+    assert parse_attention("adaattn") == ("adaattn", None)
+    assert parse_attention("adaattn:triton") == ("adaattn", Policy(backends=("triton",)))
+    for bad in ("flash", "adaattn:", ""):
+        with pytest.raises(ValueError, match="attention spec must be sdpa, adaattn or adaattn:BACKEND"):
+            parse_attention(bad)

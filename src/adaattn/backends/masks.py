@@ -11,11 +11,16 @@ def position_keep(
     causal: bool,
     window: tuple[int | None, int | None] | None,
     device: torch.device,
+    bottom_right: bool = False,
 ) -> torch.Tensor | None:
-    """(q_len, kv_len) bool, True where query i may attend key j (top-left aligned), or None."""
+    """(q_len, kv_len) bool, True where query i may attend key j, or None when all may.
+
+    Top-left aligned as SDPA (query i sits at position i); with `bottom_right`, query i sits at
+    i + kv_len - q_len, as in a KV cache.
+    """
     if not causal and window is None:
         return None
-    i = torch.arange(q_len, device=device).unsqueeze(1)
+    i = torch.arange(q_len, device=device).unsqueeze(1) + (kv_len - q_len if bottom_right else 0)
     j = torch.arange(kv_len, device=device).unsqueeze(0)
     keep = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
     if causal:

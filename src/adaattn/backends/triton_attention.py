@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from .. import hardware
 from .base import Backend
+from .masks import position_keep
 
 try:
     import triton
@@ -642,7 +643,7 @@ def _varlen_sdpa(q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal, scale, window, 
         if nq == 0:
             outs.append(q.new_zeros(0, q.shape[1], q.shape[2]))
             continue
-        keep = _keep(nq, nk, is_causal, window, bottom_right, q.device)
+        keep = position_keep(nq, nk, is_causal, window, q.device, bottom_right)
         if nk == 0:
             o = qs.new_zeros(qs.shape)
         elif keep is None:
@@ -653,23 +654,6 @@ def _varlen_sdpa(q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal, scale, window, 
             o = torch.where(keep.any(-1, keepdim=True), o, torch.zeros_like(o))
         outs.append(o.transpose(0, 1))
     return torch.cat(outs, 0) if outs else q.new_zeros(q.shape)
-
-
-def _keep(nq, nk, causal, window, bottom_right, device):
-    """(nq, nk) bool, True where query i sees key j, or None when every key is visible."""
-    if not causal and window is None:
-        return None
-    i = torch.arange(nq, device=device).unsqueeze(1) + (nk - nq if bottom_right else 0)
-    j = torch.arange(nk, device=device).unsqueeze(0)
-    keep = torch.ones(nq, nk, dtype=torch.bool, device=device)
-    if causal:
-        keep &= j <= i
-    if window is not None:
-        if window[0] is not None:
-            keep &= j >= i - window[0]
-        if window[1] is not None:
-            keep &= j <= i + window[1]
-    return keep
 
 
 class TritonBackend(Backend):

@@ -237,3 +237,15 @@ class GPT(nn.Module):
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": other, "weight_decay": 0.0}]
         kw = {} if fused is None else {"fused": fused}
         return torch.optim.AdamW(groups, lr=lr, betas=betas, **kw)
+
+
+def parse_attention(spec: str) -> tuple[str, Policy | None]:
+    """'sdpa' -> torch SDPA; 'adaattn' -> adaattn's dispatch; 'adaattn:NAME' -> pinned to a backend.
+
+    Returns (attention, policy) for GPT(..., attention=..., policy=...). Raises ValueError otherwise.
+    """
+    if spec in ("sdpa", "adaattn"):
+        return spec, None
+    if spec.startswith("adaattn:") and spec.split(":", 1)[1]:
+        return "adaattn", Policy(backends=(spec.split(":", 1)[1],))
+    raise ValueError(f"attention spec must be sdpa, adaattn or adaattn:BACKEND, got {spec!r}")
