@@ -1,0 +1,288 @@
+"""Quantized attention forward: Q.K^T in INT8 or FP8, P.V in the input dtype or FP8.
+
+The schemes (the float64 simulation in adaptive/quant_reference.py does the same math):
+
+- K is smoothed: its mean over the sequence (per batch, kv head and channel) is subtracted
+  before quantization. Every score of a query row shifts by the same q.mean, and softmax is
+  invariant to that, so the result is unchanged in exact arithmetic.
+- K is quantized per block of BLOCK_N keys (one scale per block, amax / QMAX) by a pre-pass
+  (`quantize_kv_kernel`) that reads K (and V) once; Q is quantized per row inside the
+  attention kernel (one scale per query row, amax / QMAX) right after its one load.
+  INT8 rounds with floor(x + 0.5) and clamps to [-127, 127]; FP8 is E4M3 (max 448),
+  round to nearest even.
+- Scores: s = dot(q_q, k_q) * q_scale[row] * k_scale[block] * softmax_scale * log2(e), in
+  fp32, then the usual online softmax in fp32.
+- P.V in FP8: V is smoothed (its mean over the sequence subtracted, added back at the end,
+  since the softmax weights sum to one) and scaled per channel into E4M3's range; P (in
+  [0, 1] after the running max) is multiplied by 448 and rounded to E4M3. The row sum l uses
+  the fp32 P. out = acc * v_scale / (448 * l) + v_mean. The FP8 V is stored transposed
+  (B, Hkv, D, N) so both tensor-core operands are K-major, as Hopper's FP8 MMA needs.
+- P.V in the input dtype: P rounded to it, as the exact kernel does.
+
+One kernel serves the three operating points (exact, qk8, fp8) through QK_MODE/PV_MODE; an
+optional per-head level array lets one launch run only the heads assigned its level, so a
+call with heads at different precisions is a few launches with no host synchronisation.
+"""
+
+import triton
+import triton.language as tl
+
+from .attention_fwd import apply_masks, dot, key_tile_range, load_rows, round_to, store_rows
+
+QK_NATIVE = 0
+QK_INT8 = 1
+QK_FP8 = 2
+PV_NATIVE = 0
+PV_FP8 = 1
+
+INT8_MAX = 127.0
+FP8_MAX = 448.0
+TINY_SCALE = 1e-30
+
+
+@triton.jit
+def to_fp8(x, EMULATE: tl.constexpr):
+    """fp32 -> float8 e4m3 (finite values within +-448), round to nearest even.
+
+    EMULATE is for the CPU interpreter, whose conversion drops the carry when rounding
+    overflows the mantissa (triton 3.9: 1.95 -> 1.0): there x is first rounded to a value
+    e4m3 holds exactly (3 mantissa bits in fp32 bits; multiples of 2^-9 below 2^-6), and
+    exact values convert correctly."""
+    if EMULATE:
+        bits = x.to(tl.uint32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+        sub = tl.floor(x * 512.0 + 0.5) / 512.0
+        x = tl.where(tl.abs(x) < 0.015625, sub, normal)
+        x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def quantize(x, QK_MODE: tl.constexpr, EMULATE: tl.constexpr):
+    """x already divided by its scale: INT8 (floor(x + 0.5), clamped) or FP8 E4M3."""
+    if QK_MODE == 1:
+        return tl.minimum(tl.maximum(tl.floor(x + 0.5), -127.0), 127.0).to(tl.int8)
+    else:
+        return to_fp8(x, EMULATE)
+
+
+@triton.jit
+def quantize_kv_kernel(
+    K, V, KMean, VMean, VScale, Kq, KScale, Vq,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_kqb, stride_kqh, stride_kqn,
+    stride_vqb, stride_vqh, stride_vqd,
+    kv_heads, k_len, n_blocks,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    QK_MODE: tl.constexpr, PV_MODE: tl.constexpr, EMULATE: tl.constexpr,
+):
+    """Grid (key blocks, batch * kv_heads): one block of K (and V) read once, written quantized.
+
+    Kq is (B, Hkv, n_blocks * BLOCK_N, D) int8/fp8, rows past k_len zero; KScale is
+    (B, Hkv, n_blocks) fp32; Vq is (B, Hkv, D, n_blocks * BLOCK_N) fp8 (transposed).
+    KMean/VMean/VScale are (B, Hkv, D) fp32."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // kv_heads
+    head = pid_bh % kv_heads
+    b64 = batch.to(tl.int64)
+    h64 = head.to(tl.int64)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    stat = (b64 * kv_heads + h64) * HEAD_DIM
+    d_ok = offs_d < HEAD_DIM
+    keep = (rows[:, None] < k_len) & d_ok[None, :]
+
+    if QK_MODE != 0:
+        k = load_rows(K + b64 * stride_kb + h64 * stride_kh + rows[:, None] * stride_kn + offs_d[None, :],
+                      rows, k_len, offs_d, HEAD_DIM, BLOCK_D, True).to(tl.float32)
+        k_mean = tl.load(KMean + stat + offs_d, mask=d_ok, other=0.0)
+        k = tl.where(keep, k - k_mean[None, :], 0.0)
+        if QK_MODE == 1:
+            qmax = 127.0
+        else:
+            qmax = 448.0
+        k_scale = tl.maximum(tl.max(tl.max(tl.abs(k), 1), 0) / qmax, 1e-30)
+        kq = quantize(k / k_scale, QK_MODE, EMULATE)
+        tl.store(Kq + b64 * stride_kqb + h64 * stride_kqh + rows[:, None] * stride_kqn + offs_d[None, :], kq,
+                 mask=d_ok[None, :])
+        tl.store(KScale + (b64 * kv_heads + h64) * n_blocks + pid_n, k_scale)
+    if PV_MODE == 1:
+        v = load_rows(V + b64 * stride_vb + h64 * stride_vh + rows[:, None] * stride_vn + offs_d[None, :],
+                      rows, k_len, offs_d, HEAD_DIM, BLOCK_D, True).to(tl.float32)
+        v_mean = tl.load(VMean + stat + offs_d, mask=d_ok, other=0.0)
+        v_scale = tl.load(VScale + stat + offs_d, mask=d_ok, other=1.0)
+        v = tl.where(keep, (v - v_mean[None, :]) / v_scale[None, :], 0.0)
+        tl.store(Vq + b64 * stride_vqb + h64 * stride_vqh + offs_d[None, :] * stride_vqd + rows[:, None],
+                 to_fp8(v, EMULATE), mask=d_ok[None, :])
+
+
+@triton.jit
+def quant_tile(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base, vq_base, mask_base,
+               start_n, offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+               stride_kn, stride_kqn, stride_vn, stride_vqd, stride_mm, stride_mn,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, EDGE: tl.constexpr,
+               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
+               QK_MODE: tl.constexpr, PV_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               SCALE_POSITIVE: tl.constexpr, EMULATE: tl.constexpr):
+    """Fold one key tile into (acc, l_i, m_i); the products in the precisions asked for."""
+    cols = start_n + offs_n
+    if QK_MODE == 0:
+        k = load_rows(k_base + cols[:, None] * stride_kn + offs_d[None, :], cols, k_len, offs_d,
+                      HEAD_DIM, BLOCK_D, EDGE)
+        qk = dot(q, tl.trans(k), None, DOT_PRECISION)
+        rs = row_scale
+    else:
+        # Quantized K is padded to whole blocks: no bounds checks, the scores mask the tail.
+        k = tl.load(kq_base + cols[:, None] * stride_kqn + offs_d[None, :])
+        if QK_MODE == 1:
+            qk = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32)
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        rs = row_scale * tl.load(ks_base + start_n // BLOCK_N)
+    if (not EDGE) and MASK_KIND == 0 and SCALE_POSITIVE:
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * rs)
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(qk * rs[:, None] - m_new[:, None])
+    else:
+        s = apply_masks(qk * rs[:, None], offs_m[:, None], cols[None, :], q_len, k_len, diag,
+                        window_left, window_right, mask_base, stride_mm, stride_mn, EDGE,
+                        HAS_LEFT, HAS_RIGHT, MASK_KIND)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_shift)
+        p = tl.math.exp2(s - m_shift[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    if PV_MODE == 1:
+        v = tl.load(vq_base + cols[:, None] + offs_d[None, :] * stride_vqd)
+        acc = tl.dot(to_fp8(p * 448.0, EMULATE), v, acc)
+    else:
+        v = load_rows(v_base + cols[:, None] * stride_vn + offs_d[None, :], cols, k_len, offs_d,
+                      HEAD_DIM, BLOCK_D, EDGE)
+        acc = dot(round_to(p, v.dtype, DOT_PRECISION), v, acc, DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def quant_tile_run(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base, vq_base, mask_base,
+                   tile_start, tile_end, offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                   stride_kn, stride_kqn, stride_vn, stride_vqd, stride_mm, stride_mn,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, EDGE: tl.constexpr,
+                   HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
+                   QK_MODE: tl.constexpr, PV_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   SCALE_POSITIVE: tl.constexpr, EMULATE: tl.constexpr):
+    """The tile loop over keys [tile_start, tile_end), in steps of BLOCK_N."""
+    for start_n in range(tile_start, tile_end, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        acc, l_i, m_i = quant_tile(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base, vq_base,
+                                   mask_base, start_n, offs_m, offs_n, offs_d, q_len, k_len, diag,
+                                   window_left, window_right, stride_kn, stride_kqn, stride_vn, stride_vqd,
+                                   stride_mm, stride_mn, HEAD_DIM, BLOCK_D, BLOCK_N, EDGE, HAS_LEFT,
+                                   HAS_RIGHT, MASK_KIND, QK_MODE, PV_MODE, DOT_PRECISION, SCALE_POSITIVE,
+                                   EMULATE)
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["q_len", "k_len", "window_left", "window_right", "n_blocks"])
+def attention_quant_fwd_kernel(
+    Q, K, V, Kq, KScale, Vq, VScale, VMean, Out, Mask, HeadLevel,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_kqb, stride_kqh, stride_kqn,
+    stride_vqb, stride_vqh, stride_vqd,
+    stride_ob, stride_oh, stride_om,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    q_heads, kv_group, q_len, k_len, n_blocks,
+    scale_log2, window_left, window_right,
+    RUN_LEVEL: tl.constexpr, HAS_HEAD_LEVEL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BOTTOM_RIGHT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    MASK_KIND: tl.constexpr, QK_MODE: tl.constexpr, PV_MODE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SCALE_POSITIVE: tl.constexpr, EMULATE: tl.constexpr,
+):
+    """Grid (query blocks, batch * q_heads). With HAS_HEAD_LEVEL, a program whose head's
+    entry in HeadLevel (int32, one per query head) is not RUN_LEVEL returns at once, leaving
+    its rows of Out to the launch of that head's level."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // q_heads
+    head = pid_bh % q_heads
+    if HAS_HEAD_LEVEL:
+        if tl.load(HeadLevel + head) != RUN_LEVEL:
+            return
+    kv_head = head // kv_group
+    start_m = pid_m * BLOCK_M
+    diag = 0
+    if BOTTOM_RIGHT:
+        diag = k_len - q_len
+
+    b64 = batch.to(tl.int64)
+    h64 = head.to(tl.int64)
+    kv64 = kv_head.to(tl.int64)
+    q_base = Q + b64 * stride_qb + h64 * stride_qh
+    k_base = K + b64 * stride_kb + kv64 * stride_kh
+    v_base = V + b64 * stride_vb + kv64 * stride_vh
+    kq_base = Kq + b64 * stride_kqb + kv64 * stride_kqh
+    vq_base = Vq + b64 * stride_vqb + kv64 * stride_vqh
+    ks_base = KScale + (b64 * (q_heads // kv_group) + kv64) * n_blocks
+    stat = (b64 * (q_heads // kv_group) + kv64) * HEAD_DIM
+    o_base = Out + b64 * stride_ob + h64 * stride_oh
+    mask_base = Mask + b64 * stride_mb + h64 * stride_mh
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = load_rows(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, q_len, offs_d,
+                  HEAD_DIM, BLOCK_D, True)
+    if QK_MODE == 0:
+        row_scale = tl.full([BLOCK_M], 1.0, dtype=tl.float32) * scale_log2
+    else:
+        qf = q.to(tl.float32)
+        if QK_MODE == 1:
+            qmax = 127.0
+        else:
+            qmax = 448.0
+        q_scale = tl.maximum(tl.max(tl.abs(qf), 1) / qmax, 1e-30)
+        q = quantize(qf / q_scale[:, None], QK_MODE, EMULATE)
+        row_scale = q_scale * scale_log2
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    lo, full_lo, full_hi, hi = key_tile_range(start_m, q_len, k_len, diag, window_left, window_right,
+                                              BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    acc, l_i, m_i = quant_tile_run(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base, vq_base,
+                                   mask_base, lo, full_lo, offs_m, offs_n, offs_d, q_len, k_len, diag,
+                                   window_left, window_right, stride_kn, stride_kqn, stride_vn, stride_vqd,
+                                   stride_mm, stride_mn, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT,
+                                   HAS_RIGHT, MASK_KIND, QK_MODE, PV_MODE, DOT_PRECISION, SCALE_POSITIVE,
+                                   EMULATE)
+    acc, l_i, m_i = quant_tile_run(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base, vq_base,
+                                   mask_base, full_lo, full_hi, offs_m, offs_n, offs_d, q_len, k_len, diag,
+                                   window_left, window_right, stride_kn, stride_kqn, stride_vn, stride_vqd,
+                                   stride_mm, stride_mn, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT,
+                                   HAS_RIGHT, MASK_KIND, QK_MODE, PV_MODE, DOT_PRECISION, SCALE_POSITIVE,
+                                   EMULATE)
+    acc, l_i, m_i = quant_tile_run(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base, vq_base,
+                                   mask_base, full_hi, hi, offs_m, offs_n, offs_d, q_len, k_len, diag,
+                                   window_left, window_right, stride_kn, stride_kqn, stride_vn, stride_vqd,
+                                   stride_mm, stride_mn, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT,
+                                   HAS_RIGHT, MASK_KIND, QK_MODE, PV_MODE, DOT_PRECISION, SCALE_POSITIVE,
+                                   EMULATE)
+
+    seen = l_i > 0.0
+    inv_l = 1.0 / tl.where(seen, l_i, 1.0)
+    if PV_MODE == 1:
+        d_ok = offs_d < HEAD_DIM
+        v_scale = tl.load(VScale + stat + offs_d, mask=d_ok, other=0.0)
+        v_mean = tl.load(VMean + stat + offs_d, mask=d_ok, other=0.0)
+        out = acc * (inv_l[:, None] * (1.0 / 448.0)) * v_scale[None, :]
+        out = tl.where(seen[:, None], out + v_mean[None, :], 0.0)
+    else:
+        out = acc * inv_l[:, None]
+    store_rows(o_base + offs_m[:, None] * stride_om + offs_d[None, :],
+               round_to(out, Out.dtype.element_ty, DOT_PRECISION), offs_m, q_len, offs_d, HEAD_DIM, BLOCK_D)
