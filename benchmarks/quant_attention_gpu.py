@@ -1,0 +1,221 @@
+"""Quantized attention on one GPU: error against float64 and speed against peers, one run.
+
+    PYTHONPATH=src python3 benchmarks/quant_attention_gpu.py --out $OUT/quant.json [--commit SHA]
+
+bf16, B=2, H=16, D=128, N in {4096, 16384}, causal and not. For each shape, in the same run:
+torch SDPA pinned to CUDNN_ATTENTION and FLASH_ATTENTION, our exact Triton kernel, our
+quantized levels (qk8; fp8 with INT8 and with FP8 Q.K^T), SageAttention 1.0.6 where it
+imports, and adaattn.attention with Policy(mode="auto") at tau = 3e-2 and 8e-2 (verification
+included, at the policy's verify rate). Errors are relative L2 against float64 attention on
+256 sampled query rows per (batch, head), all keys. do_bench median.
+--configs also times every quantized config at N=16384 not causal. The table comes last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import adaattn
+from adaattn.backends import triton_attention as ta
+from adaattn.backends import triton_quant as tq
+
+DEVICE = "cuda"
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def flops(b, h, n, d, causal):
+    return 4 * b * h * n * n * d * (0.5 if causal else 1.0)
+
+
+def sampled_reference(q, k, v, causal, rows):
+    s = (q[:, :, rows].double() @ k.double().transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if causal:
+        s = s.masked_fill(torch.arange(k.shape[2], device=DEVICE)[None, None, None, :] > rows[None, None, :, None],
+                          float("-inf"))
+    return torch.softmax(s, -1) @ v.double()
+
+
+def rel_err(out_rows, ref_rows) -> tuple[float, float]:
+    """(over all heads, worst head)."""
+    diff = (out_rows.double() - ref_rows)
+    total = (diff.norm() / ref_rows.norm()).item()
+    per_head = diff.pow(2).sum((0, 2, 3)).sqrt() / ref_rows.pow(2).sum((0, 2, 3)).sqrt()
+    return total, per_head.max().item()
+
+
+def variants(q, k, v, causal):
+    def pinned(backend):
+        def run():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return run
+
+    out = {
+        "sdpa.cudnn": pinned(SDPBackend.CUDNN_ATTENTION),
+        "sdpa.flash": pinned(SDPBackend.FLASH_ATTENTION),
+        "triton.exact": lambda: ta.triton_attention(q, k, v, is_causal=causal),
+        "quant.qk8": lambda: tq.quant_attention(q, k, v, levels=[tq.LEVEL_QK8], causal=causal),
+        "quant.fp8": lambda: tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], causal=causal),
+        "quant.fp8_fp8qk": lambda: tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], causal=causal, fp8_qk=True),
+    }
+    try:
+        from sageattention import sageattn
+
+        out["sage-1.0.6"] = lambda: sageattn(q, k, v, tensor_layout="HND", is_causal=causal)
+    except Exception as e:
+        log(f"  SageAttention does not import: {type(e).__name__}: {e}")
+    for tau in (3e-2, 8e-2):
+        pol = adaattn.Policy(mode="auto", precisions=("native", "int8", "fp8"), tolerance=tau)
+        label = f"bench-auto-{tau}-{q.shape[2]}-{causal}"
+
+        def auto(pol=pol, label=label):
+            return adaattn.attention(q, k, v, is_causal=causal, policy=pol, label=label)
+
+        out[f"auto tau={tau:g}"] = auto
+    return out
+
+
+def auto_levels(label):
+    try:
+        from adaattn.adaptive import controller
+
+        c = controller.find(label)
+        return None if c is None else c.describe()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+
+
+def run_shapes(sizes, b, h, d, deadline) -> list:
+    rows = []
+    for n in sizes:
+        for causal in (False, True):
+            if time.time() > deadline:
+                log("  out of time: skipping the remaining shapes")
+                return rows
+            g = torch.Generator(device=DEVICE).manual_seed(n + causal)
+            q, k, v = (torch.randn(b, h, n, d, device=DEVICE, generator=g, dtype=torch.bfloat16) for _ in range(3))
+            idx = torch.randperm(n, device=DEVICE, generator=g)[:256].sort().values
+            ref = sampled_reference(q, k, v, causal, idx)
+            base = {}
+            for name, fn in variants(q, k, v, causal).items():
+                row = {"impl": name, "n": n, "causal": causal, "b": b, "h": h, "d": d, "dtype": "bfloat16"}
+                try:
+                    t0 = time.time()
+                    with torch.no_grad():
+                        out = fn()
+                        torch.cuda.synchronize()
+                        row["first_call_s"] = time.time() - t0
+                        row["err"], row["err_worst_head"] = rel_err(out[:, :, idx], ref)
+                        row["ms"] = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+                    row["tflops"] = flops(b, h, n, d, causal) / row["ms"] / 1e9
+                    base[name] = row["ms"]
+                    if name.startswith("auto"):
+                        row["levels"] = auto_levels(f"bench-auto-{name.split('=')[1]}-{n}-{causal}")
+                except Exception as e:
+                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                    traceback.print_exc()
+                rows.append(row)
+                log(f"  N={n:6d} causal={causal!s:5} {name:18s} "
+                    + (f"{row['ms']:8.3f} ms {row['tflops']:7.1f} TFLOP/s err {row['err']:.2e} "
+                       f"(worst head {row['err_worst_head']:.2e})" if "ms" in row else row["error"])
+                    + (f" levels {row['levels']}" if row.get("levels") else ""))
+            for row in rows:
+                if "ms" in row and row["n"] == n and row["causal"] == causal:
+                    for peer in ("sdpa.cudnn", "sdpa.flash", "triton.exact", "sage-1.0.6", "quant.qk8", "quant.fp8"):
+                        if peer in base:
+                            row[f"vs_{peer}"] = base[peer] / row["ms"]
+            del q, k, v, ref
+            torch.cuda.empty_cache()
+    return rows
+
+
+def config_sweep(b, h, d, n) -> list:
+    q, k, v = (torch.randn(b, h, n, d, device=DEVICE, dtype=torch.bfloat16) for _ in range(3))
+    rows = []
+    for level, fp8_qk in ((tq.LEVEL_QK8, False), (tq.LEVEL_FP8, False), (tq.LEVEL_FP8, True)):
+        kind = f"quant_{tq.LEVELS[level]}" + ("_fp8qk" if fp8_qk else "")
+        for cfg in tq.QUANT_CONFIGS[d]:
+            row = {"kind": kind, "config": str(cfg), "n": n}
+            try:
+                with ta.forced_configs(**{kind: cfg}), torch.no_grad():
+                    ms = triton.testing.do_bench(
+                        lambda: tq.quant_attention(q, k, v, levels=[level], fp8_qk=fp8_qk), warmup=5, rep=30,
+                        return_mode="median")
+                row["ms"] = ms
+                row["tflops"] = flops(b, h, n, d, False) / ms / 1e9
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            rows.append(row)
+            log(f"  {kind:16s} {str(cfg):18s} " + (f"{row['ms']:.3f} ms {row['tflops']:.1f} TFLOP/s"
+                                                  if "ms" in row else row["error"]))
+    # the pre-pass alone (K/V statistics and quantization), once per call
+    for level in (tq.LEVEL_QK8, tq.LEVEL_FP8):
+        qk, pv = tq.level_modes(level)
+        ms = triton.testing.do_bench(lambda: tq.Prepared(k, v).get(qk, pv, 64), warmup=5, rep=30,
+                                     return_mode="median")
+        rows.append({"kind": f"prepass_{tq.LEVELS[level]}", "n": n, "ms": ms})
+        log(f"  pre-pass for {tq.LEVELS[level]}: {ms:.3f} ms")
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "quant_attention.json"))
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--sizes", default="4096,16384")
+    ap.add_argument("--configs", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=480)
+    args = ap.parse_args()
+    t_start = time.time()
+    deadline = t_start + args.budget_s
+    props = torch.cuda.get_device_properties(0)
+    result = {"gpu": props.name, "torch": torch.__version__, "triton": triton.__version__,
+              "commit": args.commit, "shape": "bf16 B=2 H=16 D=128",
+              "error_metric": "relative L2 vs float64 on 256 sampled query rows per (batch, head), all keys"}
+    try:
+        import sageattention  # noqa: F401
+        from importlib.metadata import version
+
+        result["sageattention"] = version("sageattention")
+    except Exception:
+        result["sageattention"] = None
+    log(f"{props.name}, torch {torch.__version__}, triton {triton.__version__}, sage {result['sageattention']}")
+    if args.configs:
+        log("config sweep, N=16384 not causal:")
+        try:
+            result["configs"] = config_sweep(2, 16, 128, 16384)
+        except Exception:
+            traceback.print_exc()
+    log("shapes:")
+    result["rows"] = run_shapes([int(s) for s in args.sizes.split(",")], 2, 16, 128, deadline)
+    result["wall_s"] = time.time() - t_start
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    log("\n| N | causal | impl | ms | TFLOP/s | err | vs cuDNN | vs triton | vs sage |")
+    log("|---|---|---|---|---|---|---|---|---|")
+    for r in result["rows"]:
+        if "ms" not in r:
+            log(f"| {r['n']} | {r['causal']} | {r['impl']} | {r.get('error', '')[:60]} |||||")
+            continue
+        f = lambda key: f"{r[key]:.2f}" if key in r else "-"  # noqa: E731
+        log(f"| {r['n']} | {r['causal']} | {r['impl']} | {r['ms']:.3f} | {r['tflops']:.0f} | {r['err']:.2e} | "
+            f"{f('vs_sdpa.cudnn')} | {f('vs_triton.exact')} | {f('vs_sage-1.0.6')} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
