@@ -52,6 +52,22 @@ MAX_HEAD_DIM = 256
 # Tests set this so every output starts as NaN: an element the kernel forgot to write fails.
 POISON_OUTPUTS = os.environ.get("ADAATTN_POISON_OUTPUTS", "") == "1"
 
+# Kernel variants, chosen at run time (benchmarks time them side by side; see
+# kernel_variants()). Environment variables set the starting values.
+#   dq:  "separate"  dk/dv pass, then a dq pass; no atomics (always used when deterministic)
+#        "atomic"    dq added with fp32 atomics inside the dk/dv pass, no dq pass
+#        "atomic_rotate"  as "atomic", each key block starting on its own query tile
+#   fwd: "ptr"       pointer loads (cp.async pipelining)
+#        "tma"       tensor-descriptor (TMA) loads of Q/K/V where the launch allows it:
+#                    dense, no mask, head_dim a power of two >= 16, 16-byte aligned rows;
+#                    anything else runs "ptr"
+DQ_MODES = ("separate", "atomic", "atomic_rotate")
+FWD_MODES = ("ptr", "tma")
+VARIANTS = {
+    "dq": os.environ.get("ADAATTN_TRITON_DQ", "separate"),
+    "fwd": os.environ.get("ADAATTN_TRITON_FWD", "ptr"),
+}
+
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "") == "1"
@@ -72,6 +88,7 @@ class KernelConfig:
 INTERPRET_CONFIGS = {
     "fwd": KernelConfig(32, 16, 1, 1),
     "dkdv": KernelConfig(16, 32, 1, 1),
+    "dkdv_atomic": KernelConfig(16, 32, 1, 1),
     "dq": KernelConfig(32, 16, 1, 1),
     "delta": KernelConfig(32, 32, 1, 1),
 }
@@ -97,6 +114,13 @@ HALF_CONFIGS = {
         # Every wgmma config spills at head_dim 256; the mma.sync one below does not.
         "large_d": [KernelConfig(16, 32, 4, 1), KernelConfig(16, 64, 8, 1), KernelConfig(16, 32, 4, 2)],
     },
+    # The dk/dv pass with dq added atomically: one product more per tile (ds^T k).
+    "dkdv_atomic": {
+        "small_d": [KernelConfig(32, 128, 8, 2), KernelConfig(64, 128, 8, 2), KernelConfig(32, 64, 4, 2)],
+        "mid_d": [KernelConfig(32, 128, 8, 2), KernelConfig(64, 128, 8, 2), KernelConfig(16, 128, 8, 2),
+                  KernelConfig(32, 64, 4, 2)],
+        "large_d": [KernelConfig(16, 32, 4, 1), KernelConfig(16, 64, 8, 1), KernelConfig(16, 32, 4, 2)],
+    },
     "dq": {
         "small_d": [KernelConfig(128, 64, 8, 3), KernelConfig(128, 32, 4, 3), KernelConfig(64, 64, 4, 3)],
         "mid_d": [KernelConfig(128, 64, 8, 2), KernelConfig(128, 64, 8, 3), KernelConfig(128, 32, 8, 3),
@@ -108,6 +132,7 @@ HALF_CONFIGS = {
 FP32_CONFIGS = {
     "fwd": [KernelConfig(32, 16, 4, 1), KernelConfig(16, 32, 4, 1)],
     "dkdv": [KernelConfig(16, 32, 4, 1), KernelConfig(32, 16, 4, 1)],
+    "dkdv_atomic": [KernelConfig(16, 32, 4, 1), KernelConfig(32, 16, 4, 1)],
     "dq": [KernelConfig(32, 16, 4, 1), KernelConfig(16, 32, 4, 1)],
 }
 DELTA_CONFIG = KernelConfig(64, 64, 4, 1)
@@ -125,6 +150,8 @@ def shared_memory_estimate(kind: str, cfg: KernelConfig, block_d: int, elem: int
         resident, pipelined = bm * block_d, 2 * bn * block_d
     elif kind == "dkdv":
         resident, pipelined = 2 * bn * block_d, 2 * bm * block_d
+    elif kind == "dkdv_atomic":  # ds^T goes through shared memory for the dq product
+        resident, pipelined = 2 * bn * block_d + bm * bn, 2 * bm * block_d
     else:  # dq
         resident, pipelined = 2 * bm * block_d, 2 * bn * block_d
     return (resident + stages * pipelined) * elem + (stages + 1) * bm * bn * mask_elem + 1024
@@ -347,8 +374,16 @@ def launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 
 
 def launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-               max_seqlen_k, scale, causal, bottom_right, window_left, window_right):
-    """Run delta, dk/dv and dq kernels; returns (dq, dk, dv) shaped like q, k, v."""
+               max_seqlen_k, scale, causal, bottom_right, window_left, window_right,
+               deterministic: bool = True, dq_mode: Optional[str] = None):
+    """Run delta, dk/dv and dq kernels; returns (dq, dk, dv) shaped like q, k, v.
+
+    dq_mode (default VARIANTS["dq"]) picks how dq is made; deterministic=True always runs
+    "separate", the only mode whose bits do not depend on timing."""
+    mode = "separate" if deterministic else (dq_mode or VARIANTS["dq"])
+    if mode not in DQ_MODES:
+        raise ValueError(f"dq mode must be one of {DQ_MODES}, got {mode!r}")
+    atomic = mode != "separate"
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     dout, out = _last_dim_contiguous(dout), _last_dim_contiguous(out)
     lay = _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
@@ -368,23 +403,36 @@ def launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, m
     lse_strides = _lse_strides(lse, lay)
 
     delta = torch.empty_like(lse)
+    # Atomic dq: an fp32 accumulator the delta kernel zeroes (dq itself when it is fp32).
+    # Poisoned like an output, so rows the zeroing missed show up as NaN.
+    if atomic:
+        dq_acc = dq if dq.dtype == torch.float32 else _new_output(q.shape, torch.float32, q.device)
+        dq_acc_strides = lay.strides(dq_acc)
+    else:
+        dq_acc, dq_acc_strides = dq, (0, 0, 0)
     dcfg = INTERPRET_CONFIGS["delta"] if interpreting() else DELTA_CONFIG
     attention_bwd_delta_kernel[(triton.cdiv(lay.q_len, dcfg.block_m), lay.batch * lay.q_heads)](
-        out, dout, delta, cu_q, *lay.strides(out), *lay.strides(dout), *lse_strides,
-        lay.q_heads, lay.q_len,
+        out, dout, delta, dq_acc, cu_q, *lay.strides(out), *lay.strides(dout), *lse_strides,
+        *dq_acc_strides, lay.q_heads, lay.q_len,
         HEAD_DIM=lay.head_dim, BLOCK_D=block_d, BLOCK_M=dcfg.block_m, IS_VARLEN=lay.varlen,
-        num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
+        ZERO_DQ=atomic, num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
     )
+
+    dq_acc_dirty = [False]
 
     def launch_dkdv(cfg: KernelConfig):
         grid = (triton.cdiv(lay.k_len, cfg.block_n), lay.batch * lay.kv_heads)
+        if atomic and dq_acc_dirty[0]:
+            dq_acc.zero_()  # config timing runs the kernel many times; each run adds into dq_acc
+        dq_acc_dirty[0] = atomic
         attention_bwd_dkdv_kernel[grid](
-            q, k, v, dout, lse, delta, dk, dv, mask, cu_q, cu_k,
+            q, k, v, dout, lse, delta, dk, dv, dq_acc, mask, cu_q, cu_k,
             *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(dout), *lse_strides,
-            *lay.strides(dk), *lay.strides(dv), *mask_strides,
+            *lay.strides(dk), *lay.strides(dv), *dq_acc_strides, *mask_strides,
             lay.kv_heads, lay.q_heads // lay.kv_heads, lay.q_len, lay.k_len,
             scale, scale * LOG2E, left, right,
             HEAD_DIM=lay.head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            ATOMIC_DQ=atomic, ROTATE=mode == "atomic_rotate",
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
         )
 
@@ -403,9 +451,12 @@ def launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, m
     key = _shape_key(q, lay, causal, bottom_right, window_left, window_right, mask_kind)
     interp = interpreting()
     mask_elem = mask.element_size() if mask_kind else 0
-    for kind, launch in (("dkdv", launch_dkdv), ("dq", launch_dq)):
+    kernels = ((("dkdv_atomic" if atomic else "dkdv"), launch_dkdv),) + (() if atomic else (("dq", launch_dq),))
+    for kind, launch in kernels:
         candidates = [] if interp else fitting_configs(kind, block_d, q.dtype, q.device, mask_elem)
-        launch(CONFIGS.pick(kind, key, candidates, launch))
+        launch(CONFIGS.pick(kind, key + ((mode,) if atomic else ()), candidates, launch))
+    if atomic and dq_acc is not dq:
+        dq.copy_(dq_acc)
     return dq, dk, dv
 
 
@@ -440,9 +491,11 @@ def flash_bwd(
     cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int, scale: float,
     causal: bool, bottom_right: bool, window_left: int, window_right: int, deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv). The kernels use no atomics, so every run is deterministic."""
+    """(dq, dk, dv). deterministic=True runs the no-atomics kernels (bitwise reproducible);
+    otherwise dq is made as VARIANTS["dq"] says."""
     return launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                      max_seqlen_k, scale, causal, bottom_right, window_left, window_right)
+                      max_seqlen_k, scale, causal, bottom_right, window_left, window_right,
+                      deterministic=deterministic)
 
 
 @flash_bwd.register_fake
@@ -534,7 +587,8 @@ def triton_attention(
     is_causal / window (left, right): as SDPA and adaattn.attention, aligned top-left; with
         causal_alignment="bottom_right" query i sits at position i + (Nk - Nq), so key j is
         visible iff j <= i + Nk - Nq (the KV-cache convention); windows shift the same way.
-    deterministic: bitwise-reproducible gradients (the kernels use no atomics, so always).
+    deterministic: bitwise-reproducible gradients: the backward then runs its no-atomics
+        kernels whatever VARIANTS["dq"] says (an atomic dq sums in a timing-dependent order).
     Rows that see no key give 0. Raises ValueError/TypeError for inconsistent shapes, dtypes
     or devices, head_dim > 256, or a bad causal_alignment.
     """

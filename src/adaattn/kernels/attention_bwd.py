@@ -1,4 +1,4 @@
-"""Exact fused attention, backward: dq, dk, dv from the saved log-sum-exp, no atomics.
+"""Exact fused attention, backward: dq, dk, dv from the saved log-sum-exp.
 
 Three kernels:
   attention_bwd_delta_kernel  delta = rowsum(dO * O), per query row, fp32.
@@ -9,7 +9,12 @@ Three kernels:
   attention_bwd_dq_kernel     one program owns BLOCK_M query rows; it walks the same key tiles
                               as the forward and writes dq once.
 Every output element is written by exactly one program in a fixed order, so gradients are
-bitwise reproducible. Recomputed probabilities: p = exp2(s - lse * log2(e)) with s in the
+bitwise reproducible.
+
+Atomic dq (ATOMIC_DQ, not deterministic): the dk/dv pass also computes each query tile's dq
+contribution, ds^T k, and adds it with fp32 atomics into a buffer the delta kernel zeroed;
+the dq kernel does not run. Five matrix products per tile pair instead of seven; the sum
+order of dq over key blocks then depends on timing, so its bits can differ between runs. Recomputed probabilities: p = exp2(s - lse * log2(e)) with s in the
 log2 domain; a row with lse = -inf (it saw no key) is given lse = +inf so p = 0.
 
 Masking and tile ranges are the forward's (attention_fwd), seen from the key side here.
@@ -73,15 +78,17 @@ def query_tile_range(start_n, q_len, k_len, diag, window_left, window_right,
 
 @triton.jit(do_not_specialize=["q_len_dense"])
 def attention_bwd_delta_kernel(
-    Out, DOut, Delta, CuSeqlensQ,
+    Out, DOut, Delta, DQAcc, CuSeqlensQ,
     stride_ob, stride_oh, stride_om,
     stride_dob, stride_doh, stride_dom,
     stride_lb, stride_lh, stride_lm,
+    stride_dqb, stride_dqh, stride_dqm,
     q_heads, q_len_dense,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    IS_VARLEN: tl.constexpr,
+    IS_VARLEN: tl.constexpr, ZERO_DQ: tl.constexpr,
 ):
-    """Grid: (query blocks, batch * q_heads). Delta has the layout of the saved lse."""
+    """Grid: (query blocks, batch * q_heads). Delta has the layout of the saved lse. With
+    ZERO_DQ it also zeroes the same rows of the fp32 dq accumulator (atomic dq mode)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     batch = pid_bh // q_heads
@@ -105,16 +112,40 @@ def attention_bwd_delta_kernel(
     do = load_rows(do_base + offs_m[:, None] * stride_dom + offs_d[None, :], offs_m, q_len, offs_d,
                    HEAD_DIM, BLOCK_D, True).to(tl.float32)
     tl.store(d_base + offs_m * stride_lm, tl.sum(o * do, 1), mask=offs_m < q_len)
+    if ZERO_DQ:
+        dqa_base = DQAcc + b64 * stride_dqb + head.to(tl.int64) * stride_dqh
+        if IS_VARLEN:
+            dqa_base += q_start.to(tl.int64) * stride_dqm
+        store_rows(dqa_base + offs_m[:, None] * stride_dqm + offs_d[None, :],
+                   tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), offs_m, q_len, offs_d, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
-def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, start_m,
+def atomic_add_rows(ptrs, value, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                    CHECK_ROWS: tl.constexpr):
+    """Relaxed fp32 atomic add of a (rows, BLOCK_D) tile; rows past n_rows and columns past
+    HEAD_DIM are left alone. No ordering is needed: the kernel's end orders it before dq is read."""
+    if CHECK_ROWS:
+        if BLOCK_D != HEAD_DIM:
+            tl.atomic_add(ptrs, value, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM), sem="relaxed")
+        else:
+            tl.atomic_add(ptrs, value, mask=rows[:, None] < n_rows, sem="relaxed")
+    else:
+        if BLOCK_D != HEAD_DIM:
+            tl.atomic_add(ptrs, value, mask=offs_d[None, :] < HEAD_DIM, sem="relaxed")
+        else:
+            tl.atomic_add(ptrs, value, sem="relaxed")
+
+
+@triton.jit
+def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, start_m,
               offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
-              stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, scale, scale_log2,
+              stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, stride_dqm, scale, scale_log2,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EDGE: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
-              DOT_PRECISION: tl.constexpr):
-    """Add one query tile's contribution to dk and dv, in (key, query) orientation."""
+              DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+    """Add one query tile's contribution to dk and dv, in (key, query) orientation; with
+    ATOMIC_DQ also add its dq contribution (ds^T k) to the fp32 accumulator at dq_base."""
     rows = start_m + offs_m
     q = load_rows(q_base + rows[:, None] * stride_qm + offs_d[None, :], rows, q_len, offs_d,
                   HEAD_DIM, BLOCK_D, EDGE)
@@ -129,30 +160,54 @@ def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, st
     dp_t = dot(v, tl.trans(do), None, DOT_PRECISION)
     # Scaled before the cast: ds * scale is the true score gradient and stays in range.
     ds_t = p_t * (dp_t - delta[None, :]) * scale
-    dk = dot(round_to(ds_t, q.dtype, DOT_PRECISION), q, dk, DOT_PRECISION)
+    ds_c = round_to(ds_t, q.dtype, DOT_PRECISION)
+    dk = dot(ds_c, q, dk, DOT_PRECISION)
+    if ATOMIC_DQ:
+        # dq^T = k^T ds: (BLOCK_D, BLOCK_M), so the long side fills the tensor-core M dimension.
+        dq_t = dot(tl.trans(k), ds_c, None, DOT_PRECISION)
+        atomic_add_rows(dq_base + rows[:, None] * stride_dqm + offs_d[None, :], tl.trans(dq_t), rows, q_len,
+                        offs_d, HEAD_DIM, BLOCK_D, EDGE)
     return dk, dv
 
 
 @triton.jit
-def dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, tile_start, tile_end,
+def dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, tile_start, tile_end,
                   offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
-                  stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, scale, scale_log2,
+                  stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, stride_dqm, scale, scale_log2, rotate,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                   EDGE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                  MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """The tile loop over query rows [tile_start, tile_end), in steps of BLOCK_M."""
-    for start_m in range(tile_start, tile_end, BLOCK_M):
-        start_m = tl.multiple_of(start_m, BLOCK_M)
-        dk, dv = dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, start_m,
-                           offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
-                           stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, scale, scale_log2,
-                           HEAD_DIM, BLOCK_D, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION)
+                  MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+                  ROTATE: tl.constexpr):
+    """The tile loop over query rows [tile_start, tile_end), in steps of BLOCK_M. With ROTATE
+    (whole tiles only: tile_start and tile_end multiples of BLOCK_M) it starts at tile
+    `rotate` modulo the count and wraps around, so programs of one head that run together
+    add into different dq rows instead of queueing on the same addresses."""
+    if ROTATE:
+        n_tiles = (tile_end - tile_start) // BLOCK_M
+        first = rotate % tl.maximum(n_tiles, 1)
+        for i in range(0, n_tiles):
+            j = i + first
+            j = tl.where(j >= n_tiles, j - n_tiles, j)
+            start_m = tl.multiple_of(tile_start + j * BLOCK_M, BLOCK_M)
+            dk, dv = dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, start_m,
+                               offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                               stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, stride_dqm, scale,
+                               scale_log2, HEAD_DIM, BLOCK_D, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND,
+                               DOT_PRECISION, ATOMIC_DQ)
+    else:
+        for start_m in range(tile_start, tile_end, BLOCK_M):
+            start_m = tl.multiple_of(start_m, BLOCK_M)
+            dk, dv = dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, start_m,
+                               offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                               stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, stride_dqm, scale,
+                               scale_log2, HEAD_DIM, BLOCK_D, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND,
+                               DOT_PRECISION, ATOMIC_DQ)
     return dk, dv
 
 
 @triton.jit(do_not_specialize=["q_len_dense", "k_len_dense", "window_left", "window_right"])
 def attention_bwd_dkdv_kernel(
-    Q, K, V, DOut, LSE, Delta, DK, DV, Mask, CuSeqlensQ, CuSeqlensK,
+    Q, K, V, DOut, LSE, Delta, DK, DV, DQAcc, Mask, CuSeqlensQ, CuSeqlensK,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -160,6 +215,7 @@ def attention_bwd_dkdv_kernel(
     stride_lb, stride_lh, stride_lm,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
+    stride_dqb, stride_dqh, stride_dqm,
     stride_mb, stride_mh, stride_mm, stride_mn,
     kv_heads, kv_group, q_len_dense, k_len_dense,
     scale, scale_log2, window_left, window_right,
@@ -168,8 +224,11 @@ def attention_bwd_dkdv_kernel(
     IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr = False, ROTATE: tl.constexpr = False,
 ):
-    """Grid: (key blocks, batch * kv_heads). dk/dv are (B, Hkv, Nk, D), summed over the group."""
+    """Grid: (key blocks, batch * kv_heads). dk/dv are (B, Hkv, Nk, D), summed over the group.
+    ATOMIC_DQ: also add dq (B, Hq, Nq, D) into the zeroed fp32 DQAcc; ROTATE: each program
+    starts its fully visible query tiles at its own offset (see dkdv_tile_run)."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     batch = pid_bh // kv_heads
@@ -213,26 +272,28 @@ def attention_bwd_dkdv_kernel(
         lse_base = LSE + b64 * stride_lb + head * stride_lh
         delta_base = Delta + b64 * stride_lb + head * stride_lh
         mask_base = Mask + b64 * stride_mb + head * stride_mh
+        dq_base = DQAcc + b64 * stride_dqb + head * stride_dqh
         if IS_VARLEN:
             q_base += q_start.to(tl.int64) * stride_qm
             do_base += q_start.to(tl.int64) * stride_dom
             lse_base += q_start.to(tl.int64) * stride_lm
             delta_base += q_start.to(tl.int64) * stride_lm
-        dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, lo, full_lo,
-                               offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
-                               stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, scale, scale_log2,
-                               HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                               DOT_PRECISION)
-        dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, full_lo,
+            dq_base += q_start.to(tl.int64) * stride_dqm
+        dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, lo,
+                               full_lo, offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                               stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, stride_dqm, scale,
+                               scale_log2, pid_n, HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT,
+                               MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False)
+        dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, full_lo,
                                full_hi, offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
-                               stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, scale, scale_log2,
-                               HEAD_DIM, BLOCK_D, BLOCK_M, False, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                               DOT_PRECISION)
-        dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, full_hi, hi,
-                               offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
-                               stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, scale, scale_log2,
-                               HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                               DOT_PRECISION)
+                               stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, stride_dqm, scale,
+                               scale_log2, pid_n, HEAD_DIM, BLOCK_D, BLOCK_M, False, HAS_LEFT, HAS_RIGHT,
+                               MASK_KIND, DOT_PRECISION, ATOMIC_DQ, ROTATE)
+        dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, full_hi,
+                               hi, offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                               stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, stride_dqm, scale,
+                               scale_log2, pid_n, HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT,
+                               MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False)
 
     store_rows(dk_base + offs_n[:, None] * stride_dkn + offs_d[None, :], round_to(dk, DK.dtype.element_ty, DOT_PRECISION),
                offs_n, k_len, offs_d, HEAD_DIM, BLOCK_D)
