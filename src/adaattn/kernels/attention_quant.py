@@ -156,8 +156,10 @@ def quant_tile(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base, vq
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None]
     if PV_MODE == 1:
-        v = tl.load(vq_base + cols[:, None] + offs_d[None, :] * stride_vqd)
-        acc = tl.dot(to_fp8(p * 448.0, EMULATE), v, acc)
+        # Loaded as (D, BLOCK_N), keys contiguous, and transposed in shared memory: the
+        # tensor-core B operand stays K-major, and the load is pipelined like K's.
+        vt = tl.load(vq_base + offs_d[:, None] * stride_vqd + cols[None, :])
+        acc = tl.dot(to_fp8(p * 448.0, EMULATE), tl.trans(vt), acc)
     else:
         v = load_rows(v_base + cols[:, None] * stride_vn + offs_d[None, :], cols, k_len, offs_d,
                       HEAD_DIM, BLOCK_D, EDGE)
@@ -173,9 +175,12 @@ def quant_tile_run(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
                    QK_MODE: tl.constexpr, PV_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    SCALE_POSITIVE: tl.constexpr, EMULATE: tl.constexpr):
-    """The tile loop over keys [tile_start, tile_end), in steps of BLOCK_N."""
-    for start_n in range(tile_start, tile_end, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
+    """The tile loop over keys [tile_start, tile_end), in steps of BLOCK_N (tile_start is a
+    multiple of BLOCK_N). It counts tiles rather than keys: start_n = tile * BLOCK_N is then
+    known to be aligned, which the pipeliner needs to prefetch the transposed FP8 V (whose
+    rows run along keys) with asynchronous copies."""
+    for tile in range(tile_start // BLOCK_N, tl.cdiv(tile_end, BLOCK_N)):
+        start_n = tile * BLOCK_N
         acc, l_i, m_i = quant_tile(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base, vq_base,
                                    mask_base, start_n, offs_m, offs_n, offs_d, q_len, k_len, diag,
                                    window_left, window_right, stride_kn, stride_kqn, stride_vn, stride_vqd,
