@@ -20,6 +20,24 @@ FP8_MAX = 448.0
 _TINY = 1e-30
 
 
+SMOOTHING_SAMPLE = 256
+
+
+def smoothing_mean(x: torch.Tensor) -> torch.Tensor:
+    """The vector subtracted from every key (or value) row before quantization: the float32
+    mean over the sequence of x (..., N, D), estimated from about 256 evenly strided rows.
+
+    Any vector keeps attention exact (softmax ignores a shift common to a query's scores, and
+    the weights of V sum to one), so an estimate costs no accuracy in principle and reads a
+    small fraction of K and V; it only needs to be near the mean to shrink what is quantized.
+    """
+    n = x.shape[-2]
+    if n == 0:
+        return torch.zeros(x.shape[:-2] + x.shape[-1:], dtype=torch.float32, device=x.device)
+    stride = max(1, n // SMOOTHING_SAMPLE)
+    return torch.mean(x[..., ::stride, :], dim=-2, dtype=torch.float32)
+
+
 def quantize_int8(x: torch.Tensor) -> torch.Tensor:
     """x already divided by its scale: floor(x + 0.5), clamped to [-127, 127], as float64."""
     return torch.clamp(torch.floor(x + 0.5), -INT8_MAX, INT8_MAX).double()
@@ -46,10 +64,10 @@ def quantize_rows(q: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tenso
 
 
 def quantize_key_blocks(k: torch.Tensor, block_n: int, mode: str, k_mean: torch.Tensor | None = None):
-    """K smoothed by its mean over the sequence, then one scale per block of block_n keys.
+    """K smoothed by `smoothing_mean`, then one scale per block of block_n keys.
 
     Returns (k_q (..., N, D), per-key scale (..., N)), float64."""
-    mean = torch.mean(k, -2, keepdim=True, dtype=torch.float32) if k_mean is None else k_mean.float().unsqueeze(-2)
+    mean = (smoothing_mean(k) if k_mean is None else k_mean.float()).unsqueeze(-2)
     ks = k.float() - mean
     n = ks.shape[-2]
     blocks = math.ceil(n / block_n)
@@ -62,10 +80,10 @@ def quantize_key_blocks(k: torch.Tensor, block_n: int, mode: str, k_mean: torch.
 
 
 def value_fp8(v: torch.Tensor, v_mean=None, v_scale=None):
-    """V smoothed by its mean over the sequence and scaled per channel into e4m3's range.
+    """V smoothed by `smoothing_mean` and scaled per channel into e4m3's range.
 
     Returns (v_q (..., N, D) float64 e4m3 values, v_scale (..., D), v_mean (..., D))."""
-    mean = torch.mean(v, -2, dtype=torch.float32) if v_mean is None else v_mean.float()
+    mean = smoothing_mean(v) if v_mean is None else v_mean.float()
     vs = v.float() - mean.unsqueeze(-2)
     if v_scale is None:
         v_scale = (vs.abs().amax(-2) / FP8_MAX).clamp_min(_TINY)

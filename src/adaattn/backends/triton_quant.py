@@ -10,8 +10,9 @@ Three operating points ("levels"), most precise first:
 head at its own level: one launch per level present, each skipping the heads of other
 levels, so no host synchronisation is needed to mix levels.
 
-The pre-pass (K/V statistics with torch reductions, then one Triton kernel that reads K and V
-once and writes them quantized) runs once per call for the levels launched.
+The pre-pass runs once per call for the levels launched: the smoothing means from a strided
+sample of K and V rows, V's per-channel range (one read of V, fp8 only), then one Triton
+kernel that reads K (and V) once and writes them quantized.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from ..adaptive.quant_reference import smoothing_mean
 from .triton_attention import (
     CONFIGS,
     INTERPRET_CONFIGS,
@@ -60,8 +62,10 @@ INTERPRET_QUANT = KernelConfig(32, 16, 1, 1)
 QUANT_CONFIGS = {
     64: [KernelConfig(128, 64, 4, 3), KernelConfig(128, 128, 8, 3), KernelConfig(128, 64, 8, 4),
          KernelConfig(64, 64, 4, 3)],
-    128: [KernelConfig(128, 64, 8, 3), KernelConfig(128, 128, 8, 2), KernelConfig(128, 64, 4, 3),
-          KernelConfig(128, 64, 8, 4), KernelConfig(128, 128, 8, 3), KernelConfig(64, 64, 4, 3)],
+    # H100, N=16384 (results/2026-11-22-quant-attention-h100.json): qk8 fastest at
+    # 128/64/w8/s3, fp8 at 128/128/w8/s3 and 64/64/w4/s3.
+    128: [KernelConfig(128, 64, 8, 3), KernelConfig(128, 128, 8, 3), KernelConfig(64, 64, 4, 3),
+          KernelConfig(128, 64, 4, 3), KernelConfig(128, 128, 8, 2), KernelConfig(128, 64, 8, 4)],
 }
 
 
@@ -111,13 +115,13 @@ class Prepared:
 
     def k_mean(self) -> torch.Tensor:
         if self._k_mean is None:
-            self._k_mean = torch.mean(self.k, dim=-2, dtype=torch.float32).contiguous()
+            self._k_mean = smoothing_mean(self.k).contiguous()
         return self._k_mean
 
     def v_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, scale) per (B, Hkv, D): V smoothed by its mean, scaled so max |v'| is 448."""
         if self._v_stats is None:
-            v_mean = torch.mean(self.v, dim=-2, dtype=torch.float32)
+            v_mean = smoothing_mean(self.v)
             if self.nk:
                 v_min, v_max = torch.aminmax(self.v, dim=-2)
                 amax = torch.maximum(v_max.float() - v_mean, v_mean - v_min.float())
