@@ -10,6 +10,26 @@ from .planner import Plan
 from .policy import EXACT, Policy
 from .problem import Problem, validate
 
+QUANT = planner.QUANT
+
+
+class _LevelNames:
+    """Per-head levels held on the device until a stats reader asks for them."""
+
+    def __init__(self, levels: torch.Tensor):
+        self.levels = levels
+
+    def resolve(self) -> list[str]:
+        from .backends.triton_quant import LEVELS
+
+        return [LEVELS[int(x)] for x in self.levels.tolist()]
+
+
+def adaptive_run(*args, **kwargs):
+    from .adaptive.runner import run
+
+    return run(*args, **kwargs)
+
 
 def _check_policy(policy: object) -> Policy:
     if policy is None:
@@ -73,11 +93,14 @@ def attention(
     if problem.layout == "bshd":
         query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     if compiling:
-        out = REGISTRY[plan.backend].run(query, key, value, attn_mask, problem, plan)
+        if plan.backend == QUANT:
+            out, _ = adaptive_run(query, key, value, attn_mask, problem, plan, pol, label, compiling=True)
+        else:
+            out = REGISTRY[plan.backend].run(query, key, value, attn_mask, problem, plan)
     elif stats.enabled:
         out = _run_recorded(query, key, value, attn_mask, problem, plan, pol, label)
     else:
-        out, _ = _run(query, key, value, attn_mask, problem, plan)
+        out, _, _ = _run(query, key, value, attn_mask, problem, plan, pol, label)
     if problem.layout == "bshd":
         out = out.transpose(1, 2)
     return out
@@ -107,13 +130,18 @@ def _cached(*args):
         return None
 
 
-def _run(q, k, v, attn_mask, problem: Problem, plan: Plan) -> tuple[torch.Tensor, tuple[str, ...]]:
-    """Run the first candidate; a backend that raises is marked failed and the next one runs."""
+def _run(q, k, v, attn_mask, problem: Problem, plan: Plan, policy: Policy = EXACT,
+         label: str | None = None) -> tuple[torch.Tensor, tuple[str, ...], dict | None]:
+    """Run the first candidate; a backend that raises is marked failed and the next one runs.
+    Returns (out, failed backends, per-head decisions of an adaptive run or None)."""
     failed: list[str] = []
     last = len(plan.candidates) - 1
     for i, name in enumerate(plan.candidates):
         try:
-            return REGISTRY[name].run(q, k, v, attn_mask, problem, plan), tuple(failed)
+            if name == QUANT:
+                out, info = adaptive_run(q, k, v, attn_mask, problem, plan, policy, label)
+                return out, tuple(failed), info
+            return REGISTRY[name].run(q, k, v, attn_mask, problem, plan), tuple(failed), None
         except Exception as e:
             if isinstance(e, torch.OutOfMemoryError) or "not enough memory" in str(e) or "out of memory" in str(e):
                 raise torch.OutOfMemoryError(
@@ -131,12 +159,23 @@ def _run(q, k, v, attn_mask, problem: Problem, plan: Plan) -> tuple[torch.Tensor
 def _run_recorded(q, k, v, attn_mask, problem, plan, policy, label):
     if stats.timing():
         with stats.Timer(q.device) as t:
-            out, failed = _run(q, k, v, attn_mask, problem, plan)
+            out, failed, info = _run(q, k, v, attn_mask, problem, plan, policy, label)
         wall = t.ms
     else:
-        out, failed = _run(q, k, v, attn_mask, problem, plan)
+        out, failed, info = _run(q, k, v, attn_mask, problem, plan, policy, label)
         wall = None
     ran = next(n for n in plan.candidates if n not in failed)
+    if info is not None:
+        decisions = {"precision": "per head", "head_levels": info.get("levels"),
+                     "head_errors": info.get("errors"), "verified": info.get("verified", False),
+                     "errors_measured_on": info.get("errors_measured_on"), "tolerance": policy.tolerance,
+                     "approximation": "none", "notes": list(plan.notes)}
+        if info.get("levels_after") is not None:
+            decisions["head_levels_after_verification"] = _LevelNames(info["levels_after"])
+        if info.get("note"):
+            decisions["notes"].append(info["note"])
+    else:
+        decisions = {"precision": "native", "approximation": "none", "notes": list(plan.notes)}
     stats.add(
         stats.CallRecord(
             backend=ran,
@@ -145,7 +184,7 @@ def _run_recorded(q, k, v, attn_mask, problem, plan, policy, label):
             dtype=str(problem.dtype).replace("torch.", ""),
             device=f"{problem.device_type}/{plan.arch}",
             mode=policy.mode,
-            decisions={"precision": "native", "approximation": "none", "notes": list(plan.notes)},
+            decisions=decisions,
             fallbacks=failed,
             label=label,
             wall_ms=wall,

@@ -24,6 +24,7 @@ class Plan:
     reasons: tuple[tuple[str, tuple[str, ...]], ...]
     notes: tuple[str, ...]
     arch: str
+    levels: tuple[int, ...] = ()  # quantized levels allowed to "triton.quant" (mode="auto")
 
 
 class NoBackendError(ValueError):
@@ -78,6 +79,12 @@ def make_plan(problem: Problem, policy: Policy) -> Plan:
     """Walk the priority list; every registered backend gets its reasons recorded."""
     arch = hardware.arch(problem.device_type, problem.device_index)
     order = priority(problem, arch)
+    notes = []
+    levels: tuple[int, ...] = ()
+    if policy.mode == "auto":
+        levels, notes = _adaptive(problem, policy)
+        if levels:
+            order = (QUANT,) + order
     if policy.backends is not None:
         # Named backends absent from the list (reference, say) go last, in the order named.
         extra = [n for b in policy.backends for n in REGISTRY if n not in order and policy.admits(n) and (n == b or n.startswith(b + "."))]
@@ -89,7 +96,11 @@ def make_plan(problem: Problem, policy: Policy) -> Plan:
     for name in names:
         backend = REGISTRY[name]
         why = list(backend.supports(problem))
-        if name not in order:
+        if name == QUANT and name not in order:
+            why.append("approximate (quantized): runs only under Policy(mode='auto') with precisions beyond "
+                       "'native', where the notes below say why not." if policy.mode == "auto" else
+                       "approximate (quantized): runs only under Policy(mode='auto').")
+        elif name not in order:
             why.append(f"not in the priority list for {problem.device_type}/{arch}; used only when named in Policy.backends.")
         if not policy.admits(name):
             why.append(f"excluded by Policy.backends={policy.backends}.")
@@ -99,12 +110,6 @@ def make_plan(problem: Problem, policy: Policy) -> Plan:
         reasons.append((name, tuple(why)))
         if not why:
             candidates.append(name)
-    notes = []
-    if policy.mode == "auto":
-        notes.append(
-            "mode='auto': no adaptive (quantized or low-rank) backend is available in this "
-            "version, so the call runs exact on the fastest exact backend."
-        )
     if not candidates:
         lines = [f"no backend can run {problem.describe()} under {policy}:"]
         lines += [f"  {n}: {' '.join(r)}" for n, r in reasons]
@@ -116,7 +121,23 @@ def make_plan(problem: Problem, policy: Policy) -> Plan:
         reasons=tuple(reasons),
         notes=tuple(notes),
         arch=arch,
+        levels=levels if candidates[0] == QUANT else (),
     )
+
+
+QUANT = "triton.quant"
+
+
+def _adaptive(problem: Problem, policy: Policy) -> tuple[tuple[int, ...], list[str]]:
+    """Quantized levels this call may use under an auto policy, and notes on what was dropped."""
+    from .adaptive.runner import allowed_levels
+
+    if QUANT not in REGISTRY:
+        return (), ["mode='auto': the quantized kernels need triton, which does not import here; "
+                    "the call runs exact."]
+    if not policy.admits(QUANT):
+        return (), [f"mode='auto': Policy.backends={policy.backends} excludes {QUANT}; the call runs exact."]
+    return allowed_levels(problem, policy, REGISTRY[QUANT].supports(problem))
 
 
 def get_plan(problem: Problem, policy: Policy, compiling: bool = False) -> Plan:

@@ -18,12 +18,17 @@ class Policy:
                     "auto" allows the precisions and approximations listed, per head, under
                     `tolerance`.
     tolerance:      largest relative L2 error of one head's output, ||o - o_exact|| / ||o_exact||.
-    precisions:     matrix precisions allowed: "native" (the input dtype), "int8", "fp8".
+    precisions:     matrix precisions allowed: "native" (the input dtype), "int8" (the qk8 level:
+                    INT8 Q.K^T), "fp8" (the fp8 level: FP8 P.V as well). Under mode="auto" the
+                    exact level is always the fallback for heads that cannot meet `tolerance`.
     approximations: tile approximations allowed: "lowrank", "skip".
     verify:         fraction of calls in [0, 1] on which sampled exact rows check the error.
     backends:       restrict dispatch to these backend names; a prefix such as "sdpa" admits
                     every "sdpa.*" sub-backend. None admits all.
     deterministic:  ask for bitwise-reproducible forward and backward.
+    train_quantized: with mode="auto" and inputs that require grad, run the quantized forward
+                    (its output is what the loss sees) with an exact backward; by default such
+                    calls run exact.
 
     Raises ValueError/TypeError on construction for values outside those listed.
     """
@@ -35,6 +40,7 @@ class Policy:
     verify: float = 0.05
     backends: tuple[str, ...] | None = None
     deterministic: bool = False
+    train_quantized: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -75,6 +81,8 @@ class Policy:
             object.__setattr__(self, "backends", tuple(self.backends))
         if not isinstance(self.deterministic, bool):
             raise TypeError(f"Policy.deterministic must be a bool, got {type(self.deterministic).__name__}")
+        if not isinstance(self.train_quantized, bool):
+            raise TypeError(f"Policy.train_quantized must be a bool, got {type(self.train_quantized).__name__}")
 
     def admits(self, backend_name: str) -> bool:
         """Whether `backends` allows the backend called `backend_name`."""

@@ -52,11 +52,23 @@ class CallRecord:
             "dtype": self.dtype,
             "device": self.device,
             "mode": self.mode,
-            "decisions": dict(self.decisions),
+            "decisions": {k: _plain(v) for k, v in self.decisions.items()},
             "fallbacks": list(self.fallbacks),
             "label": self.label,
             "wall_ms": self.wall_ms,
         }
+
+
+def _plain(value):
+    """Decisions may hold device tensors (per-head errors measured on the GPU, kept there so
+    that recording never synchronises); they become plain lists only when read."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if hasattr(value, "resolve"):
+        return value.resolve()
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
 
 def enable(timing: bool = False, limit: int = 100_000) -> None:

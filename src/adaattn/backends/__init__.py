@@ -28,8 +28,10 @@ try:  # our Triton kernels, only where triton imports
     import triton  # noqa: F401
 
     from .triton_attention import TritonBackend
+    from .triton_quant import TritonQuantBackend
 
     register(TritonBackend())
+    register(TritonQuantBackend())
 except Exception:
     pass
 

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from ..adaptive.quant_reference import smoothing_mean
+from .base import Backend
 from .triton_attention import (
     CONFIGS,
     INTERPRET_CONFIGS,
@@ -54,6 +55,9 @@ LEVELS = ("exact", "qk8", "fp8")
 LEVEL_EXACT, LEVEL_QK8, LEVEL_FP8 = 0, 1, 2
 SUPPORTED_HEAD_DIMS = (64, 128)
 FP8_MAX = 448.0
+# Q.K^T precision of the fp8 level: "int8" is the more accurate (see benchmarks/NOTES.md for
+# the speed of each on the H100).
+FP8_LEVEL_QK = "int8"
 
 # One config per level for the CPU interpreter; BLOCK_N is also the K quantization block.
 INTERPRET_QUANT = KernelConfig(32, 16, 1, 1)
@@ -260,3 +264,21 @@ def quant_can_run(device: torch.device, dtype: torch.dtype, head_dim: int, value
     if head_dim not in SUPPORTED_HEAD_DIMS or value_dim != head_dim:
         reasons.append(f"quantized kernels take head_dim 64 or 128 (value too), got {head_dim}/{value_dim}.")
     return reasons
+
+
+class TritonQuantBackend(Backend):
+    """Quantized attention forward (per-head levels exact / qk8 / fp8). Approximate: the
+    planner puts it first only under Policy(mode="auto"); adaptive/ runs it."""
+
+    name = "triton.quant"
+    exact = False
+
+    def supports(self, problem) -> list[str]:
+        device = torch.device(problem.device_type, problem.device_index)
+        reasons = quant_can_run(device, problem.dtype, problem.head_dim, problem.value_dim)
+        if problem.dropout_p > 0:
+            reasons.append("dropout is not implemented.")
+        return reasons
+
+    def run(self, query, key, value, attn_mask, problem, plan):
+        raise RuntimeError("triton.quant runs through adaattn.adaptive (it needs the policy and call site).")

@@ -1,0 +1,276 @@
+"""Per-call-site precision controllers: which level each head runs at, kept honest by sampling.
+
+A controller belongs to one call site (an `AdaAttention` module, a `label`, or else one
+shape class of anonymous calls under one policy) and holds, per query head, the level it
+runs at ("exact", "qk8", "fp8") and the errors measured there.
+
+First call (warm-up, the one call that synchronises): statistics of the inputs predict each
+level's error per head (adaptive/analysis.py); each head starts at the cheapest allowed
+level predicted to meet tau * PREDICT_MARGIN; the output's sampled rows are checked against
+exact rows, and a head over tau * VERIFY_MARGIN is recomputed one level up, checked again,
+until every head meets it or is exact.
+
+Later calls launch each level present once (heads of other levels skipped in-kernel). On a
+fraction `Policy.verify` of calls (drawn on the host, no synchronisation), 64 query rows per
+head are checked on the device: heads over the margin are recomputed one level up in the
+same call, checked again, and recomputed exactly if still over, all with device-side head
+masks. The measured errors and final levels are copied back asynchronously and applied to
+the controller on a later call (a head moved up stays up; its error feeds an EMA).
+
+Inside CUDA-graph capture nothing is sampled: the levels known at capture are launched, or
+every head exact if the controller never warmed up. Under torch.compile the call is one
+custom op whose body runs this logic eagerly.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections import deque
+
+import torch
+
+from ..backends import triton_quant as tq
+from . import analysis
+
+PREDICT_MARGIN = 0.7
+VERIFY_MARGIN = 0.8
+SAMPLE_ROWS = 64
+EMA = 0.3
+
+_lock = threading.Lock()
+_controllers: dict[str, "PrecisionController"] = {}
+
+
+def _up(level: int, allowed: tuple[int, ...]) -> int:
+    """The next more precise allowed level (exact is always allowed)."""
+    above = [a for a in allowed if a < level]
+    return max(above) if above else tq.LEVEL_EXACT
+
+
+class PrecisionController:
+    """Levels and measured errors per query head for one call site."""
+
+    def __init__(self, site: str, tolerance: float, verify: float, allowed: tuple[int, ...], q_heads: int,
+                 fp8_qk: bool = False, seed: int = 0):
+        self.site = site
+        self.tolerance = float(tolerance)
+        self.verify = float(verify)
+        self.allowed = tuple(sorted(set(allowed) | {tq.LEVEL_EXACT}))
+        self.q_heads = q_heads
+        self.fp8_qk = fp8_qk
+        self.levels: list[int] | None = None
+        self.errors: list[float | None] = [None] * q_heads  # last measured, per head
+        self.ema: list[float | None] = [None] * q_heads
+        self.predicted: dict[str, list[float]] | None = None
+        self.statistics: dict[str, list[float]] | None = None
+        self.calls = 0
+        self.verified_calls = 0
+        self.escalations = 0
+        self._pending: deque = deque()
+        self._rng = random.Random(seed)
+        self._generators: dict = {}
+        self._device_levels: dict = {}
+        self._lock = threading.Lock()
+
+    # ---- host-side state ----------------------------------------------------------------
+
+    def describe(self) -> dict:
+        """Levels, last measured and predicted errors per head (applies finished readbacks)."""
+        self.poll()
+        names = None if self.levels is None else [tq.LEVELS[x] for x in self.levels]
+        return {"site": self.site, "tolerance": self.tolerance, "levels": names, "errors": list(self.errors),
+                "error_ema": list(self.ema), "predicted": self.predicted, "statistics": self.statistics,
+                "calls": self.calls, "verified_calls": self.verified_calls, "escalations": self.escalations}
+
+    def poll(self, wait: bool = False) -> None:
+        """Apply finished verification readbacks (all of them, waiting, with wait=True)."""
+        while self._pending:
+            event, errors, levels, first_errors = self._pending[0]
+            if not wait and event is not None and not event.query():
+                return
+            if event is not None:
+                event.synchronize()
+            self._pending.popleft()
+            self._apply(levels.tolist(), errors.tolist(), first_errors.tolist())
+
+    def _apply(self, levels: list[int], errors: list[float], first_errors: list[float]) -> None:
+        with self._lock:
+            for h in range(self.q_heads):
+                old = self.levels[h]
+                if levels[h] != old:
+                    self.escalations += 1
+                    self.ema[h] = errors[h]
+                else:
+                    prev = self.ema[h]
+                    self.ema[h] = errors[h] if prev is None else (1 - EMA) * prev + EMA * errors[h]
+                self.levels[h] = min(levels[h], old)
+                self.errors[h] = errors[h]
+            self._device_levels.clear()
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        key = str(device)
+        if key not in self._generators:
+            g = torch.Generator(device=device)
+            g.manual_seed(self._rng.randrange(2 ** 31))
+            self._generators[key] = g
+        return self._generators[key]
+
+    def _levels_tensor(self, device: torch.device) -> torch.Tensor:
+        key = str(device)
+        t = self._device_levels.get(key)
+        if t is None:
+            t = torch.tensor(self.levels, dtype=torch.int32, device=device)
+            self._device_levels[key] = t
+        return t
+
+    # ---- one call -------------------------------------------------------------------------
+
+    def run(self, q, k, v, attn_mask, scale, causal, bottom_right, window_left, window_right):
+        """(out, info): attention with every head at its level; info feeds adaattn.stats."""
+        self.calls += 1
+        kw = dict(scale=scale, causal=causal, bottom_right=bottom_right, window_left=window_left,
+                  window_right=window_right, fp8_qk=self.fp8_qk)
+        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        if capturing:
+            return self._run_captured(q, k, v, attn_mask, kw)
+        self.poll()
+        if self.levels is None:
+            return self._warm_up(q, k, v, attn_mask, kw)
+        verify = self.verify > 0 and self._rng.random() < self.verify
+        prepared = tq.Prepared(k, v)
+        present = sorted(set(self.levels))
+        head_levels = self._levels_tensor(q.device) if len(present) > 1 else None
+        out = tq.quant_attention(q, k, v, attn_mask, levels=present, head_levels=head_levels, prepared=prepared,
+                                 **kw)
+        info = {"levels": [tq.LEVELS[x] for x in self.levels], "verified": verify,
+                "errors": list(self.errors), "errors_measured_on": "an earlier call"}
+        if not verify:
+            return out, info
+        self.verified_calls += 1
+        levels_dev = self._levels_tensor(q.device)
+        rows = analysis.sample_rows(q.shape[2], SAMPLE_ROWS, self._generator(q.device), q.device)
+        ref, _ = analysis.exact_rows(q, k, v, rows, attn_mask, scale, causal, bottom_right, window_left,
+                                     window_right)
+        limit = self.tolerance * VERIFY_MARGIN
+        first = analysis.head_errors(out.index_select(2, rows), ref)
+        up_table = torch.tensor([_up(x, self.allowed) for x in range(len(tq.LEVELS))], dtype=torch.int32,
+                                device=q.device)
+        over = (first > limit) & (levels_dev != tq.LEVEL_EXACT)
+        redo = torch.where(over, up_table[levels_dev.long()], torch.full_like(levels_dev, -1))
+        up_levels = sorted({_up(x, self.allowed) for x in present if x != tq.LEVEL_EXACT})
+        if up_levels:
+            tq.quant_attention(q, k, v, attn_mask, levels=up_levels, head_levels=redo, out=out, prepared=prepared,
+                               **kw)
+        final = torch.where(over, redo, levels_dev)
+        if any(x != tq.LEVEL_EXACT for x in up_levels):
+            second = analysis.head_errors(out.index_select(2, rows), ref)
+            still = over & (second > limit) & (redo != tq.LEVEL_EXACT)
+            exact = torch.where(still, torch.zeros_like(redo), torch.full_like(redo, -1))
+            tq.quant_attention(q, k, v, attn_mask, levels=[tq.LEVEL_EXACT], head_levels=exact, out=out,
+                               prepared=prepared, **kw)
+            final = torch.where(still, torch.zeros_like(final), final)
+        errors = analysis.head_errors(out.index_select(2, rows), ref)
+        self._queue(errors, final, first)
+        info.update(verified=True, errors=errors, levels_after=final, errors_measured_on="this call")
+        return out, info
+
+    def _queue(self, errors, levels, first) -> None:
+        if errors.is_cuda:
+            host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (errors, levels, first)]
+            for h, t in zip(host, (errors, levels, first)):
+                h.copy_(t, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._pending.append((event, *host))
+        else:
+            self._pending.append((None, errors, levels, first))
+
+    def _warm_up(self, q, k, v, attn_mask, kw):
+        """Predict, run, verify and escalate until every head meets the margin (synchronises)."""
+        prepared = tq.Prepared(k, v)
+        rows = analysis.sample_rows(q.shape[2], SAMPLE_ROWS, self._generator(q.device), q.device)
+        ref, p = analysis.exact_rows(q, k, v, rows, attn_mask, kw["scale"], kw["causal"], kw["bottom_right"],
+                                     kw["window_left"], kw["window_right"])
+        stats = analysis.head_statistics(q, k, v, rows, p, ref)
+        predicted = analysis.predict_errors(stats, kw["scale"], q.shape[-1], q.dtype, self.fp8_qk)
+        pred_host = {name: t.tolist() for name, t in predicted.items()}
+        self.statistics = {name: t.tolist() for name, t in stats.items()}
+        self.predicted = pred_host
+        levels = []
+        for h in range(self.q_heads):
+            choice = tq.LEVEL_EXACT
+            for level in sorted(self.allowed, reverse=True):  # cheapest first
+                if pred_host[tq.LEVELS[level]][h] <= self.tolerance * PREDICT_MARGIN:
+                    choice = level
+                    break
+            levels.append(choice)
+        present = sorted(set(levels))
+        head_levels = torch.tensor(levels, dtype=torch.int32, device=q.device)
+        out = tq.quant_attention(q, k, v, attn_mask, levels=present, head_levels=head_levels if len(present) > 1
+                                 else None, prepared=prepared, **kw)
+        limit = self.tolerance * VERIFY_MARGIN
+        while True:
+            errors = analysis.head_errors(out.index_select(2, rows), ref).tolist()
+            redo = [(-1 if levels[h] == tq.LEVEL_EXACT or errors[h] <= limit else _up(levels[h], self.allowed))
+                    for h in range(self.q_heads)]
+            if all(x < 0 for x in redo):
+                break
+            self.escalations += sum(x >= 0 for x in redo)
+            tq.quant_attention(q, k, v, attn_mask, levels=sorted({x for x in redo if x >= 0}),
+                               head_levels=torch.tensor(redo, dtype=torch.int32, device=q.device), out=out,
+                               prepared=prepared, **kw)
+            levels = [r if r >= 0 else lv for r, lv in zip(redo, levels)]
+        with self._lock:
+            self.levels = levels
+            self.errors = list(errors)
+            self.ema = list(errors)
+            self._device_levels.clear()
+        self.verified_calls += 1
+        info = {"levels": [tq.LEVELS[x] for x in levels], "verified": True, "errors": list(errors),
+                "errors_measured_on": "this call", "predicted": {n: pred_host[n] for n in pred_host}}
+        return out, info
+
+    def _run_captured(self, q, k, v, attn_mask, kw):
+        if self.levels is None:
+            out = tq.quant_attention(q, k, v, attn_mask, levels=[tq.LEVEL_EXACT], **kw)
+            return out, {"levels": ["exact"] * self.q_heads, "verified": False, "errors": [None] * self.q_heads,
+                         "note": "captured before warm-up: every head exact"}
+        present = sorted(set(self.levels))
+        head_levels = self._levels_tensor(q.device) if len(present) > 1 else None
+        out = tq.quant_attention(q, k, v, attn_mask, levels=present, head_levels=head_levels, **kw)
+        return out, {"levels": [tq.LEVELS[x] for x in self.levels], "verified": False,
+                     "errors": list(self.errors), "errors_measured_on": "an earlier call (graph capture)"}
+
+
+def get(site: str, factory) -> PrecisionController:
+    """The controller of `site`, made by factory() on first use."""
+    c = _controllers.get(site)
+    if c is None:
+        with _lock:
+            c = _controllers.get(site)
+            if c is None:
+                c = factory()
+                _controllers[site] = c
+    return c
+
+
+def find(site_or_label: str) -> PrecisionController | None:
+    """The controller whose site is, or starts with, this label (None if no call made one)."""
+    c = _controllers.get(site_or_label)
+    if c is not None:
+        return c
+    for site, c in list(_controllers.items()):
+        if site.startswith(site_or_label + "|"):
+            return c
+    return None
+
+
+def controllers() -> dict[str, PrecisionController]:
+    return dict(_controllers)
+
+
+def reset() -> None:
+    """Forget every controller (levels start from predictions again)."""
+    with _lock:
+        _controllers.clear()

@@ -1,0 +1,134 @@
+"""The adaptive-precision call: which levels a problem may use, the custom op, and the run.
+
+`allowed_levels` is the planner's question (no device work): the levels a policy allows on
+this hardware for this problem, with a note for every level or reason that was dropped.
+`run` executes a planned call through the call site's controller; under torch.compile the
+same work is one custom op (`adaattn::adaptive_fwd`) whose body runs eagerly, so the
+controller's host-side logic never becomes part of a graph.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Optional
+
+import torch
+
+from ..backends import triton_quant as tq
+from . import controller
+
+_factories: dict = {}
+_factories_lock = threading.Lock()
+
+
+def allowed_levels(problem, policy, quant_reasons: list[str]) -> tuple[tuple[int, ...], list[str]]:
+    """(levels beyond exact that may run, notes). Empty levels: the call runs exact, and the
+    notes say why."""
+    notes: list[str] = []
+    wanted = []
+    if "int8" in policy.precisions:
+        wanted.append(tq.LEVEL_QK8)
+    if "fp8" in policy.precisions:
+        if problem.device_type == "cuda" and not tq.fp8_supported(torch.device("cuda", problem.device_index or 0)):
+            notes.append("fp8: FP8 tensor cores need compute capability 8.9 or newer; this GPU lacks them, so "
+                         "qk8 (INT8 Q.K^T, P.V in the input dtype) is the cheapest level here.")
+        else:
+            wanted.append(tq.LEVEL_FP8)
+    if policy.approximations:
+        notes.append(f"approximations {policy.approximations}: not implemented in this version; no tile is "
+                     "approximated.")
+    if not wanted:
+        notes.append("mode='auto' with no quantized precision allowed (or available): every head runs exact.")
+        return (), notes
+    if problem.needs_grad and not policy.train_quantized:
+        notes.append("inputs require grad: the exact kernels run. Policy(train_quantized=True) allows a "
+                     "quantized forward with an exact backward.")
+        return (), notes
+    if problem.dropout_p > 0:
+        notes.append("dropout_p > 0: the quantized kernels have no dropout; the exact kernels run.")
+        return (), notes
+    if quant_reasons:
+        where = "CPU" if problem.device_type == "cpu" else "this problem"
+        notes.append(f"quantized kernels cannot run {where} ({' '.join(quant_reasons)}); the exact kernels run.")
+        return (), notes
+    names = ", ".join(tq.LEVELS[x] for x in (tq.LEVEL_EXACT, *wanted))
+    notes.append(
+        f"mode='auto': each head runs at one of ({names}) under tolerance {policy.tolerance:g}: it starts at "
+        f"the cheapest level predicted to meet it, sampled rows check it (on every first call, then on a "
+        f"fraction {policy.verify:g} of calls), and heads over it are recomputed one level up."
+        + (" The backward is exact." if problem.needs_grad else ""))
+    return tuple(wanted), notes
+
+
+def site_key(problem, policy, label: Optional[str], levels: tuple[int, ...]) -> str:
+    """The controller a call belongs to: its label (an AdaAttention module, say) under this
+    policy and head layout, or else its shape class."""
+    head = (f"Hq={problem.q_heads} Hkv={problem.kv_heads} D={problem.head_dim} {problem.dtype} "
+            f"causal={problem.causal} window={problem.window} mask={problem.mask_kind} "
+            f"dev={problem.device_type}:{problem.device_index}")
+    who = label if label is not None else f"anonymous {problem.shape_class}"
+    key = f"{who}|{policy!r}|{head}"
+    if key not in _factories:
+        with _factories_lock:
+            _factories.setdefault(key, lambda: controller.PrecisionController(
+                key, policy.tolerance, policy.verify, levels, problem.q_heads, fp8_qk=tq.FP8_LEVEL_QK == "fp8"))
+    return key
+
+
+def _controller(site: str) -> controller.PrecisionController:
+    return controller.get(site, _factories[site])
+
+
+def _window(problem) -> tuple[int, int]:
+    if problem.window is None:
+        return -1, -1
+    left, right = problem.window
+    return (-1 if left is None else int(left)), (-1 if right is None else int(right))
+
+
+@torch.library.custom_op("adaattn::adaptive_fwd", mutates_args=())
+def adaptive_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor], scale: float,
+                 causal: bool, window_left: int, window_right: int, site: str) -> torch.Tensor:
+    """Adaptive-precision attention of one call site; q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D)."""
+    out, _ = _controller(site).run(q, k, v, attn_mask, scale, causal, False, window_left, window_right)
+    return out
+
+
+@adaptive_fwd.register_fake
+def _adaptive_fwd_fake(q, k, v, attn_mask, scale, causal, window_left, window_right, site):
+    return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, attn_mask, scale, causal, window_left, window_right, site = inputs
+    ctx.save_for_backward(q, k, v, attn_mask)
+    ctx.options = (scale, causal, window_left, window_right)
+
+
+def _backward(ctx, dout):
+    """Exact gradients: the exact forward is recomputed for its log-sum-exp, then the exact
+    backward kernels run (the quantized forward's output is not differentiated)."""
+    from ..backends.triton_attention import flash_bwd, flash_fwd
+
+    q, k, v, attn_mask = ctx.saved_tensors
+    scale, causal, left, right = ctx.options
+    args = (attn_mask, None, None, q.shape[2], k.shape[2], scale, causal, False, left, right, False)
+    out, lse = flash_fwd(q, k, v, *args)
+    dq, dk, dv = flash_bwd(dout, q, k, v, out, lse, *args)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+adaptive_fwd.register_autograd(_backward, setup_context=_setup)
+
+
+def run(q, k, v, attn_mask, problem, plan, policy, label, compiling: bool = False):
+    """(out, info) for a call the planner gave to "triton.quant"; info is None when compiling."""
+    site = site_key(problem, policy, label, plan.levels)
+    scale = problem.scale if problem.scale is not None else 1.0 / math.sqrt(problem.head_dim)
+    left, right = _window(problem)
+    if compiling or problem.needs_grad:
+        out = adaptive_fwd(q, k, v, attn_mask, scale, problem.causal, left, right, site)
+        return out, None if compiling else {"levels": _controller(site).describe()["levels"],
+                                            "note": "quantized forward, exact backward"}
+    return _controller(site).run(q, k, v, attn_mask, scale, problem.causal, False, left, right)
