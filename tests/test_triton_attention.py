@@ -384,16 +384,21 @@ from adaattn.backends import triton_attention as ta
 from adaattn.kernels.attention_bwd import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
 from adaattn.kernels.attention_fwd import attention_fwd_kernel
 
-def compile_for_sm90(kernel, kind, d=128):
+def compile_for_sm90(kernel, kind, d=128, tma=False):
     cfg = ta.HALF_CONFIGS[kind][ta._d_class(d)][0]
     consts = dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, IS_VARLEN=False,
                   BOTTOM_RIGHT=False, HAS_LEFT=False, HAS_RIGHT=True, MASK_KIND=0, DOT_PRECISION="tf32",
-                  ATOMIC_DQ=kind == "dkdv_atomic", ROTATE=False)
+                  ATOMIC_DQ=kind == "dkdv_atomic", ROTATE=False, USE_TMA=tma, HEAD_MAJOR=False,
+                  SCALE_POSITIVE=True)
+    if not tma:
+        consts.update(KDesc=None, VDesc=None)
     consts = {name: value for name, value in consts.items() if name in kernel.arg_names}
     sig, attrs = {}, {}
     for i, name in enumerate(kernel.arg_names):
         if name in consts:
             sig[name] = "constexpr"
+        elif name.endswith("Desc"):  # a host tensor descriptor's (B, Hkv, Nk, D) box
+            sig[name] = f"tensordesc<bf16[1, 1, {cfg.block_n}, {d}]>"
         elif name in ("LSE", "Delta", "DQAcc"):
             sig[name] = "*fp32"
         elif name.startswith("CuSeqlens"):
@@ -418,7 +423,8 @@ def compile_for_sm90(kernel, kind, d=128):
         m = re.search(r"STACK:(\d+)", usage)
         stack = int(m.group(1)) if m else None
     ptx = c.asm["ptx"]
-    return {"kind": kind, "smem": c.metadata.shared, "wgmma": "wgmma" in ptx, "stack": stack,
+    return {"kind": kind + ("_tma" if tma else ""), "smem": c.metadata.shared, "wgmma": "wgmma" in ptx,
+            "stack": stack, "tma": "cp.async.bulk.tensor" in ptx,
             "mma_sync": "mma.sync" in ptx,
             "vector_red": bool(re.search(r"red\.global\.gpu\.relaxed\.add\.v[24]\.f32", ptx)),
             "atom": bool(re.search(r"\batom\.global", ptx))}
@@ -426,7 +432,8 @@ def compile_for_sm90(kernel, kind, d=128):
 print(json.dumps([compile_for_sm90(attention_fwd_kernel, "fwd"),
                   compile_for_sm90(attention_bwd_dkdv_kernel, "dkdv"),
                   compile_for_sm90(attention_bwd_dq_kernel, "dq"),
-                  compile_for_sm90(attention_bwd_dkdv_kernel, "dkdv_atomic")]))
+                  compile_for_sm90(attention_bwd_dkdv_kernel, "dkdv_atomic"),
+                  compile_for_sm90(attention_fwd_kernel, "fwd", tma=True)]))
 """
 
 
@@ -459,6 +466,8 @@ def test_kernels_compile_for_hopper_without_spills():
             assert r["vector_red"] and not r["atom"], r
         else:
             assert r["atom"] is False and r["stack"] in (0, None), r
+        # The "tma" forward loads K/V with bulk tensor copies; the others never do.
+        assert r["tma"] == r["kind"].endswith("_tma"), r
 
 
 def test_config_choice_keys_on_length_buckets():
@@ -558,6 +567,97 @@ def test_atomic_dq_config_timing_does_not_add_twice(monkeypatch):
     check_case(hq=2, hkv=1, nq=70, nk=150, d=64, dtype=torch.float16, causal=True, seed=48)
     check_case(hq=2, hkv=1, nq=70, nk=150, d=64, dtype=torch.float32, causal=True, seed=49)
     assert {kind for kind, _ in ta.CONFIGS.chosen} == {"fwd", "dkdv_atomic"}
+
+
+def spy_fwd_launches(monkeypatch):
+    """(grid, USE_TMA, HEAD_MAJOR) of every forward kernel launch."""
+    calls = []
+    kernel = ta.attention_fwd_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                calls.append((grid, kwargs.get("USE_TMA", False), kwargs.get("HEAD_MAJOR", False)))
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(ta, "attention_fwd_kernel", Spy())
+    return calls
+
+
+FWD_VARIANT_CASES = {
+    # name: (check_case arguments, whether the "tma" variant may use descriptors there)
+    "causal bf16": (dict(nq=70, d=32, causal=True, seed=50), True),
+    "fp16 odd lengths": (dict(nq=127, nk=60, d=64, dtype=torch.float16, seed=51), True),
+    "gqa bottom-right": (dict(hq=4, hkv=2, nq=40, nk=90, d=32, causal=True, align="bottom_right", seed=52), True),
+    "window": (dict(nq=90, d=16, window=(20, 5), seed=53), True),
+    "one key": (dict(nq=5, nk=1, d=16, seed=54), True),
+    "bool mask: pointers": (dict(nq=60, nk=80, d=32, attn_mask=_fully_masked_row_mask(60, 80, 55), seed=55), False),
+    "fp32: pointers": (dict(nq=50, d=32, dtype=torch.float32, causal=True, seed=56), False),
+    "head dim 80: pointers": (dict(nq=50, d=80, causal=True, seed=57), False),
+    "negative scale: pointers": (dict(nq=40, d=32, scale=-0.2, seed=58), False),
+}
+
+
+@pytest.mark.parametrize("fwd,grid_order", [("tma", "query_major"), ("ptr", "head_major"), ("tma", "head_major")])
+@pytest.mark.parametrize("case", list(FWD_VARIANT_CASES))
+def test_forward_variants_match_reference(monkeypatch, fwd, grid_order, case):
+    # Each forward variant meets the standard (gradients too, which run from its output and
+    # lse); "tma" reads K/V through tensor descriptors where the launch allows and falls back
+    # to pointer loads elsewhere; "head_major" swaps the grid axes.
+    args, tma_possible = FWD_VARIANT_CASES[case]
+    monkeypatch.setitem(ta.VARIANTS, "fwd", fwd)
+    monkeypatch.setitem(ta.VARIANTS, "fwd_grid", grid_order)
+    calls = spy_fwd_launches(monkeypatch)
+    check_case(**args)
+    assert len(calls) == 1
+    grid, use_tma, head_major = calls[0]
+    assert use_tma == (fwd == "tma" and tma_possible)
+    assert head_major == (grid_order == "head_major")
+    b, hq = args.get("b", 1), args.get("hq", 2)
+    assert (grid[0] if head_major else grid[1]) == b * hq
+
+
+def test_tma_forward_reads_strided_views():
+    # BSHD views: 16-byte aligned strides, so the descriptors take them as they are.
+    g = _gen(59)
+    q, k, v = (_randn((2, 30, 2, 32), torch.bfloat16, g).transpose(1, 2) for _ in range(3))
+    with ta.kernel_variants(fwd="tma"):
+        out = ta.triton_attention(q, k, v, is_causal=True)
+    ref = reference_attention(q, k, v, is_causal=True)
+    peer = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert_standard(out, ref, peer, "output")
+    assert ta._tma_ok(ta._layout(q, k, None, 30, 30), ta.MASK_NONE, 0.1, 32, k, v)
+    # A view whose row stride is not a multiple of 16 bytes cannot be described.
+    odd = _randn((1, 2, 30, 36), torch.bfloat16, g)[..., :32]  # rows 72 bytes apart
+    assert not ta._tma_ok(ta._layout(odd, odd, None, 30, 30), ta.MASK_NONE, 0.1, 32, odd, odd)
+
+
+def test_kernel_variants_rejects_unknown_names():
+    with pytest.raises(ValueError, match="unknown kernel variant"):
+        with ta.kernel_variants(fwd_speed="fast"):
+            pass
+    q = torch.randn(1, 1, 4, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="forward variant"):
+        with ta.kernel_variants(fwd="texture"):
+            ta.triton_attention(q, q, q)
+
+
+def test_forward_without_grad_skips_the_custom_op(monkeypatch):
+    # No gradient wanted: launch_fwd runs directly (the custom op's dispatch costs host time
+    # comparable to a short kernel); with a gradient wanted the custom op runs.
+    ops = []
+    real = ta.flash_fwd
+    monkeypatch.setattr(ta, "flash_fwd", lambda *a: ops.append(1) or real(*a))
+    g = _gen(60)
+    q, k, v = (_randn((1, 2, 20, 16), torch.bfloat16, g).requires_grad_() for _ in range(3))
+    with torch.no_grad():
+        a = ta.triton_attention(q, k, v, is_causal=True)
+    assert ops == []
+    b = ta.triton_attention(q.detach(), k.detach(), v.detach(), is_causal=True)
+    assert ops == [] and torch.equal(a, b)
+    c = ta.triton_attention(q, k, v, is_causal=True)
+    assert ops == [1] and torch.equal(a, c) and c.requires_grad
 
 
 def test_bad_arguments_are_rejected():

@@ -41,9 +41,15 @@ try:
     )
     from ..kernels.attention_fwd import LOG2E, MASK_ADDITIVE, MASK_BOOL, MASK_NONE, attention_fwd_kernel
 
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:  # older triton: the "tma" forward falls back to pointer loads
+        TensorDescriptor = None
+
     TRITON_ERROR: Optional[str] = None
 except Exception as e:  # ImportError, or a triton that does not work on this machine
     triton = None
+    TensorDescriptor = None
     TRITON_ERROR = f"{type(e).__name__}: {e}".splitlines()[0][:120]
 
 ALIGNMENTS = ("top_left", "bottom_right")
@@ -61,12 +67,31 @@ POISON_OUTPUTS = os.environ.get("ADAATTN_POISON_OUTPUTS", "") == "1"
 #        "tma"       tensor-descriptor (TMA) loads of Q/K/V where the launch allows it:
 #                    dense, no mask, head_dim a power of two >= 16, 16-byte aligned rows;
 #                    anything else runs "ptr"
+#   fwd_grid: "query_major"  grid (query blocks, batch * heads): one head's blocks run together
+#             "head_major"   grid (batch * heads, query blocks): every head's last block first
 DQ_MODES = ("separate", "atomic", "atomic_rotate")
 FWD_MODES = ("ptr", "tma")
+GRID_ORDERS = ("query_major", "head_major")
 VARIANTS = {
     "dq": os.environ.get("ADAATTN_TRITON_DQ", "separate"),
     "fwd": os.environ.get("ADAATTN_TRITON_FWD", "ptr"),
+    "fwd_grid": os.environ.get("ADAATTN_TRITON_FWD_GRID", "query_major"),
 }
+
+
+@contextmanager
+def kernel_variants(**variants: str):
+    """Run with some VARIANTS replaced, e.g. kernel_variants(dq="atomic", fwd="tma")."""
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        raise ValueError(f"unknown kernel variant {sorted(unknown)}; known: {sorted(VARIANTS)}")
+    old = dict(VARIANTS)
+    VARIANTS.update(variants)
+    try:
+        yield
+    finally:
+        VARIANTS.clear()
+        VARIANTS.update(old)
 
 
 def interpreting() -> bool:
@@ -193,9 +218,19 @@ def fitting_configs(kind: str, block_d: int, dtype: torch.dtype, device: torch.d
     return fit
 
 
+def _next_pow2(n: int) -> int:
+    # triton.next_power_of_2 / triton.cdiv cost microseconds per call on the host (they are
+    # wrapped for use inside kernels); the launch glue calls these on every call.
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def length_bucket(n: int) -> int:
     """Lengths share a tuned config within a power of two; 1 (decode) is its own class."""
-    return 1 if n <= 1 else min(triton.next_power_of_2(n), 16384)
+    return 1 if n <= 1 else min(_next_pow2(n), 16384)
 
 
 class ConfigChooser:
@@ -204,12 +239,14 @@ class ConfigChooser:
     def __init__(self):
         self._lock = threading.Lock()
         self.chosen: dict = {}
+        self.untimed: dict = {}  # first fitting candidate per class, remembered while tune is off
         self.timings: dict = {}
         self.forced: dict = {}
         # ADAATTN_TRITON_AUTOTUNE=0: take the first fitting candidate, time nothing.
         self.tune = os.environ.get("ADAATTN_TRITON_AUTOTUNE", "1") != "0"
 
-    def pick(self, kind: str, key: tuple, candidates: list, launch: Callable) -> KernelConfig:
+    def pick(self, kind: str, key: tuple, candidates, launch: Callable) -> KernelConfig:
+        """candidates: a list, or a function returning one (only called when the class is new)."""
         if kind in self.forced:
             return self.forced[kind]
         if interpreting():
@@ -217,9 +254,16 @@ class ConfigChooser:
         cfg = self.chosen.get((kind, key))
         if cfg is not None:
             return cfg
+        if not self.tune and (kind, key) in self.untimed:
+            return self.untimed[(kind, key)]
+        if callable(candidates):
+            candidates = candidates()
         capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         if not self.tune or len(candidates) == 1 or capturing:
             # No timing inside CUDA-graph capture: take the first candidate that fits.
+            if not capturing:
+                with self._lock:
+                    self.untimed[(kind, key)] = candidates[0]
             return candidates[0]
         timings: dict = {}
         failures: dict = {}
@@ -327,7 +371,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _block_d(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, _next_pow2(head_dim))
 
 
 def _shape_key(q, lay, causal, bottom_right, window_left, window_right, mask_kind) -> tuple:
@@ -336,23 +380,55 @@ def _shape_key(q, lay, causal, bottom_right, window_left, window_right, mask_kin
             length_bucket(lay.q_len), length_bucket(lay.k_len))
 
 
+def _tma_ok(lay: _Layout, mask_kind: int, scale: float, block_d: int, *tensors) -> bool:
+    """Whether K/V may be read through 4-D tensor descriptors: dense, no mask, positive scale,
+    a power-of-two head_dim (the box is the whole row), 16-byte aligned base and strides."""
+    if TensorDescriptor is None or lay.varlen or mask_kind != MASK_NONE or not scale > 0:
+        return False
+    if lay.head_dim != block_d:
+        return False
+    for t in tensors:
+        e = t.element_size()
+        if t.dtype == torch.float32 or t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        if any((st * e) % 16 for st in t.stride()[:-1]):
+            return False
+    return True
+
+
 def launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-               scale, causal, bottom_right, window_left, window_right):
-    """Run the forward kernel; returns (out like q, lse fp32 (B, Hq, Nq) or (Hq, T))."""
+               scale, causal, bottom_right, window_left, window_right, fwd_mode: Optional[str] = None,
+               grid_order: Optional[str] = None):
+    """Run the forward kernel; returns (out like q, lse fp32 (B, Hq, Nq) or (Hq, T)).
+
+    fwd_mode / grid_order default to VARIANTS["fwd"] / VARIANTS["fwd_grid"]; "tma" runs
+    pointer loads where descriptors cannot be used (see _tma_ok)."""
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     lay = _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     out = _new_output(q.shape, q.dtype, q.device)
     lse = _new_output(_lse_shape(q, lay), torch.float32, q.device)
     if lay.batch * lay.q_heads == 0 or lay.q_len == 0 or q.numel() == 0:
         return out, lse
+    mode = fwd_mode or VARIANTS["fwd"]
+    order = grid_order or VARIANTS["fwd_grid"]
+    if mode not in FWD_MODES or order not in GRID_ORDERS:
+        raise ValueError(f"forward variant must be one of {FWD_MODES} / {GRID_ORDERS}, got {mode!r} / {order!r}")
     mask, mask_strides, mask_kind = _mask_args(attn_mask, lay, q)
     has_left, left, has_right, right = _position_flags(causal, window_left, window_right)
     block_d = _block_d(lay.head_dim)
     cu_q = cu_seqlens_q if lay.varlen else q
     cu_k = cu_seqlens_k if lay.varlen else q
+    use_tma = mode == "tma" and _tma_ok(lay, mask_kind, scale, block_d, k, v)
+    head_major = order == "head_major"
 
     def launch(cfg: KernelConfig):
-        grid = (triton.cdiv(lay.q_len, cfg.block_m), lay.batch * lay.q_heads)
+        blocks = _cdiv(lay.q_len, cfg.block_m)
+        grid = (lay.batch * lay.q_heads, blocks) if head_major else (blocks, lay.batch * lay.q_heads)
+        extra = {}
+        if use_tma:
+            box = [1, 1, cfg.block_n, block_d]
+            extra = dict(KDesc=TensorDescriptor(k, list(k.shape), list(k.stride()), box),
+                         VDesc=TensorDescriptor(v, list(v.shape), list(v.stride()), box), USE_TMA=True)
         attention_fwd_kernel[grid](
             q, k, v, out, lse, mask, cu_q, cu_k,
             *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(out),
@@ -362,13 +438,14 @@ def launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
             HEAD_DIM=lay.head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             IS_VARLEN=lay.varlen, BOTTOM_RIGHT=bottom_right, HAS_LEFT=has_left, HAS_RIGHT=has_right,
             MASK_KIND=mask_kind, DOT_PRECISION=_dot_precision(q.dtype), SCALE_POSITIVE=scale > 0,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            HEAD_MAJOR=head_major, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
         )
 
     key = _shape_key(q, lay, causal, bottom_right, window_left, window_right, mask_kind)
-    candidates = [] if interpreting() else fitting_configs("fwd", block_d, q.dtype, q.device,
-                                                           mask.element_size() if mask_kind else 0)
-    cfg = CONFIGS.pick("fwd", key, candidates, launch)
+    if use_tma or head_major:
+        key = key + (("tma" if use_tma else "ptr"), order)
+    cfg = CONFIGS.pick("fwd", key, lambda: fitting_configs("fwd", block_d, q.dtype, q.device,
+                                                           mask.element_size() if mask_kind else 0), launch)
     launch(cfg)
     return out, lse
 
@@ -411,7 +488,7 @@ def launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, m
     else:
         dq_acc, dq_acc_strides = dq, (0, 0, 0)
     dcfg = INTERPRET_CONFIGS["delta"] if interpreting() else DELTA_CONFIG
-    attention_bwd_delta_kernel[(triton.cdiv(lay.q_len, dcfg.block_m), lay.batch * lay.q_heads)](
+    attention_bwd_delta_kernel[(_cdiv(lay.q_len, dcfg.block_m), lay.batch * lay.q_heads)](
         out, dout, delta, dq_acc, cu_q, *lay.strides(out), *lay.strides(dout), *lse_strides,
         *dq_acc_strides, lay.q_heads, lay.q_len,
         HEAD_DIM=lay.head_dim, BLOCK_D=block_d, BLOCK_M=dcfg.block_m, IS_VARLEN=lay.varlen,
@@ -421,7 +498,7 @@ def launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, m
     dq_acc_dirty = [False]
 
     def launch_dkdv(cfg: KernelConfig):
-        grid = (triton.cdiv(lay.k_len, cfg.block_n), lay.batch * lay.kv_heads)
+        grid = (_cdiv(lay.k_len, cfg.block_n), lay.batch * lay.kv_heads)
         if atomic and dq_acc_dirty[0]:
             dq_acc.zero_()  # config timing runs the kernel many times; each run adds into dq_acc
         dq_acc_dirty[0] = atomic
@@ -437,7 +514,7 @@ def launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, m
         )
 
     def launch_dq(cfg: KernelConfig):
-        grid = (triton.cdiv(lay.q_len, cfg.block_m), lay.batch * lay.q_heads)
+        grid = (_cdiv(lay.q_len, cfg.block_m), lay.batch * lay.q_heads)
         attention_bwd_dq_kernel[grid](
             q, k, v, dout, lse, delta, dq, mask, cu_q, cu_k,
             *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(dout), *lse_strides,
@@ -453,7 +530,7 @@ def launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, m
     mask_elem = mask.element_size() if mask_kind else 0
     kernels = ((("dkdv_atomic" if atomic else "dkdv"), launch_dkdv),) + (() if atomic else (("dq", launch_dq),))
     for kind, launch in kernels:
-        candidates = [] if interp else fitting_configs(kind, block_d, q.dtype, q.device, mask_elem)
+        candidates = (lambda kind=kind: fitting_configs(kind, block_d, q.dtype, q.device, mask_elem))
         launch(CONFIGS.pick(kind, key + ((mode,) if atomic else ()), candidates, launch))
     if atomic and dq_acc is not dq:
         dq.copy_(dq_acc)
@@ -597,9 +674,29 @@ def triton_attention(
     d = query.shape[-1]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     left, right = _window_sides(window)
+    if _direct_ok(query, key, value, attn_mask):
+        out, _ = launch_fwd(query, key, value, attn_mask, None, None, query.shape[2], key.shape[2], scale,
+                            bool(is_causal), bottom_right, left, right)
+        return out
     out, _ = flash_fwd(query, key, value, attn_mask, None, None, query.shape[2], key.shape[2], scale,
                        bool(is_causal), bottom_right, left, right, bool(deterministic))
     return out
+
+
+def _direct_ok(*tensors) -> bool:
+    """Whether a forward may call launch_fwd without the custom op, whose dispatch costs tens
+    of microseconds of host time per call (as much as a short kernel): no gradient wanted,
+    no tracing, plain tensors, no dispatch or function mode, no functorch transform."""
+    present = [t for t in tensors if t is not None]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in present):
+        return False
+    if any(type(t) is not torch.Tensor for t in present):
+        return False
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return False
+    if torch._C._is_torch_function_mode_enabled():
+        return False
+    return torch.utils._python_dispatch._get_current_dispatch_mode() is None
 
 
 def triton_can_run(device: torch.device, dtype: torch.dtype, head_dim: int) -> list:

@@ -209,6 +209,33 @@ def fwd_tile_run(acc, l_i, m_i, q, k_base, v_base, mask_base, tile_start, tile_e
     return acc, l_i, m_i
 
 
+@triton.jit
+def fwd_tile_tma(acc, l_i, m_i, q, k_desc, v_desc, batch, kv_head, start_n, scale_log2,
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """fwd_tile for a tile every row sees, no mask, positive scale: K and V come through
+    tensor descriptors (TMA on Hopper) as (1, 1, BLOCK_N, BLOCK_D) boxes of (B, Hkv, Nk, D)."""
+    k = k_desc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+    qk = dot(q, tl.trans(k), None, DOT_PRECISION)
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(qk * scale_log2 - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = v_desc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+    acc = acc * alpha[:, None]
+    acc = dot(round_to(p, v.dtype, DOT_PRECISION), v, acc, DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def fwd_tile_run_tma(acc, l_i, m_i, q, k_desc, v_desc, batch, kv_head, tile_start, tile_end, scale_log2,
+                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    for start_n in range(tile_start, tile_end, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        acc, l_i, m_i = fwd_tile_tma(acc, l_i, m_i, q, k_desc, v_desc, batch, kv_head, start_n, scale_log2,
+                                     BLOCK_N, BLOCK_D, DOT_PRECISION)
+    return acc, l_i, m_i
+
+
 @triton.jit(do_not_specialize=["q_len_dense", "k_len_dense", "window_left", "window_right"])
 def attention_fwd_kernel(
     Q, K, V, Out, LSE, Mask, CuSeqlensQ, CuSeqlensK,
@@ -225,12 +252,25 @@ def attention_fwd_kernel(
     IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALE_POSITIVE: tl.constexpr,
+    KDesc=None, VDesc=None, USE_TMA: tl.constexpr = False, HEAD_MAJOR: tl.constexpr = False,
 ):
-    """Grid: (query blocks, batch * q_heads). Writes Out rows and their log-sum-exp."""
+    """Grid: (query blocks, batch * q_heads), or (batch * q_heads, query blocks) with
+    HEAD_MAJOR. Writes Out rows and their log-sum-exp.
+
+    USE_TMA (dense, no mask, positive scale, HEAD_DIM == BLOCK_D): the fully visible key
+    tiles load K and V through the tensor descriptors KDesc/VDesc over (B, Hkv, Nk, D); edge
+    tiles keep pointer loads."""
     # Query blocks run last-first: under causal masks the last blocks do the most work, and
     # starting them first shortens the tail of the grid.
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1)
+    if HEAD_MAJOR:
+        # Launch order goes over heads first: every head's last (under causal masks, longest)
+        # query block starts before any head's next one. Better balance under causal masks;
+        # fewer programs of one head run together, so K/V tiles are shared less in L2.
+        pid_m = tl.num_programs(1) - 1 - tl.program_id(1)
+        pid_bh = tl.program_id(0)
+    else:
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+        pid_bh = tl.program_id(1)
     batch = pid_bh // q_heads
     head = pid_bh % q_heads
     kv_head = head // kv_group
@@ -274,11 +314,15 @@ def attention_fwd_kernel(
                                  stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
                                  HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
                                  DOT_PRECISION, SCALE_POSITIVE)
-    acc, l_i, m_i = fwd_tile_run(acc, l_i, m_i, q, k_base, v_base, mask_base, full_lo, full_hi,
-                                 offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
-                                 stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
-                                 HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                                 DOT_PRECISION, SCALE_POSITIVE)
+    if USE_TMA:
+        acc, l_i, m_i = fwd_tile_run_tma(acc, l_i, m_i, q, KDesc, VDesc, batch, kv_head, full_lo, full_hi, scale_log2,
+                                         BLOCK_N, BLOCK_D, DOT_PRECISION)
+    else:
+        acc, l_i, m_i = fwd_tile_run(acc, l_i, m_i, q, k_base, v_base, mask_base, full_lo, full_hi,
+                                     offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                                     stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
+                                     HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, MASK_KIND,
+                                     DOT_PRECISION, SCALE_POSITIVE)
     acc, l_i, m_i = fwd_tile_run(acc, l_i, m_i, q, k_base, v_base, mask_base, full_hi, hi,
                                  offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
                                  stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
