@@ -15,7 +15,7 @@ read results back.
   its mean, and how concentrated the sampled attention rows are (sum of p^2, the inverse of
   the effective number of keys; entropy is reported beside it). The model: rounding noise
   of a quantizer with step amax / QMAX has variance step^2 / 12 (INT8), e4m3 rounds with a
-  relative error of standard deviation 2^-4 / sqrt(3); a score perturbed by noise of
+  relative error of standard deviation about 0.026; a score perturbed by noise of
   standard deviation sigma moves the output by about sigma * sqrt(sum_j p_j^2 ||v_j - o||^2),
   and a P.V product with relative noise delta on P and V by
   delta * sqrt(2 sum_j p_j^2 ||v_j - v_mean||^2).
@@ -29,7 +29,10 @@ import torch
 
 from .quant_reference import smoothing_mean
 
-FP8_REL_STD = 2.0 ** -4 / math.sqrt(3.0)
+# e4m3 keeps 3 mantissa bits: the rounding error is uniform within +-2^-4 of the leading
+# power of two, so relative to the value it is 2^-3 / sqrt(12) * sqrt(E[1 / (1 + m)^2]) for a
+# mantissa m spread log-uniformly over [0, 1): about 0.026.
+FP8_REL_STD = 2.0 ** -3 / math.sqrt(12.0) * math.sqrt(0.5)
 INT8_MAX = 127.0
 # Relative rounding error (standard deviation) of storing the output in each dtype.
 OUTPUT_ROUNDING = {torch.bfloat16: 2.0 ** -9 / math.sqrt(3.0), torch.float16: 2.0 ** -12 / math.sqrt(3.0)}
