@@ -10,7 +10,6 @@ controller's host-side logic never becomes part of a graph.
 from __future__ import annotations
 
 import math
-import threading
 from typing import Optional
 
 import torch
@@ -18,8 +17,6 @@ import torch
 from ..backends import triton_quant as tq
 from . import controller
 
-_factories: dict = {}
-_factories_lock = threading.Lock()
 
 
 def allowed_levels(problem, policy, quant_reasons: list[str]) -> tuple[tuple[int, ...], list[str]]:
@@ -61,23 +58,21 @@ def allowed_levels(problem, policy, quant_reasons: list[str]) -> tuple[tuple[int
     return tuple(wanted), notes
 
 
-def site_key(problem, policy, label: Optional[str], levels: tuple[int, ...]) -> str:
+def site_key(problem, policy, label: Optional[str]) -> str:
     """The controller a call belongs to: its label (an AdaAttention module, say) under this
-    policy and head layout, or else its shape class."""
+    policy and head layout, or else its shape class. A plain string (traceable by dynamo)."""
     head = (f"Hq={problem.q_heads} Hkv={problem.kv_heads} D={problem.head_dim} {problem.dtype} "
             f"causal={problem.causal} window={problem.window} mask={problem.mask_kind} "
             f"dev={problem.device_type}:{problem.device_index}")
+    pol = (f"tolerance={policy.tolerance} precisions={policy.precisions} verify={policy.verify} "
+           f"train_quantized={policy.train_quantized}")
     who = label if label is not None else f"anonymous {problem.shape_class}"
-    key = f"{who}|{policy!r}|{head}"
-    if key not in _factories:
-        with _factories_lock:
-            _factories.setdefault(key, lambda: controller.PrecisionController(
-                key, policy.tolerance, policy.verify, levels, problem.q_heads, fp8_qk=tq.FP8_LEVEL_QK == "fp8"))
-    return key
+    return f"{who}|{pol}|{head}"
 
 
-def _controller(site: str) -> controller.PrecisionController:
-    return controller.get(site, _factories[site])
+def _controller(site: str, tolerance: float, verify: float, levels, q_heads: int) -> controller.PrecisionController:
+    return controller.get(site, lambda: controller.PrecisionController(
+        site, tolerance, verify, tuple(levels), q_heads, fp8_qk=tq.FP8_LEVEL_QK == "fp8"))
 
 
 def _window(problem) -> tuple[int, int]:
@@ -89,19 +84,22 @@ def _window(problem) -> tuple[int, int]:
 
 @torch.library.custom_op("adaattn::adaptive_fwd", mutates_args=())
 def adaptive_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor], scale: float,
-                 causal: bool, window_left: int, window_right: int, site: str) -> torch.Tensor:
-    """Adaptive-precision attention of one call site; q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D)."""
-    out, _ = _controller(site).run(q, k, v, attn_mask, scale, causal, False, window_left, window_right)
+                 causal: bool, window_left: int, window_right: int, site: str, tolerance: float, verify: float,
+                 levels: list[int]) -> torch.Tensor:
+    """Adaptive-precision attention of one call site; q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D).
+    The controller of `site` is made on first use from (tolerance, verify, levels)."""
+    ctl = _controller(site, tolerance, verify, levels, q.shape[1])
+    out, _ = ctl.run(q, k, v, attn_mask, scale, causal, False, window_left, window_right)
     return out
 
 
 @adaptive_fwd.register_fake
-def _adaptive_fwd_fake(q, k, v, attn_mask, scale, causal, window_left, window_right, site):
+def _adaptive_fwd_fake(q, k, v, attn_mask, scale, causal, window_left, window_right, site, tolerance, verify, levels):
     return q.new_empty(q.shape[:-1] + (v.shape[-1],))
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, attn_mask, scale, causal, window_left, window_right, site = inputs
+    q, k, v, attn_mask, scale, causal, window_left, window_right = inputs[:8]
     ctx.save_for_backward(q, k, v, attn_mask)
     ctx.options = (scale, causal, window_left, window_right)
 
@@ -116,7 +114,7 @@ def _backward(ctx, dout):
     args = (attn_mask, None, None, q.shape[2], k.shape[2], scale, causal, False, left, right, False)
     out, lse = flash_fwd(q, k, v, *args)
     dq, dk, dv = flash_bwd(dout, q, k, v, out, lse, *args)
-    return dq, dk, dv, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 adaptive_fwd.register_autograd(_backward, setup_context=_setup)
@@ -124,11 +122,16 @@ adaptive_fwd.register_autograd(_backward, setup_context=_setup)
 
 def run(q, k, v, attn_mask, problem, plan, policy, label, compiling: bool = False):
     """(out, info) for a call the planner gave to "triton.quant"; info is None when compiling."""
-    site = site_key(problem, policy, label, plan.levels)
+    site = site_key(problem, policy, label)
     scale = problem.scale if problem.scale is not None else 1.0 / math.sqrt(problem.head_dim)
     left, right = _window(problem)
     if compiling or problem.needs_grad:
-        out = adaptive_fwd(q, k, v, attn_mask, scale, problem.causal, left, right, site)
-        return out, None if compiling else {"levels": _controller(site).describe()["levels"],
-                                            "note": "quantized forward, exact backward"}
-    return _controller(site).run(q, k, v, attn_mask, scale, problem.causal, False, left, right)
+        out = adaptive_fwd(q, k, v, attn_mask, scale, problem.causal, left, right, site, policy.tolerance,
+                           policy.verify, list(plan.levels))
+        if compiling:
+            return out, None
+        ctl = _controller(site, policy.tolerance, policy.verify, plan.levels, problem.q_heads)
+        return out, {"levels": ctl.describe()["levels"], "errors": list(ctl.errors),
+                     "note": "quantized forward, exact backward"}
+    ctl = _controller(site, policy.tolerance, policy.verify, plan.levels, problem.q_heads)
+    return ctl.run(q, k, v, attn_mask, scale, problem.causal, False, left, right)

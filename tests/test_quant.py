@@ -1,0 +1,220 @@
+"""The quantized attention kernels against float64 simulations of their schemes.
+
+Each level's kernel (exact, qk8, fp8 with INT8 or FP8 Q.K^T) must match
+adaptive/quant_reference.simulate_attention, a float64 model of the same quantization,
+to 1e-3 relative: the kernel does what the math says. Outputs are poisoned (NaN) before
+the kernels run. On a machine without CUDA the kernels run in the Triton interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+
+triton = pytest.importorskip("triton")
+
+from adaattn.adaptive.quant_reference import quantize_key_blocks, simulate_attention, value_fp8  # noqa: E402
+from adaattn.backends import triton_attention as ta  # noqa: E402
+from adaattn.backends import triton_quant as tq  # noqa: E402
+from adaattn.backends.reference import reference_attention  # noqa: E402
+from adaattn.kernels.attention_quant import int_to_float, to_fp8  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from helpers import keep_mask, rel_err  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+pytestmark = pytest.mark.skipif(
+    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1", reason="needs CUDA or TRITON_INTERPRET=1")
+
+QK = {tq.LEVEL_EXACT: "native", tq.LEVEL_QK8: "int8", tq.LEVEL_FP8: "int8"}
+PV = {tq.LEVEL_EXACT: "native", tq.LEVEL_QK8: "native", tq.LEVEL_FP8: "fp8"}
+
+
+@pytest.fixture(autouse=True)
+def _poison(monkeypatch):
+    monkeypatch.setattr(ta, "POISON_OUTPUTS", True)
+    monkeypatch.setattr(ta.CONFIGS, "tune", False)
+
+
+def _inputs(b, hq, hkv, nq, nk, d, dtype, seed, v_shift=0.0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(b, hq, nq, d, generator=g).to(dtype).to(DEVICE)
+    k = torch.randn(b, hkv, nk, d, generator=g).to(dtype).to(DEVICE)
+    v = (torch.randn(b, hkv, nk, d, generator=g) + v_shift).to(dtype).to(DEVICE)
+    return q, k, v
+
+
+def _block_n() -> int:
+    return tq.INTERPRET_QUANT.block_n if DEVICE == "cpu" else tq.QUANT_CONFIGS[64][0].block_n
+
+
+def _simulate(q, k, v, level, fp8_qk=False, keep=None, bias=None, block_n=None):
+    qk = "fp8" if (fp8_qk and level == tq.LEVEL_FP8) else QK[level]
+    sim = simulate_attention(q.cpu(), k.cpu(), v.cpu(), qk=qk, pv=PV[level], block_n=block_n or _block_n(),
+                             keep=None if keep is None else keep.cpu(), bias=None if bias is None else bias.cpu())
+    return sim.to(q.dtype).double()  # the kernel stores its output in the input dtype
+
+
+CASES = [
+    # level, fp8_qk, dtype, (b, hq, hkv, nq, nk, d), causal, bottom_right, window
+    (tq.LEVEL_QK8, False, torch.bfloat16, (2, 4, 2, 77, 100, 64), False, False, None),
+    (tq.LEVEL_QK8, False, torch.float16, (1, 2, 2, 100, 100, 128), True, False, None),
+    (tq.LEVEL_QK8, False, torch.bfloat16, (1, 3, 1, 17, 127, 64), True, True, None),
+    (tq.LEVEL_FP8, False, torch.bfloat16, (1, 4, 2, 1, 50, 64), False, False, None),
+    (tq.LEVEL_FP8, False, torch.float16, (2, 2, 2, 127, 127, 64), True, False, None),
+    (tq.LEVEL_FP8, False, torch.bfloat16, (1, 2, 1, 40, 90, 128), True, True, (30, None)),
+    (tq.LEVEL_FP8, True, torch.bfloat16, (1, 2, 2, 100, 100, 64), True, False, None),
+    (tq.LEVEL_FP8, True, torch.float16, (1, 2, 2, 33, 65, 64), False, False, (8, 8)),
+    (tq.LEVEL_EXACT, False, torch.bfloat16, (1, 2, 1, 60, 61, 64), True, False, None),
+]
+
+
+def _keep(nq, nk, causal, bottom_right, window):
+    if not causal and window is None:
+        return None
+    if bottom_right:
+        full = keep_mask(nk, nk, causal, window)
+        return full[nk - nq:]
+    return keep_mask(nq, nk, causal, window)
+
+
+@pytest.mark.parametrize("level,fp8_qk,dtype,shape,causal,bottom_right,window", CASES)
+def test_kernel_matches_float64_simulation_of_its_scheme(level, fp8_qk, dtype, shape, causal, bottom_right, window):
+    b, hq, hkv, nq, nk, d = shape
+    q, k, v = _inputs(b, hq, hkv, nq, nk, d, dtype, seed=nq * 7 + level, v_shift=0.3)
+    left, right = (-1, -1) if window is None else ((-1 if window[0] is None else window[0]),
+                                                     (-1 if window[1] is None else window[1]))
+    out = tq.quant_attention(q, k, v, levels=[level], causal=causal, bottom_right=bottom_right,
+                             window_left=left, window_right=right, fp8_qk=fp8_qk)
+    assert torch.isfinite(out).all(), "an output element was left unwritten (NaN poison) or overflowed"
+    keep = _keep(nq, nk, causal, bottom_right, window)
+    sim = _simulate(q, k, v, level, fp8_qk, keep)
+    assert rel_err(out.cpu(), sim) <= 1e-3
+    # And against exact attention: quantization error of the expected size, no more.
+    ref = reference_attention(q.double(), k.double().repeat_interleave(hq // hkv, 1),
+                              v.double().repeat_interleave(hq // hkv, 1),
+                              None if keep is None else keep.to(q.device))
+    bound = {tq.LEVEL_EXACT: 1e-2, tq.LEVEL_QK8: 1.5e-2, tq.LEVEL_FP8: 8e-2}[level]
+    assert rel_err(out, ref) <= bound
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "additive"])
+def test_masks_broadcast_and_fully_masked_rows_give_zero(mask_kind):
+    q, k, v = _inputs(2, 2, 2, 40, 70, 64, torch.bfloat16, seed=3)
+    g = torch.Generator(device="cpu").manual_seed(5)
+    keep = torch.rand(1, 2, 40, 70, generator=g) > 0.3
+    keep[0, 1, 7] = False  # a fully masked row
+    if mask_kind == "bool":
+        mask, bias, sim_keep = keep.to(DEVICE), None, keep
+    else:
+        bias = torch.where(keep, torch.randn(keep.shape, generator=g), torch.tensor(float("-inf")))
+        mask, sim_keep = bias.to(torch.bfloat16).to(DEVICE), None
+        bias = bias.to(torch.bfloat16).double()
+    for level in (tq.LEVEL_QK8, tq.LEVEL_FP8):
+        out = tq.quant_attention(q, k, v, mask, levels=[level])
+        sim = _simulate(q, k, v, level, keep=sim_keep, bias=bias)
+        assert torch.isfinite(out).all()
+        assert rel_err(out.cpu(), sim) <= 1e-3
+        assert (out[:, 1, 7] == 0).all()
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_qk8_error_on_random_normal_inputs(d):
+    q, k, v = _inputs(1, 4, 4, 256, 256, d, torch.bfloat16, seed=d)
+    out = tq.quant_attention(q, k, v, levels=[tq.LEVEL_QK8])
+    ref = reference_attention(q.double(), k.double(), v.double())
+    assert rel_err(out, ref) <= 1.5e-2
+
+
+def test_heads_run_at_their_own_levels_and_others_are_left_alone():
+    q, k, v = _inputs(2, 4, 2, 50, 64, 64, torch.bfloat16, seed=11)
+    levels = torch.tensor([2, 0, 1, 2], dtype=torch.int32, device=DEVICE)
+    mixed = tq.quant_attention(q, k, v, levels=[0, 1, 2], head_levels=levels, causal=True)
+    for level in (0, 1, 2):
+        alone = tq.quant_attention(q, k, v, levels=[level], causal=True)
+        heads = (levels == level).nonzero().flatten().tolist()
+        assert torch.equal(mixed[:, heads], alone[:, heads])
+    partial = tq.quant_attention(q, k, v, levels=[1], head_levels=levels, causal=True)
+    assert torch.isnan(partial[:, [0, 1, 3]]).all()  # not this launch's heads: untouched poison
+    assert torch.isfinite(partial[:, 2]).all()
+
+
+def test_prepass_writes_what_the_simulation_quantizes():
+    _, k, v = _inputs(1, 2, 2, 8, 45, 64, torch.bfloat16, seed=2, v_shift=1.0)
+    prep = tq.Prepared(k, v)
+    bn = 16
+    kq, kscale, vq, v_scale, v_mean, n_blocks = prep.get(tq.QK_INT8, tq.PV_FP8, bn)
+    sim_k, sim_scale = quantize_key_blocks(k.cpu(), bn, "int8", prep.k_mean().cpu())
+    assert n_blocks == 3 and kq.shape[2] == 48
+    assert torch.equal(kq[:, :, :45].cpu().double(), sim_k)
+    assert (kq[:, :, 45:] == 0).all()
+    assert torch.allclose(kscale.cpu().double().repeat_interleave(bn, -1)[..., :45], sim_scale, rtol=1e-6)
+    sim_v, sim_vs, _ = value_fp8(v.cpu(), prep.v_stats()[0].cpu(), prep.v_stats()[1].cpu())
+    assert torch.equal(vq[..., :45].transpose(-1, -2).cpu().double(), sim_v)
+
+
+@triton.jit
+def _int_to_float_kernel(X, Y, N: tl.constexpr):
+    r = tl.arange(0, N)
+    tl.store(Y + r, int_to_float(tl.load(X + r)))
+
+
+@triton.jit
+def _to_fp8_kernel(X, Y, N: tl.constexpr, EMULATE: tl.constexpr):
+    r = tl.arange(0, N)
+    tl.store(Y + r, to_fp8(tl.load(X + r), EMULATE))
+
+
+def test_int_to_float_is_exact_up_to_2_pow_22():
+    x = torch.tensor([0, 1, -1, 2 ** 22 - 1, -(2 ** 22) + 1, 127 * 127 * 128, -127 * 127 * 128, 12345],
+                     dtype=torch.int32, device=DEVICE)
+    y = torch.empty(8, dtype=torch.float32, device=DEVICE)
+    _int_to_float_kernel[(1,)](x, y, N=8)
+    assert torch.equal(y, x.float())
+
+
+def test_fp8_conversion_rounds_to_nearest_even_like_torch():
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(4096, generator=g) * torch.exp(torch.randn(4096, generator=g) * 3)
+    x = x.clamp(-448, 448)
+    x[:64] = torch.linspace(-0.02, 0.02, 64)  # subnormals of e4m3
+    y = torch.empty(4096, dtype=torch.float8_e4m3fn, device=DEVICE)
+    _to_fp8_kernel[(1,)](x.to(DEVICE), y, N=4096, EMULATE=DEVICE == "cpu")
+    assert torch.equal(y.float().cpu(), x.to(torch.float8_e4m3fn).float())
+
+
+def test_backend_reasons():
+    dev = torch.device(DEVICE)
+    assert tq.quant_can_run(dev, torch.bfloat16, 64, 64) == []
+    assert any("head_dim 64 or 128" in r for r in tq.quant_can_run(dev, torch.bfloat16, 80, 80))
+    assert any("float16 or bfloat16" in r for r in tq.quant_can_run(dev, torch.float32, 64, 64))
+
+
+# ---- on the GPU -------------------------------------------------------------------------------
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("level,fp8_qk", [(1, False), (2, False), (2, True)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_kernels_match_simulation_at_medium_size(level, fp8_qk, causal):
+    q, k, v = _inputs(1, 4, 2, 1000, 1000, 128, torch.bfloat16, seed=level, v_shift=0.3)
+    with ta.forced_configs(**{f"quant_{tq.LEVELS[level]}" + ("_fp8qk" if fp8_qk and level == 2 else ""):
+                              tq.QUANT_CONFIGS[128][0]}):
+        out = tq.quant_attention(q, k, v, levels=[level], causal=causal, fp8_qk=fp8_qk)
+    keep = keep_mask(1000, 1000, True, None) if causal else None
+    sim = _simulate(q, k, v, level, fp8_qk, keep, block_n=tq.QUANT_CONFIGS[128][0].block_n)
+    # Hopper's FP8 tensor cores accumulate with fewer bits than fp32, and exp2 is approximate.
+    assert rel_err(out.cpu(), sim) <= (3e-3 if level == 2 else 1e-3)
+    assert math.isfinite(rel_err(out.cpu(), sim))
