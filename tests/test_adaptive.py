@@ -199,3 +199,56 @@ def test_each_adaattention_module_has_its_own_controller():
     assert {r.label for r in recs} == {a.label, b.label}
     assert controller.find(a.label) is not controller.find(b.label)
     assert all(r.backend == "triton.quant" for r in recs)
+
+
+# ---- on the GPU -------------------------------------------------------------------------------
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@gpu
+@needs_cuda
+def test_gpu_steady_state_makes_no_host_sync_and_replays_from_a_cuda_graph():
+    q, k, v = structured.make("random", 2, 8, 2048, 128, torch.bfloat16, "cuda", seed=6)
+    policy = adaattn.Policy(mode="auto", precisions=ALL, tolerance=8e-2, verify=0.5)
+    adaattn.attention(q, k, v, is_causal=True, policy=policy, label="graph")  # warm-up: may synchronise
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any host synchronisation now raises
+    try:
+        for _ in range(6):  # verified and unverified calls alike
+            adaattn.attention(q, k, v, is_causal=True, policy=policy, label="graph")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ctl = controller.find("graph")
+    ctl.poll(wait=True)
+    assert ctl.verified_calls >= 2 and set(ctl.levels) == {tq.LEVEL_FP8}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        adaattn.attention(q, k, v, is_causal=True, policy=policy, label="graph")
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = adaattn.attention(q, k, v, is_causal=True, policy=policy, label="graph")
+    graph.replay()
+    torch.cuda.synchronize()
+    unverified = tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], causal=True)
+    assert torch.equal(captured, unverified)
+    ref = _reference(q, k, v, True)
+    assert max(_head_errors(captured, ref)) <= 8e-2
+
+
+@gpu
+@needs_cuda
+def test_gpu_compiled_auto_call_matches_eager():
+    q, k, v = structured.make("random", 1, 8, 4096, 128, torch.bfloat16, "cuda", seed=7)
+    policy = adaattn.Policy(mode="auto", precisions=ALL, tolerance=3e-2, verify=0.0)
+
+    def f(q, k, v):
+        return adaattn.attention(q, k, v, policy=policy, label="compiled-gpu")
+
+    eager = f(q, k, v)
+    compiled = torch.compile(f, fullgraph=True)(q, k, v)
+    assert torch.equal(compiled, eager)
+    assert set(controller.find("compiled-gpu").levels) == {tq.LEVEL_QK8}

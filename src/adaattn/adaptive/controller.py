@@ -42,6 +42,14 @@ _lock = threading.Lock()
 _controllers: dict[str, "PrecisionController"] = {}
 
 
+def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
+    """An int32 tensor on `device` without synchronising (a pinned, asynchronous copy)."""
+    t = torch.tensor(values, dtype=torch.int32)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def _up(level: int, allowed: tuple[int, ...]) -> int:
     """The next more precise allowed level (exact is always allowed)."""
     above = [a for a in allowed if a < level]
@@ -71,6 +79,7 @@ class PrecisionController:
         self._rng = random.Random(seed)
         self._generators: dict = {}
         self._device_levels: dict = {}
+        self._up_tables: dict = {}
         self._lock = threading.Lock()
 
     # ---- host-side state ----------------------------------------------------------------
@@ -120,8 +129,17 @@ class PrecisionController:
         key = str(device)
         t = self._device_levels.get(key)
         if t is None:
-            t = torch.tensor(self.levels, dtype=torch.int32, device=device)
+            t = _to_device(self.levels, device)
             self._device_levels[key] = t
+        return t
+
+    def _up_table(self, device: torch.device) -> torch.Tensor:
+        """level -> the next more precise allowed level, on the device."""
+        key = str(device)
+        t = self._up_tables.get(key)
+        if t is None:
+            t = _to_device([_up(x, self.allowed) for x in range(len(tq.LEVELS))], device)
+            self._up_tables[key] = t
         return t
 
     # ---- one call -------------------------------------------------------------------------
@@ -154,8 +172,7 @@ class PrecisionController:
                                      window_right)
         limit = self.tolerance * VERIFY_MARGIN
         first = analysis.head_errors(out.index_select(2, rows), ref)
-        up_table = torch.tensor([_up(x, self.allowed) for x in range(len(tq.LEVELS))], dtype=torch.int32,
-                                device=q.device)
+        up_table = self._up_table(q.device)
         over = (first > limit) & (levels_dev != tq.LEVEL_EXACT)
         redo = torch.where(over, up_table[levels_dev.long()], torch.full_like(levels_dev, -1))
         up_levels = sorted({_up(x, self.allowed) for x in present if x != tq.LEVEL_EXACT})
