@@ -277,6 +277,12 @@ class ConfigChooser:
                 failures[str(c)] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:120] if str(e).strip() else ''}"
         if not timings:
             raise RuntimeError(f"adaattn triton: no {kind} config ran for shape class {key}: {failures}")
+        # The two fastest are timed once more, and each keeps its better time: one slow
+        # reading (clocks, another process) must not decide, nor make a slow config look
+        # fast. Seen on an H100: a candidate read 1.19 ms once and 0.34 ms in another run.
+        for c in sorted(timings, key=timings.get)[:2] if len(timings) > 1 else []:
+            timings[c] = min(timings[c], triton.testing.do_bench(lambda: launch(c), warmup=5, rep=20,
+                                                                 return_mode="median"))
         best = min(timings, key=timings.get)
         with self._lock:
             self.chosen[(kind, key)] = best
