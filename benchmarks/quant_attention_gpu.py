@@ -90,11 +90,18 @@ def variants(q, k, v, causal):
 
 
 def auto_levels(label):
+    """{level: heads} of the controller the bench's auto calls made, and its verified calls."""
     try:
+        from collections import Counter
+
         from adaattn.adaptive import controller
 
         c = controller.find(label)
-        return None if c is None else c.describe()
+        if c is None:
+            return None
+        d = c.describe()
+        return {"levels": dict(Counter(d["levels"])), "calls": d["calls"], "verified_calls": d["verified_calls"],
+                "escalations": d["escalations"], "max_measured_error": max(e for e in d["errors"] if e is not None)}
     except Exception as e:
         return f"{type(e).__name__}: {e}"
 
