@@ -154,6 +154,47 @@ def test_gradients_run_exact_unless_the_policy_allows_a_quantized_forward():
         assert rel_err(g, r) <= 2e-2  # the backward is exact (bf16 kernels)
 
 
+def test_strided_key_and_value_are_read_correctly():
+    q, k, v = structured.make("random", 1, 2, 64, 64, torch.bfloat16, DEVICE, seed=8)
+    policy = adaattn.Policy(mode="auto", precisions=ALL, tolerance=8e-2, verify=0.0)
+    adaattn.attention(q, k, v, policy=policy, label="strided")  # warm-up on contiguous inputs
+    ks = torch.empty(k.shape[:-1] + (2 * k.shape[-1],), dtype=k.dtype, device=DEVICE)[..., ::2]
+    vs = torch.empty_like(ks)
+    ks.copy_(k)
+    vs.copy_(v)
+    assert ks.stride(-1) == 2
+    out = adaattn.attention(q, ks, vs, policy=policy, label="strided")
+    assert max(_head_errors(out, _reference(q, k, v, False))) <= 8e-2
+
+
+@pytest.mark.parametrize("shape", [(0, 2, 16, 16), (1, 2, 16, 0)])
+def test_empty_inputs_run_exact_and_do_not_pin_the_site(shape):
+    b, h, nq, nk = shape
+    policy = adaattn.Policy(mode="auto", precisions=ALL, tolerance=8e-2)
+    q = torch.randn(b, h, nq, 64, dtype=torch.bfloat16, device=DEVICE)
+    k = torch.randn(b, h, nk, 64, dtype=torch.bfloat16, device=DEVICE)
+    out = adaattn.attention(q, k, k, policy=policy, label="empty")
+    assert out.shape == q.shape and (out == 0).all()
+    # The same site (and, for B=0, the same shape class) must still warm up on real data.
+    q, k, v = structured.make("random", 1, 2, 16, 64, torch.bfloat16, DEVICE, seed=9)
+    with stats.collect() as recs:
+        adaattn.attention(q, k, v, policy=policy, label="empty")
+    assert recs[-1].backend == "triton.quant"
+    assert "fp8" in recs[-1].as_dict()["decisions"]["head_levels"]
+
+
+def test_fully_masked_rows_with_the_dtype_minimum_match_sdpa():
+    # Hugging Face masks with finfo(dtype).min, not -inf: such a row is the mean of V in SDPA.
+    q, k, v = structured.make("random", 1, 2, 32, 64, torch.bfloat16, DEVICE, seed=10)
+    mask = torch.zeros(1, 1, 32, 32, dtype=torch.bfloat16, device=DEVICE)
+    mask[..., 5, :] = torch.finfo(torch.bfloat16).min
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), mask.double())
+    exact = ta.triton_attention(q, k, v, mask)
+    assert rel_err(exact[:, :, 5], ref[:, :, 5]) <= 1e-2
+    quant = tq.quant_attention(q, k, v, mask, levels=[tq.LEVEL_QK8])
+    assert rel_err(quant[:, :, 5], ref[:, :, 5]) <= 2e-2
+
+
 def test_cpu_without_the_interpreter_stays_exact(monkeypatch):
     if DEVICE != "cpu":
         pytest.skip("CPU behaviour")
@@ -234,6 +275,17 @@ def test_gpu_steady_state_makes_no_host_sync_and_replays_from_a_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     unverified = tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], causal=True)
+    assert torch.equal(captured, unverified)
+    # Eager calls verify and apply readbacks after the capture; the graph's tensors stay valid.
+    before = controller.find("graph").verified_calls
+    for _ in range(8):
+        adaattn.attention(q, k, v, is_causal=True, policy=policy, label="graph")
+    controller.find("graph").poll(wait=True)
+    assert controller.find("graph").verified_calls > before
+    torch.cuda.empty_cache()
+    captured.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
     assert torch.equal(captured, unverified)
     ref = _reference(q, k, v, True)
     assert max(_head_errors(captured, ref)) <= 8e-2

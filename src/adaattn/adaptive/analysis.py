@@ -61,28 +61,39 @@ def _keep(rows, q_len, k_len, causal, bottom_right, window_left, window_right, d
 
 
 def exact_rows(q, k, v, rows, attn_mask, scale, causal=False, bottom_right=False, window_left=-1,
-               window_right=-1):
-    """Exact attention for query `rows` of every (batch, head): (o (B, Hq, R, Dv), p (B, Hq, R, Nk)),
-    float32. GQA heads share their kv head without copies; fully masked rows give 0."""
+               window_right=-1, need_p=True):
+    """Exact attention for query `rows` of every (batch, head): (o (B, Hq, R, Dv) float32,
+    p (B, Hq, R, Nk) float32 or None). One kv head at a time, so the temporaries stay a
+    (B, group * R, Nk) slice; P.V runs in float64 (P is not a bf16/fp16 value, and a float32
+    matmul may run in TF32 or bf16 under the caller's precision settings). GQA heads share
+    their kv head without copies; fully masked rows give 0."""
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     g = hq // hkv
     r = rows.shape[0]
-    qs = q.index_select(2, rows).float().reshape(b, hkv, g * r, d)
-    s = (qs @ k.float().transpose(-1, -2)).reshape(b, hq, r, nk) * scale
     keep = _keep(rows, nq, nk, causal, bottom_right, window_left, window_right, q.device)
-    if attn_mask is not None:
-        m = attn_mask.expand(b, hq, nq, nk).index_select(2, rows)
-        if m.dtype == torch.bool:
-            keep = m if keep is None else (m & keep)
-        else:
-            s = s + m.float()
-    if keep is not None:
-        s = s.masked_fill(~keep, float("-inf"))
-    p = torch.softmax(s, -1)
-    p = torch.nan_to_num(p, nan=0.0)  # rows with no visible key
-    o = (p.reshape(b, hkv, g * r, nk) @ v.float()).reshape(b, hq, r, v.shape[-1])
-    return o, p
+    mask = None if attn_mask is None else attn_mask.expand(b, hq, nq, nk)
+    outs, ps = [], []
+    for h in range(hkv):
+        heads = slice(h * g, (h + 1) * g)
+        qs = q[:, heads].index_select(2, rows).float().reshape(b, g * r, d)
+        # bf16/fp16 products are exact in fp32 (and in TF32 or bf16 passes).
+        s = (qs @ k[:, h].float().transpose(-1, -2)).reshape(b, g, r, nk) * scale
+        kh = keep
+        if mask is not None:
+            m = mask[:, heads].index_select(2, rows)
+            if m.dtype == torch.bool:
+                kh = m if kh is None else (m & kh)
+            else:
+                s = s + m.float()
+        if kh is not None:
+            s = s.masked_fill(~kh, float("-inf"))
+        p = torch.nan_to_num(torch.softmax(s, -1), nan=0.0)  # rows with no visible key
+        o = (p.double().reshape(b, g * r, nk) @ v[:, h].double()).float().reshape(b, g, r, v.shape[-1])
+        outs.append(o)
+        if need_p:
+            ps.append(p)
+    return torch.cat(outs, 1), (torch.cat(ps, 1) if need_p else None)
 
 
 def head_errors(out_rows: torch.Tensor, ref_rows: torch.Tensor) -> torch.Tensor:
@@ -107,18 +118,21 @@ def head_statistics(q, k, v, rows, p, o) -> dict:
     ks = k[:, :, ::stride].float() - smoothing_mean(k)[:, :, None, :]
     k_rms = ks.pow(2).mean((0, 2, 3)).sqrt()
     k_ratio = ks.abs().amax((0, 2, 3)) / k_rms.clamp_min(1e-30)
-    vf = v.float()
-    v_centered_sq = (vf - smoothing_mean(v)[:, :, None, :]).pow(2).sum(-1)  # (B, Hkv, Nk)
-    v_sq = vf.pow(2).sum(-1)
+    # Centred on V's smoothing mean: ||v_j - o|| is unchanged by the shift, and the expanded
+    # sum below then does not cancel when V has a large mean.
+    v_mean = smoothing_mean(v)
+    vc = v.float() - v_mean[:, :, None, :]
+    oc = o - v_mean.repeat_interleave(g, 1)[:, :, None, :]
+    v_centered_sq = vc.pow(2).sum(-1)  # (B, Hkv, Nk)
     p2 = p.pow(2)  # (B, Hq, R, Nk)
     p2g = p2.reshape(b, hkv, g * p.shape[2], nk)
-    # sum_j p_j^2 ||v_j - o||^2 = sum p^2 ||v||^2 - 2 o . sum p^2 v + ||o||^2 sum p^2
-    a = (p2g @ v_sq[..., None]).reshape(b, hq, -1)
-    bvec = (p2g @ vf).reshape(b, hq, -1, v.shape[-1])
+    # sum_j p_j^2 ||v_j - o||^2 = sum p^2 ||v'||^2 - 2 o' . sum p^2 v' + ||o'||^2 sum p^2
+    a = (p2g @ v_centered_sq[..., None]).reshape(b, hq, -1)
+    bvec = (p2g @ vc).reshape(b, hq, -1, v.shape[-1])
     c = p2.sum(-1)
     o_sq = o.pow(2).sum(-1)
-    spread = (a - 2 * (o * bvec).sum(-1) + o_sq * c).clamp_min(0)
-    pv_spread = (p2g @ v_centered_sq[..., None]).reshape(b, hq, -1)
+    spread = (a - 2 * (oc * bvec).sum(-1) + oc.pow(2).sum(-1) * c).clamp_min(0)
+    pv_spread = a
     entropy = -(p * torch.log2(p.clamp_min(1e-30))).sum(-1)
     rep = lambda t: t.repeat_interleave(g)  # noqa: E731  per kv head -> per query head
     return {

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import random
 import threading
+import zlib
 from collections import deque
 
 import torch
@@ -76,11 +77,12 @@ class PrecisionController:
         self.verified_calls = 0
         self.escalations = 0
         self._pending: deque = deque()
-        self._rng = random.Random(seed)
+        self._rng = random.Random(zlib.crc32(site.encode()) ^ seed)  # sites verify on different calls
         self._generators: dict = {}
         self._device_levels: dict = {}
         self._up_tables: dict = {}
-        self._lock = threading.Lock()
+        self._captured: list = []  # device tensors a CUDA graph points at: never freed
+        self._lock = threading.RLock()
 
     # ---- host-side state ----------------------------------------------------------------
 
@@ -94,14 +96,15 @@ class PrecisionController:
 
     def poll(self, wait: bool = False) -> None:
         """Apply finished verification readbacks (all of them, waiting, with wait=True)."""
-        while self._pending:
-            event, errors, levels, first_errors = self._pending[0]
-            if not wait and event is not None and not event.query():
-                return
-            if event is not None:
-                event.synchronize()
-            self._pending.popleft()
-            self._apply(levels.tolist(), errors.tolist(), first_errors.tolist())
+        with self._lock:
+            while self._pending:
+                event, errors, levels, first_errors = self._pending[0]
+                if not wait and event is not None and not event.query():
+                    return
+                if event is not None:
+                    event.synchronize()
+                self._pending.popleft()
+                self._apply(levels.tolist(), errors.tolist(), first_errors.tolist())
 
     def _apply(self, levels: list[int], errors: list[float], first_errors: list[float]) -> None:
         with self._lock:
@@ -115,7 +118,6 @@ class PrecisionController:
                     self.ema[h] = errors[h] if prev is None else (1 - EMA) * prev + EMA * errors[h]
                 self.levels[h] = min(levels[h], old)
                 self.errors[h] = errors[h]
-            self._device_levels.clear()
 
     def _generator(self, device: torch.device) -> torch.Generator:
         key = str(device)
@@ -125,13 +127,22 @@ class PrecisionController:
             self._generators[key] = g
         return self._generators[key]
 
-    def _levels_tensor(self, device: torch.device) -> torch.Tensor:
-        key = str(device)
-        t = self._device_levels.get(key)
-        if t is None:
-            t = _to_device(self.levels, device)
-            self._device_levels[key] = t
-        return t
+    def _snapshot(self, device: torch.device) -> tuple[list[int], torch.Tensor]:
+        """(levels, the same levels as an int32 device tensor), taken together under the lock so
+        a readback applied from another thread cannot change one without the other."""
+        with self._lock:
+            levels = list(self.levels)
+            key = (str(device), tuple(levels))
+            t = self._device_levels.get(key)
+            if t is None:
+                if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                    t = torch.empty(len(levels), dtype=torch.int32, device=device)
+                    for h, lv in enumerate(levels):  # device-side fills: capturable
+                        t[h].fill_(lv)
+                else:
+                    t = _to_device(levels, device)
+                self._device_levels[key] = t
+            return levels, t
 
     def _up_table(self, device: torch.device) -> torch.Tensor:
         """level -> the next more precise allowed level, on the device."""
@@ -149,27 +160,32 @@ class PrecisionController:
         self.calls += 1
         kw = dict(scale=scale, causal=causal, bottom_right=bottom_right, window_left=window_left,
                   window_right=window_right, fp8_qk=self.fp8_qk)
+        # The pre-pass and the kernels read rows with unit stride along the head dimension.
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
         if capturing:
             return self._run_captured(q, k, v, attn_mask, kw)
         self.poll()
         if self.levels is None:
+            if q.numel() == 0 or k.shape[2] == 0:  # nothing to learn from: exact, warm up later
+                out = tq.quant_attention(q, k, v, attn_mask, levels=[tq.LEVEL_EXACT], **kw)
+                return out, {"levels": ["exact"] * self.q_heads, "verified": False,
+                             "errors": [None] * self.q_heads, "note": "empty input: exact, no warm-up"}
             return self._warm_up(q, k, v, attn_mask, kw)
-        verify = self.verify > 0 and self._rng.random() < self.verify
+        verify = self.verify > 0 and self._rng.random() < self.verify and q.numel() > 0 and k.shape[2] > 0
         prepared = tq.Prepared(k, v)
-        present = sorted(set(self.levels))
-        head_levels = self._levels_tensor(q.device) if len(present) > 1 else None
-        out = tq.quant_attention(q, k, v, attn_mask, levels=present, head_levels=head_levels, prepared=prepared,
-                                 **kw)
-        info = {"levels": [tq.LEVELS[x] for x in self.levels], "verified": verify,
+        levels, levels_dev = self._snapshot(q.device)
+        present = sorted(set(levels))
+        out = tq.quant_attention(q, k, v, attn_mask, levels=present,
+                                 head_levels=levels_dev if len(present) > 1 else None, prepared=prepared, **kw)
+        info = {"levels": [tq.LEVELS[x] for x in levels], "verified": verify,
                 "errors": list(self.errors), "errors_measured_on": "an earlier call"}
         if not verify:
             return out, info
         self.verified_calls += 1
-        levels_dev = self._levels_tensor(q.device)
         rows = analysis.sample_rows(q.shape[2], SAMPLE_ROWS, self._generator(q.device), q.device)
         ref, _ = analysis.exact_rows(q, k, v, rows, attn_mask, scale, causal, bottom_right, window_left,
-                                     window_right)
+                                     window_right, need_p=False)
         limit = self.tolerance * VERIFY_MARGIN
         first = analysis.head_errors(out.index_select(2, rows), ref)
         up_table = self._up_table(q.device)
@@ -199,9 +215,11 @@ class PrecisionController:
                 h.copy_(t, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            self._pending.append((event, *host))
+            entry = (event, *host)
         else:
-            self._pending.append((None, errors, levels, first))
+            entry = (None, errors, levels, first)
+        with self._lock:
+            self._pending.append(entry)
 
     def _warm_up(self, q, k, v, attn_mask, kw):
         """Predict, run, verify and escalate until every head meets the margin (synchronises)."""
@@ -242,7 +260,6 @@ class PrecisionController:
             self.levels = levels
             self.errors = list(errors)
             self.ema = list(errors)
-            self._device_levels.clear()
         self.verified_calls += 1
         info = {"levels": [tq.LEVELS[x] for x in levels], "verified": True, "errors": list(errors),
                 "errors_measured_on": "this call", "predicted": {n: pred_host[n] for n in pred_host}}
@@ -253,10 +270,12 @@ class PrecisionController:
             out = tq.quant_attention(q, k, v, attn_mask, levels=[tq.LEVEL_EXACT], **kw)
             return out, {"levels": ["exact"] * self.q_heads, "verified": False, "errors": [None] * self.q_heads,
                          "note": "captured before warm-up: every head exact"}
-        present = sorted(set(self.levels))
-        head_levels = self._levels_tensor(q.device) if len(present) > 1 else None
-        out = tq.quant_attention(q, k, v, attn_mask, levels=present, head_levels=head_levels, **kw)
-        return out, {"levels": [tq.LEVELS[x] for x in self.levels], "verified": False,
+        levels, levels_dev = self._snapshot(q.device)
+        present = sorted(set(levels))
+        self._captured.append(levels_dev)  # the graph reads it on every replay
+        out = tq.quant_attention(q, k, v, attn_mask, levels=present,
+                                 head_levels=levels_dev if len(present) > 1 else None, **kw)
+        return out, {"levels": [tq.LEVELS[x] for x in levels], "verified": False,
                      "errors": list(self.errors), "errors_measured_on": "an earlier call (graph capture)"}
 
 

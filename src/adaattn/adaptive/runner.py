@@ -60,10 +60,11 @@ def allowed_levels(problem, policy, quant_reasons: list[str]) -> tuple[tuple[int
 
 def site_key(problem, policy, label: Optional[str]) -> str:
     """The controller a call belongs to: its label (an AdaAttention module, say) under this
-    policy and head layout, or else its shape class. A plain string (traceable by dynamo)."""
+    policy, head layout and sequence bucket (decode and prefill keep separate levels), or else
+    its shape class. A plain string (traceable by dynamo)."""
     head = (f"Hq={problem.q_heads} Hkv={problem.kv_heads} D={problem.head_dim} {problem.dtype} "
-            f"causal={problem.causal} window={problem.window} mask={problem.mask_kind} "
-            f"dev={problem.device_type}:{problem.device_index}")
+            f"causal={problem.causal} window={problem.window} mask={problem.mask_kind} scale={problem.scale} "
+            f"{problem.seq_bucket} dev={problem.device_type}:{problem.device_index}")
     pol = (f"tolerance={policy.tolerance} precisions={policy.precisions} verify={policy.verify} "
            f"train_quantized={policy.train_quantized}")
     who = label if label is not None else f"anonymous {problem.shape_class}"
@@ -111,7 +112,8 @@ def _backward(ctx, dout):
 
     q, k, v, attn_mask = ctx.saved_tensors
     scale, causal, left, right = ctx.options
-    args = (attn_mask, None, None, q.shape[2], k.shape[2], scale, causal, False, left, right, False)
+    args = (attn_mask, None, None, q.shape[2], k.shape[2], scale, causal, False, left, right,
+            torch.are_deterministic_algorithms_enabled())
     out, lse = flash_fwd(q, k, v, *args)
     dq, dk, dv = flash_bwd(dout, q, k, v, out, lse, *args)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None

@@ -148,7 +148,10 @@ def apply_masks(s, q_idx, k_idx, q_len, k_len, diag, window_left, window_right,
             s = tl.where(user_keep, s, float("-inf"))
         else:
             bias = tl.load(mask_ptrs, mask=in_bounds, other=0.0).to(tl.float32)
-            s = s + bias * LOG2E_K
+            # finfo(bf16/fp32).min (the Hugging Face "masked" value) times log2(e) would overflow
+            # to -inf and turn a fully masked row into zeros; SDPA gives the mean of V there.
+            # (-inf itself stays -inf: a row masked with -inf everywhere gives zeros.)
+            s = s + tl.where(bias == float("-inf"), bias, tl.maximum(bias, -2.0e38)) * LOG2E_K
     if EDGE:
         keep = position_keep(q_idx, k_idx, q_len, k_len, diag, window_left, window_right,
                              HAS_LEFT, HAS_RIGHT)

@@ -15,8 +15,8 @@ The schemes (the float64 simulation in adaptive/quant_reference.py does the same
   fp32, then the usual online softmax in fp32.
 - P.V in FP8: V is smoothed (its mean over the sequence subtracted, added back at the end,
   since the softmax weights sum to one) and scaled per channel into E4M3's range; P (in
-  [0, 1] after the running max) is multiplied by 448 and rounded to E4M3. The row sum l uses
-  the fp32 P. out = acc * v_scale / (448 * l) + v_mean. The FP8 V is stored transposed
+  [0, 1] after the running max) is scaled by 448 and rounded to E4M3. The row sum l uses
+  the fp32 (scaled) P. out = acc * v_scale / l + v_mean. The FP8 V is stored transposed
   (B, Hkv, D, N) so both tensor-core operands are K-major, as Hopper's FP8 MMA needs.
 - P.V in the input dtype: P rounded to it, as the exact kernel does.
 
@@ -138,6 +138,14 @@ def quant_tile(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base, vq
                SCALE_POSITIVE: tl.constexpr, EMULATE: tl.constexpr):
     """Fold one key tile into (acc, l_i, m_i); the products in the precisions asked for."""
     cols = start_n + offs_n
+    # INT8 scores come out as biased floats f = 1.5 * 2^23 + x (see int_to_float; the bias is
+    # subtracted in the FMA's operand, exactly), and FP8 P is produced already scaled by 448
+    # (log2(448) folded into the subtracted max), so neither costs a conversion or a multiply.
+    bias = 0.0
+    if PV_MODE == 1:
+        p_log2_scale = 8.807354922057604  # log2(448)
+    else:
+        p_log2_scale = 0.0
     if QK_MODE == 0:
         k = load_rows(k_base + cols[:, None] * stride_kn + offs_d[None, :], cols, k_len, offs_d,
                       HEAD_DIM, BLOCK_D, EDGE)
@@ -147,22 +155,23 @@ def quant_tile(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base, vq
         # Quantized K is padded to whole blocks: no bounds checks, the scores mask the tail.
         k = tl.load(kq_base + cols[:, None] * stride_kqn + offs_d[None, :])
         if QK_MODE == 1:
-            qk = int_to_float(tl.dot(q, tl.trans(k), out_dtype=tl.int32))
+            qk = (tl.dot(q, tl.trans(k), out_dtype=tl.int32) + 0x4B400000).to(tl.float32, bitcast=True)
+            bias = 12582912.0
         else:
             qk = tl.dot(q, tl.trans(k))
         rs = row_scale * tl.load(ks_base + start_n // BLOCK_N)
     if (not EDGE) and MASK_KIND == 0 and SCALE_POSITIVE:
-        m_new = tl.maximum(m_i, tl.max(qk, 1) * rs)
+        m_new = tl.maximum(m_i, (tl.max(qk, 1) - bias) * rs)
         alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(qk * rs[:, None] - m_new[:, None])
+        p = tl.math.exp2((qk - bias) * rs[:, None] - (m_new - p_log2_scale)[:, None])
     else:
-        s = apply_masks(qk * rs[:, None], offs_m[:, None], cols[None, :], q_len, k_len, diag,
+        s = apply_masks((qk - bias) * rs[:, None], offs_m[:, None], cols[None, :], q_len, k_len, diag,
                         window_left, window_right, mask_base, stride_mm, stride_mn, EDGE,
                         HAS_LEFT, HAS_RIGHT, MASK_KIND)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_shift)
-        p = tl.math.exp2(s - m_shift[:, None])
+        p = tl.math.exp2(s - (m_shift - p_log2_scale)[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if PV_MODE == 1:
         # Loaded as (D, BLOCK_N), keys contiguous, and transposed in shared memory: the
@@ -172,7 +181,7 @@ def quant_tile(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base, vq
         # Hopper's FP8 MMA accumulates with fewer bits than fp32, which over thousands of keys
         # (one long accumulation chain) costs accuracy (measured: 0.12 instead of 0.04 at
         # N=16384); per tile the chain is BLOCK_N products long.
-        acc = acc * alpha[:, None] + tl.dot(to_fp8(p * 448.0, EMULATE), tl.trans(vt))
+        acc = acc * alpha[:, None] + tl.dot(to_fp8(p, EMULATE), tl.trans(vt))
     else:
         acc = acc * alpha[:, None]
         v = load_rows(v_base + cols[:, None] * stride_vn + offs_d[None, :], cols, k_len, offs_d,
@@ -299,7 +308,7 @@ def attention_quant_fwd_kernel(
         d_ok = offs_d < HEAD_DIM
         v_scale = tl.load(VScale + stat + offs_d, mask=d_ok, other=0.0)
         v_mean = tl.load(VMean + stat + offs_d, mask=d_ok, other=0.0)
-        out = acc * (inv_l[:, None] * (1.0 / 448.0)) * v_scale[None, :]
+        out = acc * inv_l[:, None] * v_scale[None, :]  # P and l both carry the factor 448
         out = tl.where(seen[:, None], out + v_mean[None, :], 0.0)
     else:
         out = acc * inv_l[:, None]
