@@ -335,7 +335,7 @@ def test_configs_fit_the_device_shared_memory(monkeypatch, smem):
                     assert need <= smem or fit[0].block_m == 16 or fit[0].block_n == 16
     # On Hopper the bf16 head_dim 128 forward keeps its large tiles.
     monkeypatch.setattr(ta, "max_shared_memory", lambda device: 232448)
-    assert ta.fitting_configs("fwd", 128, torch.bfloat16, torch.device("cpu"))[0] == ta.KernelConfig(128, 64, 8, 3)
+    assert ta.fitting_configs("fwd", 128, torch.bfloat16, torch.device("cpu"))[0] == ta.KernelConfig(128, 128, 8, 3)
 
 
 def test_config_chooser_times_candidates_once_and_skips_failures(monkeypatch):
@@ -372,7 +372,10 @@ def test_gpu_launch_path_runs_under_the_interpreter(monkeypatch, dtype):
     monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: (fn(), 1.0)[1])
     check_case(hq=2, hkv=1, nq=70, nk=150, d=64, dtype=dtype, causal=True, seed=27)
     kinds = {kind for kind, _ in ta.CONFIGS.chosen}
-    assert kinds == {"fwd", "dkdv", "dq"}
+    assert kinds == {"fwd", "dkdv_atomic"}  # the default backward adds dq atomically
+    with ta.kernel_variants(dq="separate"):
+        check_case(hq=2, hkv=1, nq=70, nk=150, d=64, dtype=dtype, causal=True, seed=28)
+    assert {kind for kind, _ in ta.CONFIGS.chosen} == {"fwd", "dkdv_atomic", "dkdv", "dq"}
 
 
 SM90_COMPILE = r"""
@@ -459,10 +462,11 @@ def test_kernels_compile_for_hopper_without_spills():
         assert r["wgmma"] and not r["mma_sync"], r
         assert r["smem"] <= 232448, r
         if r["kind"] == "dkdv_atomic":
-            # One product more than dkdv: a small spill is the price (triton 3.9: 344 bytes
-            # causal, 152 not); dq goes out as vectorised fire-and-forget reductions, never as
-            # atomics that return a value.
-            assert r["stack"] is None or r["stack"] <= 512, r
+            # One product more than dkdv: a small spill is the price (triton 3.9, first config
+            # 64/128/8/2: 856 bytes; it still measured fastest on the H100 with triton 3.6, see
+            # results/2026-11-22-triton-variants-h100.json); dq goes out as vectorised
+            # fire-and-forget reductions, never as atomics that return a value.
+            assert r["stack"] is None or r["stack"] <= 1024, r
             assert r["vector_red"] and not r["atom"], r
         else:
             assert r["atom"] is False and r["stack"] in (0, None), r

@@ -25,6 +25,7 @@ class Plan:
     notes: tuple[str, ...]
     arch: str
     levels: tuple[int, ...] = ()  # quantized levels allowed to "triton.quant" (mode="auto")
+    deterministic: bool = False  # Policy.deterministic: backends with a choice take the reproducible path
 
 
 class NoBackendError(ValueError):
@@ -122,6 +123,7 @@ def make_plan(problem: Problem, policy: Policy) -> Plan:
         notes=tuple(notes),
         arch=arch,
         levels=levels if candidates[0] == QUANT else (),
+        deterministic=policy.deterministic,
     )
 
 

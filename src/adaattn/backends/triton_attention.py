@@ -73,7 +73,10 @@ DQ_MODES = ("separate", "atomic", "atomic_rotate")
 FWD_MODES = ("ptr", "tma")
 GRID_ORDERS = ("query_major", "head_major")
 VARIANTS = {
-    "dq": os.environ.get("ADAATTN_TRITON_DQ", "separate"),
+    # atomic: measured fastest on the H100 (results/2026-11-22-triton-variants-h100.json);
+    # deterministic=True (or torch.use_deterministic_algorithms, or Policy.deterministic)
+    # always runs the separate, atomic-free dq pass.
+    "dq": os.environ.get("ADAATTN_TRITON_DQ", "atomic"),
     "fwd": os.environ.get("ADAATTN_TRITON_FWD", "ptr"),
     "fwd_grid": os.environ.get("ADAATTN_TRITON_FWD_GRID", "query_major"),
 }
@@ -126,8 +129,9 @@ HALF_CONFIGS = {
     "fwd": {
         "small_d": [KernelConfig(128, 64, 4, 3), KernelConfig(128, 128, 8, 3), KernelConfig(128, 64, 8, 4),
                     KernelConfig(64, 64, 4, 3)],
-        "mid_d": [KernelConfig(128, 64, 8, 3), KernelConfig(128, 128, 8, 2), KernelConfig(128, 64, 8, 4),
-                  KernelConfig(128, 128, 8, 3), KernelConfig(64, 64, 4, 3)],
+        # H100, D=128: 128/128/8/3 fastest at three of the four yardstick shapes (variants run).
+        "mid_d": [KernelConfig(128, 128, 8, 3), KernelConfig(128, 64, 8, 3), KernelConfig(128, 128, 8, 2),
+                  KernelConfig(128, 64, 8, 4), KernelConfig(64, 64, 4, 3)],
         "large_d": [KernelConfig(128, 32, 8, 2), KernelConfig(128, 64, 8, 2), KernelConfig(64, 32, 4, 3),
                     KernelConfig(64, 32, 4, 2)],
     },
@@ -142,7 +146,8 @@ HALF_CONFIGS = {
     # The dk/dv pass with dq added atomically: one product more per tile (ds^T k).
     "dkdv_atomic": {
         "small_d": [KernelConfig(32, 128, 8, 2), KernelConfig(64, 128, 8, 2), KernelConfig(32, 64, 4, 2)],
-        "mid_d": [KernelConfig(32, 128, 8, 2), KernelConfig(64, 128, 8, 2), KernelConfig(16, 128, 8, 2),
+        # H100, D=128: 64/128/8/2 fastest at all four yardstick shapes (variants run).
+        "mid_d": [KernelConfig(64, 128, 8, 2), KernelConfig(32, 128, 8, 2), KernelConfig(16, 128, 8, 2),
                   KernelConfig(32, 64, 4, 2)],
         "large_d": [KernelConfig(16, 32, 4, 1), KernelConfig(16, 64, 8, 1), KernelConfig(16, 32, 4, 2)],
     },
@@ -835,5 +840,5 @@ class TritonBackend(Backend):
     def run(self, query, key, value, attn_mask, problem, plan):
         return triton_attention(
             query, key, value, attn_mask, problem.causal, problem.scale, problem.window,
-            deterministic=torch.are_deterministic_algorithms_enabled(),
+            deterministic=plan.deterministic or torch.are_deterministic_algorithms_enabled(),
         )
