@@ -106,7 +106,7 @@ def auto_levels(label):
         return f"{type(e).__name__}: {e}"
 
 
-def run_shapes(sizes, b, h, d, deadline) -> list:
+def run_shapes(sizes, b, h, d, deadline, save=lambda rows: None) -> list:
     rows = []
     for n in sizes:
         for causal in (False, True):
@@ -145,6 +145,7 @@ def run_shapes(sizes, b, h, d, deadline) -> list:
                     for peer in ("sdpa.cudnn", "sdpa.flash", "triton.exact", "sage-1.0.6", "quant.qk8", "quant.fp8"):
                         if peer in base:
                             row[f"vs_{peer}"] = base[peer] / row["ms"]
+            save(rows)  # what has run survives a later timeout
             del q, k, v, ref
             torch.cuda.empty_cache()
     return rows
@@ -208,10 +209,13 @@ def main() -> int:
         except Exception:
             traceback.print_exc()
     log("shapes:")
-    result["rows"] = run_shapes([int(s) for s in args.sizes.split(",")], 2, 16, 128, deadline)
-    result["wall_s"] = time.time() - t_start
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    def save(rows):
+        result["rows"] = rows
+        result["wall_s"] = time.time() - t_start
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    save(run_shapes([int(s) for s in args.sizes.split(",")], 2, 16, 128, deadline, save))
     log("\n| N | causal | impl | ms | TFLOP/s | err | vs cuDNN | vs triton | vs sage |")
     log("|---|---|---|---|---|---|---|---|---|")
     for r in result["rows"]:

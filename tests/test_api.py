@@ -357,3 +357,24 @@ def test_position_keep_aligns_bottom_right_for_a_kv_cache():
     # Query i sits at position i + 4: it sees keys i+2 .. i+4.
     expected = torch.tensor([[j in range(i + 2, i + 5) for j in range(7)] for i in range(3)])
     assert torch.equal(bottom, expected)
+
+
+def test_priority_data_puts_triton_first_for_long_masked_and_windowed_calls():
+    import dataclasses
+
+    from adaattn import planner
+    from adaattn.problem import validate
+
+    q = torch.randn(1, 2, 1024, 64, dtype=torch.bfloat16)
+    base = dataclasses.replace(validate(q, q, q, None, 0.0, False, None, False, "bhsd", None),
+                               device_type="cuda", device_index=0)
+    cases = [
+        (dict(mask_kind="bool"), "triton"),
+        (dict(mask_kind="additive"), "triton"),
+        (dict(window=(128, 0)), "triton"),
+        ({}, "sdpa.cudnn"),  # unmasked prefill: cuDNN measured fastest
+        (dict(mask_kind="bool", q_len=64, kv_len=64), "sdpa.cudnn"),  # short: SDPA's order (cuDNN declines masks)
+        (dict(dtype=torch.float32, mask_kind="bool"), "sdpa.efficient"),
+    ]
+    for change, first in cases:
+        assert planner.priority(dataclasses.replace(base, **change), "sm90")[0] == first, change

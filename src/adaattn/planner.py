@@ -68,6 +68,7 @@ def priority(problem: Problem, arch: str) -> tuple[str, ...]:
         "seq_bucket": problem.seq_bucket,
         "causal": problem.causal,
         "mask": problem.mask_kind,
+        "window": problem.window is not None,
         "needs_grad": problem.needs_grad,
     }
     for rule in PRIORITY_RULES:
