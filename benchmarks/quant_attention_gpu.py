@@ -126,6 +126,13 @@ def run_shapes(sizes, b, h, d, deadline, save=lambda rows: None) -> list:
                         out = fn()
                         torch.cuda.synchronize()
                         row["first_call_s"] = time.time() - t0
+                        if name.startswith("auto"):
+                            # Steady state: the first verified calls after warm-up compile and tune
+                            # the recompute launches once; do_bench sizes its repeat count from its
+                            # first calls, so those must be behind us.
+                            for _ in range(60):
+                                fn()
+                            torch.cuda.synchronize()
                         row["err"], row["err_worst_head"] = rel_err(out[:, :, idx], ref)
                         row["ms"] = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
                     row["tflops"] = flops(b, h, n, d, causal) / row["ms"] / 1e9
