@@ -218,6 +218,8 @@ def main() -> int:
     log("shapes:")
     def save(rows):
         result["rows"] = rows
+        result["chosen_configs"] = {" ".join(map(str, key)): str(cfg) for key, cfg in ta.CONFIGS.chosen.items()}
+        result["config_timings_ms"] = {" ".join(map(str, key)): t for key, t in ta.CONFIGS.timings.items()}
         result["wall_s"] = time.time() - t_start
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

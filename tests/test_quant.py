@@ -25,7 +25,7 @@ from adaattn.adaptive.quant_reference import quantize_key_blocks, simulate_atten
 from adaattn.backends import triton_attention as ta  # noqa: E402
 from adaattn.backends import triton_quant as tq  # noqa: E402
 from adaattn.backends.reference import reference_attention  # noqa: E402
-from adaattn.kernels.attention_quant import int_to_float, to_fp8  # noqa: E402
+from adaattn.kernels.attention_quant import INT_BIAS, biased_float, to_fp8  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from helpers import keep_mask, rel_err  # noqa: E402
@@ -164,7 +164,7 @@ def test_prepass_writes_what_the_simulation_quantizes():
 @triton.jit
 def _int_to_float_kernel(X, Y, N: tl.constexpr):
     r = tl.arange(0, N)
-    tl.store(Y + r, int_to_float(tl.load(X + r)))
+    tl.store(Y + r, biased_float(tl.load(X + r)) - INT_BIAS)
 
 
 @triton.jit

@@ -58,13 +58,17 @@ def to_fp8(x, EMULATE: tl.constexpr):
     return x.to(tl.float8e4nv)
 
 
+INT_BIAS: tl.constexpr = tl.constexpr(12582912.0)  # 1.5 * 2^23
+
+
 @triton.jit
-def int_to_float(x):
-    """int32 -> fp32 for |x| < 2^22, exactly, without the conversion instruction (a quarter-
-    rate unit on Hopper, as slow as exp2): x + bits(1.5 * 2^23) is the bit pattern of the
-    float 1.5 * 2^23 + x, and subtracting 1.5 * 2^23 leaves x. An INT8 dot over D <= 256
-    stays below 127 * 127 * 256 < 2^22."""
-    return (x + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+def biased_float(x):
+    """int32 x (|x| < 2^22) -> the fp32 value 1.5 * 2^23 + x, exactly, without the int-to-float
+    conversion instruction (a quarter-rate unit on Hopper, as slow as exp2): adding the bit
+    pattern of 1.5 * 2^23 to x gives the bit pattern of that float. Subtracting INT_BIAS then
+    leaves x exactly; the attention kernel does it inside the score's FMA operand. An INT8 dot
+    over D <= 256 stays below 127 * 127 * 256 < 2^22."""
+    return (x + 0x4B400000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -138,7 +142,7 @@ def quant_tile(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base, vq
                SCALE_POSITIVE: tl.constexpr, EMULATE: tl.constexpr):
     """Fold one key tile into (acc, l_i, m_i); the products in the precisions asked for."""
     cols = start_n + offs_n
-    # INT8 scores come out as biased floats f = 1.5 * 2^23 + x (see int_to_float; the bias is
+    # INT8 scores come out as biased floats f = 1.5 * 2^23 + x (see biased_float; the bias is
     # subtracted in the FMA's operand, exactly), and FP8 P is produced already scaled by 448
     # (log2(448) folded into the subtracted max), so neither costs a conversion or a multiply.
     bias = 0.0
@@ -155,8 +159,8 @@ def quant_tile(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base, vq
         # Quantized K is padded to whole blocks: no bounds checks, the scores mask the tail.
         k = tl.load(kq_base + cols[:, None] * stride_kqn + offs_d[None, :])
         if QK_MODE == 1:
-            qk = (tl.dot(q, tl.trans(k), out_dtype=tl.int32) + 0x4B400000).to(tl.float32, bitcast=True)
-            bias = 12582912.0
+            qk = biased_float(tl.dot(q, tl.trans(k), out_dtype=tl.int32))
+            bias = INT_BIAS
         else:
             qk = tl.dot(q, tl.trans(k))
         rs = row_scale * tl.load(ks_base + start_n // BLOCK_N)
