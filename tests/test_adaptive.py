@@ -124,6 +124,22 @@ def test_a_head_over_the_tolerance_is_recomputed_one_level_up_and_remembered():
     assert ctl.levels == [0, 0, 0, 0] and ctl.escalations >= 3
 
 
+def test_an_escalated_head_retries_the_cheaper_level_once_after_calm_measurements():
+    ctl = controller.PrecisionController("calm", 5e-2, 1.0, (tq.LEVEL_QK8, tq.LEVEL_FP8), 2)
+    ctl.levels = [tq.LEVEL_FP8, tq.LEVEL_FP8]
+    ctl.predicted = {"exact": [0.001] * 2, "qk8": [0.01] * 2, "fp8": [0.03, 0.06]}
+    ctl._apply([2, 2], [1, 1], [0.01, 0.01], [0.045, 0.045])  # one sample over 0.8 tau: both up
+    assert ctl.levels == [1, 1] and ctl.escalations == 2
+    for _ in range(controller.DOWN_AFTER):
+        ctl._apply([1, 1], [1, 1], [0.01, 0.01], [0.01, 0.01])
+    # Head 0's fp8 prediction (0.03 <= 0.7 tau) allows a retry; head 1's (0.06) does not.
+    assert ctl.levels == [2, 1] and ctl.step_downs == 1
+    ctl._apply([2, 1], [1, 1], [0.01, 0.01], [0.05, 0.01])  # the retry fails: up again, for good
+    for _ in range(3 * controller.DOWN_AFTER):
+        ctl._apply([1, 1], [1, 1], [0.01, 0.01], [0.01, 0.01])
+    assert ctl.levels == [1, 1] and ctl.step_downs == 1
+
+
 def test_no_verification_when_verify_is_zero_after_warm_up():
     q, k, v = structured.make("random", 1, 2, 64, 64, torch.bfloat16, DEVICE, seed=3)
     policy = adaattn.Policy(mode="auto", precisions=ALL, tolerance=8e-2, verify=0.0)
@@ -193,6 +209,42 @@ def test_fully_masked_rows_with_the_dtype_minimum_match_sdpa():
     assert rel_err(exact[:, :, 5], ref[:, :, 5]) <= 1e-2
     quant = tq.quant_attention(q, k, v, mask, levels=[tq.LEVEL_QK8])
     assert rel_err(quant[:, :, 5], ref[:, :, 5]) <= 2e-2
+
+
+def test_gqa_bshd_window_and_mask_through_the_auto_path():
+    g = torch.Generator(device="cpu").manual_seed(12)
+    q = torch.randn(2, 70, 4, 64, generator=g).to(torch.bfloat16).to(DEVICE)  # (B, N, H, D)
+    k = torch.randn(2, 90, 2, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    v = torch.randn(2, 90, 2, 64, generator=g).to(torch.bfloat16).to(DEVICE)
+    keep = (torch.rand(2, 1, 70, 90, generator=g) > 0.2).to(DEVICE)
+    policy = adaattn.Policy(mode="auto", precisions=ALL, tolerance=5e-2)
+    with stats.collect() as recs:
+        out = adaattn.attention(q, k, v, keep, enable_gqa=True, layout="bshd", window=(40, 10), policy=policy)
+    assert recs[-1].backend == "triton.quant" and out.shape == (2, 70, 4, 64)
+    qh, kh, vh = (t.transpose(1, 2).double() for t in (q, k, v))
+    i = torch.arange(70)[:, None]
+    j = torch.arange(90)[None, :]
+    full = keep.cpu() & (j >= i - 40) & (j <= i + 10)
+    ref = reference_attention(qh.cpu(), kh.cpu().repeat_interleave(2, 1), vh.cpu().repeat_interleave(2, 1), full)
+    assert max(_head_errors(out.transpose(1, 2).cpu(), ref)) <= 5e-2
+
+
+def test_a_readback_applied_during_a_call_leaves_no_head_unwritten(monkeypatch):
+    # Another thread may apply a verification readback while a call is between choosing its
+    # levels and launching; the call must launch one consistent snapshot of them.
+    q, k, v = structured.make("random", 1, 4, 48, 64, torch.bfloat16, DEVICE, seed=13)
+    ctl = controller.PrecisionController("race", 8e-2, 0.0, (tq.LEVEL_QK8, tq.LEVEL_FP8), 4)
+    ctl.levels = [tq.LEVEL_FP8] * 4
+    real = tq.quant_attention
+
+    def racing(*args, **kwargs):
+        ctl._apply([2, 2, 2, 2], [tq.LEVEL_QK8, 2, 2, 2], [0.01] * 4, [0.01] * 4)  # head 0 moves up mid-call
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tq, "quant_attention", racing)
+    out, info = ctl.run(q, k, v, None, 0.125, False, False, -1, -1)
+    assert torch.isfinite(out).all()  # poisoned outputs: a stranded head would be NaN
+    assert info["levels"] == ["fp8"] * 4 and ctl.levels == [tq.LEVEL_QK8, 2, 2, 2]
 
 
 def test_cpu_without_the_interpreter_stays_exact(monkeypatch):

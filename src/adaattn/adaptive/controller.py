@@ -36,6 +36,8 @@ from . import analysis
 
 PREDICT_MARGIN = 0.7
 VERIFY_MARGIN = 0.8
+DOWN_MARGIN = 0.4  # a head measuring below tolerance * this ...
+DOWN_AFTER = 8  # ... on this many verified calls in a row retries the next cheaper level once
 SAMPLE_ROWS = 64
 EMA = 0.3
 
@@ -76,6 +78,10 @@ class PrecisionController:
         self.calls = 0
         self.verified_calls = 0
         self.escalations = 0
+        self.step_downs = 0
+        self._calm = [0] * q_heads  # consecutive verified calls far below the tolerance
+        self._probing: list[int | None] = [None] * q_heads  # a cheaper level being retried
+        self._no_probe = [False] * q_heads
         self._pending: deque = deque()
         self._rng = random.Random(zlib.crc32(site.encode()) ^ seed)  # sites verify on different calls
         self._generators: dict = {}
@@ -92,32 +98,57 @@ class PrecisionController:
         names = None if self.levels is None else [tq.LEVELS[x] for x in self.levels]
         return {"site": self.site, "tolerance": self.tolerance, "levels": names, "errors": list(self.errors),
                 "error_ema": list(self.ema), "predicted": self.predicted, "statistics": self.statistics,
-                "calls": self.calls, "verified_calls": self.verified_calls, "escalations": self.escalations}
+                "calls": self.calls, "verified_calls": self.verified_calls, "escalations": self.escalations,
+                "step_downs": self.step_downs}
 
     def poll(self, wait: bool = False) -> None:
         """Apply finished verification readbacks (all of them, waiting, with wait=True)."""
         with self._lock:
             while self._pending:
-                event, errors, levels, first_errors = self._pending[0]
+                event, started, errors, levels, first_errors = self._pending[0]
                 if not wait and event is not None and not event.query():
                     return
                 if event is not None:
                     event.synchronize()
                 self._pending.popleft()
-                self._apply(levels.tolist(), errors.tolist(), first_errors.tolist())
+                self._apply(started, levels.tolist(), errors.tolist(), first_errors.tolist())
 
-    def _apply(self, levels: list[int], errors: list[float], first_errors: list[float]) -> None:
+    def _apply(self, started: list[int], levels: list[int], errors: list[float], first_errors: list[float]) -> None:
+        """One verified call's readback: the levels it started at, the levels it ended at (a
+        head over the margin was recomputed higher), and the final measured errors."""
         with self._lock:
             for h in range(self.q_heads):
-                old = self.levels[h]
-                if levels[h] != old:
+                if levels[h] < started[h]:  # escalated in that call: stay up
                     self.escalations += 1
+                    if self._probing[h] == started[h]:
+                        self._no_probe[h] = True  # the cheaper level was tried again and failed
+                    self._probing[h] = None
+                    self.levels[h] = min(self.levels[h], levels[h])
                     self.ema[h] = errors[h]
-                else:
+                    self._calm[h] = 0
+                elif levels[h] == self.levels[h]:
                     prev = self.ema[h]
                     self.ema[h] = errors[h] if prev is None else (1 - EMA) * prev + EMA * errors[h]
-                self.levels[h] = min(levels[h], old)
+                    self._calm[h] = self._calm[h] + 1 if errors[h] <= self.tolerance * DOWN_MARGIN else 0
+                    self._maybe_step_down(h)
                 self.errors[h] = errors[h]
+
+    def _maybe_step_down(self, h: int) -> None:
+        """A head that escalated (or started high) and has measured far below the tolerance for
+        DOWN_AFTER verified calls tries the next cheaper level again, if its prediction allows;
+        once such a retry fails the head stays where it is (no oscillation)."""
+        if self._calm[h] < DOWN_AFTER or self._no_probe[h] or self.predicted is None:
+            return
+        cheaper = [a for a in self.allowed if a > self.levels[h]]
+        if not cheaper:
+            return
+        level = min(cheaper)
+        if self.predicted[tq.LEVELS[level]][h] > self.tolerance * PREDICT_MARGIN:
+            return
+        self.levels[h] = level
+        self._probing[h] = level
+        self._calm[h] = 0
+        self.step_downs += 1
 
     def _generator(self, device: torch.device) -> torch.Generator:
         key = str(device)
@@ -204,20 +235,20 @@ class PrecisionController:
                                prepared=prepared, **kw)
             final = torch.where(still, torch.zeros_like(final), final)
         errors = analysis.head_errors(out.index_select(2, rows), ref)
-        self._queue(errors, final, first)
+        self._queue(levels, errors, final, first)
         info.update(verified=True, errors=errors, levels_after=final, errors_measured_on="this call")
         return out, info
 
-    def _queue(self, errors, levels, first) -> None:
+    def _queue(self, started, errors, levels, first) -> None:
         if errors.is_cuda:
             host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (errors, levels, first)]
             for h, t in zip(host, (errors, levels, first)):
                 h.copy_(t, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            entry = (event, *host)
+            entry = (event, list(started), *host)
         else:
-            entry = (None, errors, levels, first)
+            entry = (None, list(started), errors, levels, first)
         with self._lock:
             self._pending.append(entry)
 
