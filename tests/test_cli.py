@@ -45,6 +45,21 @@ def test_explain_shows_every_backend_its_reasons_and_the_choice(capsys):
     assert "chosen: sdpa.cpu" in out
 
 
+def test_explain_auto_policy_says_which_levels_and_why(capsys, monkeypatch):
+    # Under the CPU interpreter (as in CI) the quantized kernels run, so every level is offered.
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert main(["explain", "--shape", "1,4,256,64", "--device", "cpu", "--dtype", "bf16", "--causal",
+                 "--mode", "auto", "--tolerance", "3e-2"]) == 0
+    out = capsys.readouterr().out
+    assert "chosen: triton.quant" in out and "one of (exact, qk8, fp8) under tolerance 0.03" in out
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert main(["explain", "--shape", "1,4,256,64", "--device", "cpu", "--dtype", "bf16", "--mode", "auto"]) == 0
+    out = capsys.readouterr().out
+    assert "chosen: sdpa.cpu" in out and "quantized kernels cannot run on the CPU" in out
+    assert main(["explain", "--shape", "1,4,256,64", "--mode", "auto", "--precisions", "native,int4"]) == 2
+    assert "Policy.precisions entries must be from" in capsys.readouterr().err
+
+
 def test_explain_with_unsatisfiable_backends_exits_nonzero(capsys):
     assert main(["explain", "--shape", "1,4,128,64", "--device", "cpu", "--backends", "sdpa.flash"]) == 1
     assert "no backend can run" in capsys.readouterr().out

@@ -59,7 +59,14 @@ def cmd_explain(args: argparse.Namespace) -> int:
     if h % kv_heads:
         print(f"adaattn explain: heads ({h}) must be a multiple of --kv-heads ({kv_heads})", file=sys.stderr)
         return 2
-    policy = Policy(mode=args.mode, backends=tuple(args.backends.split(",")) if args.backends else None)
+    try:
+        precisions = tuple(args.precisions.split(",")) if args.precisions else (
+            ("native", "int8", "fp8") if args.mode == "auto" else ("native",))
+        policy = Policy(mode=args.mode, tolerance=args.tolerance, precisions=precisions,
+                        backends=tuple(args.backends.split(",")) if args.backends else None)
+    except (TypeError, ValueError) as e:
+        print(f"adaattn explain: {e}", file=sys.stderr)
+        return 2
     problem = Problem(
         batch=b, q_heads=h, kv_heads=kv_heads, q_len=n, kv_len=n if args.kv_len is None else args.kv_len, head_dim=d,
         value_dim=d, dtype=DTYPES[args.dtype], device_type=dev.type,
@@ -94,6 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     pe.add_argument("--mask", choices=("none", "bool", "additive"), default="none")
     pe.add_argument("--grad", action="store_true", help="inputs require grad (training)")
     pe.add_argument("--mode", choices=("exact", "auto"), default="exact")
+    pe.add_argument("--tolerance", type=float, default=1e-2, help="Policy.tolerance (mode auto)")
+    pe.add_argument("--precisions", default=None,
+                    help="comma-separated Policy.precisions; mode auto defaults to native,int8,fp8")
     pe.add_argument("--backends", default=None, help="comma-separated Policy.backends restriction")
     pe.add_argument("--json", action="store_true")
     pe.set_defaults(func=cmd_explain)

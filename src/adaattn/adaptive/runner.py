@@ -46,7 +46,7 @@ def allowed_levels(problem, policy, quant_reasons: list[str]) -> tuple[tuple[int
         notes.append("dropout_p > 0: the quantized kernels have no dropout; the exact kernels run.")
         return (), notes
     if quant_reasons:
-        where = "CPU" if problem.device_type == "cpu" else "this problem"
+        where = "on the CPU" if problem.device_type == "cpu" else "this problem"
         notes.append(f"quantized kernels cannot run {where} ({' '.join(quant_reasons)}); the exact kernels run.")
         return (), notes
     names = ", ".join(tq.LEVELS[x] for x in (tq.LEVEL_EXACT, *wanted))
