@@ -292,6 +292,12 @@ def test_each_adaattention_module_has_its_own_controller():
     assert {r.label for r in recs} == {a.label, b.label}
     assert controller.find(a.label) is not controller.find(b.label)
     assert all(r.backend == "triton.quant" for r in recs)
+    label = a.label
+    del a
+    import gc
+
+    gc.collect()
+    assert controller.find(label) is None  # a collected module takes its controllers with it
 
 
 # ---- on the GPU -------------------------------------------------------------------------------

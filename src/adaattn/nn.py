@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections import Counter
 
 import torch
@@ -14,6 +15,12 @@ from .api import attention
 from .policy import Policy
 
 _ids = itertools.count()
+
+
+def _forget_controllers(label: str) -> None:
+    from .adaptive import controller
+
+    controller.forget(label)
 
 
 class AdaAttention(nn.Module):
@@ -70,6 +77,8 @@ class AdaAttention(nn.Module):
         self.batch_first = batch_first
         self.policy = policy
         self.label = label if label is not None else f"AdaAttention#{next(_ids)}"
+        if label is None:  # its own precision controllers (Policy(mode="auto")) go with it
+            weakref.finalize(self, _forget_controllers, self.label)
         self._calls = 0
         kv_dim = kv_heads * self.head_dim
         self._qkv_same_embed_dim = self.kdim == embed_dim and self.vdim == embed_dim and kv_heads == num_heads

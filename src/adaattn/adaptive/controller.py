@@ -333,6 +333,13 @@ def find(site_or_label: str) -> PrecisionController | None:
     return None
 
 
+def forget(label: str) -> None:
+    """Drop the controllers of one label (an AdaAttention module drops its own when collected)."""
+    with _lock:
+        for site in [s for s in _controllers if s == label or s.startswith(label + "|")]:
+            del _controllers[site]
+
+
 def controllers() -> dict[str, PrecisionController]:
     return dict(_controllers)
 
