@@ -71,6 +71,20 @@ def site_key(problem, policy, label: Optional[str]) -> str:
     return f"{who}|{pol}|{head}"
 
 
+_site_keys: dict = {}
+
+
+def _site_key_eager(problem, policy, label: Optional[str]) -> str:
+    """site_key, remembered per (problem, policy, label): the string costs microseconds to build."""
+    key = (problem, policy, label)
+    site = _site_keys.get(key)
+    if site is None:
+        if len(_site_keys) > 4096:
+            _site_keys.clear()
+        site = _site_keys[key] = site_key(problem, policy, label)
+    return site
+
+
 def _controller(site: str, tolerance: float, verify: float, levels, q_heads: int) -> controller.PrecisionController:
     return controller.get(site, lambda: controller.PrecisionController(
         site, tolerance, verify, tuple(levels), q_heads, fp8_qk=tq.FP8_LEVEL_QK == "fp8"))
@@ -124,7 +138,7 @@ adaptive_fwd.register_autograd(_backward, setup_context=_setup)
 
 def run(q, k, v, attn_mask, problem, plan, policy, label, compiling: bool = False):
     """(out, info) for a call the planner gave to "triton.quant"; info is None when compiling."""
-    site = site_key(problem, policy, label)
+    site = site_key(problem, policy, label) if compiling else _site_key_eager(problem, policy, label)
     scale = problem.scale if problem.scale is not None else 1.0 / math.sqrt(problem.head_dim)
     left, right = _window(problem)
     if compiling or problem.needs_grad:

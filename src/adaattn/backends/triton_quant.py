@@ -26,7 +26,8 @@ from ..adaptive.quant_reference import smoothing_mean
 from .base import Backend
 from .triton_attention import (
     CONFIGS,
-    INTERPRET_CONFIGS,
+    _dot_precision,
+    _Layout,
     KernelConfig,
     _mask_args,
     _new_output,
@@ -172,12 +173,6 @@ class Prepared:
         return made
 
 
-def _dot_precision(dtype: torch.dtype) -> str:
-    if interpreting() and dtype == torch.bfloat16:
-        return "interpreter_bf16"
-    return "tf32"
-
-
 def launch_level(q, k, v, prepared: Prepared, out, attn_mask, head_levels: Optional[torch.Tensor], level: int,
                  scale: float, causal: bool, bottom_right: bool, window_left: int, window_right: int,
                  fp8_qk: bool = False) -> None:
@@ -187,8 +182,6 @@ def launch_level(q, k, v, prepared: Prepared, out, attn_mask, head_levels: Optio
     if b * hq == 0 or nq == 0:
         return
     qk_mode, pv_mode = level_modes(level, fp8_qk)
-    from .triton_attention import _Layout
-
     lay = _Layout(b, hq, hkv, nq, nk, d, False)
     mask, mask_strides, mask_kind = _mask_args(attn_mask, lay, q)
     has_left, left, has_right, right = _position_flags(causal, window_left, window_right)
