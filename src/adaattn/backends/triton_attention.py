@@ -537,7 +537,6 @@ def launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, m
         )
 
     key = _shape_key(q, lay, causal, bottom_right, window_left, window_right, mask_kind)
-    interp = interpreting()
     mask_elem = mask.element_size() if mask_kind else 0
     kernels = ((("dkdv_atomic" if atomic else "dkdv"), launch_dkdv),) + (() if atomic else (("dq", launch_dq),))
     for kind, launch in kernels:
