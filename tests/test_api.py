@@ -378,3 +378,19 @@ def test_priority_data_puts_triton_first_for_long_masked_and_windowed_calls():
     ]
     for change, first in cases:
         assert planner.priority(dataclasses.replace(base, **change), "sm90")[0] == first, change
+
+
+def test_a_mask_that_requires_grad_gets_its_gradient_and_our_kernels_decline_it():
+    from adaattn.problem import validate
+
+    q = torch.randn(1, 2, 16, 64)
+    bias = torch.zeros(1, 1, 16, 16, requires_grad=True)
+    problem = validate(q, q, q, bias, 0.0, False, None, False, "bhsd", None)
+    assert problem.mask_grad and problem.needs_grad
+    for name in ("triton", "triton.quant"):
+        if name in REGISTRY:
+            assert any("requires grad" in r for r in REGISTRY[name].supports(problem)), name
+    adaattn.attention(q, q, q, attn_mask=bias.detach())  # cached signature without the grad
+    out = adaattn.attention(q, q, q, attn_mask=bias)
+    out.sum().backward()
+    assert bias.grad is not None and bias.grad.abs().sum() > 0

@@ -116,6 +116,7 @@ def _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         None if window is None else tuple((w, type(w)) for w in window), policy,
         type(dropout_p), type(is_causal), type(scale), type(enable_gqa),
         torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
+        torch.is_grad_enabled() and attn_mask is not None and getattr(attn_mask, "requires_grad", False),
     )
 
 

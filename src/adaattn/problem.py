@@ -38,6 +38,7 @@ class Problem:
     needs_grad: bool
     layout: str
     gqa: bool = False  # q_heads != kv_heads, decided once (a plain bool even under torch.compile)
+    mask_grad: bool = False  # an additive attn_mask that requires grad (a learned bias)
 
     @property
     def gqa_groups(self) -> int:
@@ -68,6 +69,7 @@ class Problem:
             self.gqa,
             self.dropout_p > 0.0,
             self.needs_grad,
+            self.mask_grad,
             self.layout,
             self.q_len != self.kv_len,  # backends decline causal/window calls on unequal lengths
             self.q_len == 0 or self.kv_len == 0,  # and empty sequences
@@ -255,6 +257,7 @@ def validate(
     needs_grad = torch.is_grad_enabled() and (
         query.requires_grad or key.requires_grad or value.requires_grad
     )
+    mask_grad = torch.is_grad_enabled() and attn_mask is not None and attn_mask.requires_grad
     return Problem(
         batch=b,
         q_heads=hq,
@@ -271,7 +274,8 @@ def validate(
         mask_kind=mask_kind,
         dropout_p=dropout,
         scale=scale_f,
-        needs_grad=needs_grad,
+        needs_grad=needs_grad or mask_grad,
         layout=layout,
         gqa=gqa,
+        mask_grad=mask_grad,
     )

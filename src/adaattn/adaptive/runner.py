@@ -100,7 +100,7 @@ def _window(problem) -> tuple[int, int]:
 @torch.library.custom_op("adaattn::adaptive_fwd", mutates_args=())
 def adaptive_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor], scale: float,
                  causal: bool, window_left: int, window_right: int, site: str, tolerance: float, verify: float,
-                 levels: list[int]) -> torch.Tensor:
+                 levels: list[int], deterministic: bool) -> torch.Tensor:
     """Adaptive-precision attention of one call site; q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D).
     The controller of `site` is made on first use from (tolerance, verify, levels)."""
     ctl = _controller(site, tolerance, verify, levels, q.shape[1])
@@ -109,14 +109,15 @@ def adaptive_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: O
 
 
 @adaptive_fwd.register_fake
-def _adaptive_fwd_fake(q, k, v, attn_mask, scale, causal, window_left, window_right, site, tolerance, verify, levels):
+def _adaptive_fwd_fake(q, k, v, attn_mask, scale, causal, window_left, window_right, site, tolerance, verify, levels,
+                       deterministic):
     return q.new_empty(q.shape[:-1] + (v.shape[-1],))
 
 
 def _setup(ctx, inputs, output):
     q, k, v, attn_mask, scale, causal, window_left, window_right = inputs[:8]
     ctx.save_for_backward(q, k, v, attn_mask)
-    ctx.options = (scale, causal, window_left, window_right)
+    ctx.options = (scale, causal, window_left, window_right, inputs[-1])
 
 
 def _backward(ctx, dout):
@@ -125,12 +126,12 @@ def _backward(ctx, dout):
     from ..backends.triton_attention import flash_bwd, flash_fwd
 
     q, k, v, attn_mask = ctx.saved_tensors
-    scale, causal, left, right = ctx.options
+    scale, causal, left, right, deterministic = ctx.options
     args = (attn_mask, None, None, q.shape[2], k.shape[2], scale, causal, False, left, right,
-            torch.are_deterministic_algorithms_enabled())
+            deterministic or torch.are_deterministic_algorithms_enabled())
     out, lse = flash_fwd(q, k, v, *args)
     dq, dk, dv = flash_bwd(dout, q, k, v, out, lse, *args)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 adaptive_fwd.register_autograd(_backward, setup_context=_setup)
@@ -143,7 +144,7 @@ def run(q, k, v, attn_mask, problem, plan, policy, label, compiling: bool = Fals
     left, right = _window(problem)
     if compiling or problem.needs_grad:
         out = adaptive_fwd(q, k, v, attn_mask, scale, problem.causal, left, right, site, policy.tolerance,
-                           policy.verify, list(plan.levels))
+                           policy.verify, list(plan.levels), plan.deterministic)
         if compiling:
             return out, None
         ctl = _controller(site, policy.tolerance, policy.verify, plan.levels, problem.q_heads)

@@ -385,9 +385,9 @@ def _block_d(head_dim: int) -> int:
     return max(16, _next_pow2(head_dim))
 
 
-def _shape_key(q, lay, causal, bottom_right, window_left, window_right, mask_kind) -> tuple:
+def _shape_key(q, lay, causal, bottom_right, window_left, window_right, mask_kind, mask_elem=0) -> tuple:
     return (q.device.type, q.device.index, q.dtype, lay.head_dim, lay.varlen, causal, bottom_right,
-            window_left >= 0, window_right >= 0, mask_kind, lay.q_heads != lay.kv_heads,
+            window_left >= 0, window_right >= 0, mask_kind, mask_elem, lay.q_heads != lay.kv_heads,
             length_bucket(lay.q_len), length_bucket(lay.k_len))
 
 
@@ -452,7 +452,8 @@ def launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
             HEAD_MAJOR=head_major, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
         )
 
-    key = _shape_key(q, lay, causal, bottom_right, window_left, window_right, mask_kind)
+    key = _shape_key(q, lay, causal, bottom_right, window_left, window_right, mask_kind,
+                     mask.element_size() if mask_kind else 0)
     if use_tma or head_major:
         key = key + (("tma" if use_tma else "ptr"), order)
     cfg = CONFIGS.pick("fwd", key, lambda: fitting_configs("fwd", block_d, q.dtype, q.device,
@@ -536,8 +537,8 @@ def launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, m
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
         )
 
-    key = _shape_key(q, lay, causal, bottom_right, window_left, window_right, mask_kind)
     mask_elem = mask.element_size() if mask_kind else 0
+    key = _shape_key(q, lay, causal, bottom_right, window_left, window_right, mask_kind, mask_elem)
     kernels = ((("dkdv_atomic" if atomic else "dkdv"), launch_dkdv),) + (() if atomic else (("dq", launch_dq),))
     for kind, launch in kernels:
         candidates = (lambda kind=kind: fitting_configs(kind, block_d, q.dtype, q.device, mask_elem))
@@ -689,7 +690,8 @@ def triton_attention(
                             bool(is_causal), bottom_right, left, right)
         return out
     out, _ = flash_fwd(query, key, value, attn_mask, None, None, query.shape[2], key.shape[2], scale,
-                       bool(is_causal), bottom_right, left, right, bool(deterministic))
+                       bool(is_causal), bottom_right, left, right,
+                           bool(deterministic) or torch.are_deterministic_algorithms_enabled())
     return out
 
 
@@ -702,7 +704,7 @@ def _direct_ok(*tensors) -> bool:
         return False
     if any(type(t) is not torch.Tensor for t in present):
         return False
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active() or torch.jit.is_tracing():
         return False
     if torch._C._is_torch_function_mode_enabled():
         return False
@@ -785,7 +787,8 @@ def varlen_attention(
         cu_q = cu_seqlens_q.to(torch.int32)
         cu_k = cu_seqlens_k.to(torch.int32)
         out, _ = flash_fwd(q, k, v, None, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), scale,
-                           bool(is_causal), bottom_right, left, right, bool(deterministic))
+                           bool(is_causal), bottom_right, left, right,
+                           bool(deterministic) or torch.are_deterministic_algorithms_enabled())
         return out
     return _varlen_sdpa(q, k, v, cu_seqlens_q, cu_seqlens_k, bool(is_causal), scale, window, bottom_right)
 
@@ -834,6 +837,8 @@ class TritonBackend(Backend):
             reasons.append("value head_dim differs from query/key head_dim.")
         if problem.dropout_p > 0:
             reasons.append("dropout is not implemented.")
+        if problem.mask_grad:
+            reasons.append("an attn_mask that requires grad would get no gradient (not implemented).")
         return reasons
 
     def run(self, query, key, value, attn_mask, problem, plan):

@@ -271,6 +271,8 @@ class TritonQuantBackend(Backend):
         reasons = quant_can_run(device, problem.dtype, problem.head_dim, problem.value_dim)
         if problem.dropout_p > 0:
             reasons.append("dropout is not implemented.")
+        if problem.mask_grad:
+            reasons.append("an attn_mask that requires grad would get no gradient (not implemented).")
         return reasons
 
     def run(self, query, key, value, attn_mask, problem, plan):

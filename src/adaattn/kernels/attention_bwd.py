@@ -73,6 +73,10 @@ def query_tile_range(start_n, q_len, k_len, diag, window_left, window_right,
     hi = tl.maximum(hi, lo)
     full_lo = tl.minimum(tl.maximum(full_lo, lo), hi)
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    # A key block running past k_len has no fully visible query tile: its rows past the end
+    # (loaded as zeros) must be masked, or p = exp2(0 - lse) can overflow for rows whose scores
+    # are all very negative and the atomic dq (k^T ds) would read 0 * inf.
+    full_hi = tl.where(start_n + BLOCK_N > k_len, full_lo, full_hi)
     return lo, full_lo, full_hi, hi
 
 
