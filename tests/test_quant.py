@@ -192,12 +192,10 @@ def test_fp8_conversion_rounds_to_nearest_even_like_torch():
 
 
 SM90_COMPILE = r"""
-import json, os, re, subprocess, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json, re
 from adaattn.backends import triton_quant as tq
 from adaattn.kernels.attention_quant import attention_quant_fwd_kernel as kernel
+from sm90 import compile_for_sm90 as compile_sm90
 
 def compile_for_sm90(level, fp8_qk, causal):
     cfg = tq.QUANT_CONFIGS[128][0]
@@ -205,42 +203,29 @@ def compile_for_sm90(level, fp8_qk, causal):
     consts = dict(RUN_LEVEL=level, HAS_HEAD_LEVEL=True, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=cfg.block_m,
                   BLOCK_N=cfg.block_n, BOTTOM_RIGHT=False, HAS_LEFT=False, HAS_RIGHT=causal, MASK_KIND=0,
                   QK_MODE=qk, PV_MODE=pv, DOT_PRECISION="tf32", SCALE_POSITIVE=True, EMULATE=False)
-    sig, attrs = {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name in ("KScale", "VScale", "VMean"):
-            sig[name] = "*fp32"
-        elif name == "Kq":
-            sig[name] = {1: "*i8", 2: "*fp8e4nv"}.get(qk, "*bf16")
-        elif name == "Vq":
-            sig[name] = "*fp8e4nv" if pv == 1 else "*bf16"
-        elif name == "HeadLevel":
-            sig[name] = "*i32"
-        elif name[0].isupper():
-            sig[name] = "*bf16"
-        elif name.startswith("scale"):
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
-        # Pointers and strides as the launcher sees them for the tensors quant_attention makes.
-        if sig[name][0] == "*" or (name.startswith("stride_") and not name.startswith("stride_m")):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    c = triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    stack = None
-    if os.path.exists(tool):
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(c.asm["cubin"]); f.flush()
-            usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-        m = re.search(r"STACK:(\d+)", usage)
-        stack = int(m.group(1)) if m else None
-    ttgir = c.asm["ttgir"]
-    return {"level": level, "fp8_qk": fp8_qk, "causal": causal, "stack": stack,
+
+    def types(name):
+        if name in ("KScale", "VScale", "VMean"):
+            return "*fp32"
+        if name == "Kq":
+            return {1: "*i8", 2: "*fp8e4nv"}.get(qk, "*bf16")
+        if name == "Vq":
+            return "*fp8e4nv" if pv == 1 else "*bf16"
+        if name == "HeadLevel":
+            return "*i32"
+        if name[0].isupper():
+            return "*bf16"
+        return "fp32" if name.startswith("scale") else "i32"
+
+    # Pointers and strides as the launcher sees them for the tensors quant_attention makes.
+    def divisible(name, ty):
+        return ty[0] == "*" or (name.startswith("stride_") and not name.startswith("stride_m"))
+
+    c = compile_sm90(kernel, consts, types, divisible, cfg.num_warps, cfg.num_stages)
+    return {"level": level, "fp8_qk": fp8_qk, "causal": causal, "stack": c["stack"],
             "wgmma": sorted(set(re.findall(r"wgmma\.mma_async\S*\.(s32\.s8\.s8|f32\.e4m3\.e4m3|f32\.bf16\.bf16)",
-                                           c.asm["ptx"]))),
-            "plain_fp8_loads": len(re.findall(r"= tt\.load [^\n]*f8E4M3FN", ttgir))}
+                                           c["ptx"]))),
+            "plain_fp8_loads": len(re.findall(r"= tt\.load [^\n]*f8E4M3FN", c["ttgir"]))}
 
 print(json.dumps([compile_for_sm90(1, False, False), compile_for_sm90(2, False, True),
                   compile_for_sm90(2, True, False)]))
@@ -250,20 +235,9 @@ print(json.dumps([compile_for_sm90(1, False, False), compile_for_sm90(2, False, 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the GPU tests compile for the real device")
 def test_quant_kernels_compile_for_hopper_with_8bit_tensor_cores_and_pipelined_fp8_loads():
     # Compiled (not interpreted) for sm90 with the ptxas shipped in triton, no GPU needed.
-    import json
-    import subprocess
-    import sys
+    import sm90
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", SM90_COMPILE], capture_output=True, text=True, env=env,
-                          timeout=300)
-    if proc.returncode != 0 and ("ptxas" in proc.stderr and "not found" in proc.stderr.lower()):
-        pytest.skip("no ptxas in this triton install")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    qk8, fp8, fp8_fp8qk = json.loads(proc.stdout.strip().splitlines()[-1])
+    qk8, fp8, fp8_fp8qk = sm90.run_json(SM90_COMPILE)
     assert qk8["wgmma"] == ["f32.bf16.bf16", "s32.s8.s8"], qk8
     assert fp8["wgmma"] == ["f32.e4m3.e4m3", "s32.s8.s8"], fp8
     assert fp8_fp8qk["wgmma"] == ["f32.e4m3.e4m3"], fp8_fp8qk

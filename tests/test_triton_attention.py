@@ -379,13 +379,11 @@ def test_gpu_launch_path_runs_under_the_interpreter(monkeypatch, dtype):
 
 
 SM90_COMPILE = r"""
-import json, os, re, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json, re
 from adaattn.backends import triton_attention as ta
 from adaattn.kernels.attention_bwd import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
 from adaattn.kernels.attention_fwd import attention_fwd_kernel
+from sm90 import compile_for_sm90 as compile_sm90
 
 def compile_for_sm90(kernel, kind, d=128, tma=False):
     cfg = ta.HALF_CONFIGS[kind][ta._d_class(d)][0]
@@ -395,39 +393,26 @@ def compile_for_sm90(kernel, kind, d=128, tma=False):
                   SCALE_POSITIVE=True)
     if not tma:
         consts.update(KDesc=None, VDesc=None)
-    consts = {name: value for name, value in consts.items() if name in kernel.arg_names}
-    sig, attrs = {}, {}
-    for i, name in enumerate(kernel.arg_names):
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name.endswith("Desc"):  # a host tensor descriptor's (B, Hkv, Nk, D) box
-            sig[name] = f"tensordesc<bf16[1, 1, {cfg.block_n}, {d}]>"
-        elif name in ("LSE", "Delta", "DQAcc"):
-            sig[name] = "*fp32"
-        elif name.startswith("CuSeqlens"):
-            sig[name] = "*i32"
-        elif name[0].isupper():
-            sig[name] = "*bf16"
-        elif name.startswith("scale"):
-            sig[name] = "fp32"
-        else:
-            sig[name] = "i32"
-        # Pointers and row strides as the launcher sees them for contiguous tensors.
-        if sig[name][0] == "*" or re.fullmatch(r"stride_(q|k|v|o|do|dq|dk|dv)[bhmn]", name):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    c = triton.compile(ASTSource(kernel, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                       options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    stack = None
-    if os.path.exists(tool):
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(c.asm["cubin"]); f.flush()
-            usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-        m = re.search(r"STACK:(\d+)", usage)
-        stack = int(m.group(1)) if m else None
-    ptx = c.asm["ptx"]
-    return {"kind": kind + ("_tma" if tma else ""), "smem": c.metadata.shared, "wgmma": "wgmma" in ptx,
-            "stack": stack, "tma": "cp.async.bulk.tensor" in ptx,
+
+    def types(name):
+        if name.endswith("Desc"):  # a host tensor descriptor's (B, Hkv, Nk, D) box
+            return f"tensordesc<bf16[1, 1, {cfg.block_n}, {d}]>"
+        if name in ("LSE", "Delta", "DQAcc"):
+            return "*fp32"
+        if name.startswith("CuSeqlens"):
+            return "*i32"
+        if name[0].isupper():
+            return "*bf16"
+        return "fp32" if name.startswith("scale") else "i32"
+
+    # Pointers and row strides as the launcher sees them for contiguous tensors.
+    def divisible(name, ty):
+        return ty[0] == "*" or re.fullmatch(r"stride_(q|k|v|o|do|dq|dk|dv)[bhmn]", name) is not None
+
+    c = compile_sm90(kernel, consts, types, divisible, cfg.num_warps, cfg.num_stages)
+    ptx = c["ptx"]
+    return {"kind": kind + ("_tma" if tma else ""), "smem": c["smem"], "wgmma": "wgmma" in ptx,
+            "stack": c["stack"], "tma": "cp.async.bulk.tensor" in ptx,
             "mma_sync": "mma.sync" in ptx,
             "vector_red": bool(re.search(r"red\.global\.gpu\.relaxed\.add\.v[24]\.f32", ptx)),
             "atom": bool(re.search(r"\batom\.global", ptx))}
@@ -444,21 +429,10 @@ print(json.dumps([compile_for_sm90(attention_fwd_kernel, "fwd"),
 def test_kernels_compile_for_hopper_without_spills():
     # Compiled (not interpreted) for sm90 with the ptxas shipped in triton, no GPU needed:
     # the first config of each kernel must use wgmma, fit shared memory and not spill.
-    import json
-    import subprocess
-    import sys
-
     pytest.importorskip("triton.compiler")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
-    env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, "-c", SM90_COMPILE], capture_output=True, text=True, env=env,
-                          timeout=300)
-    if proc.returncode != 0 and ("ptxas" in proc.stderr and "not found" in proc.stderr.lower()):
-        pytest.skip("no ptxas in this triton install")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for r in json.loads(proc.stdout.strip().splitlines()[-1]):
+    import sm90
+
+    for r in sm90.run_json(SM90_COMPILE):
         assert r["wgmma"] and not r["mma_sync"], r
         assert r["smem"] <= 232448, r
         if r["kind"] == "dkdv_atomic":
