@@ -820,6 +820,16 @@ def _varlen_sdpa(q, k, v, cu_seqlens_q, cu_seqlens_k, is_causal, scale, window, 
     return torch.cat(outs, 0) if outs else q.new_zeros(q.shape)
 
 
+def unsupported_options(problem) -> list[str]:
+    """Reasons, shared by our Triton backends, from call options the kernels do not implement."""
+    reasons = []
+    if problem.dropout_p > 0:
+        reasons.append("dropout is not implemented.")
+    if problem.mask_grad:
+        reasons.append("an attn_mask that requires grad would get no gradient (not implemented).")
+    return reasons
+
+
 class TritonBackend(Backend):
     """Our exact fused attention (forward and backward) in Triton."""
 
@@ -835,11 +845,7 @@ class TritonBackend(Backend):
         reasons = triton_can_run(device, problem.dtype, problem.head_dim)
         if problem.value_dim != problem.head_dim:
             reasons.append("value head_dim differs from query/key head_dim.")
-        if problem.dropout_p > 0:
-            reasons.append("dropout is not implemented.")
-        if problem.mask_grad:
-            reasons.append("an attn_mask that requires grad would get no gradient (not implemented).")
-        return reasons
+        return reasons + unsupported_options(problem)
 
     def run(self, query, key, value, attn_mask, problem, plan):
         return triton_attention(

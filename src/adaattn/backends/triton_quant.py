@@ -36,6 +36,7 @@ from .triton_attention import (
     length_bucket,
     max_shared_memory,
     triton,
+    unsupported_options,
 )
 
 try:
@@ -268,12 +269,7 @@ class TritonQuantBackend(Backend):
 
     def supports(self, problem) -> list[str]:
         device = torch.device(problem.device_type, problem.device_index)
-        reasons = quant_can_run(device, problem.dtype, problem.head_dim, problem.value_dim)
-        if problem.dropout_p > 0:
-            reasons.append("dropout is not implemented.")
-        if problem.mask_grad:
-            reasons.append("an attn_mask that requires grad would get no gradient (not implemented).")
-        return reasons
+        return quant_can_run(device, problem.dtype, problem.head_dim, problem.value_dim) + unsupported_options(problem)
 
     def run(self, query, key, value, attn_mask, problem, plan):
         raise RuntimeError("triton.quant runs through adaattn.adaptive (it needs the policy and call site).")
