@@ -79,7 +79,20 @@ VARIANTS = {
     "dq": os.environ.get("ADAATTN_TRITON_DQ", "atomic"),
     "fwd": os.environ.get("ADAATTN_TRITON_FWD", "ptr"),
     "fwd_grid": os.environ.get("ADAATTN_TRITON_FWD_GRID", "query_major"),
+    # exp_fma: share of the fully visible tiles' exp2 computed by a polynomial on the FMA
+    # units instead of the multi-function unit: "0" none, "2" one in 2, "4" one in 4
+    # (kernels/attention_fwd.exp2_tile); forward and quantized forward.
+    "exp_fma": os.environ.get("ADAATTN_TRITON_EXP_FMA", "0"),
 }
+EXP_FMA_SHARES = ("0", "2", "4")
+
+
+def exp_fma_share(value=None) -> int:
+    """The EXP_FMA constexpr for a launch: `value` or VARIANTS["exp_fma"], validated."""
+    value = VARIANTS["exp_fma"] if value is None else value
+    if str(value) not in EXP_FMA_SHARES:
+        raise ValueError(f"exp_fma must be one of {EXP_FMA_SHARES}, got {value!r}")
+    return int(value)
 
 
 @contextmanager
@@ -409,11 +422,11 @@ def _tma_ok(lay: _Layout, mask_kind: int, scale: float, block_d: int, *tensors) 
 
 def launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                scale, causal, bottom_right, window_left, window_right, fwd_mode: Optional[str] = None,
-               grid_order: Optional[str] = None):
+               grid_order: Optional[str] = None, exp_fma=None):
     """Run the forward kernel; returns (out like q, lse fp32 (B, Hq, Nq) or (Hq, T)).
 
-    fwd_mode / grid_order default to VARIANTS["fwd"] / VARIANTS["fwd_grid"]; "tma" runs
-    pointer loads where descriptors cannot be used (see _tma_ok)."""
+    fwd_mode / grid_order / exp_fma default to VARIANTS["fwd"] / ["fwd_grid"] / ["exp_fma"];
+    "tma" runs pointer loads where descriptors cannot be used (see _tma_ok)."""
     q, k, v = _last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v)
     lay = _layout(q, k, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     out = _new_output(q.shape, q.dtype, q.device)
@@ -431,6 +444,7 @@ def launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     cu_k = cu_seqlens_k if lay.varlen else q
     use_tma = mode == "tma" and _tma_ok(lay, mask_kind, scale, block_d, k, v)
     head_major = order == "head_major"
+    exp_share = exp_fma_share(exp_fma)
 
     def launch(cfg: KernelConfig):
         blocks = _cdiv(lay.q_len, cfg.block_m)
@@ -449,13 +463,16 @@ def launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
             HEAD_DIM=lay.head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             IS_VARLEN=lay.varlen, BOTTOM_RIGHT=bottom_right, HAS_LEFT=has_left, HAS_RIGHT=has_right,
             MASK_KIND=mask_kind, DOT_PRECISION=_dot_precision(q.dtype), SCALE_POSITIVE=scale > 0,
-            HEAD_MAJOR=head_major, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+            HEAD_MAJOR=head_major, EXP_FMA=exp_share, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **extra,
         )
 
     key = _shape_key(q, lay, causal, bottom_right, window_left, window_right, mask_kind,
                      mask.element_size() if mask_kind else 0)
     if use_tma or head_major:
         key = key + (("tma" if use_tma else "ptr"), order)
+    if exp_share:
+        key = key + (f"exp_fma{exp_share}",)
     cfg = CONFIGS.pick("fwd", key, lambda: fitting_configs("fwd", block_d, q.dtype, q.device,
                                                            mask.element_size() if mask_kind else 0), launch)
     launch(cfg)

@@ -32,6 +32,7 @@ from .triton_attention import (
     _mask_args,
     _new_output,
     _position_flags,
+    exp_fma_share,
     interpreting,
     length_bucket,
     max_shared_memory,
@@ -176,8 +177,9 @@ class Prepared:
 
 def launch_level(q, k, v, prepared: Prepared, out, attn_mask, head_levels: Optional[torch.Tensor], level: int,
                  scale: float, causal: bool, bottom_right: bool, window_left: int, window_right: int,
-                 fp8_qk: bool = False) -> None:
-    """Write into `out` the rows of the heads at `level` (every head when head_levels is None)."""
+                 fp8_qk: bool = False, exp_fma=None) -> None:
+    """Write into `out` the rows of the heads at `level` (every head when head_levels is None).
+    exp_fma: see triton_attention.VARIANTS (default there)."""
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     if b * hq == 0 or nq == 0:
@@ -186,6 +188,7 @@ def launch_level(q, k, v, prepared: Prepared, out, attn_mask, head_levels: Optio
     lay = _Layout(b, hq, hkv, nq, nk, d, False)
     mask, mask_strides, mask_kind = _mask_args(attn_mask, lay, q)
     has_left, left, has_right, right = _position_flags(causal, window_left, window_right)
+    exp_share = exp_fma_share(exp_fma)
 
     def launch(cfg: KernelConfig):
         kq, kscale, vq, v_scale, v_mean, n_blocks = prepared.get(qk_mode, pv_mode, cfg.block_n)
@@ -208,7 +211,7 @@ def launch_level(q, k, v, prepared: Prepared, out, attn_mask, head_levels: Optio
             BOTTOM_RIGHT=bottom_right, HAS_LEFT=has_left, HAS_RIGHT=has_right,
             MASK_KIND=mask_kind, QK_MODE=qk_mode, PV_MODE=pv_mode,
             DOT_PRECISION=_dot_precision(q.dtype), SCALE_POSITIVE=scale > 0, EMULATE=interpreting(),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            EXP_FMA=exp_share, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
     kind = f"quant_{LEVELS[level]}" + ("_fp8qk" if fp8_qk and level == LEVEL_FP8 else "")
@@ -216,7 +219,7 @@ def launch_level(q, k, v, prepared: Prepared, out, attn_mask, head_levels: Optio
         cfg = CONFIGS.forced.get(kind, INTERPRET_QUANT)
     else:
         key = (q.device.index, q.dtype, d, causal, bottom_right, has_left, window_right >= 0, mask_kind,
-               hq != hkv, length_bucket(nq), length_bucket(nk))
+               hq != hkv, length_bucket(nq), length_bucket(nk), exp_share)
         cfg = CONFIGS.pick(kind, key, _configs(d, q.dtype, q.device), launch)
     launch(cfg)
 
@@ -224,7 +227,8 @@ def launch_level(q, k, v, prepared: Prepared, out, attn_mask, head_levels: Optio
 def quant_attention(q, k, v, attn_mask=None, *, levels, head_levels: Optional[torch.Tensor] = None,
                     scale: Optional[float] = None, causal: bool = False, bottom_right: bool = False,
                     window_left: int = -1, window_right: int = -1, fp8_qk: bool = False,
-                    out: Optional[torch.Tensor] = None, prepared: Optional[Prepared] = None) -> torch.Tensor:
+                    out: Optional[torch.Tensor] = None, prepared: Optional[Prepared] = None,
+                    exp_fma=None) -> torch.Tensor:
     """Attention with each query head at its level; q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D).
 
     levels: the levels to launch; head_levels: int32 (Hq,) on q's device giving each head's
@@ -240,7 +244,7 @@ def quant_attention(q, k, v, attn_mask=None, *, levels, head_levels: Optional[to
     prepared = Prepared(k, v) if prepared is None else prepared
     for level in levels:
         launch_level(q, k, v, prepared, out, attn_mask, head_levels, int(level), scale, causal, bottom_right,
-                     window_left, window_right, fp8_qk)
+                     window_left, window_right, fp8_qk, exp_fma)
     return out
 
 

@@ -56,6 +56,48 @@ def round_to(x, dtype: tl.constexpr, DOT_PRECISION: tl.constexpr):
         return x.to(dtype)
 
 
+# exp2 on the FMA units: 2^x = 2^round(x) * 2^f, f in [-1/2, 1/2], 2^f by a degree-3 polynomial
+# (minimax for relative error, max 7.5e-5: far below bf16/fp16/fp8 rounding of P).
+EXP2_C0: tl.constexpr = tl.constexpr(0.9999281167984009)
+EXP2_C1: tl.constexpr = tl.constexpr(0.6932609677314758)
+EXP2_C2: tl.constexpr = tl.constexpr(0.24260999262332916)
+EXP2_C3: tl.constexpr = tl.constexpr(0.055171094834804535)
+
+
+@triton.jit
+def exp2_fma(x):
+    """2^x for x <= 0 (finite; below -125 it returns about 2^-125, not 0) without the
+    multi-function unit, which issues a quarter as many exp2 per clock as the FMA units
+    issue FMAs (the softmax's bottleneck once the products are fast). Rounding x to an
+    integer n by adding 1.5 * 2^23 leaves n in the low mantissa bits of the sum; shifting
+    those bits into the exponent field of the polynomial's value multiplies it by 2^n."""
+    x = tl.maximum(x, -125.0)
+    t = x + 12582912.0
+    f = x - (t - 12582912.0)
+    p = ((EXP2_C3 * f + EXP2_C2) * f + EXP2_C1) * f + EXP2_C0
+    return (p.to(tl.int32, bitcast=True) + (t.to(tl.int32, bitcast=True) << 23)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def exp2_tile(x, EXP_FMA: tl.constexpr):
+    """2^x of a (BLOCK_M, BLOCK_N) score tile (x <= 0, finite where EXP_FMA != 0), a share of it
+    on the FMA units so they and the multi-function unit both work: EXP_FMA = 0 none, 2 one
+    column in 2, 4 one column in 4. The columns are picked by reshapes and splits that follow
+    the tensor-core accumulator layout (each thread holds column pairs 2t, 2t + 1 repeating every
+    8 columns), so they move no data between threads."""
+    if EXP_FMA == 0:
+        return tl.math.exp2(x)
+    elif EXP_FMA == 2:
+        a, b = tl.split(tl.reshape(x, [x.shape[0], x.shape[1] // 2, 2]))
+        return tl.reshape(tl.join(tl.math.exp2(a), exp2_fma(b)), [x.shape[0], x.shape[1]])
+    else:
+        x5 = tl.permute(tl.reshape(x, [x.shape[0], x.shape[1] // 16, 2, 4, 2]), (0, 1, 3, 2, 4))
+        a, b = tl.split(x5)
+        b0, b1 = tl.split(b)
+        p5 = tl.join(tl.math.exp2(a), tl.join(tl.math.exp2(b0), exp2_fma(b1)))
+        return tl.reshape(tl.permute(p5, (0, 1, 3, 2, 4)), [x.shape[0], x.shape[1]])
+
+
 @triton.jit
 def sequence_bounds(CuSeqlens, batch_index, dense_len, IS_VARLEN: tl.constexpr):
     """(start row in the packed tensor, length) of one sequence."""
@@ -165,8 +207,9 @@ def fwd_tile(acc, l_i, m_i, q, k_base, v_base, mask_base, start_n,
              stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EDGE: tl.constexpr,
              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
-             DOT_PRECISION: tl.constexpr, SCALE_POSITIVE: tl.constexpr):
-    """Fold one key tile into the running (acc, l_i, m_i) of the online softmax."""
+             DOT_PRECISION: tl.constexpr, SCALE_POSITIVE: tl.constexpr, EXP_FMA: tl.constexpr = 0):
+    """Fold one key tile into the running (acc, l_i, m_i) of the online softmax. EXP_FMA: the
+    share of the fully visible tiles' exp2 computed on the FMA units (exp2_tile)."""
     cols = start_n + offs_n
     k = load_rows(k_base + cols[:, None] * stride_kn + offs_d[None, :], cols, k_len, offs_d,
                   HEAD_DIM, BLOCK_D, EDGE)
@@ -176,7 +219,7 @@ def fwd_tile(acc, l_i, m_i, q, k_base, v_base, mask_base, start_n,
         # (a positive scale keeps the argmax) and fold scale and shift into one FMA per score.
         m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
         alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(qk * scale_log2 - m_new[:, None])
+        p = exp2_tile(qk * scale_log2 - m_new[:, None], EXP_FMA)
     else:
         s = apply_masks(qk * scale_log2, offs_m[:, None], cols[None, :], q_len, k_len, diag,
                         window_left, window_right, mask_base, stride_mm, stride_mn, EDGE,
@@ -200,7 +243,8 @@ def fwd_tile_run(acc, l_i, m_i, q, k_base, v_base, mask_base, tile_start, tile_e
                  stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                  EDGE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                 MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALE_POSITIVE: tl.constexpr):
+                 MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALE_POSITIVE: tl.constexpr,
+                 EXP_FMA: tl.constexpr = 0):
     """The tile loop over keys [tile_start, tile_end), in steps of BLOCK_N."""
     for start_n in range(tile_start, tile_end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -208,7 +252,7 @@ def fwd_tile_run(acc, l_i, m_i, q, k_base, v_base, mask_base, tile_start, tile_e
                                  offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
                                  stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
                                  HEAD_DIM, BLOCK_D, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION,
-                                 SCALE_POSITIVE)
+                                 SCALE_POSITIVE, EXP_FMA)
     return acc, l_i, m_i
 
 
@@ -256,6 +300,7 @@ def attention_fwd_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALE_POSITIVE: tl.constexpr,
     KDesc=None, VDesc=None, USE_TMA: tl.constexpr = False, HEAD_MAJOR: tl.constexpr = False,
+    EXP_FMA: tl.constexpr = 0,
 ):
     """Grid: (query blocks, batch * q_heads), or (batch * q_heads, query blocks) with
     HEAD_MAJOR. Writes Out rows and their log-sum-exp.
@@ -325,7 +370,7 @@ def attention_fwd_kernel(
                                      offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
                                      stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
                                      HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                                     DOT_PRECISION, SCALE_POSITIVE)
+                                     DOT_PRECISION, SCALE_POSITIVE, EXP_FMA)
     acc, l_i, m_i = fwd_tile_run(acc, l_i, m_i, q, k_base, v_base, mask_base, full_hi, hi,
                                  offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
                                  stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,

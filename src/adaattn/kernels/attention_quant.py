@@ -28,7 +28,7 @@ call with heads at different precisions is a few launches with no host synchroni
 import triton
 import triton.language as tl
 
-from .attention_fwd import apply_masks, dot, key_tile_range, load_rows, round_to, store_rows
+from .attention_fwd import apply_masks, dot, exp2_tile, key_tile_range, load_rows, round_to, store_rows
 
 QK_NATIVE = 0
 QK_INT8 = 1
@@ -139,7 +139,7 @@ def quant_tile(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base, vq
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, EDGE: tl.constexpr,
                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
                QK_MODE: tl.constexpr, PV_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               SCALE_POSITIVE: tl.constexpr, EMULATE: tl.constexpr):
+               SCALE_POSITIVE: tl.constexpr, EMULATE: tl.constexpr, EXP_FMA: tl.constexpr):
     """Fold one key tile into (acc, l_i, m_i); the products in the precisions asked for."""
     cols = start_n + offs_n
     # INT8 scores come out as biased floats f = 1.5 * 2^23 + x (see biased_float; the bias is
@@ -167,7 +167,7 @@ def quant_tile(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base, vq
     if (not EDGE) and MASK_KIND == 0 and SCALE_POSITIVE:
         m_new = tl.maximum(m_i, (tl.max(qk, 1) - bias) * rs)
         alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2((qk - bias) * rs[:, None] - (m_new - p_log2_scale)[:, None])
+        p = exp2_tile((qk - bias) * rs[:, None] - (m_new - p_log2_scale)[:, None], EXP_FMA)
     else:
         s = apply_masks((qk - bias) * rs[:, None], offs_m[:, None], cols[None, :], q_len, k_len, diag,
                         window_left, window_right, mask_base, stride_mm, stride_mn, EDGE,
@@ -201,7 +201,7 @@ def quant_tile_run(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, EDGE: tl.constexpr,
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
                    QK_MODE: tl.constexpr, PV_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   SCALE_POSITIVE: tl.constexpr, EMULATE: tl.constexpr):
+                   SCALE_POSITIVE: tl.constexpr, EMULATE: tl.constexpr, EXP_FMA: tl.constexpr):
     """The tile loop over keys [tile_start, tile_end), in steps of BLOCK_N (tile_start is a
     multiple of BLOCK_N). It counts tiles rather than keys: start_n = tile * BLOCK_N is then
     known to be aligned, which the pipeliner needs to prefetch the transposed FP8 V (whose
@@ -213,7 +213,7 @@ def quant_tile_run(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base
                                    window_left, window_right, stride_kn, stride_kqn, stride_vn, stride_vqd,
                                    stride_mm, stride_mn, HEAD_DIM, BLOCK_D, BLOCK_N, EDGE, HAS_LEFT,
                                    HAS_RIGHT, MASK_KIND, QK_MODE, PV_MODE, DOT_PRECISION, SCALE_POSITIVE,
-                                   EMULATE)
+                                   EMULATE, EXP_FMA)
     return acc, l_i, m_i
 
 
@@ -235,6 +235,7 @@ def attention_quant_fwd_kernel(
     BOTTOM_RIGHT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, QK_MODE: tl.constexpr, PV_MODE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SCALE_POSITIVE: tl.constexpr, EMULATE: tl.constexpr,
+    EXP_FMA: tl.constexpr = 0,
 ):
     """Grid (query blocks, batch * q_heads). With HAS_HEAD_LEVEL, a program whose head's
     entry in HeadLevel (int32, one per query head) is not RUN_LEVEL returns at once, leaving
@@ -292,19 +293,19 @@ def attention_quant_fwd_kernel(
                                    window_left, window_right, stride_kn, stride_kqn, stride_vn, stride_vqd,
                                    stride_mm, stride_mn, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT,
                                    HAS_RIGHT, MASK_KIND, QK_MODE, PV_MODE, DOT_PRECISION, SCALE_POSITIVE,
-                                   EMULATE)
+                                   EMULATE, EXP_FMA)
     acc, l_i, m_i = quant_tile_run(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base, vq_base,
                                    mask_base, full_lo, full_hi, offs_m, offs_n, offs_d, q_len, k_len, diag,
                                    window_left, window_right, stride_kn, stride_kqn, stride_vn, stride_vqd,
                                    stride_mm, stride_mn, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT,
                                    HAS_RIGHT, MASK_KIND, QK_MODE, PV_MODE, DOT_PRECISION, SCALE_POSITIVE,
-                                   EMULATE)
+                                   EMULATE, EXP_FMA)
     acc, l_i, m_i = quant_tile_run(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base, vq_base,
                                    mask_base, full_hi, hi, offs_m, offs_n, offs_d, q_len, k_len, diag,
                                    window_left, window_right, stride_kn, stride_kqn, stride_vn, stride_vqd,
                                    stride_mm, stride_mn, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT,
                                    HAS_RIGHT, MASK_KIND, QK_MODE, PV_MODE, DOT_PRECISION, SCALE_POSITIVE,
-                                   EMULATE)
+                                   EMULATE, EXP_FMA)
 
     seen = l_i > 0.0
     inv_l = 1.0 / tl.where(seen, l_i, 1.0)
