@@ -49,29 +49,17 @@ def _configs():
     from adaattn.backends.triton_attention import KernelConfig as C
 
     fwd = [
-        # name, fwd mode, grid order, config
-        ("ptr 128/64/8/3", "ptr", "query_major", C(128, 64, 8, 3)),  # the first candidate (default)
-        ("ptr 128/128/8/3", "ptr", "query_major", C(128, 128, 8, 3)),
-        ("ptr 128/128/8/2", "ptr", "query_major", C(128, 128, 8, 2)),
-        ("ptr 128/64/8/4", "ptr", "query_major", C(128, 64, 8, 4)),
-        ("ptr 64/64/4/3", "ptr", "query_major", C(64, 64, 4, 3)),
-        ("ptr 64/64/4/2", "ptr", "query_major", C(64, 64, 4, 2)),  # two programs per SM
-        ("tma 128/64/8/3", "tma", "query_major", C(128, 64, 8, 3)),
-        ("tma 128/128/8/3", "tma", "query_major", C(128, 128, 8, 3)),
-        ("tma 128/128/8/2", "tma", "query_major", C(128, 128, 8, 2)),
-        ("tma 64/64/4/2", "tma", "query_major", C(64, 64, 4, 2)),  # two programs per SM
-        ("ptr head-major 128/64/8/3", "ptr", "head_major", C(128, 64, 8, 3)),
-        ("tma head-major 128/128/8/3", "tma", "head_major", C(128, 128, 8, 3)),
+        # name, fwd mode, grid order, config ("ws": kernels/attention_fwd_ws.py, num_warps per
+        # warp group; the other modes run kernels/attention_fwd.py)
+        ("ptr 128/128/8/3", "ptr", "query_major", C(128, 128, 8, 3)),  # the general kernel's first config
+        ("ws 128/128/4/2", "ws", "query_major", C(128, 128, 4, 2)),
+        ("ws 128/64/4/2", "ws", "query_major", C(128, 64, 4, 2)),
+        ("ptr 128/64/8/3", "ptr", "query_major", C(128, 64, 8, 3)),
     ]
     bwd = [
         # name, dq mode, forced configs
         ("separate 32/128/8/2 + dq 128/64/8/3", "separate", dict(dkdv=C(32, 128, 8, 2), dq=C(128, 64, 8, 3))),
-        ("separate 32/64/4/1 + dq 128/64/8/3", "separate", dict(dkdv=C(32, 64, 4, 1), dq=C(128, 64, 8, 3))),
-        ("atomic 32/128/8/2", "atomic", dict(dkdv_atomic=C(32, 128, 8, 2))),
-        ("atomic 32/128/8/1", "atomic", dict(dkdv_atomic=C(32, 128, 8, 1))),
-        ("atomic 16/128/8/2", "atomic", dict(dkdv_atomic=C(16, 128, 8, 2))),
         ("atomic 64/128/8/2", "atomic", dict(dkdv_atomic=C(64, 128, 8, 2))),
-        ("atomic-rotate 32/128/8/2", "atomic_rotate", dict(dkdv_atomic=C(32, 128, 8, 2))),
     ]
     return fwd, bwd
 
@@ -99,7 +87,7 @@ def inputs(b, n, seed, grad=False):
 
 def run_fwd(ta, variant, q, k, v, causal):
     _, mode, order, cfg = variant
-    with ta.forced_configs(fwd=cfg):
+    with ta.forced_configs(fwd=cfg, fwd_ws=cfg):
         return ta.launch_fwd(q, k, v, None, None, None, q.shape[2], k.shape[2], D ** -0.5, causal, False, -1, -1,
                              fwd_mode=mode, grid_order=order)
 
@@ -108,7 +96,7 @@ def run_fwd_bwd(ta, fwd_variant, bwd_variant, q, k, v, causal, dout):
     """Autograd forward + backward through the public function, both variants forced."""
     _, mode, order, fcfg = fwd_variant
     _, dq_mode, bcfgs = bwd_variant
-    with ta.forced_configs(fwd=fcfg, **bcfgs), ta.kernel_variants(fwd=mode, fwd_grid=order, dq=dq_mode):
+    with ta.forced_configs(fwd=fcfg, fwd_ws=fcfg, **bcfgs), ta.kernel_variants(fwd=mode, fwd_grid=order, dq=dq_mode):
         out = ta.triton_attention(q, k, v, is_causal=causal, deterministic=False)
         out.backward(dout)
     return out
@@ -307,7 +295,7 @@ def forward_rows(ta, fwd_variants, sizes) -> tuple[list, dict]:
                         out, _ = run_fwd(ta, variant, q, k, v, causal)
                         row["sampled_row_err"] = sampled_rows_err(out, q, k, v, causal)
                         row["ok"] = row["sampled_row_err"] < 2e-2
-                        with ta.forced_configs(fwd=cfg):  # entered once, outside the timed calls
+                        with ta.forced_configs(fwd=cfg, fwd_ws=cfg):  # entered once, outside the timed calls
                             row["ms"] = bench(lambda: ta.launch_fwd(q, k, v, None, None, None, n, n, D ** -0.5, causal,
                                                                     False, -1, -1, fwd_mode=mode, grid_order=order))
                         row["tflops"] = flops(n, causal, False) / row["ms"] / 1e9
@@ -329,7 +317,7 @@ def anomaly_rows(ta, variant, n=4096) -> list:
     scale = D ** -0.5
     for causal in (False, True):
         q, k, v = inputs(B, n, 99 + causal)
-        with ta.forced_configs(fwd=cfg), ta.kernel_variants(fwd=mode, fwd_grid=order), torch.no_grad():
+        with ta.forced_configs(fwd=cfg, fwd_ws=cfg), ta.kernel_variants(fwd=mode, fwd_grid=order), torch.no_grad():
             ways = {
                 "launch_fwd (as the config tuner times it)":
                     lambda: ta.launch_fwd(q, k, v, None, None, None, n, n, scale, causal, False, -1, -1),
@@ -411,7 +399,7 @@ def backward_rows(ta, fwd_variants, bwd_variants, best_fwd, sizes) -> tuple[list
                                       False, -1, -1, deterministic=False, dq_mode=dq_mode)
 
                     _, fmode, forder, fcfg = fwd_variant
-                    with ta.forced_configs(fwd=fcfg, **bcfgs), \
+                    with ta.forced_configs(fwd=fcfg, fwd_ws=fcfg, **bcfgs), \
                             ta.kernel_variants(fwd=fmode, fwd_grid=forder, dq=dq_mode):
                         row["ms"] = bench(step, 10, 60)
                         row["tflops"] = flops(n, causal, True) / row["ms"] / 1e9

@@ -390,7 +390,7 @@ def compile_for_sm90(kernel, kind, d=128, tma=False):
     consts = dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, IS_VARLEN=False,
                   BOTTOM_RIGHT=False, HAS_LEFT=False, HAS_RIGHT=True, MASK_KIND=0, DOT_PRECISION="tf32",
                   ATOMIC_DQ=kind == "dkdv_atomic", ROTATE=False, USE_TMA=tma, HEAD_MAJOR=False,
-                  SCALE_POSITIVE=True)
+                  SCALE_POSITIVE=True, EXP_FMA=0)
     if not tma:
         consts.update(KDesc=None, VDesc=None)
 
@@ -632,6 +632,91 @@ def test_forward_variants_match_reference(monkeypatch, fwd, grid_order, case):
     assert head_major == (grid_order == "head_major")
     b, hq = args.get("b", 1), args.get("hq", 2)
     assert (grid[0] if head_major else grid[1]) == b * hq
+
+
+WS_CASES = {
+    # name: (check_case arguments, whether the warp-specialised forward may run it)
+    "causal bf16": (dict(nq=70, d=64, causal=True, seed=60), True),
+    "fp16 odd lengths": (dict(nq=127, nk=60, d=64, dtype=torch.float16, seed=61), True),
+    "gqa bottom-right": (dict(hq=4, hkv=2, nq=40, nk=90, d=64, causal=True, align="bottom_right", seed=62), True),
+    "rows before the first key": (dict(nq=90, nk=40, d=64, causal=True, align="bottom_right", seed=63), True),
+    "head dim 128, two batches": (dict(b=2, nq=50, nk=70, d=128, seed=64), True),
+    "one key": (dict(nq=5, nk=1, d=64, seed=65), True),
+    "window: general kernel": (dict(nq=90, d=64, window=(20, 0), seed=66), False),
+    "bool mask: general kernel": (dict(nq=60, nk=80, d=64, attn_mask=_fully_masked_row_mask(60, 80, 67), seed=67),
+                                  False),
+    "fp32: general kernel": (dict(nq=50, d=64, dtype=torch.float32, causal=True, seed=68), False),
+    "head dim 32: general kernel": (dict(nq=50, d=32, causal=True, seed=69), False),
+    "negative scale: general kernel": (dict(nq=40, d=64, scale=-0.2, seed=70), False),
+}
+
+
+@pytest.mark.parametrize("case", list(WS_CASES))
+def test_warp_specialised_forward_matches_reference(monkeypatch, case):
+    # kernels/attention_fwd_ws.py (tensor-descriptor loads, one branch-free key loop, masks as
+    # selects) meets the standard where it runs, gradients included (they use its lse); calls
+    # outside its scope run the general kernel.
+    args, ws_possible = WS_CASES[case]
+    monkeypatch.setitem(ta.VARIANTS, "fwd", "ws")
+    ws_calls = []
+    launch_ws = ta._launch_fwd_ws
+    monkeypatch.setattr(ta, "_launch_fwd_ws", lambda *a, **kw: (ws_calls.append(1), launch_ws(*a, **kw))[1])
+    general = spy_fwd_launches(monkeypatch)
+    check_case(**args)
+    assert (len(ws_calls), len(general)) == ((1, 0) if ws_possible else (0, 1))
+
+
+SM90_WS_COMPILE = r"""
+import json, re
+from adaattn.backends import triton_attention as ta
+from adaattn.kernels.attention_fwd_ws import attention_fwd_ws_kernel as kernel
+from sm90 import compile_for_sm90
+
+def types(name):
+    if name == "LSE":
+        return "*fp32"
+    if name[0].isupper():
+        return "*bf16"
+    return "fp32" if name.startswith("scale") else "i32"
+
+rows = []
+for d in (64, 128):
+    for causal in (False, True):
+        cfg = ta.HALF_CONFIGS["fwd_ws"][ta._d_class(d)][0]
+        consts = dict(HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, BOTTOM_RIGHT=False,
+                      K_TAIL=causal, DOT_PRECISION="tf32", WARP_SPEC=True)
+        c = compile_for_sm90(kernel, consts, types, lambda n, t: t[0] == "*" or re.fullmatch(r"stride_[qkvo][bhmn]", n),
+                             cfg.num_warps, cfg.num_stages)
+        rows.append({"d": d, "causal": causal, "smem": c["smem"], "stack": c["stack"],
+                     "warp_specialize": "ttg.warp_specialize" in c["ttgir"],
+                     "threads": [int(t) for t in re.findall(r"reqntid (\d+)", c["ptx"])],
+                     "tma": "cp.async.bulk.tensor" in c["ptx"], "wgmma": "wgmma" in c["ptx"]})
+print(json.dumps(rows))
+"""
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the GPU tests compile for the real device")
+def test_warp_specialised_forward_compiles_for_hopper_with_producer_and_two_consumer_groups():
+    # The pass is picky (an early return, a branch in the loop or a pointer load of Q turns it
+    # off or crashes it): the first config must come out specialised, 3 warp groups of 4 warps
+    # (a TMA producer and two consumers), on wgmma, within shared memory, without spills.
+    pytest.importorskip("triton.compiler")
+    import sm90
+
+    if not ta.WS_AVAILABLE:
+        pytest.skip("this triton has no warp_specialize")
+    for r in sm90.run_json(SM90_WS_COMPILE):
+        assert r["warp_specialize"] and r["threads"] == [384] and r["tma"] and r["wgmma"], r
+        assert r["smem"] <= 232448 and not r["stack"], r
+
+
+def test_warp_specialised_forward_reads_strided_views():
+    g = _gen(71)
+    q, k, v = (_randn((2, 30, 2, 64), torch.float16, g).transpose(1, 2) for _ in range(3))
+    with ta.kernel_variants(fwd="ws"):
+        out = ta.triton_attention(q, k, v, is_causal=True)
+    ref = reference_attention(q, k, v, is_causal=True)
+    assert_standard(out, ref, F.scaled_dot_product_attention(q, k, v, is_causal=True), "output")
 
 
 def test_tma_forward_reads_strided_views():

@@ -40,6 +40,7 @@ try:
         attention_bwd_dq_kernel,
     )
     from ..kernels.attention_fwd import LOG2E, MASK_ADDITIVE, MASK_BOOL, MASK_NONE, attention_fwd_kernel
+    from ..kernels.attention_fwd_ws import attention_fwd_ws_kernel
 
     try:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -70,7 +71,7 @@ POISON_OUTPUTS = os.environ.get("ADAATTN_POISON_OUTPUTS", "") == "1"
 #   fwd_grid: "query_major"  grid (query blocks, batch * heads): one head's blocks run together
 #             "head_major"   grid (batch * heads, query blocks): every head's last block first
 DQ_MODES = ("separate", "atomic", "atomic_rotate")
-FWD_MODES = ("ptr", "tma")
+FWD_MODES = ("ptr", "tma", "ws")
 GRID_ORDERS = ("query_major", "head_major")
 VARIANTS = {
     # atomic: measured fastest on the H100 (results/2026-11-22-triton-variants-h100.json);
@@ -128,6 +129,7 @@ class KernelConfig:
 # One small config for the CPU interpreter: BLOCK_M != BLOCK_N exercises the tile ranges.
 INTERPRET_CONFIGS = {
     "fwd": KernelConfig(32, 16, 1, 1),
+    "fwd_ws": KernelConfig(32, 16, 1, 1),
     "dkdv": KernelConfig(16, 32, 1, 1),
     "dkdv_atomic": KernelConfig(16, 32, 1, 1),
     "dq": KernelConfig(32, 16, 1, 1),
@@ -147,6 +149,13 @@ HALF_CONFIGS = {
                   KernelConfig(128, 64, 8, 4), KernelConfig(64, 64, 4, 3)],
         "large_d": [KernelConfig(128, 32, 8, 2), KernelConfig(128, 64, 8, 2), KernelConfig(64, 32, 4, 3),
                     KernelConfig(64, 32, 4, 2)],
+    },
+    # The warp-specialised forward (kernels/attention_fwd_ws.py): num_warps is per warp group
+    # (two consumer groups and a producer run, 3 x num_warps warps). Only HEAD_DIM 64/128.
+    "fwd_ws": {
+        "small_d": [KernelConfig(128, 128, 4, 2), KernelConfig(128, 64, 4, 2)],
+        "mid_d": [KernelConfig(128, 128, 4, 2), KernelConfig(128, 64, 4, 2)],
+        "large_d": [KernelConfig(128, 64, 4, 2)],
     },
     # dk/dv accumulators live in registers all along: small query tiles keep them there.
     "dkdv": {
@@ -174,6 +183,7 @@ HALF_CONFIGS = {
 # float32 runs exact fp32 products (no tensor cores): small tiles, or the registers spill.
 FP32_CONFIGS = {
     "fwd": [KernelConfig(32, 16, 4, 1), KernelConfig(16, 32, 4, 1)],
+    "fwd_ws": [KernelConfig(32, 16, 4, 1)],
     "dkdv": [KernelConfig(16, 32, 4, 1), KernelConfig(32, 16, 4, 1)],
     "dkdv_atomic": [KernelConfig(16, 32, 4, 1), KernelConfig(32, 16, 4, 1)],
     "dq": [KernelConfig(32, 16, 4, 1), KernelConfig(16, 32, 4, 1)],
@@ -189,7 +199,7 @@ def shared_memory_estimate(kind: str, cfg: KernelConfig, block_d: int, elem: int
     """Bytes of shared memory a config needs: tiles resident for the whole program plus
     num_stages copies of each pipelined tile (matches sm90 compiles within a few percent)."""
     bm, bn, stages = cfg.block_m, cfg.block_n, max(cfg.num_stages, 1)
-    if kind == "fwd":
+    if kind in ("fwd", "fwd_ws"):
         resident, pipelined = bm * block_d, 2 * bn * block_d
     elif kind == "dkdv":
         resident, pipelined = 2 * bn * block_d, 2 * bm * block_d
@@ -420,6 +430,74 @@ def _tma_ok(lay: _Layout, mask_kind: int, scale: float, block_d: int, *tensors) 
     return True
 
 
+def _ws_available() -> bool:
+    """Triton accepts tl.range(..., warp_specialize=...) (3.6 and newer here)."""
+    try:
+        import inspect
+
+        import triton.language as tl
+
+        return "warp_specialize" in inspect.signature(tl.range.__init__).parameters
+    except Exception:
+        return False
+
+
+WS_AVAILABLE = triton is not None and _ws_available()
+
+
+def _ws_ok(lay: _Layout, q, k, v, mask_kind: int, scale: float, block_d: int, has_left: bool,
+           has_right: bool, right: int) -> bool:
+    """Whether the warp-specialised forward (kernels/attention_fwd_ws.py) can run this call:
+    Hopper (or the CPU interpreter), dense bf16/fp16, no mask, no sliding window (causal is
+    fine), head_dim 64 or 128, and what TMA needs (16-byte aligned base and strides)."""
+    if not WS_AVAILABLE or has_left or (has_right and right != 0) or lay.head_dim not in (64, 128):
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if q.device.type == "cuda":
+        if torch.cuda.get_device_capability(q.device)[0] != 9:
+            return False
+    elif not interpreting():
+        return False
+    return _tma_ok(lay, mask_kind, scale, block_d, q, k, v)
+
+
+def _triton_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def ensure_triton_allocator() -> None:
+    """Kernels that make tensor descriptors on the device need scratch memory from the
+    allocator set with triton.set_allocator. Install one backed by torch's caching allocator
+    (so it works under CUDA-graph capture) unless the caller already set their own. The
+    setting is a context variable: checked on every launch, since a new thread starts without."""
+    try:
+        from triton.runtime import _allocation
+
+        if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+            return
+    except Exception:
+        pass
+    triton.set_allocator(_triton_scratch)
+
+
+def _launch_fwd_ws(q, k, v, out, lse, lay, scale, causal_right: bool, bottom_right: bool) -> None:
+    def launch(cfg: KernelConfig):
+        ensure_triton_allocator()
+        attention_fwd_ws_kernel[(_cdiv(lay.q_len, cfg.block_m), lay.batch * lay.q_heads)](
+            q, k, v, out, lse, *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(out),
+            *_lse_strides(lse, lay), lay.q_heads, lay.q_heads // lay.kv_heads, lay.q_len, lay.k_len,
+            scale * LOG2E, HEAD_DIM=lay.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            CAUSAL=causal_right, BOTTOM_RIGHT=bottom_right, K_TAIL=lay.k_len % cfg.block_n != 0,
+            DOT_PRECISION=_dot_precision(q.dtype), WARP_SPEC=not interpreting(),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    key = _shape_key(q, lay, causal_right, bottom_right, -1, 0 if causal_right else -1, MASK_NONE)
+    cfg = CONFIGS.pick("fwd_ws", key, lambda: fitting_configs("fwd_ws", lay.head_dim, q.dtype, q.device), launch)
+    launch(cfg)
+
+
 def launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                scale, causal, bottom_right, window_left, window_right, fwd_mode: Optional[str] = None,
                grid_order: Optional[str] = None, exp_fma=None):
@@ -442,6 +520,9 @@ def launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     block_d = _block_d(lay.head_dim)
     cu_q = cu_seqlens_q if lay.varlen else q
     cu_k = cu_seqlens_k if lay.varlen else q
+    if mode == "ws" and _ws_ok(lay, q, k, v, mask_kind, scale, block_d, has_left, has_right, right):
+        _launch_fwd_ws(q, k, v, out, lse, lay, scale, has_right, bottom_right)
+        return out, lse
     use_tma = mode == "tma" and _tma_ok(lay, mask_kind, scale, block_d, k, v)
     head_major = order == "head_major"
     exp_share = exp_fma_share(exp_fma)

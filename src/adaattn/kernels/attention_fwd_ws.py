@@ -1,0 +1,105 @@
+"""Exact attention forward for Hopper with warp specialisation: the dense fast path.
+
+The same math as attention_fwd.py (online softmax in the log2 domain, fp32 accumulation,
+log-sum-exp saved for backward), written in the one shape Triton's automatic warp
+specialisation on Hopper accepts (`tl.range(..., warp_specialize=True)`, triton >= 3.6):
+
+- a single key loop whose loads are tensor-descriptor (TMA) loads, including Q's before the
+  loop; descriptors are made in the kernel over one (batch, head) slice, so out-of-range rows
+  read as zeros and strided inputs need no copy;
+- structured control flow only (no early return, no branch in the loop).
+
+The compiler then splits the program into a producer warp group that issues the TMA loads and
+two consumer warp groups that each own half of the query rows: one group's softmax runs while
+the other's matrix products do, which the single-group kernel cannot overlap.
+
+Because the loop cannot branch, the causal and key-tail masks are applied to every tile as a
+select (constexpr-gated: a call with neither pays nothing). Scope: dense (no varlen), no
+attn_mask, no sliding window, causal top-left or bottom-right, GQA, HEAD_DIM 64 or 128
+(== BLOCK_D), positive scale. Everything else runs the general kernel in attention_fwd.py.
+"""
+
+import triton
+import triton.language as tl
+
+from .attention_fwd import LN2_K, dot, round_to
+
+
+@triton.jit(do_not_specialize=["q_len", "k_len"])
+def attention_fwd_ws_kernel(
+    Q, K, V, Out, LSE,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    stride_lb, stride_lh, stride_lm,
+    q_heads, kv_group, q_len, k_len, scale_log2,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, K_TAIL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WARP_SPEC: tl.constexpr,
+):
+    """Grid (query blocks, batch * q_heads), last query block first. K_TAIL: k_len is not a
+    multiple of BLOCK_N (the last tile's padding keys are masked)."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // q_heads
+    head = pid_bh % q_heads
+    kv_head = head // kv_group
+    start_m = pid_m * BLOCK_M
+    diag = 0
+    if BOTTOM_RIGHT:
+        diag = k_len - q_len
+
+    b64 = batch.to(tl.int64)
+    q_desc = tl.make_tensor_descriptor(Q + b64 * stride_qb + head.to(tl.int64) * stride_qh, shape=[q_len, HEAD_DIM],
+                                       strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    k_desc = tl.make_tensor_descriptor(K + b64 * stride_kb + kv_head.to(tl.int64) * stride_kh,
+                                       shape=[k_len, HEAD_DIM], strides=[stride_kn, 1],
+                                       block_shape=[BLOCK_N, HEAD_DIM])
+    v_desc = tl.make_tensor_descriptor(V + b64 * stride_vb + kv_head.to(tl.int64) * stride_vh,
+                                       shape=[k_len, HEAD_DIM], strides=[stride_vn, 1],
+                                       block_shape=[BLOCK_N, HEAD_DIM])
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    # Row r sees keys j <= r + diag (causal); as a per-row bound, one compare per score.
+    last_key = offs_m + diag
+    q = q_desc.load([start_m, 0])
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    hi = k_len
+    if CAUSAL:
+        hi = tl.minimum(k_len, tl.maximum(start_m + BLOCK_M + diag, 0))
+
+    for start_n in tl.range(0, hi, BLOCK_N, warp_specialize=WARP_SPEC):
+        k = k_desc.load([start_n, 0])
+        qk = dot(q, tl.trans(k), None, DOT_PRECISION)
+        if CAUSAL or K_TAIL:
+            cols = start_n + offs_n
+            if CAUSAL:
+                keep = cols[None, :] <= last_key[:, None]
+                if K_TAIL:
+                    keep = keep & (cols[None, :] < k_len)
+            else:
+                keep = (cols < k_len)[None, :]
+            qk = tl.where(keep, qk, float("-inf"))
+        # A positive scale keeps the argmax, so the max is taken on raw scores and scale and
+        # shift fold into one FMA per score.
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
+        # A row with no visible key yet keeps m = -inf: subtracting 0 keeps p = 0, not NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_shift)
+        p = tl.math.exp2(qk * scale_log2 - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = v_desc.load([start_n, 0])
+        acc = dot(round_to(p, v.dtype, DOT_PRECISION), v, acc * alpha[:, None], DOT_PRECISION)
+        m_i = m_new
+
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2_K, float("-inf"))
+    offs_d = tl.arange(0, HEAD_DIM)
+    o_ptrs = Out + b64 * stride_ob + head.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
+    tl.store(o_ptrs, round_to(out, Out.dtype.element_ty, DOT_PRECISION), mask=offs_m[:, None] < q_len)
+    tl.store(LSE + b64 * stride_lb + head.to(tl.int64) * stride_lh + offs_m * stride_lm, lse, mask=offs_m < q_len)
