@@ -484,8 +484,10 @@ def ensure_triton_allocator() -> None:
 def _launch_fwd_ws(q, k, v, out, lse, lay, scale, causal_right: bool, bottom_right: bool) -> None:
     def launch(cfg: KernelConfig):
         ensure_triton_allocator()
+        box = [1, 1, cfg.block_n, lay.head_dim]
         attention_fwd_ws_kernel[(_cdiv(lay.q_len, cfg.block_m), lay.batch * lay.q_heads)](
-            q, k, v, out, lse, *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(out),
+            q, TensorDescriptor(k, list(k.shape), list(k.stride()), box),
+            TensorDescriptor(v, list(v.shape), list(v.stride()), box), out, lse, *lay.strides(q), *lay.strides(out),
             *_lse_strides(lse, lay), lay.q_heads, lay.q_heads // lay.kv_heads, lay.q_len, lay.k_len,
             scale * LOG2E, HEAD_DIM=lay.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             CAUSAL=causal_right, BOTTOM_RIGHT=bottom_right, K_TAIL=lay.k_len % cfg.block_n != 0,

@@ -4,9 +4,11 @@ The same math as attention_fwd.py (online softmax in the log2 domain, fp32 accum
 log-sum-exp saved for backward), written in the one shape Triton's automatic warp
 specialisation on Hopper accepts (`tl.range(..., warp_specialize=True)`, triton >= 3.6):
 
-- a single key loop whose loads are tensor-descriptor (TMA) loads, including Q's before the
-  loop; descriptors are made in the kernel over one (batch, head) slice, so out-of-range rows
-  read as zeros and strided inputs need no copy;
+- a single key loop whose loads are tensor-descriptor (TMA) loads, and Q's load before the loop
+  one too: Q's descriptor is made in the kernel over its (batch, head) slice (the pass splits
+  its box between the consumer groups, which a host descriptor's fixed box does not allow), K's
+  and V's come from the host over (B, Hkv, Nk, D); out-of-range rows read as zeros and strided
+  inputs need no copy;
 - structured control flow only (no early return, no branch in the loop).
 
 The compiler then splits the program into a producer warp group that issues the TMA loads and
@@ -27,10 +29,8 @@ from .attention_fwd import LN2_K, dot, round_to
 
 @triton.jit(do_not_specialize=["q_len", "k_len"])
 def attention_fwd_ws_kernel(
-    Q, K, V, Out, LSE,
+    Q, KDesc, VDesc, Out, LSE,
     stride_qb, stride_qh, stride_qm,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
     stride_lb, stride_lh, stride_lm,
     q_heads, kv_group, q_len, k_len, scale_log2,
@@ -38,8 +38,10 @@ def attention_fwd_ws_kernel(
     CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, K_TAIL: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
-    """Grid (query blocks, batch * q_heads), last query block first. K_TAIL: k_len is not a
-    multiple of BLOCK_N (the last tile's padding keys are masked)."""
+    """Grid (query blocks, batch * q_heads), last query block first. KDesc/VDesc: host tensor
+    descriptors over K/V (B, Hkv, Nk, D) with (1, 1, BLOCK_N, HEAD_DIM) boxes (made on the device
+    they would race: the producer warp group reads them, another group would write them).
+    K_TAIL: k_len is not a multiple of BLOCK_N (the last tile's padding keys are masked)."""
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     pid_bh = tl.program_id(1)
     batch = pid_bh // q_heads
@@ -53,12 +55,6 @@ def attention_fwd_ws_kernel(
     b64 = batch.to(tl.int64)
     q_desc = tl.make_tensor_descriptor(Q + b64 * stride_qb + head.to(tl.int64) * stride_qh, shape=[q_len, HEAD_DIM],
                                        strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_DIM])
-    k_desc = tl.make_tensor_descriptor(K + b64 * stride_kb + kv_head.to(tl.int64) * stride_kh,
-                                       shape=[k_len, HEAD_DIM], strides=[stride_kn, 1],
-                                       block_shape=[BLOCK_N, HEAD_DIM])
-    v_desc = tl.make_tensor_descriptor(V + b64 * stride_vb + kv_head.to(tl.int64) * stride_vh,
-                                       shape=[k_len, HEAD_DIM], strides=[stride_vn, 1],
-                                       block_shape=[BLOCK_N, HEAD_DIM])
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -73,7 +69,7 @@ def attention_fwd_ws_kernel(
         hi = tl.minimum(k_len, tl.maximum(start_m + BLOCK_M + diag, 0))
 
     for start_n in tl.range(0, hi, BLOCK_N, warp_specialize=WARP_SPEC):
-        k = k_desc.load([start_n, 0])
+        k = KDesc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         qk = dot(q, tl.trans(k), None, DOT_PRECISION)
         if CAUSAL or K_TAIL:
             cols = start_n + offs_n
@@ -92,7 +88,7 @@ def attention_fwd_ws_kernel(
         alpha = tl.math.exp2(m_i - m_shift)
         p = tl.math.exp2(qk * scale_log2 - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = v_desc.load([start_n, 0])
+        v = VDesc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         acc = dot(round_to(p, v.dtype, DOT_PRECISION), v, acc * alpha[:, None], DOT_PRECISION)
         m_i = m_new
 
