@@ -53,8 +53,16 @@ def attention_fwd_ws_kernel(
         diag = k_len - q_len
 
     b64 = batch.to(tl.int64)
+    # Q and Out through descriptors over this (batch, head)'s (q_len, D) rows, made here: rows
+    # past q_len read as zeros and are not written. (This Q descriptor together with a masked
+    # pointer store of Out measured NaN on the H100 under triton 3.6, either alone did not:
+    # benchmarks/ws_bisect_gpu.py; (B, Hq, Nq, D) descriptors do not pass the warp
+    # specialisation.)
     q_desc = tl.make_tensor_descriptor(Q + b64 * stride_qb + head.to(tl.int64) * stride_qh, shape=[q_len, HEAD_DIM],
                                        strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    o_desc = tl.make_tensor_descriptor(Out + b64 * stride_ob + head.to(tl.int64) * stride_oh,
+                                       shape=[q_len, HEAD_DIM], strides=[stride_om, 1],
+                                       block_shape=[BLOCK_M, HEAD_DIM])
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -95,7 +103,5 @@ def attention_fwd_ws_kernel(
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2_K, float("-inf"))
-    offs_d = tl.arange(0, HEAD_DIM)
-    o_ptrs = Out + b64 * stride_ob + head.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :]
-    tl.store(o_ptrs, round_to(out, Out.dtype.element_ty, DOT_PRECISION), mask=offs_m[:, None] < q_len)
+    o_desc.store([start_m, 0], round_to(out, Out.dtype.element_ty, DOT_PRECISION))
     tl.store(LSE + b64 * stride_lb + head.to(tl.int64) * stride_lh + offs_m * stride_lm, lse, mask=offs_m < q_len)
