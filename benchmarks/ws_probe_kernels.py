@@ -98,3 +98,65 @@ def ws_probe_fwd(Q, Out, k_desc, v_desc, KScale, n_ctx, n_blocks, scale_log2, q_
     o_desc = tl.make_tensor_descriptor(Out, shape=[tl.num_programs(1) * n_ctx, D], strides=[D, 1],
                                        block_shape=[BLOCK_M, D])
     o_desc.store([bh * n_ctx + start_m, 0], out.to(Out.dtype.element_ty))
+
+
+@triton.jit(do_not_specialize=["q_len", "k_len"])
+def ws_bisect_fwd(Q, KDesc, VDesc, K2Desc, V2Desc, Out, LSE, stride_qb, stride_qh, stride_qm, stride_ob, stride_oh,
+                  stride_om, q_heads, q_len, k_len, scale_log2,
+                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  Q_GLOBAL: tl.constexpr, GUARD: tl.constexpr, KV_2D: tl.constexpr, STORE_LSE: tl.constexpr,
+                  DESC_STORE: tl.constexpr):
+    """The product kernel (kernels/attention_fwd_ws.py, not causal) with its differences from
+    ws_probe_fwd switchable, to find which one the H100 run (triton 3.6) turns into NaN."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // q_heads
+    head = pid_bh % q_heads
+    start_m = pid_m * BLOCK_M
+    b64 = batch.to(tl.int64)
+    if Q_GLOBAL:
+        q_desc = tl.make_tensor_descriptor(Q, shape=[tl.num_programs(1) * q_len, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                           block_shape=[BLOCK_M, HEAD_DIM])
+        q = q_desc.load([pid_bh * q_len + start_m, 0])
+    else:
+        q_desc = tl.make_tensor_descriptor(Q + b64 * stride_qb + head.to(tl.int64) * stride_qh,
+                                           shape=[q_len, HEAD_DIM], strides=[stride_qm, 1],
+                                           block_shape=[BLOCK_M, HEAD_DIM])
+        q = q_desc.load([start_m, 0])
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for start_n in tl.range(0, k_len, BLOCK_N, warp_specialize=True):
+        if KV_2D:
+            k = K2Desc.load([pid_bh * k_len + start_n, 0])
+        else:
+            k = KDesc.load([batch, head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        qk = tl.dot(q, tl.trans(k))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
+        if GUARD:
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_shift = m_new
+        alpha = tl.math.exp2(m_i - m_shift)
+        p = tl.math.exp2(qk * scale_log2 - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if KV_2D:
+            v = V2Desc.load([pid_bh * k_len + start_n, 0])
+        else:
+            v = VDesc.load([batch, head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    if DESC_STORE:
+        o_desc = tl.make_tensor_descriptor(Out, shape=[tl.num_programs(1) * q_len, HEAD_DIM], strides=[HEAD_DIM, 1],
+                                           block_shape=[BLOCK_M, HEAD_DIM])
+        o_desc.store([pid_bh * q_len + start_m, 0], out.to(Out.dtype.element_ty))
+    else:
+        offs_d = tl.arange(0, HEAD_DIM)
+        tl.store(Out + b64 * stride_ob + head.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=offs_m[:, None] < q_len)
+    if STORE_LSE:
+        lse = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+        tl.store(LSE + pid_bh.to(tl.int64) * q_len + offs_m, lse, mask=offs_m < q_len)
