@@ -64,7 +64,11 @@ def attention_fwd_ws_kernel(
                                        shape=[q_len, HEAD_DIM], strides=[stride_om, 1],
                                        block_shape=[BLOCK_M, HEAD_DIM])
 
-    offs_m = start_m + tl.arange(0, BLOCK_M)
+    # start_m is a multiple of BLOCK_M, so OR adds. Not "+": triton 3.6's data partitioning
+    # splits tl.arange(0, BLOCK_M) between the two consumer groups (the second gets 64..127) and
+    # also adds 64 to the scalar added to it, so the second group's rows came out 64 too high
+    # (wrong causal masks and log-sum-exp rows on the H100; visible in the TTGIR).
+    offs_m = start_m | tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     # Row r sees keys j <= r + diag (causal); as a per-row bound, one compare per score.
     last_key = offs_m + diag
