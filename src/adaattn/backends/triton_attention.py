@@ -68,6 +68,9 @@ POISON_OUTPUTS = os.environ.get("ADAATTN_POISON_OUTPUTS", "") == "1"
 #        "tma"       tensor-descriptor (TMA) loads of Q/K/V where the launch allows it:
 #                    dense, no mask, head_dim a power of two >= 16, 16-byte aligned rows;
 #                    anything else runs "ptr"
+#        "ws"        kernels/attention_fwd_ws.py on Hopper: TMA loads, warp-specialised (a
+#                    producer and two consumer warp groups); dense, no mask, no window
+#                    (causal is fine), bf16/fp16, head_dim 64/128; anything else runs "ptr"
 #   fwd_grid: "query_major"  grid (query blocks, batch * heads): one head's blocks run together
 #             "head_major"   grid (batch * heads, query blocks): every head's last block first
 DQ_MODES = ("separate", "atomic", "atomic_rotate")
@@ -78,7 +81,9 @@ VARIANTS = {
     # deterministic=True (or torch.use_deterministic_algorithms, or Policy.deterministic)
     # always runs the separate, atomic-free dq pass.
     "dq": os.environ.get("ADAATTN_TRITON_DQ", "atomic"),
-    "fwd": os.environ.get("ADAATTN_TRITON_FWD", "ptr"),
+    # ws: measured fastest on the H100 at every yardstick shape where it runs
+    # (results/2026-11-22-triton-variants-ws-h100.json); the rest runs "ptr".
+    "fwd": os.environ.get("ADAATTN_TRITON_FWD", "ws"),
     "fwd_grid": os.environ.get("ADAATTN_TRITON_FWD_GRID", "query_major"),
     # exp_fma: share of the fully visible tiles' exp2 computed by a polynomial on the FMA
     # units instead of the multi-function unit: "0" none, "2" one in 2, "4" one in 4
