@@ -21,7 +21,8 @@ import pytest  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
-from adaattn.adaptive.quant_reference import quantize_key_blocks, simulate_attention, value_fp8  # noqa: E402
+from adaattn.adaptive.quant_reference import (  # noqa: E402
+    quantize_key_blocks, simulate_attention, smoothing_mean, value_fp8)
 from adaattn.backends import triton_attention as ta  # noqa: E402
 from adaattn.backends import triton_quant as tq  # noqa: E402
 from adaattn.backends.reference import reference_attention  # noqa: E402
@@ -161,6 +162,103 @@ def test_prepass_writes_what_the_simulation_quantizes():
     assert torch.equal(vq[..., :45].transpose(-1, -2).cpu().double(), sim_v)
 
 
+def _torch_v_stats(v):
+    """(mean, scale) of V by smoothing_mean and aminmax, as Prepared computed them before the
+    statistics kernel."""
+    v_mean = smoothing_mean(v)
+    if v.shape[-2] == 0:
+        return v_mean, torch.full_like(v_mean, 1e-30 / tq.FP8_MAX)
+    v_min, v_max = torch.aminmax(v, dim=-2)
+    amax = torch.maximum(v_max.float() - v_mean, v_mean - v_min.float())
+    return v_mean, amax.clamp_min(1e-30) / tq.FP8_MAX
+
+
+@pytest.mark.parametrize("shape,strided", [
+    ((1, 2, 45, 64), False),    # n not a multiple of the row block, several chunks
+    ((2, 2, 100, 128), True),   # n < 256 (every row sampled), D=128, strided K and V
+    ((1, 2, 600, 64), True),    # sample stride 2, n past a whole number of strides
+    ((1, 1, 1000, 64), False),  # sample stride 3, one (batch, head): the most chunks
+    ((1, 2, 7, 64), False),     # one partial chunk
+    ((1, 2, 0, 64), False),     # no keys: zero means, scale from the 1e-30 floor
+])
+def test_prepass_statistics_match_smoothing_mean_and_value_range(shape, strided):
+    b, h, n, d = shape
+    g = torch.Generator(device="cpu").manual_seed(n + d)
+    if strided:  # (B, N, H, D) storage seen as (B, H, N, D): stride(-1) == 1, not contiguous
+        k = torch.randn(b, n, h, d, generator=g).to(torch.bfloat16).to(DEVICE).transpose(1, 2)
+        v = (torch.randn(b, n, h, d, generator=g) * 2 + 0.7).to(torch.bfloat16).to(DEVICE).transpose(1, 2)
+        assert not v.is_contiguous() and v.stride(-1) == 1
+    else:
+        k = torch.randn(b, h, n, d, generator=g).to(torch.bfloat16).to(DEVICE)
+        v = (torch.randn(b, h, n, d, generator=g) * 2 + 0.7).to(torch.bfloat16).to(DEVICE)
+    want_k = smoothing_mean(k.cpu())
+    want_vm, want_vs = _torch_v_stats(v.cpu())
+    close = dict(rtol=1e-6, atol=1e-6)  # the same sums, added in another order
+    # On their own (the reduce-only launch), then as the quantizing launches of each mode write them.
+    alone = tq.Prepared(k, v)
+    k_mean, (v_mean, v_scale) = alone.k_mean().clone(), [t.clone() for t in alone.v_stats()]
+    assert torch.allclose(k_mean.cpu(), want_k, **close)
+    assert torch.allclose(v_mean.cpu(), want_vm, **close)
+    assert torch.allclose(v_scale.cpu(), want_vs, rtol=1e-6, atol=0)
+    for qk_mode, pv_mode in [(tq.QK_INT8, tq.PV_NATIVE), (tq.QK_NATIVE, tq.PV_FP8), (tq.QK_FP8, tq.PV_FP8)]:
+        prep = tq.Prepared(k, v)
+        _, _, _, vs, vm, _ = prep.get(qk_mode, pv_mode, 16)
+        if qk_mode != tq.QK_NATIVE:
+            assert torch.equal(prep.k_mean(), k_mean)  # the same reduction, bit for bit
+        if pv_mode == tq.PV_FP8:
+            assert torch.equal(vm, v_mean) and torch.equal(vs, v_scale)
+            assert prep.v_stats()[0] is vm and prep.v_stats()[1] is vs
+
+
+def test_prepass_statistics_with_grouped_query_heads():
+    q, k, v = _inputs(1, 4, 2, 33, 70, 64, torch.float16, seed=9, v_shift=0.5)
+    prep = tq.Prepared(k, v)
+    out = tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], prepared=prep)
+    want_vm, want_vs = _torch_v_stats(v.cpu())
+    assert torch.allclose(prep.k_mean().cpu(), smoothing_mean(k.cpu()), rtol=1e-6, atol=1e-6)
+    assert torch.allclose(prep.v_stats()[0].cpu(), want_vm, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(prep.v_stats()[1].cpu(), want_vs, rtol=1e-6, atol=0)
+    assert rel_err(out.cpu(), _simulate(q, k, v, tq.LEVEL_FP8)) <= 1e-3
+
+
+class _CountedKernel:
+    """A Triton kernel whose launches (kernel[grid](...)) are logged by name."""
+
+    def __init__(self, kernel, name, log):
+        self.kernel, self.name, self.log = kernel, name, log
+
+    def __getitem__(self, grid):
+        self.log.append(self.name)
+        return self.kernel[grid]
+
+
+def test_prepass_is_at_most_two_launches_per_new_key(monkeypatch):
+    log = []
+    for name in ("kv_stats_kernel", "quantize_kv_kernel", "attention_quant_fwd_kernel"):
+        monkeypatch.setattr(tq, name, _CountedKernel(getattr(tq, name), name, log))
+
+    def launches(fn, *args):
+        del log[:]
+        fn(*args)
+        return list(log)
+
+    stats, quant = "kv_stats_kernel", "quantize_kv_kernel"
+    q, k, v = _inputs(1, 2, 2, 8, 45, 64, torch.bfloat16, seed=4)
+    prep = tq.Prepared(k, v)
+    assert launches(prep.get, tq.QK_NATIVE, tq.PV_NATIVE, 16) == []
+    assert launches(prep.get, tq.QK_INT8, tq.PV_NATIVE, 16) == [stats, quant]
+    assert launches(prep.get, tq.QK_INT8, tq.PV_NATIVE, 16) == []  # made once per key
+    assert launches(prep.get, tq.QK_INT8, tq.PV_FP8, 16) == [stats, quant]  # V's statistics are new
+    assert launches(prep.get, tq.QK_INT8, tq.PV_FP8, 32) == [quant]  # nothing new to gather
+    assert launches(prep.get, tq.QK_FP8, tq.PV_FP8, 16) == [quant]
+    assert launches(prep.k_mean) == [] and launches(prep.v_stats) == []
+    del log[:]
+    tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8])  # a call: two pre-pass launches, then attention
+    assert log == [stats, quant, "attention_quant_fwd_kernel"]
+    empty = tq.Prepared(k[:, :, :0], v[:, :, :0])
+    assert launches(empty.get, tq.QK_INT8, tq.PV_FP8, 16) == [quant]  # no rows: nothing to gather
+
+
 @triton.jit
 def _int_to_float_kernel(X, Y, N: tl.constexpr):
     r = tl.arange(0, N)
@@ -202,7 +300,7 @@ def compile_for_sm90(level, fp8_qk, causal):
     qk, pv = tq.level_modes(level, fp8_qk)
     consts = dict(RUN_LEVEL=level, HAS_HEAD_LEVEL=True, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=cfg.block_m,
                   BLOCK_N=cfg.block_n, BOTTOM_RIGHT=False, HAS_LEFT=False, HAS_RIGHT=causal, MASK_KIND=0,
-                  QK_MODE=qk, PV_MODE=pv, DOT_PRECISION="tf32", SCALE_POSITIVE=True, EMULATE=False)
+                  QK_MODE=qk, PV_MODE=pv, DOT_PRECISION="tf32", SCALE_POSITIVE=True, EMULATE=False, EXP_FMA=0)
 
     def types(name):
         if name in ("KScale", "VScale", "VMean"):
@@ -246,6 +344,48 @@ def test_quant_kernels_compile_for_hopper_with_8bit_tensor_cores_and_pipelined_f
         assert r["stack"] is None or r["stack"] <= 64, r
     # Every FP8 V tile arrives by asynchronous copy (the pipeliner needs aligned key offsets).
     assert fp8["plain_fp8_loads"] == 0 and fp8_fp8qk["plain_fp8_loads"] == 0, (fp8, fp8_fp8qk)
+
+
+SM90_PREPASS = r"""
+import json
+from adaattn.backends import triton_quant as tq
+from adaattn.kernels.attention_quant import kv_stats_kernel, quantize_kv_kernel
+from sm90 import compile_for_sm90
+
+def types(name):
+    if name in ("Partials", "KMean", "VMean", "VScale", "KScale"):
+        return "*fp32"
+    if name == "Kq":
+        return {1: "*i8", 2: "*fp8e4nv"}.get(QK, "*bf16")
+    if name == "Vq":
+        return "*fp8e4nv"
+    if name[0].isupper():
+        return "*bf16"
+    return "fp32" if name == "n_samples" else "i32"
+
+def divisible(name, ty):
+    return ty[0] == "*" or name.startswith("stride_")
+
+stacks = []
+for d in (64, 128):
+    c = compile_for_sm90(kv_stats_kernel, dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_R=tq.STATS_TILE // d, K_SUM=True,
+                                               V_STATS=True), types, divisible, 4, 1)
+    stacks.append(("stats", d, c["stack"]))
+    for block_n in sorted({c.block_n for c in tq.QUANT_CONFIGS[d]}):
+        for QK, pv in ((1, 1), (2, 1), (1, 0), (0, 1)):
+            c = compile_for_sm90(quantize_kv_kernel, dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_N=block_n, QK_MODE=QK,
+                                                          PV_MODE=pv, EMULATE=False), types, divisible, 4, 1)
+            stacks.append(("quantize", d, block_n, QK, pv, c["stack"]))
+print(json.dumps(stacks))
+"""
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the GPU tests compile for the real device")
+def test_prepass_kernels_compile_for_hopper_without_spills():
+    import sm90
+
+    for r in sm90.run_json(SM90_PREPASS):
+        assert r[-1] is None or r[-1] == 0, r
 
 
 def test_backend_reasons():

@@ -10,9 +10,10 @@ Three operating points ("levels"), most precise first:
 head at its own level: one launch per level present, each skipping the heads of other
 levels, so no host synchronisation is needed to mix levels.
 
-The pre-pass runs once per call for the levels launched: the smoothing means from a strided
-sample of K and V rows, V's per-channel range (one read of V, fp8 only), then one Triton
-kernel that reads K (and V) once and writes them quantized.
+The pre-pass runs once per call for the levels launched, two Triton kernels (see Prepared):
+kv_stats_kernel gathers partial sums of a strided sample of K and V rows (the smoothing
+means) and V's per-channel range (one read of V, fp8 only) over chunks of rows, then
+quantize_kv_kernel reduces them and reads K (and V) once to write them quantized.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from ..adaptive.quant_reference import smoothing_mean
+from ..adaptive.quant_reference import SMOOTHING_SAMPLE
 from .base import Backend
 from .triton_attention import (
     CONFIGS,
@@ -49,6 +50,7 @@ try:
         QK_INT8,
         QK_NATIVE,
         attention_quant_fwd_kernel,
+        kv_stats_kernel,
         quantize_kv_kernel,
     )
 except Exception:  # triton missing: triton_attention says why
@@ -110,69 +112,153 @@ def _configs(d: int, dtype: torch.dtype, device: torch.device) -> list:
     return fit or [KernelConfig(64, 32, 4, 1)]
 
 
+# The statistics pass (kv_stats_kernel): rows per step (STATS_TILE // D: 64 at D=64, 32 at
+# D=128, its three fp32 accumulators in registers without spills), and the row chunks per
+# (batch, kv head) are enough for chunks * B * Hkv to reach about two programs per SM of an H100,
+# at most STATS_MAX_CHUNKS (every program of quantize_kv_kernel reduces them one by one).
+STATS_TILE = 4096
+INTERPRET_STATS_BLOCK = 16
+STATS_PROGRAMS = 264
+STATS_MAX_CHUNKS = 64
+
+
+def stats_chunks(n: int, bh: int, block: int) -> tuple[int, int]:
+    """(row chunks, rows per chunk) of the statistics pass over n rows of each of bh (batch,
+    kv head) pairs: chunks are whole multiples of `block` rows and none is empty (0 chunks
+    when n is 0)."""
+    if n <= 0:
+        return 0, block
+    blocks = -(-n // block)
+    want = min(blocks, STATS_MAX_CHUNKS, max(1, -(-STATS_PROGRAMS // max(bh, 1))))
+    rows = -(-blocks // want) * block
+    return -(-n // rows), rows
+
+
+_PLACEHOLDERS: dict = {}
+
+
+def _placeholders(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ones(1), zeros(1)) fp32 for the arguments a mode does not read, made once per device
+    (not kept when made during CUDA-graph capture, where a fill only runs on replay)."""
+    got = _PLACEHOLDERS.get(device)
+    if got is None:
+        got = (torch.ones(1, device=device), torch.zeros(1, device=device))
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _PLACEHOLDERS[device] = got
+    return got
+
+
 class Prepared:
-    """The quantized K/V of one call, per (QK_MODE, PV_MODE, BLOCK_N), made on first use."""
+    """The quantized K/V of one call, per (QK_MODE, PV_MODE, BLOCK_N), made on first use.
+
+    A new key costs at most two launches: kv_stats_kernel (partial sums over the sampled rows
+    of `smoothing_mean`, V's range) for the statistics no earlier key gathered, then
+    quantize_kv_kernel, which reduces them and quantizes. Every statistic lives in one fp32
+    workspace: the partials, then k_mean, v_mean and v_scale (B, Hkv, D) each."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor):
         self.k, self.v = k, v
         self.b, self.hkv, self.nk, self.d = k.shape
-        self._k_mean = None
-        self._v_stats = None
+        self._work = None
+        self._gathered = [False, False]  # the partials of K, of V, are in the workspace
+        self._reduced = [False, False]  # k_mean, (v_mean, v_scale) are written
         self._made: dict = {}
 
+    def _workspace(self) -> torch.Tensor:
+        if self._work is None:
+            self._block = INTERPRET_STATS_BLOCK if interpreting() else max(16, STATS_TILE // max(self.d, 1))
+            self._chunks, self._chunk_rows = stats_chunks(self.nk, self.b * self.hkv, self._block)
+            self._sample_stride = max(1, self.nk // SMOOTHING_SAMPLE)
+            self._samples = float(max(-(-self.nk // self._sample_stride), 1))  # rows averaged
+            c = self._chunks
+            self._work = torch.empty((4 * c + 3, self.b, self.hkv, self.d), dtype=torch.float32,
+                                     device=self.k.device)
+            self._stats = (self._work[4 * c], self._work[4 * c + 1], self._work[4 * c + 2])
+        return self._work
+
+    def _quantize(self, qk_mode: int, pv_mode: int, kq, kscale, vq, n_blocks: int, block_n: int,
+                  quantize: bool = True) -> None:
+        """Gather what is missing (kv_stats_kernel), then reduce and quantize (quantize_kv_kernel;
+        with quantize=False only reduce, into the workspace's k_mean / v_mean, v_scale)."""
+        work = self._workspace()
+        quant_k, quant_v = qk_mode != QK_NATIVE, pv_mode == PV_FP8
+        k, v = self.k, self.v
+        bh = self.b * self.hkv
+        stat_plane = bh * self.d
+        gather_k = quant_k and not self._gathered[0]
+        gather_v = quant_v and not self._gathered[1]
+        if (gather_k or gather_v) and self._chunks:
+            kv_stats_kernel[(self._chunks, bh)](
+                k, v, work,
+                k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+                self.hkv, self.nk, self._sample_stride, self._chunk_rows, self._chunks, stat_plane,
+                HEAD_DIM=self.d, BLOCK_D=self.d, BLOCK_R=self._block, K_SUM=gather_k, V_STATS=gather_v,
+                num_warps=4, num_stages=1,
+            )
+        self._gathered[0] |= quant_k
+        self._gathered[1] |= quant_v
+        kqs = kq.stride() if quant_k and quantize else (0, 0, 0, 0)
+        vqs = vq.stride() if quant_v and quantize else (0, 0, 0, 0)
+        k_mean, v_mean, v_scale = self._stats
+        quantize_kv_kernel[(n_blocks if quantize else 1, bh)](
+            k, v, work, k_mean, v_mean, v_scale, kq, kscale, vq,
+            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+            kqs[0], kqs[1], kqs[2], vqs[0], vqs[1], vqs[2],
+            self.hkv, self.nk, n_blocks, self._chunks, stat_plane, self._samples,
+            HEAD_DIM=self.d, BLOCK_D=self.d, BLOCK_N=block_n,
+            QK_MODE=qk_mode, PV_MODE=pv_mode, EMULATE=interpreting(), QUANTIZE=quantize,
+            num_warps=4, num_stages=1,
+        )
+        self._reduced[0] |= quant_k
+        self._reduced[1] |= quant_v
+
     def k_mean(self) -> torch.Tensor:
-        if self._k_mean is None:
-            self._k_mean = smoothing_mean(self.k).contiguous()
-        return self._k_mean
+        """K's smoothing mean (B, Hkv, D) fp32 as the kernels use it: quant_reference.smoothing_mean
+        up to fp32 rounding (the order of the sum)."""
+        if not self._reduced[0]:
+            ones, _ = _placeholders(self.k.device)
+            self._quantize(QK_INT8, PV_NATIVE, ones, ones, ones, 1, 16, quantize=False)
+        return self._stats[0]
 
     def v_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean, scale) per (B, Hkv, D): V smoothed by its mean, scaled so max |v'| is 448."""
-        if self._v_stats is None:
-            v_mean = smoothing_mean(self.v)
-            if self.nk:
-                v_min, v_max = torch.aminmax(self.v, dim=-2)
-                amax = torch.maximum(v_max.float() - v_mean, v_mean - v_min.float())
-            else:
-                amax = torch.zeros_like(v_mean)
-            self._v_stats = (v_mean.contiguous(), (amax.clamp_min(1e-30) / FP8_MAX).contiguous())
-        return self._v_stats
+        """(mean, scale) per (B, Hkv, D): V smoothed by its mean, scaled so max |v'| is 448
+        (max(v_max - mean, mean - v_min).clamp_min(1e-30) / 448), as the kernels use them."""
+        if not self._reduced[1]:
+            ones, _ = _placeholders(self.k.device)
+            self._quantize(QK_NATIVE, PV_FP8, ones, ones, ones, 1, 16, quantize=False)
+        return self._stats[1], self._stats[2]
 
     def get(self, qk_mode: int, pv_mode: int, block_n: int):
         """(Kq, KScale, Vq, VScale, VMean, n_blocks); placeholders where a mode needs none."""
         key = (qk_mode, pv_mode, block_n)
-        if key in self._made:
-            return self._made[key]
+        made = self._made.get(key)
+        if made is not None:
+            return made
         k, v = self.k, self.v
         n_blocks = max(triton.cdiv(self.nk, block_n), 1)
         npad = n_blocks * block_n
         dev = k.device
-        if qk_mode == QK_NATIVE:
-            kq, kscale, k_mean = k, torch.ones(1, device=dev), torch.zeros(1, device=dev)
-        else:
+        ones, zeros = _placeholders(dev)
+        quant_k, quant_v = qk_mode != QK_NATIVE, pv_mode == PV_FP8
+        if quant_k:
             kdtype = torch.int8 if qk_mode == QK_INT8 else torch.float8_e4m3fn
             kq = torch.empty((self.b, self.hkv, npad, self.d), dtype=kdtype, device=dev)
             kscale = torch.empty((self.b, self.hkv, n_blocks), dtype=torch.float32, device=dev)
-            k_mean = self.k_mean()
-        if pv_mode == PV_FP8:
-            v_mean, v_scale = self.v_stats()
-            vq = torch.empty((self.b, self.hkv, self.d, npad), dtype=torch.float8_e4m3fn, device=dev)
         else:
-            v_mean, v_scale, vq = torch.zeros(1, device=dev), torch.ones(1, device=dev), v
-        if qk_mode != QK_NATIVE or pv_mode == PV_FP8:
-            kqs = kq.stride() if qk_mode != QK_NATIVE else (0, 0, 0, 0)
-            vqs = vq.stride() if pv_mode == PV_FP8 else (0, 0, 0, 0)
-            quantize_kv_kernel[(n_blocks, self.b * self.hkv)](
-                k, v, k_mean, v_mean, v_scale, kq, kscale, vq,
-                k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-                kqs[0], kqs[1], kqs[2], vqs[0], vqs[1], vqs[2],
-                self.hkv, self.nk, n_blocks,
-                HEAD_DIM=self.d, BLOCK_D=self.d, BLOCK_N=block_n,
-                QK_MODE=qk_mode, PV_MODE=pv_mode, EMULATE=interpreting(),
-                num_warps=4, num_stages=1,
-            )
+            kq, kscale = k, ones
+        vq = torch.empty((self.b, self.hkv, self.d, npad), dtype=torch.float8_e4m3fn, device=dev) if quant_v else v
+        v_scale, v_mean = ones, zeros
+        if quant_k or quant_v:
+            self._quantize(qk_mode, pv_mode, kq, kscale, vq, n_blocks, block_n)
+            if quant_v:
+                v_mean, v_scale = self._stats[1], self._stats[2]
         made = (kq, kscale, vq, v_scale, v_mean, n_blocks)
         self._made[key] = made
         return made
+
+
+# The config kind of (level, fp8_qk): "quant_<level>", "_fp8qk" for the fp8 level with FP8 Q.K^T.
+_KINDS = [(f"quant_{name}", f"quant_{name}" + ("_fp8qk" if i == LEVEL_FP8 else "")) for i, name in enumerate(LEVELS)]
 
 
 def launch_level(q, k, v, prepared: Prepared, out, attn_mask, head_levels: Optional[torch.Tensor], level: int,
@@ -185,10 +271,11 @@ def launch_level(q, k, v, prepared: Prepared, out, attn_mask, head_levels: Optio
     if b * hq == 0 or nq == 0:
         return
     qk_mode, pv_mode = level_modes(level, fp8_qk)
-    lay = _Layout(b, hq, hkv, nq, nk, d, False)
+    lay = None if attn_mask is None else _Layout(b, hq, hkv, nq, nk, d, False)  # (read for a mask only)
     mask, mask_strides, mask_kind = _mask_args(attn_mask, lay, q)
     has_left, left, has_right, right = _position_flags(causal, window_left, window_right)
     exp_share = exp_fma_share(exp_fma)
+    interp = interpreting()
 
     def launch(cfg: KernelConfig):
         kq, kscale, vq, v_scale, v_mean, n_blocks = prepared.get(qk_mode, pv_mode, cfg.block_n)
@@ -210,17 +297,18 @@ def launch_level(q, k, v, prepared: Prepared, out, attn_mask, head_levels: Optio
             HEAD_DIM=d, BLOCK_D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BOTTOM_RIGHT=bottom_right, HAS_LEFT=has_left, HAS_RIGHT=has_right,
             MASK_KIND=mask_kind, QK_MODE=qk_mode, PV_MODE=pv_mode,
-            DOT_PRECISION=_dot_precision(q.dtype), SCALE_POSITIVE=scale > 0, EMULATE=interpreting(),
+            DOT_PRECISION=_dot_precision(q.dtype), SCALE_POSITIVE=scale > 0, EMULATE=interp,
             EXP_FMA=exp_share, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
-    kind = f"quant_{LEVELS[level]}" + ("_fp8qk" if fp8_qk and level == LEVEL_FP8 else "")
-    if interpreting():
+    kind = _KINDS[level][bool(fp8_qk)]
+    if interp:
         cfg = CONFIGS.forced.get(kind, INTERPRET_QUANT)
     else:
         key = (q.device.index, q.dtype, d, causal, bottom_right, has_left, window_right >= 0, mask_kind,
                hq != hkv, length_bucket(nq), length_bucket(nk), exp_share)
-        cfg = CONFIGS.pick(kind, key, _configs(d, q.dtype, q.device), launch)
+        # The candidates are only listed (a tensor made for the element size) for a new class.
+        cfg = CONFIGS.pick(kind, key, lambda: _configs(d, q.dtype, q.device), launch)
     launch(cfg)
 
 

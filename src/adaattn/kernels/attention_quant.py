@@ -81,21 +81,86 @@ def quantize(x, QK_MODE: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton.jit
+def kv_stats_kernel(
+    K, V, Partials,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    kv_heads, k_len, sample_stride, chunk_rows, n_chunks, stat_plane,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
+    K_SUM: tl.constexpr, V_STATS: tl.constexpr,
+):
+    """Grid (row chunks, batch * kv_heads): the partial statistics of one chunk of rows
+    [c * chunk_rows, (c + 1) * chunk_rows) (chunk_rows a multiple of BLOCK_R), reduced by
+    `quantize_kv_kernel`.
+
+    Partials is fp32 (4, n_chunks, B, Hkv, D) (stat_plane = B * Hkv * D): [0] the sum of K
+    over the sampled rows (0, sample_stride, 2 * sample_stride, ... < k_len: the rows of
+    quant_reference.smoothing_mean) of the chunk (K_SUM); [1] that of V, [2] and [3] the
+    minimum and maximum of V over every row of the chunk (V_STATS). Planes not asked for are
+    left unwritten."""
+    pid_c = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // kv_heads
+    head = pid_bh % kv_heads
+    b64 = batch.to(tl.int64)
+    h64 = head.to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    lo = pid_c * chunk_rows
+    hi = tl.minimum(lo + chunk_rows, k_len)
+    out = Partials + pid_c * stat_plane + pid_bh * HEAD_DIM + offs_d
+    planes = n_chunks * stat_plane
+    if K_SUM:
+        # Only the sampled rows are read: sample j is row j * sample_stride.
+        j_hi = (hi + sample_stride - 1) // sample_stride
+        k_base = K + b64 * stride_kb + h64 * stride_kh
+        k_sum = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+        for j0 in range((lo + sample_stride - 1) // sample_stride, j_hi, BLOCK_R):
+            j = j0 + offs_r
+            k_sum += load_rows(k_base + (j * sample_stride)[:, None] * stride_kn + offs_d[None, :], j, j_hi,
+                               offs_d, HEAD_DIM, BLOCK_D, True).to(tl.float32)
+        tl.store(out, tl.sum(k_sum, 0), mask=d_ok)
+    if V_STATS:
+        v_base = V + b64 * stride_vb + h64 * stride_vh
+        v_sum = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+        v_min = tl.full([BLOCK_R, BLOCK_D], float("inf"), dtype=tl.float32)
+        v_max = tl.full([BLOCK_R, BLOCK_D], float("-inf"), dtype=tl.float32)
+        for r0 in range(lo, hi, BLOCK_R):
+            rows = r0 + offs_r
+            ok = rows < hi
+            v = load_rows(v_base + rows[:, None] * stride_vn + offs_d[None, :], rows, hi, offs_d,
+                          HEAD_DIM, BLOCK_D, True).to(tl.float32)
+            v_sum += tl.where((rows % sample_stride == 0)[:, None], v, 0.0)  # 0 past hi
+            v_min = tl.minimum(v_min, tl.where(ok[:, None], v, float("inf")))
+            v_max = tl.maximum(v_max, tl.where(ok[:, None], v, float("-inf")))
+        tl.store(out + planes, tl.sum(v_sum, 0), mask=d_ok)
+        tl.store(out + 2 * planes, tl.min(v_min, 0), mask=d_ok)
+        tl.store(out + 3 * planes, tl.max(v_max, 0), mask=d_ok)
+
+
+@triton.jit
 def quantize_kv_kernel(
-    K, V, KMean, VMean, VScale, Kq, KScale, Vq,
+    K, V, Partials, KMean, VMean, VScale, Kq, KScale, Vq,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_kqb, stride_kqh, stride_kqn,
     stride_vqb, stride_vqh, stride_vqd,
-    kv_heads, k_len, n_blocks,
+    kv_heads, k_len, n_blocks, n_chunks, stat_plane, n_samples,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     QK_MODE: tl.constexpr, PV_MODE: tl.constexpr, EMULATE: tl.constexpr,
+    QUANTIZE: tl.constexpr = True,
 ):
     """Grid (key blocks, batch * kv_heads): one block of K (and V) read once, written quantized.
 
+    Each program first reduces the n_chunks partials of `kv_stats_kernel` for its (batch,
+    kv head): k_mean and v_mean (sums / n_samples, the float number of sampled rows, at least
+    1) and v_scale = max(v_max - v_mean, v_mean - v_min, 1e-30) / 448; the program of key
+    block 0 writes them to KMean, VMean and VScale ((B, Hkv, D) fp32). QUANTIZE=False (grid
+    (1, B * Hkv)) only does that.
+
     Kq is (B, Hkv, n_blocks * BLOCK_N, D) int8/fp8, rows past k_len zero; KScale is
-    (B, Hkv, n_blocks) fp32; Vq is (B, Hkv, D, n_blocks * BLOCK_N) fp8 (transposed).
-    KMean/VMean/VScale are (B, Hkv, D) fp32."""
+    (B, Hkv, n_blocks) fp32; Vq is (B, Hkv, D, n_blocks * BLOCK_N) fp8 (transposed)."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     batch = pid_bh // kv_heads
@@ -107,11 +172,33 @@ def quantize_kv_kernel(
     stat = (b64 * kv_heads + h64) * HEAD_DIM
     d_ok = offs_d < HEAD_DIM
     keep = (rows[:, None] < k_len) & d_ok[None, :]
+    part = Partials + stat + offs_d
+    planes = n_chunks * stat_plane
 
     if QK_MODE != 0:
+        k_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for c in tl.range(0, n_chunks, loop_unroll_factor=4):  # (loads of 4 chunks in flight)
+            k_sum += tl.load(part + c * stat_plane, mask=d_ok, other=0.0)
+        k_mean = tl.math.div_rn(k_sum, n_samples)
+        if pid_n == 0:
+            tl.store(KMean + stat + offs_d, k_mean, mask=d_ok)
+    if PV_MODE == 1:
+        v_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
+        v_min = tl.full([BLOCK_D], float("inf"), dtype=tl.float32)
+        v_max = tl.full([BLOCK_D], float("-inf"), dtype=tl.float32)
+        for c in tl.range(0, n_chunks, loop_unroll_factor=4):
+            v_sum += tl.load(part + planes + c * stat_plane, mask=d_ok, other=0.0)
+            v_min = tl.minimum(v_min, tl.load(part + 2 * planes + c * stat_plane, mask=d_ok, other=0.0))
+            v_max = tl.maximum(v_max, tl.load(part + 3 * planes + c * stat_plane, mask=d_ok, other=0.0))
+        v_mean = tl.math.div_rn(v_sum, n_samples)
+        v_scale = tl.math.div_rn(tl.maximum(tl.maximum(v_max - v_mean, v_mean - v_min), 1e-30), 448.0)
+        if pid_n == 0:
+            tl.store(VMean + stat + offs_d, v_mean, mask=d_ok)
+            tl.store(VScale + stat + offs_d, v_scale, mask=d_ok)
+
+    if QK_MODE != 0 and QUANTIZE:
         k = load_rows(K + b64 * stride_kb + h64 * stride_kh + rows[:, None] * stride_kn + offs_d[None, :],
                       rows, k_len, offs_d, HEAD_DIM, BLOCK_D, True).to(tl.float32)
-        k_mean = tl.load(KMean + stat + offs_d, mask=d_ok, other=0.0)
         k = tl.where(keep, k - k_mean[None, :], 0.0)
         if QK_MODE == 1:
             qmax = 127.0
@@ -122,11 +209,9 @@ def quantize_kv_kernel(
         tl.store(Kq + b64 * stride_kqb + h64 * stride_kqh + rows[:, None] * stride_kqn + offs_d[None, :], kq,
                  mask=d_ok[None, :])
         tl.store(KScale + (b64 * kv_heads + h64) * n_blocks + pid_n, k_scale)
-    if PV_MODE == 1:
+    if PV_MODE == 1 and QUANTIZE:
         v = load_rows(V + b64 * stride_vb + h64 * stride_vh + rows[:, None] * stride_vn + offs_d[None, :],
                       rows, k_len, offs_d, HEAD_DIM, BLOCK_D, True).to(tl.float32)
-        v_mean = tl.load(VMean + stat + offs_d, mask=d_ok, other=0.0)
-        v_scale = tl.load(VScale + stat + offs_d, mask=d_ok, other=1.0)
         v = tl.where(keep, (v - v_mean[None, :]) / v_scale[None, :], 0.0)
         tl.store(Vq + b64 * stride_vqb + h64 * stride_vqh + offs_d[None, :] * stride_vqd + rows[:, None],
                  to_fp8(v, EMULATE), mask=d_ok[None, :])
