@@ -21,6 +21,9 @@ def _tile(acc, l_i, m_i, q, row_scale, k_desc, v_desc, ks_ptr, kv_row, vt_row, s
     if QK == 1:
         qk = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32)
         rs = row_scale * tl.load(ks_ptr + start_n // BLOCK_N)
+    elif QK == 4:  # fp8 with per-block K scales
+        qk = tl.dot(q, tl.trans(k))
+        rs = row_scale * tl.load(ks_ptr + start_n // BLOCK_N)
     elif QK == 3:  # int32 -> float by the bias bit trick (see kernels/attention_quant.biased_float)
         qk = (tl.dot(q, tl.trans(k), out_dtype=tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
         rs = row_scale
@@ -71,7 +74,7 @@ def ws_probe_fwd(Q, Out, k_desc, v_desc, KScale, n_ctx, n_blocks, scale_log2, q_
         row_scale = qs * scale_log2
         if QK == 3:
             row_scale = row_scale * tl.load(KScale)
-    elif QK == 2:
+    elif QK == 2 or QK == 4:
         q = (q.to(tl.float32) / q_scale).to(tl.float8e4nv)
         row_scale = tl.full([BLOCK_M], 1.0, tl.float32) * (scale_log2 * q_scale)
     else:

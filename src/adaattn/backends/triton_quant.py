@@ -19,6 +19,7 @@ quantize_kv_kernel reduces them and reads K (and V) once to write them quantized
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -27,12 +28,16 @@ from ..adaptive.quant_reference import SMOOTHING_SAMPLE
 from .base import Backend
 from .triton_attention import (
     CONFIGS,
+    VARIANTS,
+    WS_AVAILABLE,
+    TensorDescriptor,
     _dot_precision,
     _Layout,
     KernelConfig,
     _mask_args,
     _new_output,
     _position_flags,
+    ensure_triton_allocator,
     exp_fma_share,
     interpreting,
     length_bucket,
@@ -53,6 +58,7 @@ try:
         kv_stats_kernel,
         quantize_kv_kernel,
     )
+    from ..kernels.attention_quant_ws import attention_fp8_ws_kernel, quantize_q_kernel
 except Exception:  # triton missing: triton_attention says why
     attention_quant_fwd_kernel = None
 
@@ -60,12 +66,14 @@ LEVELS = ("exact", "qk8", "fp8")
 LEVEL_EXACT, LEVEL_QK8, LEVEL_FP8 = 0, 1, 2
 SUPPORTED_HEAD_DIMS = (64, 128)
 FP8_MAX = 448.0
-# Q.K^T precision of the fp8 level: "int8" is the more accurate (see benchmarks/NOTES.md for
-# the speed of each on the H100).
-FP8_LEVEL_QK = "int8"
+# Q.K^T precision of the fp8 level: "int8" is the more accurate, "fp8" runs the warp-specialised
+# kernel on Hopper (see benchmarks/NOTES.md for the speed and error of each on the H100).
+FP8_LEVEL_QK = os.environ.get("ADAATTN_FP8_LEVEL_QK", "int8")
 
 # One config per level for the CPU interpreter; BLOCK_N is also the K quantization block.
 INTERPRET_QUANT = KernelConfig(32, 16, 1, 1)
+# The warp-specialised fp8 kernel (kernels/attention_quant_ws.py): num_warps per warp group.
+FP8_WS_CONFIGS = [KernelConfig(128, 128, 4, 2), KernelConfig(128, 64, 4, 2)]
 # Hopper candidates (timed once per shape class like the exact kernel's); the first fitting
 # one runs when nothing is timed.
 QUANT_CONFIGS = {
@@ -261,6 +269,63 @@ class Prepared:
 _KINDS = [(f"quant_{name}", f"quant_{name}" + ("_fp8qk" if i == LEVEL_FP8 else "")) for i, name in enumerate(LEVELS)]
 
 
+def _fp8_ws_ok(q, out, attn_mask, head_levels, level: int, fp8_qk: bool, scale: float, has_left: bool,
+               has_right: bool, right: int) -> bool:
+    """Whether the warp-specialised fp8 kernel (kernels/attention_quant_ws.py) runs this launch:
+    the forward variant "ws" (triton_attention.VARIANTS["fwd"]), the fp8 level with FP8 Q.K^T for
+    every head (no head-level array), no mask or sliding window, positive scale, Hopper (or the
+    CPU interpreter), and Out as TMA takes it (16-byte aligned base and strides; Q is copied)."""
+    if VARIANTS["fwd"] != "ws" or not WS_AVAILABLE or TensorDescriptor is None:
+        return False
+    if level != LEVEL_FP8 or not fp8_qk or head_levels is not None or attn_mask is not None:
+        return False
+    if has_left or (has_right and right != 0) or not scale > 0 or q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        return False
+    if q.device.type == "cuda":
+        if torch.cuda.get_device_capability(q.device)[0] != 9:
+            return False
+    elif not interpreting():
+        return False
+    e = out.element_size()
+    return out.stride(-1) == 1 and out.data_ptr() % 16 == 0 and not any((st * e) % 16 for st in out.stride()[:-1])
+
+
+def _launch_fp8_ws(q, prepared: "Prepared", out, scale: float, causal_right: bool, bottom_right: bool) -> None:
+    b, hq, nq, d = q.shape
+    hkv, nk = prepared.hkv, prepared.nk
+    qk_mode, pv_mode = level_modes(LEVEL_FP8, True)
+    interp = interpreting()
+
+    # Q to E4M3 per row first (a reduction over Q inside the warp-specialised kernel does not
+    # pass triton's warp-specialisation pass).
+    qq = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device)
+    q_pitch = -(-nq // 4) * 4
+    qs = torch.empty((b * hq, q_pitch), dtype=torch.float32, device=q.device)
+    quantize_q_kernel[(triton.cdiv(nq, 64), b * hq)](
+        q, qq, qs, q.stride(0), q.stride(1), q.stride(2), hq, nq, q_pitch,
+        HEAD_DIM=d, BLOCK_M=64, EMULATE=interp, num_warps=4, num_stages=1)
+
+    def launch(cfg: KernelConfig):
+        kq, kscale, vq, v_scale, v_mean, n_blocks = prepared.get(qk_mode, pv_mode, cfg.block_n)
+        ensure_triton_allocator()
+        attention_fp8_ws_kernel[(triton.cdiv(nq, cfg.block_m), b * hq)](
+            qq, qs, TensorDescriptor(kq, list(kq.shape), list(kq.stride()), [1, 1, cfg.block_n, d]),
+            TensorDescriptor(vq, list(vq.shape), list(vq.stride()), [1, 1, d, cfg.block_n]),
+            kscale, v_scale, v_mean, out, out.stride(0), out.stride(1), out.stride(2),
+            hq, hq // hkv, nq, q_pitch, nk, n_blocks, scale * LOG2E,
+            HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal_right,
+            BOTTOM_RIGHT=bottom_right, K_TAIL=nk % cfg.block_n != 0, DOT_PRECISION=_dot_precision(q.dtype),
+            EMULATE=interp, WARP_SPEC=not interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    if interp:
+        cfg = CONFIGS.forced.get("quant_fp8_ws", INTERPRET_QUANT)
+    else:
+        key = (q.device.index, q.dtype, d, causal_right, bottom_right, hq != hkv, length_bucket(nq), length_bucket(nk))
+        cfg = CONFIGS.pick("quant_fp8_ws", key, FP8_WS_CONFIGS, launch)
+    launch(cfg)
+
+
 def launch_level(q, k, v, prepared: Prepared, out, attn_mask, head_levels: Optional[torch.Tensor], level: int,
                  scale: float, causal: bool, bottom_right: bool, window_left: int, window_right: int,
                  fp8_qk: bool = False, exp_fma=None) -> None:
@@ -274,6 +339,9 @@ def launch_level(q, k, v, prepared: Prepared, out, attn_mask, head_levels: Optio
     lay = None if attn_mask is None else _Layout(b, hq, hkv, nq, nk, d, False)  # (read for a mask only)
     mask, mask_strides, mask_kind = _mask_args(attn_mask, lay, q)
     has_left, left, has_right, right = _position_flags(causal, window_left, window_right)
+    if _fp8_ws_ok(q, out, attn_mask, head_levels, level, fp8_qk, scale, has_left, has_right, right):
+        _launch_fp8_ws(q, prepared, out, scale, has_right, bottom_right)
+        return
     exp_share = exp_fma_share(exp_fma)
     interp = interpreting()
 

@@ -1,0 +1,129 @@
+"""The fp8 level of the quantized forward, warp-specialised for Hopper: the dense fast path.
+
+The same math as attention_quant.py at QK_MODE = FP8, PV_MODE = FP8 (the float64 simulation
+in adaptive/quant_reference.py is the reference for both): Q quantized per row to E4M3 (by
+`quantize_q_kernel` before the attention kernel: a reduction over Q's tile inside the
+warp-specialised kernel does not pass the warp-specialisation pass of triton 3.6), K smoothed and quantized per block of BLOCK_N keys by the pre-pass (its scales read per
+tile), P scaled into E4M3's range by folding log2(448) into the subtracted max, each tile's
+P.V started from zero and added in fp32, V smoothed and scaled per channel (applied at the end).
+
+Written in the form Triton's automatic warp specialisation on Hopper accepts (see
+attention_fwd_ws.py): tensor-descriptor loads, one branch-free key loop, masks as selects.
+INT8 products do not pass that pass (triton 3.6 and 3.9 reject the int32 accumulator), which
+is why this kernel serves the fp8 level with FP8 Q.K^T only. Scope: every head at this level
+(no per-head level array), dense, no attn_mask, no sliding window (causal top-left or
+bottom-right is fine), HEAD_DIM 64 or 128, positive scale; everything else runs
+attention_quant_fwd_kernel.
+"""
+
+import triton
+import triton.language as tl
+
+from .attention_fwd import round_to
+from .attention_quant import to_fp8
+
+LOG2_FP8_MAX: tl.constexpr = tl.constexpr(8.807354922057604)  # log2(448)
+
+
+@triton.jit
+def quantize_q_kernel(Q, Qq, QScale, stride_qb, stride_qh, stride_qm, q_heads, q_len, q_pitch,
+                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, EMULATE: tl.constexpr):
+    """Grid (query blocks, batch * q_heads): Q rows to E4M3 with one scale per row (amax / 448,
+    at least 1e-30), as attention_quant_fwd_kernel does in its prologue. Qq is (B, Hq, Nq, D)
+    contiguous, QScale (B * Hq, q_pitch) fp32 (q_pitch >= Nq, a multiple of 4: 16-byte rows)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // q_heads
+    head = pid_bh % q_heads
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = rows < q_len
+    q = tl.load(Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh + rows[:, None] * stride_qm
+                + offs_d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    q_scale = tl.maximum(tl.max(tl.abs(q), 1) / 448.0, 1e-30)
+    tl.store(Qq + (pid_bh.to(tl.int64) * q_len + rows[:, None]) * HEAD_DIM + offs_d[None, :],
+             to_fp8(q / q_scale[:, None], EMULATE), mask=ok[:, None])
+    tl.store(QScale + pid_bh.to(tl.int64) * q_pitch + rows, q_scale, mask=ok)
+
+
+@triton.jit(do_not_specialize=["q_len", "k_len", "n_blocks", "q_pitch"])
+def attention_fp8_ws_kernel(
+    Qq, QScale, KqDesc, VqDesc, KScale, VScale, VMean, Out,
+    stride_ob, stride_oh, stride_om,
+    q_heads, kv_group, q_len, q_pitch, k_len, n_blocks, scale_log2,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, K_TAIL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, EMULATE: tl.constexpr, WARP_SPEC: tl.constexpr,
+):
+    """Grid (query blocks, batch * q_heads), last query block first. Qq/QScale: quantize_q_kernel's
+    output. KqDesc: descriptor over the
+    pre-pass's FP8 K (B, Hkv, Npad, D), box (1, 1, BLOCK_N, D); VqDesc: over its transposed FP8
+    V (B, Hkv, D, Npad), box (1, 1, D, BLOCK_N). KScale (B, Hkv, n_blocks), VScale/VMean
+    (B, Hkv, D) fp32. K_TAIL: k_len is not a multiple of BLOCK_N (padding keys are masked)."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // q_heads
+    head = pid_bh % q_heads
+    kv_head = head // kv_group
+    start_m = pid_m * BLOCK_M
+    diag = 0
+    if BOTTOM_RIGHT:
+        diag = k_len - q_len
+
+    b64 = batch.to(tl.int64)
+    kv64 = kv_head.to(tl.int64)
+    q_desc = tl.make_tensor_descriptor(Qq + pid_bh.to(tl.int64) * q_len * HEAD_DIM, shape=[q_len, HEAD_DIM],
+                                       strides=[HEAD_DIM, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    qs_desc = tl.make_tensor_descriptor(QScale + pid_bh.to(tl.int64) * q_pitch, shape=[q_len], strides=[1],
+                                        block_shape=[BLOCK_M])
+    o_desc = tl.make_tensor_descriptor(Out + b64 * stride_ob + head.to(tl.int64) * stride_oh,
+                                       shape=[q_len, HEAD_DIM], strides=[stride_om, 1],
+                                       block_shape=[BLOCK_M, HEAD_DIM])
+    stat = (b64 * (q_heads // kv_group) + kv64) * HEAD_DIM
+    ks_base = KScale + (b64 * (q_heads // kv_group) + kv64) * n_blocks
+
+    # start_m | arange, not +: see attention_fwd_ws.py (the partitioning offsets both terms).
+    offs_m = start_m | tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    last_key = offs_m + diag
+    q = q_desc.load([start_m, 0])
+    row_scale = qs_desc.load([start_m]) * scale_log2
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    hi = k_len
+    if CAUSAL:
+        hi = tl.minimum(k_len, tl.maximum(start_m + BLOCK_M + diag, 0))
+
+    for start_n in tl.range(0, hi, BLOCK_N, warp_specialize=WARP_SPEC):
+        k = KqDesc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        qk = tl.dot(q, tl.trans(k))
+        rs = row_scale * tl.load(ks_base + start_n // BLOCK_N)
+        if CAUSAL or K_TAIL:
+            cols = start_n + offs_n
+            if CAUSAL:
+                keep = cols[None, :] <= last_key[:, None]
+                if K_TAIL:
+                    keep = keep & (cols[None, :] < k_len)
+            else:
+                keep = (cols < k_len)[None, :]
+            qk = tl.where(keep, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * rs)
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_shift)
+        # P comes out already scaled by 448 (E4M3's largest finite value): log2(448) is folded
+        # into the subtracted max; l carries the same factor, so it cancels in acc / l.
+        p = tl.math.exp2(qk * rs[:, None] - (m_shift - LOG2_FP8_MAX)[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        vt = VqDesc.load([batch, kv_head, 0, start_n]).reshape(HEAD_DIM, BLOCK_N)
+        # A fresh fp32 accumulator per tile (Hopper's FP8 MMA accumulates with fewer bits).
+        acc = acc * alpha[:, None] + tl.dot(to_fp8(p, EMULATE), tl.trans(vt))
+        m_i = m_new
+
+    seen = l_i > 0.0
+    v_scale = tl.load(VScale + stat + offs_d)
+    v_mean = tl.load(VMean + stat + offs_d)
+    out = acc * (1.0 / tl.where(seen, l_i, 1.0))[:, None] * v_scale[None, :]
+    out = tl.where(seen[:, None], out + v_mean[None, :], 0.0)
+    o_desc.store([start_m, 0], round_to(out, Out.dtype.element_ty, DOT_PRECISION))
