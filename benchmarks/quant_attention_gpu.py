@@ -106,6 +106,20 @@ def auto_levels(label):
         return f"{type(e).__name__}: {e}"
 
 
+def host_us_per_call(fn, calls: int = 20) -> float:
+    """CPU time of one call with the GPU kept busy (queued sleep), so no call waits for the GPU:
+    a call whose host time exceeds its GPU time is host-bound in the timings above."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)  # ~60 ms of GPU time ahead of the calls (20 calls, few launches each)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t = (time.perf_counter() - t0) / calls
+    torch.cuda.synchronize()
+    return t * 1e6
+
+
 def run_shapes(sizes, b, h, d, deadline, save=lambda rows: None) -> list:
     rows = []
     for n in sizes:
@@ -135,6 +149,7 @@ def run_shapes(sizes, b, h, d, deadline, save=lambda rows: None) -> list:
                             torch.cuda.synchronize()
                         row["err"], row["err_worst_head"] = rel_err(out[:, :, idx], ref)
                         row["ms"] = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+                        row["host_us"] = host_us_per_call(fn)
                     row["tflops"] = flops(b, h, n, d, causal) / row["ms"] / 1e9
                     base[name] = row["ms"]
                     if name.startswith("auto"):
@@ -144,7 +159,7 @@ def run_shapes(sizes, b, h, d, deadline, save=lambda rows: None) -> list:
                     traceback.print_exc()
                 rows.append(row)
                 log(f"  N={n:6d} causal={causal!s:5} {name:18s} "
-                    + (f"{row['ms']:8.3f} ms {row['tflops']:7.1f} TFLOP/s err {row['err']:.2e} "
+                    + (f"{row['ms']:8.3f} ms host {row.get('host_us', float('nan')):5.0f} us {row['tflops']:7.1f} TFLOP/s err {row['err']:.2e} "
                        f"(worst head {row['err_worst_head']:.2e})" if "ms" in row else row["error"])
                     + (f" levels {row['levels']}" if row.get("levels") else ""))
             for row in rows:

@@ -109,18 +109,20 @@ def test_kernel_matches_float64_simulation_of_its_scheme(level, fp8_qk, dtype, s
 
 FP8_WS_CASES = {
     # name: ((b, hq, hkv, nq, nk, d), causal, bottom_right, head_levels, whether the warp-specialised kernel runs)
-    "causal, key tail": ((1, 2, 2, 70, 70, 64), True, False, False, True),
-    "gqa bottom-right, rows before the first key": ((1, 4, 2, 90, 40, 64), True, True, False, True),
-    "head dim 128, not causal, two batches": ((2, 2, 1, 50, 96, 128), False, False, False, True),
+    "key tail": ((1, 2, 2, 70, 70, 64), False, False, False, True),
+    "gqa, more queries than keys": ((1, 4, 2, 90, 40, 64), False, False, False, True),
+    "head dim 128, two batches": ((2, 2, 1, 50, 96, 128), False, False, False, True),
     "one key": ((1, 2, 2, 5, 1, 64), False, False, False, True),
-    "per-head levels: the general kernel": ((1, 2, 2, 40, 40, 64), True, False, True, False),
+    "causal: the general kernel": ((1, 2, 2, 70, 70, 64), True, False, False, False),
+    "bottom-right, rows before the first key: the general kernel": ((1, 4, 2, 90, 40, 64), True, True, False, False),
+    "per-head levels: the general kernel": ((1, 2, 2, 40, 40, 64), False, False, True, False),
 }
 
 
 @pytest.mark.parametrize("case", list(FP8_WS_CASES))
 def test_warp_specialised_fp8_kernel_matches_its_simulation(monkeypatch, case):
-    # kernels/attention_quant_ws.py (the fp8 level with FP8 Q.K^T, every head at it) does the
-    # simulated math; with a head-level array the general kernel runs.
+    # kernels/attention_quant_ws.py (the fp8 level with FP8 Q.K^T, every head at it, not causal)
+    # does the simulated math; elsewhere the general kernel runs.
     (b, hq, hkv, nq, nk, d), causal, bottom_right, per_head, ws = FP8_WS_CASES[case]
     monkeypatch.setitem(ta.VARIANTS, "fwd", "ws")
     calls = []

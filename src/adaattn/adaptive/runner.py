@@ -85,9 +85,13 @@ def _site_key_eager(problem, policy, label: Optional[str]) -> str:
     return site
 
 
-def _controller(site: str, tolerance: float, verify: float, levels, q_heads: int) -> controller.PrecisionController:
+def _controller(site: str, tolerance: float, verify: float, levels, q, attn_mask, causal: bool, left: int,
+                right: int) -> controller.PrecisionController:
+    """The controller of `site`, made on first use; its fp8 level's Q.K^T precision is chosen
+    then (triton_quant.fp8_level_uses_fp8_qk: FP8 where the warp-specialised kernel runs)."""
     return controller.get(site, lambda: controller.PrecisionController(
-        site, tolerance, verify, tuple(levels), q_heads, fp8_qk=tq.FP8_LEVEL_QK == "fp8"))
+        site, tolerance, verify, tuple(levels), q.shape[1],
+        fp8_qk=tq.fp8_level_uses_fp8_qk(q, attn_mask, causal, left, right)))
 
 
 def _window(problem) -> tuple[int, int]:
@@ -103,7 +107,7 @@ def adaptive_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: O
                  levels: list[int], deterministic: bool) -> torch.Tensor:
     """Adaptive-precision attention of one call site; q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D).
     The controller of `site` is made on first use from (tolerance, verify, levels)."""
-    ctl = _controller(site, tolerance, verify, levels, q.shape[1])
+    ctl = _controller(site, tolerance, verify, levels, q, attn_mask, causal, window_left, window_right)
     out, _ = ctl.run(q, k, v, attn_mask, scale, causal, False, window_left, window_right)
     return out
 
@@ -147,8 +151,8 @@ def run(q, k, v, attn_mask, problem, plan, policy, label, compiling: bool = Fals
                            policy.verify, list(plan.levels), plan.deterministic)
         if compiling:
             return out, None
-        ctl = _controller(site, policy.tolerance, policy.verify, plan.levels, problem.q_heads)
+        ctl = _controller(site, policy.tolerance, policy.verify, plan.levels, q, attn_mask, problem.causal, left, right)
         return out, {"levels": ctl.describe()["levels"], "errors": list(ctl.errors),
                      "note": "quantized forward, exact backward"}
-    ctl = _controller(site, policy.tolerance, policy.verify, plan.levels, problem.q_heads)
+    ctl = _controller(site, policy.tolerance, policy.verify, plan.levels, q, attn_mask, problem.causal, left, right)
     return ctl.run(q, k, v, attn_mask, scale, problem.causal, False, left, right)

@@ -66,9 +66,10 @@ LEVELS = ("exact", "qk8", "fp8")
 LEVEL_EXACT, LEVEL_QK8, LEVEL_FP8 = 0, 1, 2
 SUPPORTED_HEAD_DIMS = (64, 128)
 FP8_MAX = 448.0
-# Q.K^T precision of the fp8 level: "int8" is the more accurate, "fp8" runs the warp-specialised
-# kernel on Hopper (see benchmarks/NOTES.md for the speed and error of each on the H100).
-FP8_LEVEL_QK = os.environ.get("ADAATTN_FP8_LEVEL_QK", "int8")
+# Q.K^T precision of the fp8 level: "int8" (the more accurate), "fp8", or "auto": FP8 where the
+# warp-specialised fp8 kernel runs (Hopper, not causal, ...: the faster there), INT8 elsewhere
+# (benchmarks/NOTES.md has the speed and error of each on the H100).
+FP8_LEVEL_QK = os.environ.get("ADAATTN_FP8_LEVEL_QK", "auto")
 
 # One config per level for the CPU interpreter; BLOCK_N is also the K quantization block.
 INTERPRET_QUANT = KernelConfig(32, 16, 1, 1)
@@ -273,13 +274,16 @@ def _fp8_ws_ok(q, out, attn_mask, head_levels, level: int, fp8_qk: bool, scale: 
                has_right: bool, right: int) -> bool:
     """Whether the warp-specialised fp8 kernel (kernels/attention_quant_ws.py) runs this launch:
     the forward variant "ws" (triton_attention.VARIANTS["fwd"]), the fp8 level with FP8 Q.K^T for
-    every head (no head-level array), no mask or sliding window, positive scale, Hopper (or the
+    every head (no head-level array), no mask, not causal, no window, positive scale, Hopper (or the
     CPU interpreter), and Out as TMA takes it (16-byte aligned base and strides; Q is copied)."""
     if VARIANTS["fwd"] != "ws" or not WS_AVAILABLE or TensorDescriptor is None:
         return False
     if level != LEVEL_FP8 or not fp8_qk or head_levels is not None or attn_mask is not None:
         return False
-    if has_left or (has_right and right != 0) or not scale > 0 or q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+    # Causal calls run the general kernel: the causal mask, applied to every tile of the
+    # branch-free loop, made this kernel slower than the general one there (H100, 4k: 0.475 vs
+    # 0.379 ms with INT8 Q.K^T).
+    if has_left or has_right or not scale > 0 or q.shape[-1] not in SUPPORTED_HEAD_DIMS:
         return False
     if q.device.type == "cuda":
         if torch.cuda.get_device_capability(q.device)[0] != 9:
@@ -288,6 +292,14 @@ def _fp8_ws_ok(q, out, attn_mask, head_levels, level: int, fp8_qk: bool, scale: 
         return False
     e = out.element_size()
     return out.stride(-1) == 1 and out.data_ptr() % 16 == 0 and not any((st * e) % 16 for st in out.stride()[:-1])
+
+
+def fp8_level_uses_fp8_qk(q, attn_mask, causal: bool, window_left: int, window_right: int) -> bool:
+    """Whether the fp8 level computes Q.K^T in FP8 (else INT8) for such a call (FP8_LEVEL_QK)."""
+    if FP8_LEVEL_QK != "auto":
+        return FP8_LEVEL_QK == "fp8"
+    has_left, _, has_right, right = _position_flags(causal, window_left, window_right)
+    return _fp8_ws_ok(q, q, attn_mask, None, LEVEL_FP8, True, 1.0, has_left, has_right, right)
 
 
 def _launch_fp8_ws(q, prepared: "Prepared", out, scale: float, causal_right: bool, bottom_right: bool) -> None:
