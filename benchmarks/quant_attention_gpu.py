@@ -28,7 +28,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import adaattn
 from adaattn.backends import triton_attention as ta
+
 from adaattn.backends import triton_quant as tq
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_timing import host_us_per_call  # noqa: E402
 
 DEVICE = "cuda"
 
@@ -106,20 +110,6 @@ def auto_levels(label):
         return f"{type(e).__name__}: {e}"
 
 
-def host_us_per_call(fn, calls: int = 20) -> float:
-    """CPU time of one call with the GPU kept busy (queued sleep), so no call waits for the GPU:
-    a call whose host time exceeds its GPU time is host-bound in the timings above."""
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(100_000_000)  # ~60 ms of GPU time ahead of the calls (20 calls, few launches each)
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t = (time.perf_counter() - t0) / calls
-    torch.cuda.synchronize()
-    return t * 1e6
-
-
 def run_shapes(sizes, b, h, d, deadline, save=lambda rows: None) -> list:
     rows = []
     for n in sizes:
@@ -149,7 +139,8 @@ def run_shapes(sizes, b, h, d, deadline, save=lambda rows: None) -> list:
                             torch.cuda.synchronize()
                         row["err"], row["err_worst_head"] = rel_err(out[:, :, idx], ref)
                         row["ms"] = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
-                        row["host_us"] = host_us_per_call(fn)
+                        # 20 calls: an auto call launches several kernels (the launch queue holds ~1000)
+                        row["host_us"] = host_us_per_call(fn, calls=20, sleep_cycles=100_000_000)
                     row["tflops"] = flops(b, h, n, d, causal) / row["ms"] / 1e9
                     base[name] = row["ms"]
                     if name.startswith("auto"):

@@ -37,6 +37,8 @@ os.environ.setdefault("ADAATTN_TRITON_AUTOTUNE", "0")  # nothing is tuned behind
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from gpu_timing import host_us_per_call  # noqa: E402,F401  (exp_fma_gpu.py uses it from here)
+
 K = None  # KernelConfig, set after the import below (workers import it themselves)
 
 B, H, D = 2, 16, 128
@@ -215,19 +217,6 @@ def bench(fn, warmup=25, rep=100) -> float:
     import triton
 
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
-
-
-def host_us_per_call(fn, calls=100) -> float:
-    """CPU time of one call while the GPU is kept busy (so no call waits for the GPU)."""
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(500_000_000)  # about 0.3 s of GPU time queued ahead of the calls
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t = (time.perf_counter() - t0) / calls
-    torch.cuda.synchronize()
-    return t * 1e6
 
 
 def sdpa_rows(sizes) -> list:

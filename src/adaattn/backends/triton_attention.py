@@ -426,13 +426,7 @@ def _tma_ok(lay: _Layout, mask_kind: int, scale: float, block_d: int, *tensors) 
         return False
     if lay.head_dim != block_d:
         return False
-    for t in tensors:
-        e = t.element_size()
-        if t.dtype == torch.float32 or t.stride(-1) != 1 or t.data_ptr() % 16:
-            return False
-        if any((st * e) % 16 for st in t.stride()[:-1]):
-            return False
-    return True
+    return all(t.dtype != torch.float32 and tma_ok(t) for t in tensors)
 
 
 def _ws_available() -> bool:
@@ -457,14 +451,25 @@ def _ws_ok(lay: _Layout, q, k, v, mask_kind: int, scale: float, block_d: int, ha
     fine), head_dim 64 or 128, and what TMA needs (16-byte aligned base and strides)."""
     if not WS_AVAILABLE or has_left or (has_right and right != 0) or lay.head_dim not in (64, 128):
         return False
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return False
-    if q.device.type == "cuda":
-        if torch.cuda.get_device_capability(q.device)[0] != 9:
-            return False
-    elif not interpreting():
+    if q.dtype not in (torch.float16, torch.bfloat16) or not ws_device_ok(q.device):
         return False
     return _tma_ok(lay, mask_kind, scale, block_d, q, k, v)
+
+
+def ws_device_ok(device: torch.device) -> bool:
+    """Triton's warp specialisation of our kernels runs here: Hopper (sm90), or the CPU
+    interpreter (which ignores it)."""
+    if not WS_AVAILABLE:
+        return False
+    if device.type == "cuda":
+        return torch.cuda.get_device_capability(device)[0] == 9
+    return interpreting()
+
+
+def tma_ok(t: torch.Tensor) -> bool:
+    """A tensor a TMA descriptor takes as it is: unit last stride, 16-byte aligned base and strides."""
+    e = t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and not any((st * e) % 16 for st in t.stride()[:-1])
 
 
 def _triton_scratch(size: int, alignment: int, stream):

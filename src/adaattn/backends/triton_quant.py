@@ -29,7 +29,6 @@ from .base import Backend
 from .triton_attention import (
     CONFIGS,
     VARIANTS,
-    WS_AVAILABLE,
     TensorDescriptor,
     _dot_precision,
     _Layout,
@@ -40,6 +39,8 @@ from .triton_attention import (
     ensure_triton_allocator,
     exp_fma_share,
     interpreting,
+    tma_ok,
+    ws_device_ok,
     length_bucket,
     max_shared_memory,
     triton,
@@ -276,7 +277,7 @@ def _fp8_ws_ok(q, out, attn_mask, head_levels, level: int, fp8_qk: bool, scale: 
     the forward variant "ws" (triton_attention.VARIANTS["fwd"]), the fp8 level with FP8 Q.K^T for
     every head (no head-level array), no mask, not causal, no window, positive scale, Hopper (or the
     CPU interpreter), and Out as TMA takes it (16-byte aligned base and strides; Q is copied)."""
-    if VARIANTS["fwd"] != "ws" or not WS_AVAILABLE or TensorDescriptor is None:
+    if VARIANTS["fwd"] != "ws" or TensorDescriptor is None:
         return False
     if level != LEVEL_FP8 or not fp8_qk or head_levels is not None or attn_mask is not None:
         return False
@@ -285,13 +286,7 @@ def _fp8_ws_ok(q, out, attn_mask, head_levels, level: int, fp8_qk: bool, scale: 
     # 0.379 ms with INT8 Q.K^T).
     if has_left or has_right or not scale > 0 or q.shape[-1] not in SUPPORTED_HEAD_DIMS:
         return False
-    if q.device.type == "cuda":
-        if torch.cuda.get_device_capability(q.device)[0] != 9:
-            return False
-    elif not interpreting():
-        return False
-    e = out.element_size()
-    return out.stride(-1) == 1 and out.data_ptr() % 16 == 0 and not any((st * e) % 16 for st in out.stride()[:-1])
+    return ws_device_ok(q.device) and tma_ok(out)
 
 
 def fp8_level_uses_fp8_qk(q, attn_mask, causal: bool, window_left: int, window_right: int) -> bool:

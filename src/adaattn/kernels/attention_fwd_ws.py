@@ -27,6 +27,22 @@ import triton.language as tl
 from .attention_fwd import LN2_K, dot, round_to
 
 
+@triton.jit
+def visible_scores(qk, start_n, offs_n, last_key, k_len, CAUSAL: tl.constexpr, K_TAIL: tl.constexpr):
+    """The scores of key tile start_n with masked ones at -inf, as a select (the specialised
+    loop cannot branch): keys past row r's last_key (causal), keys past k_len (K_TAIL)."""
+    if CAUSAL or K_TAIL:
+        cols = start_n + offs_n
+        if CAUSAL:
+            keep = cols[None, :] <= last_key[:, None]
+            if K_TAIL:
+                keep = keep & (cols[None, :] < k_len)
+        else:
+            keep = (cols < k_len)[None, :]
+        qk = tl.where(keep, qk, float("-inf"))
+    return qk
+
+
 @triton.jit(do_not_specialize=["q_len", "k_len"])
 def attention_fwd_ws_kernel(
     Q, KDesc, VDesc, Out, LSE,
@@ -83,15 +99,7 @@ def attention_fwd_ws_kernel(
     for start_n in tl.range(0, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         k = KDesc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         qk = dot(q, tl.trans(k), None, DOT_PRECISION)
-        if CAUSAL or K_TAIL:
-            cols = start_n + offs_n
-            if CAUSAL:
-                keep = cols[None, :] <= last_key[:, None]
-                if K_TAIL:
-                    keep = keep & (cols[None, :] < k_len)
-            else:
-                keep = (cols < k_len)[None, :]
-            qk = tl.where(keep, qk, float("-inf"))
+        qk = visible_scores(qk, start_n, offs_n, last_key, k_len, CAUSAL, K_TAIL)
         # A positive scale keeps the argmax, so the max is taken on raw scores and scale and
         # shift fold into one FMA per score.
         m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)

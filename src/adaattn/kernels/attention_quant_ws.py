@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from .attention_fwd import round_to
+from .attention_fwd_ws import visible_scores
 from .attention_quant import to_fp8
 
 LOG2_FP8_MAX: tl.constexpr = tl.constexpr(8.807354922057604)  # log2(448)
@@ -100,15 +101,7 @@ def attention_fp8_ws_kernel(
         k = KqDesc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         qk = tl.dot(q, tl.trans(k))
         rs = row_scale * tl.load(ks_base + start_n // BLOCK_N)
-        if CAUSAL or K_TAIL:
-            cols = start_n + offs_n
-            if CAUSAL:
-                keep = cols[None, :] <= last_key[:, None]
-                if K_TAIL:
-                    keep = keep & (cols[None, :] < k_len)
-            else:
-                keep = (cols < k_len)[None, :]
-            qk = tl.where(keep, qk, float("-inf"))
+        qk = visible_scores(qk, start_n, offs_n, last_key, k_len, CAUSAL, K_TAIL)
         m_new = tl.maximum(m_i, tl.max(qk, 1) * rs)
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_shift)
