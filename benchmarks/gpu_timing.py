@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import traceback
 
 import torch
 
@@ -20,3 +21,22 @@ def host_us_per_call(fn, calls: int = 100, sleep_cycles: int = 500_000_000) -> f
     t = (time.perf_counter() - t0) / calls
     torch.cuda.synchronize()
     return t * 1e6
+
+
+def section_runner(result: dict, log, t_start: float | None = None):
+    """section(name, fn): log the name, run fn, return its value; on an exception print the
+    traceback, append "name: error" to result["errors"] and return None, so one failing
+    section does not stop the others."""
+    def section(name, fn):
+        t0 = time.time()
+        log(f"== {name}" + (f"  (t={t0 - t_start:.0f}s)" if t_start is not None else ""))
+        try:
+            value = fn()
+        except Exception as e:
+            traceback.print_exc()
+            result["errors"].append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+            value = None
+        log(f"   ({time.time() - t0:.1f}s)")
+        return value
+
+    return section

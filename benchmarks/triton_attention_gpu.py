@@ -22,7 +22,6 @@ import math
 import os
 import sys
 import time
-import traceback
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +30,9 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from adaattn.backends import triton_attention as ta
 from adaattn.backends.reference import reference_attention
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_timing import section_runner  # noqa: E402
 
 DEVICE = "cuda"
 
@@ -250,17 +252,7 @@ def main() -> int:
     log(f"{props.name} (sm{props.major}{props.minor}), torch {torch.__version__}, triton {triton.__version__}, "
         f"shared memory per block {result['max_shared_mem']} B")
 
-    def section(name, fn):
-        t0 = time.time()
-        log(f"== {name}")
-        try:
-            value = fn()
-        except Exception as e:
-            traceback.print_exc()
-            result["errors"].append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
-            value = None
-        log(f"   ({time.time() - t0:.1f}s)")
-        return value
+    section = section_runner(result, log)
 
     def correctness():
         rows = []

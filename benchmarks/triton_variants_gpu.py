@@ -30,14 +30,13 @@ import multiprocessing as mp
 import os
 import sys
 import time
-import traceback
 
 os.environ.setdefault("ADAATTN_TRITON_AUTOTUNE", "0")  # nothing is tuned behind our back
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from gpu_timing import host_us_per_call  # noqa: E402,F401  (exp_fma_gpu.py uses it from here)
+from gpu_timing import host_us_per_call, section_runner  # noqa: E402,F401  (exp_fma_gpu.py uses the first from here)
 
 K = None  # KernelConfig, set after the import below (workers import it themselves)
 
@@ -501,17 +500,7 @@ def main() -> int:
     log(f"{props.name} (sm{props.major}{props.minor}), torch {torch.__version__}, triton {triton.__version__}, "
         f"commit {result['commit']}, TMA descriptors {'yes' if result['tma_available'] else 'NO'}")
 
-    def section(name, fn):
-        t0 = time.time()
-        log(f"== {name}  (t={t0 - t_start:.0f}s)")
-        try:
-            value = fn()
-        except Exception as e:
-            traceback.print_exc()
-            result["errors"].append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
-            value = None
-        log(f"   ({time.time() - t0:.1f}s)")
-        return value
+    section = section_runner(result, log, t_start)
 
     if not args.skip_precompile:
         result["precompile"] = section(

@@ -712,25 +712,17 @@ def test_warp_specialised_forward_compiles_for_hopper_with_producer_and_two_cons
         assert r["smem"] <= 232448 and not r["stack"], r
 
 
-def test_warp_specialised_forward_reads_strided_views():
-    g = _gen(71)
-    q, k, v = (_randn((2, 30, 2, 64), torch.float16, g).transpose(1, 2) for _ in range(3))
-    with ta.kernel_variants(fwd="ws"):
-        out = ta.triton_attention(q, k, v, is_causal=True)
-    ref = reference_attention(q, k, v, is_causal=True)
-    assert_standard(out, ref, F.scaled_dot_product_attention(q, k, v, is_causal=True), "output")
-
-
-def test_tma_forward_reads_strided_views():
+@pytest.mark.parametrize("fwd,d,dtype", [("tma", 32, torch.bfloat16), ("ws", 64, torch.float16)])
+def test_descriptor_forwards_read_strided_views(fwd, d, dtype):
     # BSHD views: 16-byte aligned strides, so the descriptors take them as they are.
     g = _gen(59)
-    q, k, v = (_randn((2, 30, 2, 32), torch.bfloat16, g).transpose(1, 2) for _ in range(3))
-    with ta.kernel_variants(fwd="tma"):
+    q, k, v = (_randn((2, 30, 2, d), dtype, g).transpose(1, 2) for _ in range(3))
+    with ta.kernel_variants(fwd=fwd):
         out = ta.triton_attention(q, k, v, is_causal=True)
     ref = reference_attention(q, k, v, is_causal=True)
     peer = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert_standard(out, ref, peer, "output")
-    assert ta._tma_ok(ta._layout(q, k, None, 30, 30), ta.MASK_NONE, 0.1, 32, k, v)
+    assert ta._tma_ok(ta._layout(q, k, None, 30, 30), ta.MASK_NONE, 0.1, d, q, k, v)
     # A view whose row stride is not a multiple of 16 bytes cannot be described.
     odd = _randn((1, 2, 30, 36), torch.bfloat16, g)[..., :32]  # rows 72 bytes apart
     assert not ta._tma_ok(ta._layout(odd, odd, None, 30, 30), ta.MASK_NONE, 0.1, 32, odd, odd)

@@ -99,6 +99,20 @@ def exp2_tile(x, EXP_FMA: tl.constexpr):
 
 
 @triton.jit
+def dense_program(q_heads, kv_group, q_len, k_len, BLOCK_M: tl.constexpr, BOTTOM_RIGHT: tl.constexpr):
+    """(pid_bh, batch, head, kv_head, start_m, diag) of a program of a dense (query blocks,
+    batch * q_heads) grid, query blocks last-first (under causal masks the last do the most
+    work; starting them first shortens the tail of the grid)."""
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    head = pid_bh % q_heads
+    diag = 0
+    if BOTTOM_RIGHT:
+        diag = k_len - q_len
+    return pid_bh, pid_bh // q_heads, head, head // kv_group, pid_m * BLOCK_M, diag
+
+
+@triton.jit
 def sequence_bounds(CuSeqlens, batch_index, dense_len, IS_VARLEN: tl.constexpr):
     """(start row in the packed tensor, length) of one sequence."""
     if IS_VARLEN:

@@ -24,7 +24,7 @@ attn_mask, no sliding window, causal top-left or bottom-right, GQA, HEAD_DIM 64 
 import triton
 import triton.language as tl
 
-from .attention_fwd import LN2_K, dot, round_to
+from .attention_fwd import LN2_K, dense_program, dot, round_to
 
 
 @triton.jit
@@ -58,15 +58,8 @@ def attention_fwd_ws_kernel(
     descriptors over K/V (B, Hkv, Nk, D) with (1, 1, BLOCK_N, HEAD_DIM) boxes (made on the device
     they would race: the producer warp group reads them, another group would write them).
     K_TAIL: k_len is not a multiple of BLOCK_N (the last tile's padding keys are masked)."""
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // q_heads
-    head = pid_bh % q_heads
-    kv_head = head // kv_group
-    start_m = pid_m * BLOCK_M
-    diag = 0
-    if BOTTOM_RIGHT:
-        diag = k_len - q_len
+    pid_bh, batch, head, kv_head, start_m, diag = dense_program(q_heads, kv_group, q_len, k_len, BLOCK_M,
+                                                                BOTTOM_RIGHT)
 
     b64 = batch.to(tl.int64)
     # Q and Out through descriptors over this (batch, head)'s (q_len, D) rows, made here: rows

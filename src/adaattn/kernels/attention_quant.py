@@ -28,7 +28,7 @@ call with heads at different precisions is a few launches with no host synchroni
 import triton
 import triton.language as tl
 
-from .attention_fwd import apply_masks, dot, exp2_tile, key_tile_range, load_rows, round_to, store_rows
+from .attention_fwd import apply_masks, dense_program, dot, exp2_tile, key_tile_range, load_rows, round_to, store_rows
 
 QK_NATIVE = 0
 QK_INT8 = 1
@@ -325,18 +325,11 @@ def attention_quant_fwd_kernel(
     """Grid (query blocks, batch * q_heads). With HAS_HEAD_LEVEL, a program whose head's
     entry in HeadLevel (int32, one per query head) is not RUN_LEVEL returns at once, leaving
     its rows of Out to the launch of that head's level."""
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // q_heads
-    head = pid_bh % q_heads
+    pid_bh, batch, head, kv_head, start_m, diag = dense_program(q_heads, kv_group, q_len, k_len, BLOCK_M,
+                                                                BOTTOM_RIGHT)
     if HAS_HEAD_LEVEL:
         if tl.load(HeadLevel + head) != RUN_LEVEL:
             return
-    kv_head = head // kv_group
-    start_m = pid_m * BLOCK_M
-    diag = 0
-    if BOTTOM_RIGHT:
-        diag = k_len - q_len
 
     b64 = batch.to(tl.int64)
     h64 = head.to(tl.int64)

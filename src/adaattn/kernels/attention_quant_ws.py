@@ -19,7 +19,7 @@ attention_quant_fwd_kernel.
 import triton
 import triton.language as tl
 
-from .attention_fwd import round_to
+from .attention_fwd import dense_program, round_to
 from .attention_fwd_ws import visible_scores
 from .attention_quant import to_fp8
 
@@ -61,15 +61,8 @@ def attention_fp8_ws_kernel(
     pre-pass's FP8 K (B, Hkv, Npad, D), box (1, 1, BLOCK_N, D); VqDesc: over its transposed FP8
     V (B, Hkv, D, Npad), box (1, 1, D, BLOCK_N). KScale (B, Hkv, n_blocks), VScale/VMean
     (B, Hkv, D) fp32. K_TAIL: k_len is not a multiple of BLOCK_N (padding keys are masked)."""
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // q_heads
-    head = pid_bh % q_heads
-    kv_head = head // kv_group
-    start_m = pid_m * BLOCK_M
-    diag = 0
-    if BOTTOM_RIGHT:
-        diag = k_len - q_len
+    pid_bh, batch, head, kv_head, start_m, diag = dense_program(q_heads, kv_group, q_len, k_len, BLOCK_M,
+                                                                BOTTOM_RIGHT)
 
     b64 = batch.to(tl.int64)
     kv64 = kv_head.to(tl.int64)
