@@ -491,8 +491,9 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 def test_gpu_kernels_match_simulation_at_medium_size(level, fp8_qk, causal):
     q, k, v = _inputs(1, 4, 2, 1000, 1000, 128, torch.bfloat16, seed=level, v_shift=0.3)
     # (fp8 with FP8 Q.K^T runs the warp-specialised kernel: a config with the same key block)
+    same_block = next(c for c in tq.FP8_WS_CONFIGS if c.block_n == tq.QUANT_CONFIGS[128][0].block_n)
     with ta.forced_configs(**{f"quant_{tq.LEVELS[level]}" + ("_fp8qk" if fp8_qk and level == 2 else ""):
-                              tq.QUANT_CONFIGS[128][0], "quant_fp8_ws": tq.FP8_WS_CONFIGS[1]}):
+                              tq.QUANT_CONFIGS[128][0], "quant_fp8_ws": same_block}):
         out = tq.quant_attention(q, k, v, levels=[level], causal=causal, fp8_qk=fp8_qk)
     keep = keep_mask(1000, 1000, True, None) if causal else None
     sim = _simulate(q, k, v, level, fp8_qk, keep, block_n=tq.QUANT_CONFIGS[128][0].block_n)

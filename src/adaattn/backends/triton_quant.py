@@ -75,7 +75,9 @@ FP8_LEVEL_QK = os.environ.get("ADAATTN_FP8_LEVEL_QK", "auto")
 # One config per level for the CPU interpreter; BLOCK_N is also the K quantization block.
 INTERPRET_QUANT = KernelConfig(32, 16, 1, 1)
 # The warp-specialised fp8 kernel (kernels/attention_quant_ws.py): num_warps per warp group.
-FP8_WS_CONFIGS = [KernelConfig(128, 128, 4, 2), KernelConfig(128, 64, 4, 2)]
+# H100, bf16 B=2 H=16 D=128 (benchmarks/NOTES.md, fourth session): 256 keys per tile ran the
+# kernel 1.17x / 1.29x cuDNN at N=4096 / 16384 against 1.01x / 1.24x with 128, same error.
+FP8_WS_CONFIGS = [KernelConfig(128, 256, 4, 2), KernelConfig(128, 128, 4, 2), KernelConfig(128, 64, 4, 2)]
 # Hopper candidates (timed once per shape class like the exact kernel's); the first fitting
 # one runs when nothing is timed.
 QUANT_CONFIGS = {
