@@ -101,6 +101,8 @@ def main() -> int:
 
     pols = {tau: adaattn.Policy(mode="auto", precisions=("native", "int8", "fp8"), tolerance=tau, verify=0.0)
             for tau in (3e-2, 8e-2)}
+    pols.update({f"v{tau}": adaattn.Policy(mode="auto", precisions=("native", "int8", "fp8"), tolerance=tau / 100,
+                                           verify=1.0) for tau in (3, 8)})
     rows_idx = analysis.sample_rows(n, 64, None, DEVICE)
     ref, _ = analysis.exact_rows(q, k, v, rows_idx, None, D ** -0.5, need_p=False)
     fns = {
@@ -118,6 +120,12 @@ def main() -> int:
         "attention auto 3e-2 verify=0": lambda: adaattn.attention(q, k, v, policy=pols[3e-2], label="h3"),
         "attention auto 8e-2 verify=0": lambda: adaattn.attention(q, k, v, policy=pols[8e-2], label="h8"),
         "attention exact (default policy)": lambda: adaattn.attention(q, k, v),
+        "attention auto 3e-2 verify=1 (every call verified)": lambda: adaattn.attention(
+            q, k, v, policy=pols["v3"], label="v3"),
+        "attention auto 8e-2 verify=1 (every call verified)": lambda: adaattn.attention(
+            q, k, v, policy=pols["v8"], label="v8"),
+        "attention auto 8e-2 verify=1, torch verification": lambda: _torch_verification(
+            lambda: adaattn.attention(q, k, v, policy=pols["v8"], label="v8t")),
         "sample_rows": lambda: analysis.sample_rows(n, 64, None, DEVICE),
         "exact_rows (64 rows)": lambda: analysis.exact_rows(q, k, v, rows_idx, None, 0.1, need_p=False),
         "head_errors": lambda: analysis.head_errors(out.index_select(2, rows_idx), ref),
@@ -131,7 +139,8 @@ def main() -> int:
             except Exception as e:
                 result["rows"].append({"impl": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
                 print(f"{name:48s} {type(e).__name__}: {str(e)[:300]}", flush=True)
-        for name in ("attention auto 8e-2 verify=0", "quant_attention fp8"):
+        for name in ("attention auto 8e-2 verify=0", "quant_attention fp8",
+                     "attention auto 8e-2 verify=1 (every call verified)"):
             for sort in ("tottime", "cumulative"):
                 text = profile(fns[name], sort=sort)
                 result["profiles"][f"{name} by {sort}"] = text
@@ -139,6 +148,18 @@ def main() -> int:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     return 0
+
+
+def _torch_verification(fn):
+    """fn() with sampled verification on its torch path (kernels/verify.py off)."""
+    from adaattn.backends import triton_verify
+
+    saved = triton_verify.exact_rows, triton_verify.verify_step
+    triton_verify.exact_rows, triton_verify.verify_step = (lambda *a: None), (lambda *a: False)
+    try:
+        return fn()
+    finally:
+        triton_verify.exact_rows, triton_verify.verify_step = saved
 
 
 def _cudnn(q, k, v):

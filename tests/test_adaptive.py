@@ -25,6 +25,7 @@ from adaattn import stats  # noqa: E402
 from adaattn.adaptive import controller, runner, structured  # noqa: E402
 from adaattn.backends import triton_attention as ta  # noqa: E402
 from adaattn.backends import triton_quant as tq  # noqa: E402
+from adaattn.backends import triton_verify  # noqa: E402
 from adaattn.backends.reference import reference_attention  # noqa: E402
 
 from helpers import rel_err  # noqa: E402
@@ -105,7 +106,17 @@ def test_levels_follow_the_tolerance_on_random_inputs():
     assert picked == {1e-2: {"exact"}, 3e-2: {"qk8"}, 8e-2: {"fp8"}}
 
 
-def test_a_head_over_the_tolerance_is_recomputed_one_level_up_and_remembered():
+@pytest.mark.parametrize("verify_kernels", [True, False])
+def test_a_head_over_the_tolerance_is_recomputed_one_level_up_and_remembered(monkeypatch, verify_kernels):
+    ran = []
+    if verify_kernels:  # kernels/verify.py, one launch per stage: record that they ran
+        for name in ("exact_rows", "verify_step"):
+            real = getattr(triton_verify, name)
+            monkeypatch.setattr(triton_verify, name, lambda *a, real=real, name=name: ran.append(
+                (name, real(*a))) or ran[-1][1])
+    else:  # the torch path of sampled verification (masks, other dtypes)
+        monkeypatch.setattr(triton_verify, "exact_rows", lambda *a: None)
+        monkeypatch.setattr(triton_verify, "verify_step", lambda *a: False)
     q, k, v = structured.make("large_logits", 1, 4, 128, 64, torch.bfloat16, DEVICE, seed=2)
     policy = adaattn.Policy(mode="auto", precisions=ALL, tolerance=2e-2, verify=1.0)
     adaattn.attention(q, k, v, policy=policy, label="drift")  # warm-up
@@ -122,6 +133,8 @@ def test_a_head_over_the_tolerance_is_recomputed_one_level_up_and_remembered():
     assert max(_head_errors(out, _reference(q, k, v, False))) <= 2e-2
     ctl.poll(wait=True)
     assert ctl.levels == [0, 0, 0, 0] and ctl.escalations >= 3
+    if verify_kernels:
+        assert [n for n, r in ran if r is not None and r is not False] == ["exact_rows"] + ["verify_step"] * 3
 
 
 def test_an_escalated_head_retries_the_cheaper_level_once_after_calm_measurements():

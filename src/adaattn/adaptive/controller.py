@@ -32,6 +32,7 @@ from collections import deque
 import torch
 
 from ..backends import triton_quant as tq
+from ..backends import triton_verify
 from . import analysis
 
 PREDICT_MARGIN = 0.7
@@ -214,30 +215,43 @@ class PrecisionController:
         if not verify:
             return out, info
         self.verified_calls += 1
-        rows = analysis.sample_rows(q.shape[2], SAMPLE_ROWS, self._generator(q.device), q.device)
-        ref, _ = analysis.exact_rows(q, k, v, rows, attn_mask, scale, causal, bottom_right, window_left,
-                                     window_right, need_p=False)
-        limit = self.tolerance * VERIFY_MARGIN
-        first = analysis.head_errors(out.index_select(2, rows), ref)
-        up_table = self._up_table(q.device)
-        over = (first > limit) & (levels_dev != tq.LEVEL_EXACT)
-        redo = torch.where(over, up_table[levels_dev.long()], torch.full_like(levels_dev, -1))
-        up_levels = sorted({_up(x, self.allowed) for x in present if x != tq.LEVEL_EXACT})
-        if up_levels:
-            tq.quant_attention(q, k, v, attn_mask, levels=up_levels, head_levels=redo, out=out, prepared=prepared,
-                               **kw)
-        final = torch.where(over, redo, levels_dev)
-        if any(x != tq.LEVEL_EXACT for x in up_levels):
-            second = analysis.head_errors(out.index_select(2, rows), ref)
-            still = over & (second > limit) & (redo != tq.LEVEL_EXACT)
-            exact = torch.where(still, torch.zeros_like(redo), torch.full_like(redo, -1))
-            tq.quant_attention(q, k, v, attn_mask, levels=[tq.LEVEL_EXACT], head_levels=exact, out=out,
-                               prepared=prepared, **kw)
-            final = torch.where(still, torch.zeros_like(final), final)
-        errors = analysis.head_errors(out.index_select(2, rows), ref)
+        errors, final, first = self._verify(q, k, v, attn_mask, out, levels_dev, present, prepared, kw)
         self._queue(levels, errors, final, first)
         info.update(verified=True, errors=errors, levels_after=final, errors_measured_on="this call")
         return out, info
+
+    def _sample_rows(self, q_len: int, device: torch.device) -> torch.Tensor:
+        """SAMPLE_ROWS distinct query rows (all when q_len <= SAMPLE_ROWS), sorted, int32 on
+        `device`: drawn on the host from this site's RNG, copied without synchronising."""
+        if q_len <= SAMPLE_ROWS:
+            return torch.arange(q_len, dtype=torch.int32, device=device)
+        return _to_device(sorted(self._rng.sample(range(q_len), SAMPLE_ROWS)), device)
+
+    def _verify(self, q, k, v, attn_mask, out, levels_dev, present, prepared, kw):
+        """A steady-state verified call, on the device: sampled exact rows, per-head errors, heads
+        over the margin recomputed one level up in `out`, still over: exact. Returns (errors
+        after, levels after, errors before) as device tensors. Each stage is one launch of
+        kernels/verify.py where it runs (`_step` has the torch equivalent)."""
+        rows = self._sample_rows(q.shape[2], q.device)
+        ref, _ = analysis.exact_rows(q, k, v, rows, attn_mask, kw["scale"], kw["causal"], kw["bottom_right"],
+                                     kw["window_left"], kw["window_right"], need_p=False)
+        limit = self.tolerance * VERIFY_MARGIN
+        up_table = self._up_table(q.device)
+        hq = q.shape[1]
+        pitch = -(-hq // 4) * 4  # rows 16-byte aligned, like every other kernel argument
+        work = torch.empty((3, pitch), dtype=torch.int32, device=q.device)[:, :hq]  # redo, exact redo, final
+        errs = torch.empty((3, pitch), dtype=torch.float32, device=q.device)[:, :hq]  # before, between, after
+        _step(out, rows, ref, levels_dev, up_table, work, errs[0], limit, 0)
+        up_levels = sorted({_up(x, self.allowed) for x in present if x != tq.LEVEL_EXACT})
+        if up_levels:
+            tq.quant_attention(q, k, v, attn_mask, levels=up_levels, head_levels=work[0], out=out, prepared=prepared,
+                               **kw)
+        if any(x != tq.LEVEL_EXACT for x in up_levels):
+            _step(out, rows, ref, levels_dev, up_table, work, errs[1], limit, 1)
+            tq.quant_attention(q, k, v, attn_mask, levels=[tq.LEVEL_EXACT], head_levels=work[1], out=out,
+                               prepared=prepared, **kw)
+        _step(out, rows, ref, levels_dev, up_table, work, errs[2], limit, 2)
+        return errs[2], work[2], errs[0]
 
     def _queue(self, started, errors, levels, first) -> None:
         if errors.is_cuda:
@@ -308,6 +322,28 @@ class PrecisionController:
                                  head_levels=levels_dev if len(present) > 1 else None, **kw)
         return out, {"levels": [tq.LEVELS[x] for x in levels], "verified": False,
                      "errors": list(self.errors), "errors_measured_on": "an earlier call (graph capture)"}
+
+
+def _step(out, rows, ref, levels, up, work, err, limit: float, stage: int) -> None:
+    """One verification stage (kernels/verify.py's verify_step_kernel, or this torch equivalent
+    where it does not run): per-head errors into err; stage 0 writes which heads are redone one
+    level up (work[0], -1: not) and the levels they end at (work[2]); stage 1, after that redo,
+    which are still over and redone exact (work[1]) and the final levels (work[2])."""
+    if triton_verify.verify_step(out, rows, ref, levels, up, work, err, limit, stage):
+        return
+    e = analysis.head_errors(out.index_select(2, rows), ref)
+    err.copy_(e)
+    none = torch.full_like(levels, -1)
+    if stage == 0:
+        over = (e > limit) & (levels != tq.LEVEL_EXACT)
+        redo = torch.where(over, up[levels.long()], none)
+        work[0].copy_(redo)
+        work[2].copy_(torch.where(over, redo, levels))
+    elif stage == 1:
+        redo = work[0]
+        still = (redo > tq.LEVEL_EXACT) & (e > limit)
+        work[1].copy_(torch.where(still, torch.zeros_like(none), none))
+        work[2].copy_(torch.where(still, torch.zeros_like(none), torch.where(redo >= 0, redo, levels)))
 
 
 def get(site: str, factory) -> PrecisionController:

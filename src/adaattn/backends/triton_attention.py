@@ -456,13 +456,26 @@ def _ws_ok(lay: _Layout, q, k, v, mask_kind: int, scale: float, block_d: int, ha
     return _tma_ok(lay, mask_kind, scale, block_d, q, k, v)
 
 
+_CAPABILITY: dict = {}
+
+
+def device_capability(device: torch.device) -> tuple[int, int]:
+    """torch.cuda.get_device_capability, remembered per device (it costs microseconds per call,
+    and the quantized path asks several times per call)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cap = _CAPABILITY.get(index)
+    if cap is None:
+        cap = _CAPABILITY[index] = tuple(torch.cuda.get_device_capability(index))
+    return cap
+
+
 def ws_device_ok(device: torch.device) -> bool:
     """Triton's warp specialisation of our kernels runs here: Hopper (sm90), or the CPU
     interpreter (which ignores it)."""
     if not WS_AVAILABLE:
         return False
     if device.type == "cuda":
-        return torch.cuda.get_device_capability(device)[0] == 9
+        return device_capability(device)[0] == 9
     return interpreting()
 
 

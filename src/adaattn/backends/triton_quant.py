@@ -36,6 +36,7 @@ from .triton_attention import (
     _mask_args,
     _new_output,
     _position_flags,
+    device_capability,
     ensure_triton_allocator,
     exp_fma_share,
     interpreting,
@@ -103,14 +104,13 @@ def fp8_supported(device: torch.device) -> bool:
     """FP8 tensor cores: sm89 (Ada) and newer. Under the CPU interpreter the math is emulated."""
     if device.type == "cpu":
         return interpreting()
-    major, minor = torch.cuda.get_device_capability(device)
-    return (major, minor) >= (8, 9)
+    return device_capability(device) >= (8, 9)
 
 
 def int8_supported(device: torch.device) -> bool:
     if device.type == "cpu":
         return interpreting()
-    return torch.cuda.get_device_capability(device) >= (8, 0)
+    return device_capability(device) >= (8, 0)
 
 
 def _smem(cfg: KernelConfig, d: int, elem: int) -> int:
