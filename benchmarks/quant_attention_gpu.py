@@ -73,6 +73,8 @@ def variants(q, k, v, causal):
         "sdpa.flash": pinned(SDPBackend.FLASH_ATTENTION),
         "triton.exact": lambda: ta.triton_attention(q, k, v, is_causal=causal),
         "quant.qk8": lambda: tq.quant_attention(q, k, v, levels=[tq.LEVEL_QK8], causal=causal),
+        "quant.qk8_general": lambda: _general(lambda: tq.quant_attention(q, k, v, levels=[tq.LEVEL_QK8],
+                                                                         causal=causal)),
         "quant.fp8": lambda: tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], causal=causal),
         "quant.fp8_fp8qk": lambda: tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], causal=causal, fp8_qk=True),
     }
@@ -91,6 +93,12 @@ def variants(q, k, v, causal):
 
         out[f"auto tau={tau:g}"] = auto
     return out
+
+
+def _general(fn):
+    """fn() with the warp-specialised kernels off (the general quantized kernel runs)."""
+    with ta.kernel_variants(fwd="ptr"):
+        return fn()
 
 
 def auto_levels(label):

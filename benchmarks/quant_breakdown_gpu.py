@@ -84,22 +84,50 @@ def pieces(rows):
             f"Q pre-pass {qms:.3f}")
         prepared = tq.Prepared(k, v)
         out = torch.empty_like(q)
-        for cfg in (ta.KernelConfig(128, 128, 4, 2), ta.KernelConfig(128, 64, 4, 2), ta.KernelConfig(128, 256, 4, 2)):
-            row = {"piece": "fp8 ws kernel + Q pre-pass", "config": str(cfg), "n": n}
-            try:
-                with ta.forced_configs(quant_fp8_ws=cfg):
-                    prepared.get(qk_mode, pv_mode, cfg.block_n)
-                    ms = bench(lambda: tq._launch_fp8_ws(q, prepared, out, D ** -0.5, False, False))
-                    whole_cfg = bench(lambda: tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], fp8_qk=True))
-                row.update(ms=ms, kernel_ms=ms - qms, kernel_tflops=flops / (ms - qms) / 1e9,
-                           kernel_vs_cudnn=base / (ms - qms), whole_ms=whole_cfg, whole_vs_cudnn=base / whole_cfg)
-                log(f"  {cfg}: kernel {ms - qms:.3f} ms ({flops / (ms - qms) / 1e9:.0f} TFLOP/s, "
-                    f"{base / (ms - qms):.2f}x cuDNN), whole call {whole_cfg:.3f} ms ({base / whole_cfg:.2f}x)")
-            except Exception as e:
-                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                log(f"  {cfg}: {row['error']}")
-            rows.append(row)
+        idx = torch.randperm(n, device=DEVICE)[:256].sort().values
+        s64 = (q[:, :, idx].double() @ k.double().transpose(-1, -2)) * D ** -0.5
+        ref = torch.softmax(s64, -1) @ v.double()
+        del s64
+        for cfg in (ta.KernelConfig(128, 256, 4, 2), ta.KernelConfig(128, 128, 4, 2)):
+            for share in (0, 2, 4):
+                row = {"piece": "fp8 ws kernel + Q pre-pass", "config": str(cfg), "exp_fma": share, "n": n}
+                try:
+                    with ta.forced_configs(quant_fp8_ws=cfg):
+                        prepared.get(qk_mode, pv_mode, cfg.block_n)
+                        ms = bench(lambda: tq._launch_fp8_ws(q, prepared, out, D ** -0.5, False, False, share))
+                        whole_cfg = bench(lambda: tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], fp8_qk=True,
+                                                                     exp_fma=share))
+                        o = tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], fp8_qk=True, exp_fma=share)
+                    err = ((o[:, :, idx].double() - ref).norm() / ref.norm()).item()
+                    row.update(ms=ms, kernel_ms=ms - qms, kernel_tflops=flops / (ms - qms) / 1e9,
+                               kernel_vs_cudnn=base / (ms - qms), whole_ms=whole_cfg, whole_vs_cudnn=base / whole_cfg,
+                               err=err)
+                    log(f"  {cfg} exp_fma={share}: kernel {ms - qms:.3f} ms ({flops / (ms - qms) / 1e9:.0f} TFLOP/s, "
+                        f"{base / (ms - qms):.2f}x cuDNN), whole call {whole_cfg:.3f} ms ({base / whole_cfg:.2f}x), "
+                        f"err {err:.4f}")
+                except Exception as e:
+                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                    log(f"  {cfg} exp_fma={share}: {row['error']}")
+                rows.append(row)
         del q, k, v, prepared, out
+        torch.cuda.empty_cache()
+
+
+def prepass(rows):
+    """The K/V pre-pass: statistics alone, and statistics + quantization per key block (at 4k
+    the pre-pass alone is host-bound: these are then host times)."""
+    qk_mode, pv_mode = tq.level_modes(tq.LEVEL_FP8, True)
+    for n in (4096, 16384):
+        q, k, v = inputs(n)
+        stats = bench(lambda: tq.Prepared(k, v).v_stats())
+        rows.append({"piece": "K/V statistics (kv_stats + reduce)", "n": n, "ms": stats})
+        log(f"N={n}: statistics {stats:.3f} ms")
+        for block_n in (64, 128, 256):
+            ms = bench(lambda: tq.Prepared(k, v).get(qk_mode, pv_mode, block_n))
+            ms8 = bench(lambda: tq.Prepared(k, v).get(*tq.level_modes(tq.LEVEL_QK8), block_n))
+            rows.append({"piece": "K/V pre-pass", "n": n, "block_n": block_n, "fp8_ms": ms, "qk8_ms": ms8})
+            log(f"  block {block_n}: fp8 pre-pass {ms:.3f} ms, qk8 {ms8:.3f} ms")
+        del q, k, v
         torch.cuda.empty_cache()
 
 
@@ -177,7 +205,7 @@ def main() -> int:
               "commit": args.commit, "shape": f"bf16 B={B} H={H} D={D}", "rows": [], "errors": []}
     section = section_runner(result, log, time.time())
     for name in args.sections.split(","):
-        section(name, lambda name=name: {"pieces": pieces, "qk8": qk8_configs}.get(name, None)(result["rows"])
+        section(name, lambda name=name: {"pieces": pieces, "qk8": qk8_configs, "prepass": prepass}.get(name, None)(result["rows"])
                 if name != "host" else host(result["rows"], result))
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -142,6 +142,88 @@ def test_warp_specialised_fp8_kernel_matches_its_simulation(monkeypatch, case):
         assert (out[:, :, ~keep.any(1).to(out.device)] == 0).all()  # rows that see no key
 
 
+QK8_WS_CASES = {
+    # name: ((b, hq, hkv, nq, nk, d), causal, bottom_right, per-head levels, whether the warp-specialised kernel runs)
+    "key tail": ((1, 2, 2, 70, 70, 64), False, False, False, True),
+    "causal, key tail": ((1, 2, 2, 70, 70, 64), True, False, False, True),
+    "gqa, bottom-right, rows before the first key": ((1, 4, 2, 90, 40, 64), True, True, False, True),
+    "head dim 128, two batches": ((2, 2, 1, 50, 96, 128), False, False, False, True),
+    "one key": ((1, 2, 2, 5, 1, 64), False, False, False, True),
+    "per-head levels: the general kernel": ((1, 2, 2, 40, 40, 64), False, False, True, False),
+}
+
+
+@pytest.mark.parametrize("case", list(QK8_WS_CASES))
+def test_warp_specialised_qk8_kernel_matches_its_simulation(monkeypatch, case):
+    # kernels/attention_quant_ws.py's qk8 kernel (every head at qk8, no mask or window) does the
+    # simulated math (INT8 Q.K^T, P.V in bf16); elsewhere the general kernel runs.
+    (b, hq, hkv, nq, nk, d), causal, bottom_right, per_head, ws = QK8_WS_CASES[case]
+    monkeypatch.setitem(ta.VARIANTS, "fwd", "ws")
+    calls = []
+    launch = tq._launch_qk8_ws
+    monkeypatch.setattr(tq, "_launch_qk8_ws", lambda *a, **kw: (calls.append(1), launch(*a, **kw))[1])
+    q, k, v = _inputs(b, hq, hkv, nq, nk, d, torch.bfloat16, seed=nq + nk + d + 1, v_shift=0.3)
+    levels = torch.full((hq,), tq.LEVEL_QK8, dtype=torch.int32, device=DEVICE) if per_head else None
+    out = tq.quant_attention(q, k, v, levels=[tq.LEVEL_QK8], head_levels=levels, causal=causal,
+                             bottom_right=bottom_right)
+    assert len(calls) == (1 if ws else 0)
+    assert torch.isfinite(out).all()
+    keep = None
+    if causal:  # query i sits at position i (+ nk - nq bottom-right)
+        keep = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + (nk - nq if bottom_right else 0)
+    assert rel_err(out.cpu(), _simulate(q, k, v, tq.LEVEL_QK8, False, keep)) <= 1e-3
+    if keep is not None and not keep.any(1).all():
+        assert (out[:, :, ~keep.any(1).to(out.device)] == 0).all()  # rows that see no key
+
+
+SM90_QK8_WS_COMPILE = r"""
+import json, re
+from adaattn.backends import triton_quant as tq
+from adaattn.kernels.attention_quant_ws import attention_qk8_ws_kernel as kernel
+from sm90 import compile_for_sm90
+
+rows = []
+for d in (64, 128):
+    for causal in (False, True):
+        cfg = tq.QK8_WS_CONFIGS[0]
+
+        def types(name):
+            if name == "KqDesc":
+                return f"tensordesc<i8[1, 1, {cfg.block_n}, {d}]>"
+            if name == "VDesc":
+                return f"tensordesc<bf16[1, 1, {cfg.block_n}, {d}]>"
+            if name in ("KScale", "QScale"):
+                return "*fp32"
+            if name == "Qq":
+                return "*i8"
+            if name[0].isupper():
+                return "*bf16"
+            return "fp32" if name.startswith("scale") else "i32"
+
+        consts = dict(HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, BOTTOM_RIGHT=False,
+                      K_TAIL=causal, DOT_PRECISION="tf32", WARP_SPEC=True)
+        c = compile_for_sm90(kernel, consts, types, lambda n, t: t[0] == "*" or re.fullmatch(r"stride_o[bhm]", n),
+                             cfg.num_warps, cfg.num_stages)
+        rows.append({"d": d, "causal": causal, "smem": c["smem"], "stack": c["stack"],
+                     "warp_specialize": "ttg.warp_specialize" in c["ttgir"],
+                     "threads": [int(t) for t in re.findall(r"reqntid (\d+)", c["ptx"])],
+                     "int8_wgmma": "s8.s8" in c["ptx"]})
+print(json.dumps(rows))
+"""
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the GPU tests compile for the real device")
+def test_warp_specialised_qk8_kernel_compiles_for_hopper_with_int8_tensor_cores():
+    pytest.importorskip("triton.compiler")
+    import sm90
+
+    if not ta.WS_AVAILABLE:
+        pytest.skip("this triton has no warp_specialize")
+    for r in sm90.run_json(SM90_QK8_WS_COMPILE):
+        assert r["warp_specialize"] and r["threads"] == [384] and r["int8_wgmma"], r
+        assert r["smem"] <= 232448 and not r["stack"], r
+
+
 SM90_FP8_WS_COMPILE = r"""
 import json, re
 from adaattn.backends import triton_quant as tq
@@ -490,10 +572,12 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_kernels_match_simulation_at_medium_size(level, fp8_qk, causal):
     q, k, v = _inputs(1, 4, 2, 1000, 1000, 128, torch.bfloat16, seed=level, v_shift=0.3)
-    # (fp8 with FP8 Q.K^T runs the warp-specialised kernel: a config with the same key block)
-    same_block = next(c for c in tq.FP8_WS_CONFIGS if c.block_n == tq.QUANT_CONFIGS[128][0].block_n)
+    # (qk8, and fp8 with FP8 Q.K^T, run the warp-specialised kernels: configs with the same key block)
+    block = tq.QUANT_CONFIGS[128][0].block_n
     with ta.forced_configs(**{f"quant_{tq.LEVELS[level]}" + ("_fp8qk" if fp8_qk and level == 2 else ""):
-                              tq.QUANT_CONFIGS[128][0], "quant_fp8_ws": same_block}):
+                              tq.QUANT_CONFIGS[128][0],
+                              "quant_fp8_ws": next(c for c in tq.FP8_WS_CONFIGS if c.block_n == block),
+                              "quant_qk8_ws": next(c for c in tq.QK8_WS_CONFIGS if c.block_n == block)}):
         out = tq.quant_attention(q, k, v, levels=[level], causal=causal, fp8_qk=fp8_qk)
     keep = keep_mask(1000, 1000, True, None) if causal else None
     sim = _simulate(q, k, v, level, fp8_qk, keep, block_n=tq.QUANT_CONFIGS[128][0].block_n)

@@ -60,7 +60,7 @@ try:
         kv_stats_kernel,
         quantize_kv_kernel,
     )
-    from ..kernels.attention_quant_ws import attention_fp8_ws_kernel, quantize_q_kernel
+    from ..kernels.attention_quant_ws import attention_fp8_ws_kernel, attention_qk8_ws_kernel, quantize_q_kernel
 except Exception:  # triton missing: triton_attention says why
     attention_quant_fwd_kernel = None
 
@@ -79,6 +79,8 @@ INTERPRET_QUANT = KernelConfig(32, 16, 1, 1)
 # H100, bf16 B=2 H=16 D=128 (benchmarks/NOTES.md, fourth session): 256 keys per tile ran the
 # kernel 1.17x / 1.29x cuDNN at N=4096 / 16384 against 1.01x / 1.24x with 128, same error.
 FP8_WS_CONFIGS = [KernelConfig(128, 256, 4, 2), KernelConfig(128, 128, 4, 2), KernelConfig(128, 64, 4, 2)]
+# The warp-specialised qk8 kernel: the exact warp-specialised forward's candidates.
+QK8_WS_CONFIGS = [KernelConfig(128, 128, 4, 2), KernelConfig(128, 64, 4, 2)]
 # Hopper candidates (timed once per shape class like the exact kernel's); the first fitting
 # one runs when nothing is timed.
 QUANT_CONFIGS = {
@@ -291,6 +293,63 @@ def _fp8_ws_ok(q, out, attn_mask, head_levels, level: int, fp8_qk: bool, scale: 
     return ws_device_ok(q.device) and tma_ok(out)
 
 
+def _qk8_ws_ok(q, v, out, attn_mask, head_levels, level: int, scale: float, has_left: bool, has_right: bool,
+               right: int) -> bool:
+    """Whether the warp-specialised qk8 kernel (kernels/attention_quant_ws.py) runs this launch:
+    the forward variant "ws", the qk8 level for every head, no mask, no window (causal is fine),
+    positive scale, Hopper (or the CPU interpreter), bf16/fp16 V and Out as TMA takes them."""
+    if VARIANTS["fwd"] != "ws" or TensorDescriptor is None:
+        return False
+    if level != LEVEL_QK8 or head_levels is not None or attn_mask is not None:
+        return False
+    if has_left or (has_right and right != 0) or not scale > 0 or q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+        return False
+    if v.dtype not in (torch.float16, torch.bfloat16) or v.shape[-1] != q.shape[-1]:
+        return False
+    return ws_device_ok(q.device) and tma_ok(out) and tma_ok(v)
+
+
+def _quantized_q(q, qk_mode: int):
+    """(Qq (B, Hq, Nq, D) INT8 or E4M3, QScale (B * Hq, q_pitch) fp32, q_pitch): quantize_q_kernel's
+    per-row quantization, for the warp-specialised kernels."""
+    b, hq, nq, d = q.shape
+    qq = torch.empty(q.shape, dtype=torch.int8 if qk_mode == QK_INT8 else torch.float8_e4m3fn, device=q.device)
+    q_pitch = -(-nq // 4) * 4
+    qs = torch.empty((b * hq, q_pitch), dtype=torch.float32, device=q.device)
+    quantize_q_kernel[(triton.cdiv(nq, 64), b * hq)](
+        q, qq, qs, q.stride(0), q.stride(1), q.stride(2), hq, nq, q_pitch,
+        HEAD_DIM=d, BLOCK_M=64, EMULATE=interpreting(), QK_MODE=qk_mode, num_warps=4, num_stages=1)
+    return qq, qs, q_pitch
+
+
+def _launch_qk8_ws(q, v, prepared: "Prepared", out, scale: float, causal_right: bool, bottom_right: bool) -> None:
+    b, hq, nq, d = q.shape
+    hkv, nk = prepared.hkv, prepared.nk
+    interp = interpreting()
+    qq, qs, q_pitch = _quantized_q(q, QK_INT8)
+
+    def launch(cfg: KernelConfig):
+        kq, kscale, _, _, _, n_blocks = prepared.get(QK_INT8, PV_NATIVE, cfg.block_n)
+        ensure_triton_allocator()
+        box = [1, 1, cfg.block_n, d]
+        attention_qk8_ws_kernel[(triton.cdiv(nq, cfg.block_m), b * hq)](
+            qq, qs, TensorDescriptor(kq, list(kq.shape), list(kq.stride()), box),
+            TensorDescriptor(v, list(v.shape), list(v.stride()), box),
+            kscale, out, out.stride(0), out.stride(1), out.stride(2),
+            hq, hq // hkv, nq, q_pitch, nk, n_blocks, scale * LOG2E,
+            HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal_right,
+            BOTTOM_RIGHT=bottom_right, K_TAIL=nk % cfg.block_n != 0, DOT_PRECISION=_dot_precision(q.dtype),
+            WARP_SPEC=not interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    if interp:
+        cfg = CONFIGS.forced.get("quant_qk8_ws", INTERPRET_QUANT)
+    else:
+        key = (q.device.index, q.dtype, d, causal_right, bottom_right, hq != hkv, length_bucket(nq), length_bucket(nk))
+        cfg = CONFIGS.pick("quant_qk8_ws", key, QK8_WS_CONFIGS, launch)
+    launch(cfg)
+
+
 def fp8_level_uses_fp8_qk(q, attn_mask, causal: bool, window_left: int, window_right: int) -> bool:
     """Whether the fp8 level computes Q.K^T in FP8 (else INT8) for such a call (FP8_LEVEL_QK)."""
     if FP8_LEVEL_QK != "auto":
@@ -307,12 +366,7 @@ def _launch_fp8_ws(q, prepared: "Prepared", out, scale: float, causal_right: boo
 
     # Q to E4M3 per row first (a reduction over Q inside the warp-specialised kernel does not
     # pass triton's warp-specialisation pass).
-    qq = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device)
-    q_pitch = -(-nq // 4) * 4
-    qs = torch.empty((b * hq, q_pitch), dtype=torch.float32, device=q.device)
-    quantize_q_kernel[(triton.cdiv(nq, 64), b * hq)](
-        q, qq, qs, q.stride(0), q.stride(1), q.stride(2), hq, nq, q_pitch,
-        HEAD_DIM=d, BLOCK_M=64, EMULATE=interp, num_warps=4, num_stages=1)
+    qq, qs, q_pitch = _quantized_q(q, QK_FP8)
 
     def launch(cfg: KernelConfig):
         kq, kscale, vq, v_scale, v_mean, n_blocks = prepared.get(qk_mode, pv_mode, cfg.block_n)
@@ -350,6 +404,9 @@ def launch_level(q, k, v, prepared: Prepared, out, attn_mask, head_levels: Optio
     has_left, left, has_right, right = _position_flags(causal, window_left, window_right)
     if _fp8_ws_ok(q, out, attn_mask, head_levels, level, fp8_qk, scale, has_left, has_right, right):
         _launch_fp8_ws(q, prepared, out, scale, has_right, bottom_right)
+        return
+    if _qk8_ws_ok(q, v, out, attn_mask, head_levels, level, scale, has_left, has_right, right):
+        _launch_qk8_ws(q, v, prepared, out, scale, has_right, bottom_right)
         return
     exp_share = exp_fma_share(exp_fma)
     interp = interpreting()

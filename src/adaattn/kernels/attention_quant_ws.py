@@ -1,37 +1,42 @@
-"""The fp8 level of the quantized forward, warp-specialised for Hopper: the dense fast path.
+"""The quantized forward, warp-specialised for Hopper: the dense fast paths of the qk8 and fp8
+levels (attention_qk8_ws_kernel, attention_fp8_ws_kernel).
 
-The same math as attention_quant.py at QK_MODE = FP8, PV_MODE = FP8 (the float64 simulation
-in adaptive/quant_reference.py is the reference for both): Q quantized per row to E4M3 (by
-`quantize_q_kernel` before the attention kernel: a reduction over Q's tile inside the
-warp-specialised kernel does not pass the warp-specialisation pass of triton 3.6), K smoothed and quantized per block of BLOCK_N keys by the pre-pass (its scales read per
-tile), P scaled into E4M3's range by folding log2(448) into the subtracted max, each tile's
-P.V started from zero and added in fp32, V smoothed and scaled per channel (applied at the end).
+The same math as attention_quant.py (the float64 simulation in adaptive/quant_reference.py
+is the reference for both): Q quantized per row, INT8 for qk8 and E4M3 for fp8, by
+`quantize_q_kernel` before the attention kernel (a reduction over Q's tile inside the
+warp-specialised kernel does not pass triton 3.6's warp-specialisation pass); K smoothed and
+quantized per block of BLOCK_N keys by the pre-pass (its scales read per tile). qk8: INT8
+Q.K^T, scores to float by the bias trick, P.V in V's dtype. fp8: FP8 Q.K^T, P scaled into
+E4M3's range by folding log2(448) into the subtracted max, each tile's P.V started from zero
+and added in fp32, V smoothed and scaled per channel (applied at the end).
 
 Written in the form Triton's automatic warp specialisation on Hopper accepts (see
 attention_fwd_ws.py): tensor-descriptor loads, one branch-free key loop, masks as selects.
-INT8 products do not pass that pass (triton 3.6 and 3.9 reject the int32 accumulator), which
-is why this kernel serves the fp8 level with FP8 Q.K^T only. Scope: every head at this level
-(no per-head level array), dense, no attn_mask, no sliding window (causal top-left or
-bottom-right is fine), HEAD_DIM 64 or 128, positive scale; everything else runs
-attention_quant_fwd_kernel.
+(A second session's note that INT8 products do not pass was wrong for this form: the INT8
+product with an int32 result and no accumulator operand passes triton 3.6 and 3.9.) Scope:
+every head at the level (no per-head level array), dense, no attn_mask, no sliding window
+(causal top-left or bottom-right is fine), HEAD_DIM 64 or 128, positive scale; everything else
+runs attention_quant_fwd_kernel.
 """
 
 import triton
 import triton.language as tl
 
-from .attention_fwd import dense_program, round_to
+from .attention_fwd import dense_program, dot, round_to
 from .attention_fwd_ws import visible_scores
-from .attention_quant import to_fp8
+from .attention_quant import INT_BIAS, biased_float, quantize, to_fp8
 
 LOG2_FP8_MAX: tl.constexpr = tl.constexpr(8.807354922057604)  # log2(448)
 
 
 @triton.jit
 def quantize_q_kernel(Q, Qq, QScale, stride_qb, stride_qh, stride_qm, q_heads, q_len, q_pitch,
-                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, EMULATE: tl.constexpr):
-    """Grid (query blocks, batch * q_heads): Q rows to E4M3 with one scale per row (amax / 448,
-    at least 1e-30), as attention_quant_fwd_kernel does in its prologue. Qq is (B, Hq, Nq, D)
-    contiguous, QScale (B * Hq, q_pitch) fp32 (q_pitch >= Nq, a multiple of 4: 16-byte rows)."""
+                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, EMULATE: tl.constexpr,
+                      QK_MODE: tl.constexpr = 2):
+    """Grid (query blocks, batch * q_heads): Q rows to INT8 (QK_MODE 1) or E4M3 (2) with one
+    scale per row (amax / 127 or / 448, at least 1e-30), as attention_quant_fwd_kernel does in
+    its prologue. Qq is (B, Hq, Nq, D) contiguous, QScale (B * Hq, q_pitch) fp32 (q_pitch >= Nq,
+    a multiple of 4: 16-byte rows)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     batch = pid_bh // q_heads
@@ -41,10 +46,77 @@ def quantize_q_kernel(Q, Qq, QScale, stride_qb, stride_qh, stride_qm, q_heads, q
     ok = rows < q_len
     q = tl.load(Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh + rows[:, None] * stride_qm
                 + offs_d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-    q_scale = tl.maximum(tl.max(tl.abs(q), 1) / 448.0, 1e-30)
+    if QK_MODE == 1:
+        qmax = 127.0
+    else:
+        qmax = 448.0
+    q_scale = tl.maximum(tl.max(tl.abs(q), 1) / qmax, 1e-30)
     tl.store(Qq + (pid_bh.to(tl.int64) * q_len + rows[:, None]) * HEAD_DIM + offs_d[None, :],
-             to_fp8(q / q_scale[:, None], EMULATE), mask=ok[:, None])
+             quantize(q / q_scale[:, None], QK_MODE, EMULATE), mask=ok[:, None])
     tl.store(QScale + pid_bh.to(tl.int64) * q_pitch + rows, q_scale, mask=ok)
+
+
+@triton.jit(do_not_specialize=["q_len", "k_len", "n_blocks", "q_pitch"])
+def attention_qk8_ws_kernel(
+    Qq, QScale, KqDesc, VDesc, KScale, Out,
+    stride_ob, stride_oh, stride_om,
+    q_heads, kv_group, q_len, q_pitch, k_len, n_blocks, scale_log2,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, K_TAIL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WARP_SPEC: tl.constexpr,
+):
+    """The qk8 level, warp-specialised (the math of attention_quant_fwd_kernel at QK_MODE = INT8,
+    PV_MODE = native): Q.K^T in INT8 on the tensor cores from quantize_q_kernel's INT8 Q (per-row
+    scales) and the pre-pass's smoothed INT8 K (per-block scales, read per tile), scores to
+    float by the bias trick (attention_quant.biased_float), P.V in V's dtype with fp32
+    accumulation. Grid (query blocks, batch * q_heads), last query block first. KqDesc: over the
+    INT8 K (B, Hkv, Npad, D), box (1, 1, BLOCK_N, D); VDesc: over V (B, Hkv, Nk, D), same box
+    (rows past Nk read as zeros). Scope as attention_fp8_ws_kernel's, causal included."""
+    pid_bh, batch, head, kv_head, start_m, diag = dense_program(q_heads, kv_group, q_len, k_len, BLOCK_M,
+                                                                BOTTOM_RIGHT)
+
+    b64 = batch.to(tl.int64)
+    kv64 = kv_head.to(tl.int64)
+    q_desc = tl.make_tensor_descriptor(Qq + pid_bh.to(tl.int64) * q_len * HEAD_DIM, shape=[q_len, HEAD_DIM],
+                                       strides=[HEAD_DIM, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    qs_desc = tl.make_tensor_descriptor(QScale + pid_bh.to(tl.int64) * q_pitch, shape=[q_len], strides=[1],
+                                        block_shape=[BLOCK_M])
+    o_desc = tl.make_tensor_descriptor(Out + b64 * stride_ob + head.to(tl.int64) * stride_oh,
+                                       shape=[q_len, HEAD_DIM], strides=[stride_om, 1],
+                                       block_shape=[BLOCK_M, HEAD_DIM])
+    ks_base = KScale + (b64 * (q_heads // kv_group) + kv64) * n_blocks
+
+    # start_m | arange, not +: see attention_fwd_ws.py (the partitioning offsets both terms).
+    offs_m = start_m | tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    last_key = offs_m + diag
+    q = q_desc.load([start_m, 0])
+    row_scale = qs_desc.load([start_m]) * scale_log2
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    hi = k_len
+    if CAUSAL:
+        hi = tl.minimum(k_len, tl.maximum(start_m + BLOCK_M + diag, 0))
+
+    for start_n in tl.range(0, hi, BLOCK_N, warp_specialize=WARP_SPEC):
+        k = KqDesc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        # INT8 scores as biased floats (1.5 * 2^23 + x): the bias leaves in the FMA below.
+        qk = biased_float(tl.dot(q, tl.trans(k), out_dtype=tl.int32))
+        rs = row_scale * tl.load(ks_base + start_n // BLOCK_N)
+        qk = visible_scores(qk, start_n, offs_n, last_key, k_len, CAUSAL, K_TAIL)
+        m_new = tl.maximum(m_i, (tl.max(qk, 1) - INT_BIAS) * rs)
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.math.exp2(m_i - m_shift)
+        p = tl.math.exp2((qk - INT_BIAS) * rs[:, None] - m_shift[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = VDesc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        acc = dot(round_to(p, v.dtype, DOT_PRECISION), v, acc * alpha[:, None], DOT_PRECISION)
+        m_i = m_new
+
+    seen = l_i > 0.0
+    out = tl.where(seen[:, None], acc / tl.where(seen, l_i, 1.0)[:, None], 0.0)
+    o_desc.store([start_m, 0], round_to(out, Out.dtype.element_ty, DOT_PRECISION))
 
 
 @triton.jit(do_not_specialize=["q_len", "k_len", "n_blocks", "q_pitch"])
