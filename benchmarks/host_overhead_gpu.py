@@ -115,7 +115,9 @@ def main() -> int:
         "Prepared(k, v).get qk8 (2 launches)": lambda: tq.Prepared(k, v).get(*tq.level_modes(tq.LEVEL_QK8), 64),
         "_launch_fp8_ws (prepared)": lambda: tq._launch_fp8_ws(q, prepared, out, 0.1, False, False),
         "quant_attention fp8": lambda: tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], fp8_qk=True),
-        "quant_attention qk8": lambda: tq.quant_attention(q, k, v, levels=[tq.LEVEL_QK8]),
+        "quant_attention qk8 (warp-specialised)": lambda: tq.quant_attention(q, k, v, levels=[tq.LEVEL_QK8]),
+        "quant_attention qk8 (general kernel)": lambda: _general(lambda: tq.quant_attention(
+            q, k, v, levels=[tq.LEVEL_QK8])),
         "triton_attention exact": lambda: ta.triton_attention(q, k, v),
         "attention auto 3e-2 verify=0": lambda: adaattn.attention(q, k, v, policy=pols[3e-2], label="h3"),
         "attention auto 8e-2 verify=0": lambda: adaattn.attention(q, k, v, policy=pols[8e-2], label="h8"),
@@ -139,8 +141,8 @@ def main() -> int:
             except Exception as e:
                 result["rows"].append({"impl": name, "error": f"{type(e).__name__}: {str(e)[:300]}"})
                 print(f"{name:48s} {type(e).__name__}: {str(e)[:300]}", flush=True)
-        for name in ("attention auto 8e-2 verify=0", "quant_attention fp8",
-                     "attention auto 8e-2 verify=1 (every call verified)"):
+        for name in ("attention auto 3e-2 verify=0", "quant_attention qk8 (warp-specialised)",
+                     "attention auto 3e-2 verify=1 (every call verified)"):
             for sort in ("tottime", "cumulative"):
                 text = profile(fns[name], sort=sort)
                 result["profiles"][f"{name} by {sort}"] = text
@@ -148,6 +150,11 @@ def main() -> int:
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     return 0
+
+
+def _general(fn):
+    with ta.kernel_variants(fwd="ptr"):
+        return fn()
 
 
 def _torch_verification(fn):

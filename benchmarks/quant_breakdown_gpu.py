@@ -131,6 +131,66 @@ def prepass(rows):
         torch.cuda.empty_cache()
 
 
+def graph_ms(fn, rep=60) -> float:
+    """GPU time of fn() without its host time: fn captured in a CUDA graph, the replay timed."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return bench(g.replay, rep=rep)
+
+
+def gpu_vs_eager(rows):
+    """Each call eager (what a caller sees, host time included where it exceeds the GPU's) and
+    replayed from a CUDA graph (GPU time only), not causal and causal, N 4096 and 16384; the
+    warp-specialised qk8 kernel under each of its configs."""
+    for n in (4096, 16384):
+        q, k, v = inputs(n)
+        for causal in (False, True):
+            fns = {
+                "sdpa.cudnn": lambda: cudnn(q, k, v, causal),
+                "triton.exact": lambda: ta.triton_attention(q, k, v, is_causal=causal),
+                "quant.qk8 (general kernel)": lambda: _general(
+                    lambda: tq.quant_attention(q, k, v, levels=[tq.LEVEL_QK8], causal=causal)),
+                "quant.fp8_fp8qk": lambda: tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], causal=causal,
+                                                              fp8_qk=True),
+            }
+            for cfg in tq.QK8_WS_CONFIGS:
+                fns[f"quant.qk8 ws {cfg}"] = (lambda cfg=cfg: _forced(
+                    cfg, lambda: tq.quant_attention(q, k, v, levels=[tq.LEVEL_QK8], causal=causal)))
+            with torch.no_grad():
+                for name, fn in fns.items():
+                    row = {"piece": "gpu vs eager", "impl": name, "n": n, "causal": causal}
+                    try:
+                        fn()
+                        torch.cuda.synchronize()
+                        row["eager_ms"] = bench(fn)
+                        row["graph_ms"] = graph_ms(fn)
+                        log(f"N={n} causal={causal} {name:40s} eager {row['eager_ms']:.3f} ms, "
+                            f"GPU (graph) {row['graph_ms']:.3f} ms")
+                    except Exception as e:
+                        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                        log(f"N={n} causal={causal} {name:40s} {row['error']}")
+                    rows.append(row)
+        del q, k, v
+        torch.cuda.empty_cache()
+
+
+def _general(fn):
+    with ta.kernel_variants(fwd="ptr"):
+        return fn()
+
+
+def _forced(cfg, fn):
+    with ta.forced_configs(quant_qk8_ws=cfg):
+        return fn()
+
+
 def qk8_configs(rows):
     n = 16384
     q, k, v = inputs(n)
@@ -205,7 +265,7 @@ def main() -> int:
               "commit": args.commit, "shape": f"bf16 B={B} H={H} D={D}", "rows": [], "errors": []}
     section = section_runner(result, log, time.time())
     for name in args.sections.split(","):
-        section(name, lambda name=name: {"pieces": pieces, "qk8": qk8_configs, "prepass": prepass}.get(name, None)(result["rows"])
+        section(name, lambda name=name: {"pieces": pieces, "qk8": qk8_configs, "prepass": prepass, "gpu": gpu_vs_eager}.get(name, None)(result["rows"])
                 if name != "host" else host(result["rows"], result))
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -57,6 +57,11 @@ def _block_n() -> int:
     return tq.INTERPRET_QUANT.block_n if DEVICE == "cpu" else tq.QUANT_CONFIGS[64][0].block_n
 
 
+def _ws_config(configs):
+    """A warp-specialised kernel's config whose key block is _block_n() (the simulation's)."""
+    return tq.INTERPRET_QUANT if DEVICE == "cpu" else next(c for c in configs if c.block_n == _block_n())
+
+
 def _simulate(q, k, v, level, fp8_qk=False, keep=None, bias=None, block_n=None):
     qk = "fp8" if (fp8_qk and level == tq.LEVEL_FP8) else QK[level]
     sim = simulate_attention(q.cpu(), k.cpu(), v.cpu(), qk=qk, pv=PV[level], block_n=block_n or _block_n(),
@@ -130,8 +135,9 @@ def test_warp_specialised_fp8_kernel_matches_its_simulation(monkeypatch, case):
     monkeypatch.setattr(tq, "_launch_fp8_ws", lambda *a, **kw: (calls.append(1), launch(*a, **kw))[1])
     q, k, v = _inputs(b, hq, hkv, nq, nk, d, torch.bfloat16, seed=nq + nk + d, v_shift=0.3)
     levels = torch.full((hq,), tq.LEVEL_FP8, dtype=torch.int32, device=DEVICE) if per_head else None
-    out = tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], head_levels=levels, causal=causal,
-                             bottom_right=bottom_right, fp8_qk=True)
+    with ta.forced_configs(quant_fp8_ws=_ws_config(tq.FP8_WS_CONFIGS)):
+        out = tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], head_levels=levels, causal=causal,
+                                 bottom_right=bottom_right, fp8_qk=True)
     assert len(calls) == (1 if ws else 0)
     assert torch.isfinite(out).all()
     keep = None
@@ -164,8 +170,9 @@ def test_warp_specialised_qk8_kernel_matches_its_simulation(monkeypatch, case):
     monkeypatch.setattr(tq, "_launch_qk8_ws", lambda *a, **kw: (calls.append(1), launch(*a, **kw))[1])
     q, k, v = _inputs(b, hq, hkv, nq, nk, d, torch.bfloat16, seed=nq + nk + d + 1, v_shift=0.3)
     levels = torch.full((hq,), tq.LEVEL_QK8, dtype=torch.int32, device=DEVICE) if per_head else None
-    out = tq.quant_attention(q, k, v, levels=[tq.LEVEL_QK8], head_levels=levels, causal=causal,
-                             bottom_right=bottom_right)
+    with ta.forced_configs(quant_qk8_ws=_ws_config(tq.QK8_WS_CONFIGS)):
+        out = tq.quant_attention(q, k, v, levels=[tq.LEVEL_QK8], head_levels=levels, causal=causal,
+                                 bottom_right=bottom_right)
     assert len(calls) == (1 if ws else 0)
     assert torch.isfinite(out).all()
     keep = None

@@ -88,7 +88,7 @@ def _site_key_eager(problem, policy, label: Optional[str]) -> str:
 def _controller(site: str, tolerance: float, verify: float, levels, q, attn_mask, causal: bool, left: int,
                 right: int) -> controller.PrecisionController:
     """The controller of `site`, made on first use; its fp8 level's Q.K^T precision is chosen
-    then (triton_quant.fp8_level_uses_fp8_qk: FP8 where the warp-specialised kernel runs)."""
+    then (triton_quant.fp8_level_uses_fp8_qk: FP8 on Hopper)."""
     return controller.get(site, lambda: controller.PrecisionController(
         site, tolerance, verify, tuple(levels), q.shape[1],
         fp8_qk=tq.fp8_level_uses_fp8_qk(q, attn_mask, causal, left, right)))
