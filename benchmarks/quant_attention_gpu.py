@@ -7,7 +7,10 @@ torch SDPA pinned to CUDNN_ATTENTION and FLASH_ATTENTION, our exact Triton kerne
 quantized levels (qk8; fp8 with INT8 and with FP8 Q.K^T), SageAttention 1.0.6 where it
 imports, and adaattn.attention with Policy(mode="auto") at tau = 3e-2 and 8e-2 (verification
 included, at the policy's verify rate). Errors are relative L2 against float64 attention on
-256 sampled query rows per (batch, head), all keys. do_bench median.
+256 sampled query rows per (batch, head), all keys. do_bench median of eager calls (`ms`, what a
+caller sees: host time where it exceeds the GPU's), and of the call replayed from a CUDA graph
+(`graph_ms`, GPU time alone; not for auto, whose captured calls do not verify), with ratios of
+each against the peers (`vs_*`, `gpu_vs_*`). qk8 on the general kernel is a row of its own.
 --configs also times every quantized config at N=16384 not causal. The table comes last.
 """
 
@@ -95,6 +98,27 @@ def variants(q, k, v, causal):
     return out
 
 
+def graph_ms(fn):
+    """GPU time of fn() alone: fn captured in a CUDA graph and the replay timed (None where fn
+    cannot be captured). Eager `ms` is what a caller sees: where an implementation's host time
+    per call exceeds its GPU time (small N, several launches), `ms` is the host time."""
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(3):
+                fn()
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return triton.testing.do_bench(g.replay, warmup=10, rep=60, return_mode="median")
+    except Exception as e:
+        log(f"    (not capturable: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
+        torch.cuda.synchronize()
+        return None
+
+
 def _general(fn):
     """fn() with the warp-specialised kernels off (the general quantized kernel runs)."""
     with ta.kernel_variants(fwd="ptr"):
@@ -149,6 +173,8 @@ def run_shapes(sizes, b, h, d, deadline, save=lambda rows: None) -> list:
                         row["ms"] = triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
                         # 20 calls: an auto call launches several kernels (the launch queue holds ~1000)
                         row["host_us"] = host_us_per_call(fn, calls=20, sleep_cycles=100_000_000)
+                        if not name.startswith("auto"):  # (a captured auto call does not verify)
+                            row["graph_ms"] = graph_ms(fn)
                     row["tflops"] = flops(b, h, n, d, causal) / row["ms"] / 1e9
                     base[name] = row["ms"]
                     if name.startswith("auto"):
@@ -158,14 +184,19 @@ def run_shapes(sizes, b, h, d, deadline, save=lambda rows: None) -> list:
                     traceback.print_exc()
                 rows.append(row)
                 log(f"  N={n:6d} causal={causal!s:5} {name:18s} "
-                    + (f"{row['ms']:8.3f} ms host {row.get('host_us', float('nan')):5.0f} us {row['tflops']:7.1f} TFLOP/s err {row['err']:.2e} "
+                    + (f"{row['ms']:8.3f} ms (GPU {row.get('graph_ms') or float('nan'):7.3f}) host {row.get('host_us', float('nan')):5.0f} us {row['tflops']:7.1f} TFLOP/s err {row['err']:.2e} "
                        f"(worst head {row['err_worst_head']:.2e})" if "ms" in row else row["error"])
                     + (f" levels {row['levels']}" if row.get("levels") else ""))
+            graph = {r["impl"]: r["graph_ms"] for r in rows
+                     if r["n"] == n and r["causal"] == causal and r.get("graph_ms")}
             for row in rows:
                 if "ms" in row and row["n"] == n and row["causal"] == causal:
-                    for peer in ("sdpa.cudnn", "sdpa.flash", "triton.exact", "sage-1.0.6", "quant.qk8", "quant.fp8"):
+                    for peer in ("sdpa.cudnn", "sdpa.flash", "triton.exact", "sage-1.0.6", "quant.qk8", "quant.fp8",
+                                 "quant.fp8_fp8qk"):
                         if peer in base:
                             row[f"vs_{peer}"] = base[peer] / row["ms"]
+                        if peer in graph and row.get("graph_ms"):
+                            row[f"gpu_vs_{peer}"] = graph[peer] / row["graph_ms"]
             save(rows)  # what has run survives a later timeout
             del q, k, v, ref
             torch.cuda.empty_cache()
