@@ -63,7 +63,9 @@ def structured_cases():
     out = []
     for name, q, k, v, causal in structured.cases(n=128, device=DEVICE):
         ref = _reference(q, k, v, causal)
-        level_err = {tq.LEVELS[lv]: _head_errors(tq.quant_attention(q, k, v, levels=[lv], causal=causal), ref)
+        fp8_qk = tq.fp8_level_uses_fp8_qk(q, None, causal, -1, -1)  # as the controllers' fp8 level runs
+        level_err = {tq.LEVELS[lv]: _head_errors(tq.quant_attention(q, k, v, levels=[lv], causal=causal,
+                                                                    fp8_qk=fp8_qk), ref)
                      for lv in (tq.LEVEL_QK8, tq.LEVEL_FP8)}
         out.append((name, q, k, v, causal, ref, level_err))
     return out
@@ -345,7 +347,7 @@ def test_gpu_steady_state_makes_no_host_sync_and_replays_from_a_cuda_graph():
         captured = adaattn.attention(q, k, v, is_causal=True, policy=policy, label="graph")
     graph.replay()
     torch.cuda.synchronize()
-    unverified = tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], causal=True)
+    unverified = tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], causal=True, fp8_qk=ctl.fp8_qk)
     assert torch.equal(captured, unverified)
     # Eager calls verify and apply readbacks after the capture; the graph's tensors stay valid.
     before = controller.find("graph").verified_calls

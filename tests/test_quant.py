@@ -43,6 +43,9 @@ PV = {tq.LEVEL_EXACT: "native", tq.LEVEL_QK8: "native", tq.LEVEL_FP8: "fp8"}
 def _poison(monkeypatch):
     monkeypatch.setattr(ta, "POISON_OUTPUTS", True)
     monkeypatch.setattr(ta.CONFIGS, "tune", False)
+    if DEVICE == "cuda":  # the warp-specialised kernels' K blocks as the simulation's
+        monkeypatch.setitem(ta.CONFIGS.forced, "quant_fp8_ws", _ws_config(tq.FP8_WS_CONFIGS))
+        monkeypatch.setitem(ta.CONFIGS.forced, "quant_qk8_ws", _ws_config(tq.QK8_WS_CONFIGS))
 
 
 def _inputs(b, hq, hkv, nq, nk, d, dtype, seed, v_shift=0.0):
