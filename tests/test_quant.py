@@ -86,6 +86,23 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("level", [tq.LEVEL_EXACT, tq.LEVEL_QK8, tq.LEVEL_FP8])
+@pytest.mark.parametrize("causal,window", [(False, (3, 3)), (True, (5, None))])
+def test_windows_narrower_than_the_query_block_count_each_key_tile_once(level, causal, window):
+    # A query block of 64 rows over key tiles of 16 with a window of a few keys: the unmasked
+    # run of key tiles is empty and its bounds are clamped to a key inside a tile (as with the
+    # H100's 128-row blocks and 64-key tiles). That tile must be folded in once, masked.
+    kind = f"quant_{tq.LEVELS[level]}"
+    q, k, v = _inputs(1, 2, 2, 40, 40, 64, torch.bfloat16, seed=41 + level, v_shift=0.3)
+    left, right = window[0], -1 if window[1] is None else window[1]
+    with ta.forced_configs(**{kind: ta.KernelConfig(64, 16, 1, 1) if DEVICE == "cpu" else
+                              ta.KernelConfig(128, 64, 4, 2)}):
+        out = tq.quant_attention(q, k, v, levels=[level], causal=causal, window_left=left, window_right=right)
+    keep = keep_mask(40, 40, causal, window)
+    sim = _simulate(q, k, v, level, False, keep, block_n=16 if DEVICE == "cpu" else 64)
+    assert rel_err(out.cpu(), sim) <= (3e-3 if DEVICE == "cuda" and level == tq.LEVEL_FP8 else 1e-3)
+
+
 def _keep(nq, nk, causal, bottom_right, window):
     if not causal and window is None:
         return None

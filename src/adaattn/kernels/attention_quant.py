@@ -287,11 +287,10 @@ def quant_tile_run(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base
                    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
                    QK_MODE: tl.constexpr, PV_MODE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    SCALE_POSITIVE: tl.constexpr, EMULATE: tl.constexpr, EXP_FMA: tl.constexpr):
-    """The tile loop over keys [tile_start, tile_end), in steps of BLOCK_N (tile_start is a
-    multiple of BLOCK_N). It counts tiles rather than keys: start_n = tile * BLOCK_N is then
-    known to be aligned, which the pipeliner needs to prefetch the transposed FP8 V (whose
-    rows run along keys) with asynchronous copies."""
-    for tile in range(tile_start // BLOCK_N, tl.cdiv(tile_end, BLOCK_N)):
+    """The loop over key tiles [tile_start, tile_end) (tile indices, not keys). It counts tiles
+    rather than keys: start_n = tile * BLOCK_N is then known to be aligned, which the pipeliner
+    needs to prefetch the transposed FP8 V (whose rows run along keys) with asynchronous copies."""
+    for tile in range(tile_start, tile_end):
         start_n = tile * BLOCK_N
         acc, l_i, m_i = quant_tile(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base, vq_base,
                                    mask_base, start_n, offs_m, offs_n, offs_d, q_len, k_len, diag,
@@ -366,20 +365,29 @@ def attention_quant_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo, full_lo, full_hi, hi = key_tile_range(start_m, q_len, k_len, diag, window_left, window_right,
                                               BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    # The three runs in tile indices, each tile in exactly one: a partial tile at either end of
+    # the unmasked run goes to the masked run beside it. (key_tile_range clamps its bounds to hi,
+    # which need not be a tile boundary: converting each run's key bounds on its own counted
+    # such a tile in two or three runs, one of them unmasked, whenever a window or a causal
+    # diagonal ended inside a tile before the unmasked run began: wrong outputs on the H100.)
+    t_lo = lo // BLOCK_N
+    t_full_lo = tl.cdiv(full_lo, BLOCK_N)
+    t_full_hi = tl.maximum(t_full_lo, full_hi // BLOCK_N)
+    t_hi = tl.maximum(t_full_hi, tl.cdiv(hi, BLOCK_N))
     acc, l_i, m_i = quant_tile_run(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base, vq_base,
-                                   mask_base, lo, full_lo, offs_m, offs_n, offs_d, q_len, k_len, diag,
+                                   mask_base, t_lo, t_full_lo, offs_m, offs_n, offs_d, q_len, k_len, diag,
                                    window_left, window_right, stride_kn, stride_kqn, stride_vn, stride_vqd,
                                    stride_mm, stride_mn, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT,
                                    HAS_RIGHT, MASK_KIND, QK_MODE, PV_MODE, DOT_PRECISION, SCALE_POSITIVE,
                                    EMULATE, EXP_FMA)
     acc, l_i, m_i = quant_tile_run(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base, vq_base,
-                                   mask_base, full_lo, full_hi, offs_m, offs_n, offs_d, q_len, k_len, diag,
+                                   mask_base, t_full_lo, t_full_hi, offs_m, offs_n, offs_d, q_len, k_len, diag,
                                    window_left, window_right, stride_kn, stride_kqn, stride_vn, stride_vqd,
                                    stride_mm, stride_mn, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT,
                                    HAS_RIGHT, MASK_KIND, QK_MODE, PV_MODE, DOT_PRECISION, SCALE_POSITIVE,
                                    EMULATE, EXP_FMA)
     acc, l_i, m_i = quant_tile_run(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base, vq_base,
-                                   mask_base, full_hi, hi, offs_m, offs_n, offs_d, q_len, k_len, diag,
+                                   mask_base, t_full_hi, t_hi, offs_m, offs_n, offs_d, q_len, k_len, diag,
                                    window_left, window_right, stride_kn, stride_kqn, stride_vn, stride_vqd,
                                    stride_mm, stride_mn, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT,
                                    HAS_RIGHT, MASK_KIND, QK_MODE, PV_MODE, DOT_PRECISION, SCALE_POSITIVE,
