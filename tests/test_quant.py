@@ -60,6 +60,13 @@ def _block_n() -> int:
     return tq.INTERPRET_QUANT.block_n if DEVICE == "cpu" else tq.QUANT_CONFIGS[64][0].block_n
 
 
+def _sim_tol(level) -> float:
+    """How close a kernel must come to the float64 simulation of its scheme: 1e-3, except the
+    fp8 level on a GPU, whose FP8 tensor cores accumulate with fewer bits than fp32 (measured on
+    the H100 up to 3.6e-3 at these sizes; the interpreter emulates them exactly)."""
+    return 5e-3 if DEVICE == "cuda" and level == tq.LEVEL_FP8 else 1e-3
+
+
 def _ws_config(configs):
     """A warp-specialised kernel's config whose key block is _block_n() (the simulation's)."""
     return tq.INTERPRET_QUANT if DEVICE == "cpu" else next(c for c in configs if c.block_n == _block_n())
@@ -100,7 +107,7 @@ def test_windows_narrower_than_the_query_block_count_each_key_tile_once(level, c
         out = tq.quant_attention(q, k, v, levels=[level], causal=causal, window_left=left, window_right=right)
     keep = keep_mask(40, 40, causal, window)
     sim = _simulate(q, k, v, level, False, keep, block_n=16 if DEVICE == "cpu" else 64)
-    assert rel_err(out.cpu(), sim) <= (3e-3 if DEVICE == "cuda" and level == tq.LEVEL_FP8 else 1e-3)
+    assert rel_err(out.cpu(), sim) <= _sim_tol(level)
 
 
 def _keep(nq, nk, causal, bottom_right, window):
@@ -123,7 +130,7 @@ def test_kernel_matches_float64_simulation_of_its_scheme(level, fp8_qk, dtype, s
     assert torch.isfinite(out).all(), "an output element was left unwritten (NaN poison) or overflowed"
     keep = _keep(nq, nk, causal, bottom_right, window)
     sim = _simulate(q, k, v, level, fp8_qk, keep)
-    assert rel_err(out.cpu(), sim) <= 1e-3
+    assert rel_err(out.cpu(), sim) <= _sim_tol(level)
     # And against exact attention: quantization error of the expected size, no more.
     ref = reference_attention(q.double(), k.double().repeat_interleave(hq // hkv, 1),
                               v.double().repeat_interleave(hq // hkv, 1),
@@ -163,7 +170,7 @@ def test_warp_specialised_fp8_kernel_matches_its_simulation(monkeypatch, case):
     keep = None
     if causal:  # query i sits at position i (+ nk - nq bottom-right)
         keep = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + (nk - nq if bottom_right else 0)
-    assert rel_err(out.cpu(), _simulate(q, k, v, tq.LEVEL_FP8, True, keep)) <= 1e-3
+    assert rel_err(out.cpu(), _simulate(q, k, v, tq.LEVEL_FP8, True, keep)) <= _sim_tol(tq.LEVEL_FP8)
     if keep is not None and not keep.any(1).all():
         assert (out[:, :, ~keep.any(1).to(out.device)] == 0).all()  # rows that see no key
 
@@ -315,7 +322,7 @@ def test_masks_broadcast_and_fully_masked_rows_give_zero(mask_kind):
         out = tq.quant_attention(q, k, v, mask, levels=[level])
         sim = _simulate(q, k, v, level, keep=sim_keep, bias=bias)
         assert torch.isfinite(out).all()
-        assert rel_err(out.cpu(), sim) <= 1e-3
+        assert rel_err(out.cpu(), sim) <= _sim_tol(level)
         assert (out[:, 1, 7] == 0).all()
 
 
@@ -410,7 +417,7 @@ def test_prepass_statistics_with_grouped_query_heads():
     assert torch.allclose(prep.k_mean().cpu(), smoothing_mean(k.cpu()), rtol=1e-6, atol=1e-6)
     assert torch.allclose(prep.v_stats()[0].cpu(), want_vm, rtol=1e-6, atol=1e-6)
     assert torch.allclose(prep.v_stats()[1].cpu(), want_vs, rtol=1e-6, atol=0)
-    assert rel_err(out.cpu(), _simulate(q, k, v, tq.LEVEL_FP8)) <= 1e-3
+    assert rel_err(out.cpu(), _simulate(q, k, v, tq.LEVEL_FP8)) <= _sim_tol(tq.LEVEL_FP8)
 
 
 class _CountedKernel:
