@@ -1,13 +1,17 @@
 """Where the quantized calls' time goes (GPU): the pieces of the fp8 level, its kernel's configs,
 qk8's configs at 16k, and the host time of mode="auto" (with a profile of where it goes).
 
-    PYTHONPATH=src python3 benchmarks/quant_breakdown_gpu.py [--out FILE] [--sections a,b,c]
+    PYTHONPATH=src python3 benchmarks/quant_breakdown_gpu.py [--out FILE] [--sections pieces,qk8,host]
 
 Sections:
   pieces   bf16 B=2 H=16 D=128, N 4096/16384, not causal: cuDNN, the whole fp8 call (FP8 Q.K^T,
            warp-specialised), its K/V pre-pass, its Q pre-pass, and the attention kernel alone
-           under each warp-specialised config.
+           under each warp-specialised config, with its error. (The exp2-on-FMA variants of
+           results/...-fp8-ws-exp-fma-h100.json ran in an earlier version of this section.)
   qk8      qk8 at N=16384, causal and not, under each candidate config.
+  prepass  the K/V pre-pass alone, per key block (at 4k these are host times).
+  gpu      eager time against CUDA-graph replay (GPU time alone) of cuDNN, our exact kernel,
+           qk8 (general and warp-specialised, each config) and fp8, N 4096/16384, causal or not.
   host     host time per call (GPU kept busy) of the fp8/qk8 calls and of mode="auto" at
            tau 3e-2 / 8e-2, with the policy's verify rate and with verify=0, at N=4096; and the
            20 functions with the most own time in 100 auto calls (cProfile).
@@ -88,27 +92,25 @@ def pieces(rows):
         s64 = (q[:, :, idx].double() @ k.double().transpose(-1, -2)) * D ** -0.5
         ref = torch.softmax(s64, -1) @ v.double()
         del s64
-        for cfg in (ta.KernelConfig(128, 256, 4, 2), ta.KernelConfig(128, 128, 4, 2)):
-            for share in (0, 2, 4):
-                row = {"piece": "fp8 ws kernel + Q pre-pass", "config": str(cfg), "exp_fma": share, "n": n}
-                try:
-                    with ta.forced_configs(quant_fp8_ws=cfg):
-                        prepared.get(qk_mode, pv_mode, cfg.block_n)
-                        ms = bench(lambda: tq._launch_fp8_ws(q, prepared, out, D ** -0.5, False, False, share))
-                        whole_cfg = bench(lambda: tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], fp8_qk=True,
-                                                                     exp_fma=share))
-                        o = tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], fp8_qk=True, exp_fma=share)
-                    err = ((o[:, :, idx].double() - ref).norm() / ref.norm()).item()
-                    row.update(ms=ms, kernel_ms=ms - qms, kernel_tflops=flops / (ms - qms) / 1e9,
-                               kernel_vs_cudnn=base / (ms - qms), whole_ms=whole_cfg, whole_vs_cudnn=base / whole_cfg,
-                               err=err)
-                    log(f"  {cfg} exp_fma={share}: kernel {ms - qms:.3f} ms ({flops / (ms - qms) / 1e9:.0f} TFLOP/s, "
-                        f"{base / (ms - qms):.2f}x cuDNN), whole call {whole_cfg:.3f} ms ({base / whole_cfg:.2f}x), "
-                        f"err {err:.4f}")
-                except Exception as e:
-                    row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-                    log(f"  {cfg} exp_fma={share}: {row['error']}")
-                rows.append(row)
+        for cfg in (ta.KernelConfig(128, 256, 4, 2), ta.KernelConfig(128, 128, 4, 2), ta.KernelConfig(128, 64, 4, 2)):
+            row = {"piece": "fp8 ws kernel + Q pre-pass", "config": str(cfg), "n": n}
+            try:
+                with ta.forced_configs(quant_fp8_ws=cfg):
+                    prepared.get(qk_mode, pv_mode, cfg.block_n)
+                    ms = bench(lambda: tq._launch_fp8_ws(q, prepared, out, D ** -0.5, False, False))
+                    whole_cfg = bench(lambda: tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], fp8_qk=True))
+                    o = tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], fp8_qk=True)
+                err = ((o[:, :, idx].double() - ref).norm() / ref.norm()).item()
+                row.update(ms=ms, kernel_ms=ms - qms, kernel_tflops=flops / (ms - qms) / 1e9,
+                           kernel_vs_cudnn=base / (ms - qms), whole_ms=whole_cfg, whole_vs_cudnn=base / whole_cfg,
+                           err=err)
+                log(f"  {cfg}: kernel {ms - qms:.3f} ms ({flops / (ms - qms) / 1e9:.0f} TFLOP/s, "
+                    f"{base / (ms - qms):.2f}x cuDNN), whole call {whole_cfg:.3f} ms ({base / whole_cfg:.2f}x), "
+                    f"err {err:.4f}")
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                log(f"  {cfg}: {row['error']}")
+            rows.append(row)
         del q, k, v, prepared, out
         torch.cuda.empty_cache()
 
