@@ -40,3 +40,20 @@ def section_runner(result: dict, log, t_start: float | None = None):
         return value
 
     return section
+
+
+def graph_ms(fn, rep: int = 60) -> float:
+    """GPU time of fn() alone: fn captured in a CUDA graph (after three warm-up calls on a side
+    stream) and the replay timed, do_bench median. Raises where fn cannot be captured."""
+    import triton.testing
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return triton.testing.do_bench(g.replay, warmup=10, rep=rep, return_mode="median")

@@ -35,6 +35,7 @@ from adaattn.backends import triton_attention as ta
 from adaattn.backends import triton_quant as tq
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_timing  # noqa: E402
 from gpu_timing import host_us_per_call  # noqa: E402
 
 DEVICE = "cuda"
@@ -99,20 +100,11 @@ def variants(q, k, v, causal):
 
 
 def graph_ms(fn):
-    """GPU time of fn() alone: fn captured in a CUDA graph and the replay timed (None where fn
-    cannot be captured). Eager `ms` is what a caller sees: where an implementation's host time
-    per call exceeds its GPU time (small N, several launches), `ms` is the host time."""
+    """gpu_timing.graph_ms (GPU time alone), or None where fn cannot be captured. Eager `ms` is
+    what a caller sees: where an implementation's host time per call exceeds its GPU time (small
+    N, several launches), `ms` is the host time."""
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return triton.testing.do_bench(g.replay, warmup=10, rep=60, return_mode="median")
+        return gpu_timing.graph_ms(fn)
     except Exception as e:
         log(f"    (not capturable: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
         torch.cuda.synchronize()

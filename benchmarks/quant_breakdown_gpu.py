@@ -40,7 +40,7 @@ import triton.testing  # noqa: E402
 import adaattn  # noqa: E402
 from adaattn.backends import triton_attention as ta  # noqa: E402
 from adaattn.backends import triton_quant as tq  # noqa: E402
-from gpu_timing import host_us_per_call, section_runner  # noqa: E402
+from gpu_timing import graph_ms, host_us_per_call, section_runner  # noqa: E402
 
 DEVICE = "cuda"
 B, H, D = 2, 16, 128
@@ -131,20 +131,6 @@ def prepass(rows):
             log(f"  block {block_n}: fp8 pre-pass {ms:.3f} ms, qk8 {ms8:.3f} ms")
         del q, k, v
         torch.cuda.empty_cache()
-
-
-def graph_ms(fn, rep=60) -> float:
-    """GPU time of fn() without its host time: fn captured in a CUDA graph, the replay timed."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return bench(g.replay, rep=rep)
 
 
 def gpu_vs_eager(rows):

@@ -139,73 +139,42 @@ def test_kernel_matches_float64_simulation_of_its_scheme(level, fp8_qk, dtype, s
     assert rel_err(out, ref) <= bound
 
 
-FP8_WS_CASES = {
-    # name: ((b, hq, hkv, nq, nk, d), causal, bottom_right, head_levels, whether the warp-specialised kernel runs)
-    "key tail": ((1, 2, 2, 70, 70, 64), False, False, False, True),
-    "gqa, more queries than keys": ((1, 4, 2, 90, 40, 64), False, False, False, True),
-    "head dim 128, two batches": ((2, 2, 1, 50, 96, 128), False, False, False, True),
-    "one key": ((1, 2, 2, 5, 1, 64), False, False, False, True),
-    "causal: the general kernel": ((1, 2, 2, 70, 70, 64), True, False, False, False),
-    "bottom-right, rows before the first key: the general kernel": ((1, 4, 2, 90, 40, 64), True, True, False, False),
-    "per-head levels: the general kernel": ((1, 2, 2, 40, 40, 64), False, False, True, False),
+WS_CASES = {
+    # name: ((b, hq, hkv, nq, nk, d), causal, bottom_right, per-head levels,
+    #        the levels whose warp-specialised kernel runs it (the rest: the general kernel))
+    "key tail": ((1, 2, 2, 70, 70, 64), False, False, False, {1, 2}),
+    "causal, key tail": ((1, 2, 2, 70, 70, 64), True, False, False, {1}),
+    "gqa, more queries than keys": ((1, 4, 2, 90, 40, 64), False, False, False, {1, 2}),
+    "gqa, bottom-right causal, rows before the first key": ((1, 4, 2, 90, 40, 64), True, True, False, {1}),
+    "head dim 128, two batches": ((2, 2, 1, 50, 96, 128), False, False, False, {1, 2}),
+    "one key": ((1, 2, 2, 5, 1, 64), False, False, False, {1, 2}),
+    "per-head levels": ((1, 2, 2, 40, 40, 64), False, False, True, set()),
 }
 
 
-@pytest.mark.parametrize("case", list(FP8_WS_CASES))
-def test_warp_specialised_fp8_kernel_matches_its_simulation(monkeypatch, case):
-    # kernels/attention_quant_ws.py (the fp8 level with FP8 Q.K^T, every head at it, not causal)
-    # does the simulated math; elsewhere the general kernel runs.
-    (b, hq, hkv, nq, nk, d), causal, bottom_right, per_head, ws = FP8_WS_CASES[case]
+@pytest.mark.parametrize("case", list(WS_CASES))
+@pytest.mark.parametrize("level", [tq.LEVEL_QK8, tq.LEVEL_FP8])
+def test_warp_specialised_kernels_match_their_simulation(monkeypatch, level, case):
+    # kernels/attention_quant_ws.py: qk8 (every head at it, no mask or window) and fp8 with FP8
+    # Q.K^T (the same, not causal either) do the simulated math; elsewhere the general kernel runs.
+    (b, hq, hkv, nq, nk, d), causal, bottom_right, per_head, ws_levels = WS_CASES[case]
     monkeypatch.setitem(ta.VARIANTS, "fwd", "ws")
+    name = {tq.LEVEL_QK8: "_launch_qk8_ws", tq.LEVEL_FP8: "_launch_fp8_ws"}[level]
     calls = []
-    launch = tq._launch_fp8_ws
-    monkeypatch.setattr(tq, "_launch_fp8_ws", lambda *a, **kw: (calls.append(1), launch(*a, **kw))[1])
-    q, k, v = _inputs(b, hq, hkv, nq, nk, d, torch.bfloat16, seed=nq + nk + d, v_shift=0.3)
-    levels = torch.full((hq,), tq.LEVEL_FP8, dtype=torch.int32, device=DEVICE) if per_head else None
-    with ta.forced_configs(quant_fp8_ws=_ws_config(tq.FP8_WS_CONFIGS)):
-        out = tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], head_levels=levels, causal=causal,
-                                 bottom_right=bottom_right, fp8_qk=True)
-    assert len(calls) == (1 if ws else 0)
+    launch = getattr(tq, name)
+    monkeypatch.setattr(tq, name, lambda *a, **kw: (calls.append(1), launch(*a, **kw))[1])
+    q, k, v = _inputs(b, hq, hkv, nq, nk, d, torch.bfloat16, seed=nq + nk + d + level, v_shift=0.3)
+    levels = torch.full((hq,), level, dtype=torch.int32, device=DEVICE) if per_head else None
+    fp8_qk = level == tq.LEVEL_FP8
+    with ta.forced_configs(quant_qk8_ws=_ws_config(tq.QK8_WS_CONFIGS), quant_fp8_ws=_ws_config(tq.FP8_WS_CONFIGS)):
+        out = tq.quant_attention(q, k, v, levels=[level], head_levels=levels, causal=causal,
+                                 bottom_right=bottom_right, fp8_qk=fp8_qk)
+    assert len(calls) == (1 if level in ws_levels else 0)
     assert torch.isfinite(out).all()
     keep = None
     if causal:  # query i sits at position i (+ nk - nq bottom-right)
         keep = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + (nk - nq if bottom_right else 0)
-    assert rel_err(out.cpu(), _simulate(q, k, v, tq.LEVEL_FP8, True, keep)) <= _sim_tol(tq.LEVEL_FP8)
-    if keep is not None and not keep.any(1).all():
-        assert (out[:, :, ~keep.any(1).to(out.device)] == 0).all()  # rows that see no key
-
-
-QK8_WS_CASES = {
-    # name: ((b, hq, hkv, nq, nk, d), causal, bottom_right, per-head levels, whether the warp-specialised kernel runs)
-    "key tail": ((1, 2, 2, 70, 70, 64), False, False, False, True),
-    "causal, key tail": ((1, 2, 2, 70, 70, 64), True, False, False, True),
-    "gqa, bottom-right, rows before the first key": ((1, 4, 2, 90, 40, 64), True, True, False, True),
-    "head dim 128, two batches": ((2, 2, 1, 50, 96, 128), False, False, False, True),
-    "one key": ((1, 2, 2, 5, 1, 64), False, False, False, True),
-    "per-head levels: the general kernel": ((1, 2, 2, 40, 40, 64), False, False, True, False),
-}
-
-
-@pytest.mark.parametrize("case", list(QK8_WS_CASES))
-def test_warp_specialised_qk8_kernel_matches_its_simulation(monkeypatch, case):
-    # kernels/attention_quant_ws.py's qk8 kernel (every head at qk8, no mask or window) does the
-    # simulated math (INT8 Q.K^T, P.V in bf16); elsewhere the general kernel runs.
-    (b, hq, hkv, nq, nk, d), causal, bottom_right, per_head, ws = QK8_WS_CASES[case]
-    monkeypatch.setitem(ta.VARIANTS, "fwd", "ws")
-    calls = []
-    launch = tq._launch_qk8_ws
-    monkeypatch.setattr(tq, "_launch_qk8_ws", lambda *a, **kw: (calls.append(1), launch(*a, **kw))[1])
-    q, k, v = _inputs(b, hq, hkv, nq, nk, d, torch.bfloat16, seed=nq + nk + d + 1, v_shift=0.3)
-    levels = torch.full((hq,), tq.LEVEL_QK8, dtype=torch.int32, device=DEVICE) if per_head else None
-    with ta.forced_configs(quant_qk8_ws=_ws_config(tq.QK8_WS_CONFIGS)):
-        out = tq.quant_attention(q, k, v, levels=[tq.LEVEL_QK8], head_levels=levels, causal=causal,
-                                 bottom_right=bottom_right)
-    assert len(calls) == (1 if ws else 0)
-    assert torch.isfinite(out).all()
-    keep = None
-    if causal:  # query i sits at position i (+ nk - nq bottom-right)
-        keep = torch.arange(nk)[None, :] <= torch.arange(nq)[:, None] + (nk - nq if bottom_right else 0)
-    assert rel_err(out.cpu(), _simulate(q, k, v, tq.LEVEL_QK8, False, keep)) <= 1e-3
+    assert rel_err(out.cpu(), _simulate(q, k, v, level, fp8_qk, keep)) <= _sim_tol(level)
     if keep is not None and not keep.any(1).all():
         assert (out[:, :, ~keep.any(1).to(out.device)] == 0).all()  # rows that see no key
 
