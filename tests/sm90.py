@@ -45,6 +45,35 @@ def compile_for_sm90(kernel, consts: dict, types: dict, divisible, num_warps: in
     return {"ptx": c.asm["ptx"], "ttgir": c.asm["ttgir"], "smem": c.metadata.shared, "stack": stack}
 
 
+def ws_kernel_rows(kernel, config, types_for, extra_consts: dict, marks: dict) -> list:
+    """Compile a warp-specialised attention kernel for sm90 at head dims 64 and 128, causal
+    (with a key tail) and not: config(d) gives the KernelConfig, types_for(d, cfg) the argument
+    types. Each row: smem, stack, whether the TTGIR is warp-specialised, the threads per block,
+    and for each name in marks whether the PTX contains its pattern."""
+    rows = []
+    for d in (64, 128):
+        cfg = config(d)
+        for causal in (False, True):
+            consts = dict(HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, BOTTOM_RIGHT=False,
+                          K_TAIL=causal, DOT_PRECISION="tf32", WARP_SPEC=True, **extra_consts)
+            c = compile_for_sm90(kernel, consts, types_for(d, cfg),
+                                 lambda n, t: t[0] == "*" or re.fullmatch(r"stride_[qo][bhm]", n),
+                                 cfg.num_warps, cfg.num_stages)
+            rows.append({"d": d, "causal": causal, "smem": c["smem"], "stack": c["stack"],
+                         "warp_specialize": "ttg.warp_specialize" in c["ttgir"],
+                         "threads": [int(t) for t in re.findall(r"reqntid (\d+)", c["ptx"])],
+                         **{name: pattern in c["ptx"] for name, pattern in marks.items()}})
+    return rows
+
+
+def assert_warp_specialised(rows: list, marks) -> None:
+    """Every row of ws_kernel_rows came out specialised: 3 warp groups of 4 warps (a TMA producer
+    and two consumers), every mark present, within shared memory, without spills."""
+    for r in rows:
+        assert r["warp_specialize"] and r["threads"] == [384] and all(r[m] for m in marks), r
+        assert r["smem"] <= 232448 and not r["stack"], r
+
+
 def run_json(script: str):
     """Run `script` in a fresh interpreter (src/ and tests/ on the path, no TRITON_INTERPRET)
     and return the JSON of its last output line; skips the test where triton has no ptxas."""

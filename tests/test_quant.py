@@ -179,100 +179,50 @@ def test_warp_specialised_kernels_match_their_simulation(monkeypatch, level, cas
         assert (out[:, :, ~keep.any(1).to(out.device)] == 0).all()  # rows that see no key
 
 
-SM90_QK8_WS_COMPILE = r"""
-import json, re
+SM90_QUANT_WS_COMPILE = r"""
+import json
 from adaattn.backends import triton_quant as tq
-from adaattn.kernels.attention_quant_ws import attention_qk8_ws_kernel as kernel
-from sm90 import compile_for_sm90
+from adaattn.kernels import attention_quant_ws
 
-rows = []
-for d in (64, 128):
-    for causal in (False, True):
-        cfg = tq.QK8_WS_CONFIGS[0]
+level = "LEVEL"
+kernel = getattr(attention_quant_ws, f"attention_{level}_ws_kernel")
+configs = tq.QK8_WS_CONFIGS if level == "qk8" else tq.FP8_WS_CONFIGS
+qtype = "i8" if level == "qk8" else "fp8e4nv"
 
-        def types(name):
-            if name == "KqDesc":
-                return f"tensordesc<i8[1, 1, {cfg.block_n}, {d}]>"
-            if name == "VDesc":
-                return f"tensordesc<bf16[1, 1, {cfg.block_n}, {d}]>"
-            if name in ("KScale", "QScale"):
-                return "*fp32"
-            if name == "Qq":
-                return "*i8"
-            if name[0].isupper():
-                return "*bf16"
-            return "fp32" if name.startswith("scale") else "i32"
+def types_for(d, cfg):
+    def types(name):
+        if name == "KqDesc":
+            return f"tensordesc<{qtype}[1, 1, {cfg.block_n}, {d}]>"
+        if name == "VDesc":
+            return f"tensordesc<bf16[1, 1, {cfg.block_n}, {d}]>"
+        if name == "VqDesc":
+            return f"tensordesc<fp8e4nv[1, 1, {d}, {cfg.block_n}]>"
+        if name in ("KScale", "VScale", "VMean", "QScale"):
+            return "*fp32"
+        if name == "Qq":
+            return f"*{qtype}"
+        if name[0].isupper():
+            return "*bf16"
+        return "fp32" if name.startswith("scale") else "i32"
+    return types
 
-        consts = dict(HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, BOTTOM_RIGHT=False,
-                      K_TAIL=causal, DOT_PRECISION="tf32", WARP_SPEC=True)
-        c = compile_for_sm90(kernel, consts, types, lambda n, t: t[0] == "*" or re.fullmatch(r"stride_o[bhm]", n),
-                             cfg.num_warps, cfg.num_stages)
-        rows.append({"d": d, "causal": causal, "smem": c["smem"], "stack": c["stack"],
-                     "warp_specialize": "ttg.warp_specialize" in c["ttgir"],
-                     "threads": [int(t) for t in re.findall(r"reqntid (\d+)", c["ptx"])],
-                     "int8_wgmma": "s8.s8" in c["ptx"]})
-print(json.dumps(rows))
+from sm90 import ws_kernel_rows
+print(json.dumps(ws_kernel_rows(kernel, lambda d: configs[0], types_for, {"EMULATE": False} if level == "fp8" else {},
+                                {"quantized_wgmma": "s8.s8" if level == "qk8" else "e4m3.e4m3"})))
 """
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the GPU tests compile for the real device")
-def test_warp_specialised_qk8_kernel_compiles_for_hopper_with_int8_tensor_cores():
+@pytest.mark.parametrize("level", ["qk8", "fp8"])
+def test_warp_specialised_quantized_kernels_compile_for_hopper_with_8_bit_tensor_cores(level):
+    # Each level's first config: specialised (a TMA producer and two consumer groups), INT8 or
+    # FP8 wgmma, within shared memory, without spills.
     pytest.importorskip("triton.compiler")
     import sm90
 
     if not ta.WS_AVAILABLE:
         pytest.skip("this triton has no warp_specialize")
-    for r in sm90.run_json(SM90_QK8_WS_COMPILE):
-        assert r["warp_specialize"] and r["threads"] == [384] and r["int8_wgmma"], r
-        assert r["smem"] <= 232448 and not r["stack"], r
-
-
-SM90_FP8_WS_COMPILE = r"""
-import json, re
-from adaattn.backends import triton_quant as tq
-from adaattn.kernels.attention_quant_ws import attention_fp8_ws_kernel as kernel
-from sm90 import compile_for_sm90
-
-rows = []
-for d in (64, 128):
-    for causal in (False, True):
-        cfg = tq.FP8_WS_CONFIGS[0]
-
-        def types(name):
-            if name == "KqDesc":
-                return f"tensordesc<fp8e4nv[1, 1, {cfg.block_n}, {d}]>"
-            if name == "VqDesc":
-                return f"tensordesc<fp8e4nv[1, 1, {d}, {cfg.block_n}]>"
-            if name in ("KScale", "VScale", "VMean", "QScale"):
-                return "*fp32"
-            if name == "Qq":
-                return "*fp8e4nv"
-            if name[0].isupper():
-                return "*bf16"
-            return "fp32" if name.startswith("scale") else "i32"
-
-        consts = dict(HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, BOTTOM_RIGHT=False,
-                      K_TAIL=causal, DOT_PRECISION="tf32", EMULATE=False, WARP_SPEC=True)
-        c = compile_for_sm90(kernel, consts, types, lambda n, t: t[0] == "*" or re.fullmatch(r"stride_[qo][bhm]", n),
-                             cfg.num_warps, cfg.num_stages)
-        rows.append({"d": d, "causal": causal, "smem": c["smem"], "stack": c["stack"],
-                     "warp_specialize": "ttg.warp_specialize" in c["ttgir"],
-                     "threads": [int(t) for t in re.findall(r"reqntid (\d+)", c["ptx"])],
-                     "fp8_wgmma": "e4m3.e4m3" in c["ptx"]})
-print(json.dumps(rows))
-"""
-
-
-@pytest.mark.skipif(DEVICE == "cuda", reason="the GPU tests compile for the real device")
-def test_warp_specialised_fp8_kernel_compiles_for_hopper_with_producer_and_two_consumer_groups():
-    pytest.importorskip("triton.compiler")
-    import sm90
-
-    if not ta.WS_AVAILABLE:
-        pytest.skip("this triton has no warp_specialize")
-    for r in sm90.run_json(SM90_FP8_WS_COMPILE):
-        assert r["warp_specialize"] and r["threads"] == [384] and r["fp8_wgmma"], r
-        assert r["smem"] <= 232448 and not r["stack"], r
+    sm90.assert_warp_specialised(sm90.run_json(SM90_QUANT_WS_COMPILE.replace("LEVEL", level)), ("quantized_wgmma",))
 
 
 @pytest.mark.parametrize("mask_kind", ["bool", "additive"])

@@ -667,33 +667,24 @@ def test_warp_specialised_forward_matches_reference(monkeypatch, case):
 
 
 SM90_WS_COMPILE = r"""
-import json, re
+import json
 from adaattn.backends import triton_attention as ta
 from adaattn.kernels.attention_fwd_ws import attention_fwd_ws_kernel as kernel
-from sm90 import compile_for_sm90
+from sm90 import ws_kernel_rows
 
-def types(name):
-    if name.endswith("Desc"):
-        return f"tensordesc<bf16[1, 1, {cfg.block_n}, {d}]>"
-    if name == "LSE":
-        return "*fp32"
-    if name[0].isupper():
-        return "*bf16"
-    return "fp32" if name.startswith("scale") else "i32"
+def types_for(d, cfg):
+    def types(name):
+        if name.endswith("Desc"):
+            return f"tensordesc<bf16[1, 1, {cfg.block_n}, {d}]>"
+        if name == "LSE":
+            return "*fp32"
+        if name[0].isupper():
+            return "*bf16"
+        return "fp32" if name.startswith("scale") else "i32"
+    return types
 
-rows = []
-for d in (64, 128):
-    for causal in (False, True):
-        cfg = ta.HALF_CONFIGS["fwd_ws"][ta._d_class(d)][0]
-        consts = dict(HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal, BOTTOM_RIGHT=False,
-                      K_TAIL=causal, DOT_PRECISION="tf32", WARP_SPEC=True)
-        c = compile_for_sm90(kernel, consts, types, lambda n, t: t[0] == "*" or re.fullmatch(r"stride_[qo][bhm]", n),
-                             cfg.num_warps, cfg.num_stages)
-        rows.append({"d": d, "causal": causal, "smem": c["smem"], "stack": c["stack"],
-                     "warp_specialize": "ttg.warp_specialize" in c["ttgir"],
-                     "threads": [int(t) for t in re.findall(r"reqntid (\d+)", c["ptx"])],
-                     "tma": "cp.async.bulk.tensor" in c["ptx"], "wgmma": "wgmma" in c["ptx"]})
-print(json.dumps(rows))
+print(json.dumps(ws_kernel_rows(kernel, lambda d: ta.HALF_CONFIGS["fwd_ws"][ta._d_class(d)][0], types_for, {},
+                                {"tma": "cp.async.bulk.tensor", "wgmma": "wgmma"})))
 """
 
 
@@ -707,9 +698,7 @@ def test_warp_specialised_forward_compiles_for_hopper_with_producer_and_two_cons
 
     if not ta.WS_AVAILABLE:
         pytest.skip("this triton has no warp_specialize")
-    for r in sm90.run_json(SM90_WS_COMPILE):
-        assert r["warp_specialize"] and r["threads"] == [384] and r["tma"] and r["wgmma"], r
-        assert r["smem"] <= 232448 and not r["stack"], r
+    sm90.assert_warp_specialised(sm90.run_json(SM90_WS_COMPILE), ("tma", "wgmma"))
 
 
 @pytest.mark.parametrize("fwd,d,dtype", [("tma", 32, torch.bfloat16), ("ws", 64, torch.float16)])

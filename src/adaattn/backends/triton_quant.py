@@ -294,6 +294,17 @@ def _fp8_ws_ok(q, out, attn_mask, head_levels, level: int, fp8_qk: bool, scale: 
     return ws_device_ok(q.device) and tma_ok(out)
 
 
+def _ws_config(kind: str, configs: list, q, hkv: int, nk: int, causal_right: bool, bottom_right: bool,
+               launch) -> KernelConfig:
+    """The config of a warp-specialised quantized launch: forced (or INTERPRET_QUANT) under the
+    interpreter, else timed once per shape class."""
+    if interpreting():
+        return CONFIGS.forced.get(kind, INTERPRET_QUANT)
+    b, hq, nq, d = q.shape
+    key = (q.device.index, q.dtype, d, causal_right, bottom_right, hq != hkv, length_bucket(nq), length_bucket(nk))
+    return CONFIGS.pick(kind, key, configs, launch)
+
+
 def _qk8_ws_ok(q, v, out, attn_mask, head_levels, level: int, scale: float, has_left: bool, has_right: bool,
                right: int) -> bool:
     """Whether the warp-specialised qk8 kernel (kernels/attention_quant_ws.py) runs this launch:
@@ -343,12 +354,7 @@ def _launch_qk8_ws(q, v, prepared: "Prepared", out, scale: float, causal_right: 
             WARP_SPEC=not interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
-    if interp:
-        cfg = CONFIGS.forced.get("quant_qk8_ws", INTERPRET_QUANT)
-    else:
-        key = (q.device.index, q.dtype, d, causal_right, bottom_right, hq != hkv, length_bucket(nq), length_bucket(nk))
-        cfg = CONFIGS.pick("quant_qk8_ws", key, QK8_WS_CONFIGS, launch)
-    launch(cfg)
+    launch(_ws_config("quant_qk8_ws", QK8_WS_CONFIGS, q, hkv, nk, causal_right, bottom_right, launch))
 
 
 def fp8_level_uses_fp8_qk(q, attn_mask, causal: bool, window_left: int, window_right: int) -> bool:
@@ -381,12 +387,7 @@ def _launch_fp8_ws(q, prepared: "Prepared", out, scale: float, causal_right: boo
             EMULATE=interp, WARP_SPEC=not interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
-    if interp:
-        cfg = CONFIGS.forced.get("quant_fp8_ws", INTERPRET_QUANT)
-    else:
-        key = (q.device.index, q.dtype, d, causal_right, bottom_right, hq != hkv, length_bucket(nq), length_bucket(nk))
-        cfg = CONFIGS.pick("quant_fp8_ws", key, FP8_WS_CONFIGS, launch)
-    launch(cfg)
+    launch(_ws_config("quant_fp8_ws", FP8_WS_CONFIGS, q, hkv, nk, causal_right, bottom_right, launch))
 
 
 def launch_level(q, k, v, prepared: Prepared, out, attn_mask, head_levels: Optional[torch.Tensor], level: int,

@@ -43,6 +43,27 @@ def visible_scores(qk, start_n, offs_n, last_key, k_len, CAUSAL: tl.constexpr, K
     return qk
 
 
+@triton.jit
+def ws_row_state(start_m, diag, k_len, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr):
+    """What a warp-specialised kernel's program starts its key loop with: (offs_m, last_key,
+    m_i, l_i, acc, hi), its rows, each row's last visible key (causal), the online-softmax
+    state, and the end of its keys."""
+    # start_m is a multiple of BLOCK_M, so OR adds. Not "+": triton 3.6's data partitioning
+    # splits tl.arange(0, BLOCK_M) between the two consumer groups (the second gets 64..127) and
+    # also adds 64 to the scalar added to it, so the second group's rows came out 64 too high
+    # (wrong causal masks and log-sum-exp rows on the H100; visible in the TTGIR).
+    offs_m = start_m | tl.arange(0, BLOCK_M)
+    # Row r sees keys j <= r + diag (causal); as a per-row bound, one compare per score.
+    last_key = offs_m + diag
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    hi = k_len
+    if CAUSAL:
+        hi = tl.minimum(k_len, tl.maximum(start_m + BLOCK_M + diag, 0))
+    return offs_m, last_key, m_i, l_i, acc, hi
+
+
 @triton.jit(do_not_specialize=["q_len", "k_len"])
 def attention_fwd_ws_kernel(
     Q, KDesc, VDesc, Out, LSE,
@@ -73,21 +94,9 @@ def attention_fwd_ws_kernel(
                                        shape=[q_len, HEAD_DIM], strides=[stride_om, 1],
                                        block_shape=[BLOCK_M, HEAD_DIM])
 
-    # start_m is a multiple of BLOCK_M, so OR adds. Not "+": triton 3.6's data partitioning
-    # splits tl.arange(0, BLOCK_M) between the two consumer groups (the second gets 64..127) and
-    # also adds 64 to the scalar added to it, so the second group's rows came out 64 too high
-    # (wrong causal masks and log-sum-exp rows on the H100; visible in the TTGIR).
-    offs_m = start_m | tl.arange(0, BLOCK_M)
+    offs_m, last_key, m_i, l_i, acc, hi = ws_row_state(start_m, diag, k_len, BLOCK_M, HEAD_DIM, CAUSAL)
     offs_n = tl.arange(0, BLOCK_N)
-    # Row r sees keys j <= r + diag (causal); as a per-row bound, one compare per score.
-    last_key = offs_m + diag
     q = q_desc.load([start_m, 0])
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    hi = k_len
-    if CAUSAL:
-        hi = tl.minimum(k_len, tl.maximum(start_m + BLOCK_M + diag, 0))
 
     for start_n in tl.range(0, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         k = KDesc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)

@@ -81,6 +81,14 @@ def quantize(x, QK_MODE: tl.constexpr, EMULATE: tl.constexpr):
 
 
 @triton.jit
+def kv_program(kv_heads):
+    """(pid_bh, batch, kv head) of a pre-pass program on grid axis 1 (batch * kv_heads), the
+    latter two as int64 offsets."""
+    pid_bh = tl.program_id(1)
+    return pid_bh, (pid_bh // kv_heads).to(tl.int64), (pid_bh % kv_heads).to(tl.int64)
+
+
+@triton.jit
 def kv_stats_kernel(
     K, V, Partials,
     stride_kb, stride_kh, stride_kn,
@@ -99,11 +107,7 @@ def kv_stats_kernel(
     minimum and maximum of V over every row of the chunk (V_STATS). Planes not asked for are
     left unwritten."""
     pid_c = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // kv_heads
-    head = pid_bh % kv_heads
-    b64 = batch.to(tl.int64)
-    h64 = head.to(tl.int64)
+    pid_bh, b64, h64 = kv_program(kv_heads)
     offs_r = tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -162,11 +166,7 @@ def quantize_kv_kernel(
     Kq is (B, Hkv, n_blocks * BLOCK_N, D) int8/fp8, rows past k_len zero; KScale is
     (B, Hkv, n_blocks) fp32; Vq is (B, Hkv, D, n_blocks * BLOCK_N) fp8 (transposed)."""
     pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // kv_heads
-    head = pid_bh % kv_heads
-    b64 = batch.to(tl.int64)
-    h64 = head.to(tl.int64)
+    pid_bh, b64, h64 = kv_program(kv_heads)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     stat = (b64 * kv_heads + h64) * HEAD_DIM

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .attention_fwd import dense_program, dot, round_to
-from .attention_fwd_ws import visible_scores
+from .attention_fwd_ws import visible_scores, ws_row_state
 from .attention_quant import INT_BIAS, biased_float, quantize, to_fp8
 
 LOG2_FP8_MAX: tl.constexpr = tl.constexpr(8.807354922057604)  # log2(448)
@@ -56,6 +56,27 @@ def quantize_q_kernel(Q, Qq, QScale, stride_qb, stride_qh, stride_qm, q_heads, q
     tl.store(QScale + pid_bh.to(tl.int64) * q_pitch + rows, q_scale, mask=ok)
 
 
+@triton.jit
+def quant_ws_prologue(Qq, QScale, Out, KScale, stride_ob, stride_oh, stride_om, pid_bh, batch, head, kv_head,
+                      q_heads, kv_group, q_len, q_pitch, n_blocks,
+                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(q_desc, qs_desc, o_desc, ks_base, stat) of a quantized warp-specialised program:
+    descriptors made here over its quantized Q rows, their scales and its Out rows (rows past
+    q_len read as zeros and are not written), its kv head's K block scales, and the offset of its
+    kv head's per-channel statistics."""
+    b64 = batch.to(tl.int64)
+    kv64 = kv_head.to(tl.int64)
+    q_desc = tl.make_tensor_descriptor(Qq + pid_bh.to(tl.int64) * q_len * HEAD_DIM, shape=[q_len, HEAD_DIM],
+                                       strides=[HEAD_DIM, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    qs_desc = tl.make_tensor_descriptor(QScale + pid_bh.to(tl.int64) * q_pitch, shape=[q_len], strides=[1],
+                                        block_shape=[BLOCK_M])
+    o_desc = tl.make_tensor_descriptor(Out + b64 * stride_ob + head.to(tl.int64) * stride_oh,
+                                       shape=[q_len, HEAD_DIM], strides=[stride_om, 1],
+                                       block_shape=[BLOCK_M, HEAD_DIM])
+    kv_row = b64 * (q_heads // kv_group) + kv64
+    return q_desc, qs_desc, o_desc, KScale + kv_row * n_blocks, kv_row * HEAD_DIM
+
+
 @triton.jit(do_not_specialize=["q_len", "k_len", "n_blocks", "q_pitch"])
 def attention_qk8_ws_kernel(
     Qq, QScale, KqDesc, VDesc, KScale, Out,
@@ -75,29 +96,13 @@ def attention_qk8_ws_kernel(
     pid_bh, batch, head, kv_head, start_m, diag = dense_program(q_heads, kv_group, q_len, k_len, BLOCK_M,
                                                                 BOTTOM_RIGHT)
 
-    b64 = batch.to(tl.int64)
-    kv64 = kv_head.to(tl.int64)
-    q_desc = tl.make_tensor_descriptor(Qq + pid_bh.to(tl.int64) * q_len * HEAD_DIM, shape=[q_len, HEAD_DIM],
-                                       strides=[HEAD_DIM, 1], block_shape=[BLOCK_M, HEAD_DIM])
-    qs_desc = tl.make_tensor_descriptor(QScale + pid_bh.to(tl.int64) * q_pitch, shape=[q_len], strides=[1],
-                                        block_shape=[BLOCK_M])
-    o_desc = tl.make_tensor_descriptor(Out + b64 * stride_ob + head.to(tl.int64) * stride_oh,
-                                       shape=[q_len, HEAD_DIM], strides=[stride_om, 1],
-                                       block_shape=[BLOCK_M, HEAD_DIM])
-    ks_base = KScale + (b64 * (q_heads // kv_group) + kv64) * n_blocks
-
-    # start_m | arange, not +: see attention_fwd_ws.py (the partitioning offsets both terms).
-    offs_m = start_m | tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    last_key = offs_m + diag
+    q_desc, qs_desc, o_desc, ks_base, _ = quant_ws_prologue(
+        Qq, QScale, Out, KScale, stride_ob, stride_oh, stride_om, pid_bh, batch, head, kv_head, q_heads, kv_group,
+        q_len, q_pitch, n_blocks, HEAD_DIM, BLOCK_M)
+    offs_m, last_key, m_i, l_i, acc, hi = ws_row_state(start_m, diag, k_len, BLOCK_M, HEAD_DIM, CAUSAL)
     q = q_desc.load([start_m, 0])
     row_scale = qs_desc.load([start_m]) * scale_log2
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    hi = k_len
-    if CAUSAL:
-        hi = tl.minimum(k_len, tl.maximum(start_m + BLOCK_M + diag, 0))
+    offs_n = tl.arange(0, BLOCK_N)
 
     for start_n in tl.range(0, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         k = KqDesc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
@@ -136,31 +141,14 @@ def attention_fp8_ws_kernel(
     pid_bh, batch, head, kv_head, start_m, diag = dense_program(q_heads, kv_group, q_len, k_len, BLOCK_M,
                                                                 BOTTOM_RIGHT)
 
-    b64 = batch.to(tl.int64)
-    kv64 = kv_head.to(tl.int64)
-    q_desc = tl.make_tensor_descriptor(Qq + pid_bh.to(tl.int64) * q_len * HEAD_DIM, shape=[q_len, HEAD_DIM],
-                                       strides=[HEAD_DIM, 1], block_shape=[BLOCK_M, HEAD_DIM])
-    qs_desc = tl.make_tensor_descriptor(QScale + pid_bh.to(tl.int64) * q_pitch, shape=[q_len], strides=[1],
-                                        block_shape=[BLOCK_M])
-    o_desc = tl.make_tensor_descriptor(Out + b64 * stride_ob + head.to(tl.int64) * stride_oh,
-                                       shape=[q_len, HEAD_DIM], strides=[stride_om, 1],
-                                       block_shape=[BLOCK_M, HEAD_DIM])
-    stat = (b64 * (q_heads // kv_group) + kv64) * HEAD_DIM
-    ks_base = KScale + (b64 * (q_heads // kv_group) + kv64) * n_blocks
-
-    # start_m | arange, not +: see attention_fwd_ws.py (the partitioning offsets both terms).
-    offs_m = start_m | tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    last_key = offs_m + diag
+    q_desc, qs_desc, o_desc, ks_base, stat = quant_ws_prologue(
+        Qq, QScale, Out, KScale, stride_ob, stride_oh, stride_om, pid_bh, batch, head, kv_head, q_heads, kv_group,
+        q_len, q_pitch, n_blocks, HEAD_DIM, BLOCK_M)
+    offs_m, last_key, m_i, l_i, acc, hi = ws_row_state(start_m, diag, k_len, BLOCK_M, HEAD_DIM, CAUSAL)
     q = q_desc.load([start_m, 0])
     row_scale = qs_desc.load([start_m]) * scale_log2
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    hi = k_len
-    if CAUSAL:
-        hi = tl.minimum(k_len, tl.maximum(start_m + BLOCK_M + diag, 0))
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
 
     for start_n in tl.range(0, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         k = KqDesc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
