@@ -82,6 +82,9 @@ def variants(q, k, v, causal):
         "quant.fp8": lambda: tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], causal=causal),
         "quant.fp8_fp8qk": lambda: tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], causal=causal, fp8_qk=True),
     }
+    if causal:  # the warp-specialised fp8 kernel with its per-tile causal select (off by default)
+        out["quant.fp8_ws_causal"] = lambda: _fp8_ws_causal(
+            lambda: tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], causal=causal, fp8_qk=True))
     try:
         from sageattention import sageattn
 
@@ -109,6 +112,15 @@ def graph_ms(fn):
         log(f"    (not capturable: {type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})")
         torch.cuda.synchronize()
         return None
+
+
+def _fp8_ws_causal(fn):
+    """fn() with causal fp8 calls on the warp-specialised fp8 kernel (tq.FP8_WS_CAUSAL)."""
+    old, tq.FP8_WS_CAUSAL = tq.FP8_WS_CAUSAL, True
+    try:
+        return fn()
+    finally:
+        tq.FP8_WS_CAUSAL = old
 
 
 def _general(fn):

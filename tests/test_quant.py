@@ -179,6 +179,23 @@ def test_warp_specialised_kernels_match_their_simulation(monkeypatch, level, cas
         assert (out[:, :, ~keep.any(1).to(out.device)] == 0).all()  # rows that see no key
 
 
+@pytest.mark.parametrize("level", [tq.LEVEL_QK8, tq.LEVEL_FP8])
+def test_queries_quantized_in_the_prepass_launch_or_alone_give_the_same_output(monkeypatch, level):
+    # Q is quantized by the launch that quantizes K, or by quantize_q_kernel when K was already
+    # quantized earlier in the call (here: by a Prepared used before); both do the same math.
+    monkeypatch.setitem(ta.VARIANTS, "fwd", "ws")
+    q, k, v = _inputs(1, 4, 2, 70, 50, 64, torch.bfloat16, seed=level, v_shift=0.3)
+    fp8_qk = level == tq.LEVEL_FP8
+    cfgs = dict(quant_qk8_ws=_ws_config(tq.QK8_WS_CONFIGS), quant_fp8_ws=_ws_config(tq.FP8_WS_CONFIGS))
+    with ta.forced_configs(**cfgs):
+        fused = tq.quant_attention(q, k, v, levels=[level], fp8_qk=fp8_qk)
+        prep = tq.Prepared(k, v)
+        prep.get(*tq.level_modes(level, fp8_qk), _block_n())
+        alone = tq.quant_attention(q, k, v, levels=[level], fp8_qk=fp8_qk, prepared=prep)
+    assert torch.equal(fused, alone)
+    assert rel_err(fused.cpu(), _simulate(q, k, v, level, fp8_qk, None)) <= _sim_tol(level)
+
+
 SM90_QUANT_WS_COMPILE = r"""
 import json
 from adaattn.backends import triton_quant as tq
@@ -266,13 +283,15 @@ def test_heads_run_at_their_own_levels_and_others_are_left_alone():
     assert torch.isfinite(partial[:, 2]).all()
 
 
-def test_prepass_writes_what_the_simulation_quantizes():
+# Key blocks per program 1, 2 (of 3) and 2 (of 2), with 16-row slices: one and two per block.
+@pytest.mark.parametrize("programs,bn", [(tq.PREPASS_PROGRAMS, 16), (3, 16), (1, 32)])
+def test_prepass_writes_what_the_simulation_quantizes(monkeypatch, programs, bn):
+    monkeypatch.setattr(tq, "PREPASS_PROGRAMS", programs)
     _, k, v = _inputs(1, 2, 2, 8, 45, 64, torch.bfloat16, seed=2, v_shift=1.0)
     prep = tq.Prepared(k, v)
-    bn = 16
     kq, kscale, vq, v_scale, v_mean, n_blocks = prep.get(tq.QK_INT8, tq.PV_FP8, bn)
     sim_k, sim_scale = quantize_key_blocks(k.cpu(), bn, "int8", prep.k_mean().cpu())
-    assert n_blocks == 3 and kq.shape[2] == 48
+    assert n_blocks == -(-45 // bn) and kq.shape[2] == n_blocks * bn
     assert torch.equal(kq[:, :, :45].cpu().double(), sim_k)
     assert (kq[:, :, 45:] == 0).all()
     assert torch.allclose(kscale.cpu().double().repeat_interleave(bn, -1)[..., :45], sim_scale, rtol=1e-6)
@@ -350,7 +369,7 @@ class _CountedKernel:
         return self.kernel[grid]
 
 
-def test_prepass_is_at_most_two_launches_per_new_key(monkeypatch):
+def test_prepass_is_one_launch_per_new_key_and_one_more_for_new_value_statistics(monkeypatch):
     log = []
     for name in ("kv_stats_kernel", "quantize_kv_kernel", "attention_quant_fwd_kernel"):
         monkeypatch.setattr(tq, name, _CountedKernel(getattr(tq, name), name, log))
@@ -364,7 +383,7 @@ def test_prepass_is_at_most_two_launches_per_new_key(monkeypatch):
     q, k, v = _inputs(1, 2, 2, 8, 45, 64, torch.bfloat16, seed=4)
     prep = tq.Prepared(k, v)
     assert launches(prep.get, tq.QK_NATIVE, tq.PV_NATIVE, 16) == []
-    assert launches(prep.get, tq.QK_INT8, tq.PV_NATIVE, 16) == [stats, quant]
+    assert launches(prep.get, tq.QK_INT8, tq.PV_NATIVE, 16) == [quant]  # K's mean: in the launch
     assert launches(prep.get, tq.QK_INT8, tq.PV_NATIVE, 16) == []  # made once per key
     assert launches(prep.get, tq.QK_INT8, tq.PV_FP8, 16) == [stats, quant]  # V's statistics are new
     assert launches(prep.get, tq.QK_INT8, tq.PV_FP8, 32) == [quant]  # nothing new to gather
@@ -375,6 +394,7 @@ def test_prepass_is_at_most_two_launches_per_new_key(monkeypatch):
     assert log == [stats, quant, "attention_quant_fwd_kernel"]
     empty = tq.Prepared(k[:, :, :0], v[:, :, :0])
     assert launches(empty.get, tq.QK_INT8, tq.PV_FP8, 16) == [quant]  # no rows: nothing to gather
+    assert launches(tq.Prepared(k, v).k_mean) == [quant]
 
 
 @triton.jit
@@ -471,10 +491,12 @@ from adaattn.kernels.attention_quant import kv_stats_kernel, quantize_kv_kernel
 from sm90 import compile_for_sm90
 
 def types(name):
-    if name in ("Partials", "KMean", "VMean", "VScale", "KScale"):
+    if name in ("Partials", "KMean", "VMean", "VScale", "KScale", "QScale"):
         return "*fp32"
     if name == "Kq":
         return {1: "*i8", 2: "*fp8e4nv"}.get(QK, "*bf16")
+    if name == "Qq":
+        return {1: "*i8", 2: "*fp8e4nv"}.get(QM, "*bf16")
     if name == "Vq":
         return "*fp8e4nv"
     if name[0].isupper():
@@ -486,14 +508,20 @@ def divisible(name, ty):
 
 stacks = []
 for d in (64, 128):
-    c = compile_for_sm90(kv_stats_kernel, dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_R=tq.STATS_TILE // d, K_SUM=True,
-                                               V_STATS=True), types, divisible, 4, 1)
+    QM = 0
+    c = compile_for_sm90(kv_stats_kernel, dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_R=tq.STATS_TILE // d), types, divisible,
+                         4, 1)
     stacks.append(("stats", d, c["stack"]))
-    for block_n in sorted({c.block_n for c in tq.QUANT_CONFIGS[d]}):
-        for QK, pv in ((1, 1), (2, 1), (1, 0), (0, 1)):
-            c = compile_for_sm90(quantize_kv_kernel, dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_N=block_n, QK_MODE=QK,
-                                                          PV_MODE=pv, EMULATE=False), types, divisible, 4, 1)
-            stacks.append(("quantize", d, block_n, QK, pv, c["stack"]))
+    block_ns = {c.block_n for c in tq.QUANT_CONFIGS[d] + tq.FP8_WS_CONFIGS + tq.QK8_WS_CONFIGS}
+    for block_n in sorted(block_ns):
+        # The general kernel's modes, then the warp-specialised levels' (Q quantized in the launch).
+        for QK, pv, QM in ((1, 1, 0), (2, 1, 0), (1, 0, 0), (0, 1, 0), (1, 0, 1), (2, 1, 2)):
+            c = compile_for_sm90(quantize_kv_kernel, dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_N=block_n,
+                                                          BLOCK_R=tq.STATS_TILE // d,
+                                                          BLOCK_S=min(tq.STATS_TILE // d, block_n), QK_MODE=QK, PV_MODE=pv,
+                                                          EMULATE=False, Q_MODE=QM, BLOCK_Q=tq.Q_BLOCK),
+                                 types, divisible, 4, 1)
+            stacks.append(("quantize", d, block_n, QK, pv, QM, c["stack"]))
 print(json.dumps(stacks))
 """
 

@@ -10,10 +10,11 @@ Three operating points ("levels"), most precise first:
 head at its own level: one launch per level present, each skipping the heads of other
 levels, so no host synchronisation is needed to mix levels.
 
-The pre-pass runs once per call for the levels launched, two Triton kernels (see Prepared):
-kv_stats_kernel gathers partial sums of a strided sample of K and V rows (the smoothing
-means) and V's per-channel range (one read of V, fp8 only) over chunks of rows, then
-quantize_kv_kernel reduces them and reads K (and V) once to write them quantized.
+The pre-pass runs once per call for the levels launched (see Prepared): quantize_kv_kernel reads
+K (and V) once to write them quantized, each program smoothing K by the mean of a strided
+sample of its rows; for FP8 V, kv_stats_kernel first gathers V's sampled sums and per-channel
+range (one read of V) over chunks of rows, which quantize_kv_kernel reduces. For the
+warp-specialised kernels the same launch quantizes Q per row.
 """
 
 from __future__ import annotations
@@ -80,8 +81,12 @@ INTERPRET_QUANT = KernelConfig(32, 16, 1, 1)
 # H100, bf16 B=2 H=16 D=128 (benchmarks/NOTES.md, fourth session): 256 keys per tile ran the
 # kernel 1.17x / 1.29x cuDNN at N=4096 / 16384 against 1.01x / 1.24x with 128, same error.
 FP8_WS_CONFIGS = [KernelConfig(128, 256, 4, 2), KernelConfig(128, 128, 4, 2), KernelConfig(128, 64, 4, 2)]
-# The warp-specialised qk8 kernel: the exact warp-specialised forward's candidates.
-QK8_WS_CONFIGS = [KernelConfig(128, 128, 4, 2), KernelConfig(128, 64, 4, 2)]
+# The warp-specialised qk8 kernel: the exact warp-specialised forward's candidates, and 3 stages
+# (197 KB of shared memory at D=128 with INT8 K, no spills under triton 3.6).
+QK8_WS_CONFIGS = [KernelConfig(128, 128, 4, 2), KernelConfig(128, 128, 4, 3), KernelConfig(128, 64, 4, 2)]
+# Whether causal calls at the fp8 level run the warp-specialised fp8 kernel (its causal mask is a
+# select on every tile); off: the general kernel (third session, 128-key tiles: slower).
+FP8_WS_CAUSAL = os.environ.get("ADAATTN_FP8_WS_CAUSAL", "0") == "1"
 # Hopper candidates (timed once per shape class like the exact kernel's); the first fitting
 # one runs when nothing is timed.
 QUANT_CONFIGS = {
@@ -163,19 +168,51 @@ def _placeholders(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return got
 
 
+class QuantizedQ:
+    """Q quantized per row for the warp-specialised kernels: qq (B, Hq, Nq, D) INT8 or E4M3,
+    scales (B * Hq, pitch) fp32 (pitch >= Nq, a multiple of 4: 16-byte rows). Written by the
+    pre-pass launch that quantizes K (Prepared.get), or by `ensure` alone when K was quantized
+    earlier in the call."""
+
+    def __init__(self, q: torch.Tensor, qk_mode: int):
+        b, hq, nq, d = q.shape
+        self.q, self.mode = q, qk_mode
+        self.qq = torch.empty(q.shape, dtype=torch.int8 if qk_mode == QK_INT8 else torch.float8_e4m3fn,
+                              device=q.device)
+        self.pitch = -(-nq // 4) * 4
+        self.scales = torch.empty((b * hq, self.pitch), dtype=torch.float32, device=q.device)
+        self.done = False
+
+    def ensure(self) -> None:
+        if self.done:
+            return
+        q = self.q
+        b, hq, nq, d = q.shape
+        quantize_q_kernel[(triton.cdiv(nq, Q_BLOCK), b * hq)](
+            q, self.qq, self.scales, q.stride(0), q.stride(1), q.stride(2), hq, nq, self.pitch,
+            HEAD_DIM=d, BLOCK_M=Q_BLOCK, EMULATE=interpreting(), QK_MODE=self.mode, num_warps=4, num_stages=1)
+        self.done = True
+
+
+Q_BLOCK = 64  # query rows per program of the Q quantization
+PREPASS_PROGRAMS = 264  # about two per SM of an H100: key blocks per program grow past that
+PREPASS_MAX_BLOCKS = 8
+
+
 class Prepared:
     """The quantized K/V of one call, per (QK_MODE, PV_MODE, BLOCK_N), made on first use.
 
-    A new key costs at most two launches: kv_stats_kernel (partial sums over the sampled rows
-    of `smoothing_mean`, V's range) for the statistics no earlier key gathered, then
-    quantize_kv_kernel, which reduces them and quantizes. Every statistic lives in one fp32
-    workspace: the partials, then k_mean, v_mean and v_scale (B, Hkv, D) each."""
+    A new key costs one launch of quantize_kv_kernel (K smoothed by its sampled mean, which
+    every program computes alike; Q quantized in the same launch when a QuantizedQ is passed),
+    plus one of kv_stats_kernel before it the first time FP8 V is asked for (V's per-channel
+    range needs every row). Every statistic lives in one fp32 workspace: V's partials, then
+    k_mean, v_mean and v_scale (B, Hkv, D) each."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor):
         self.k, self.v = k, v
         self.b, self.hkv, self.nk, self.d = k.shape
         self._work = None
-        self._gathered = [False, False]  # the partials of K, of V, are in the workspace
+        self._gathered = False  # V's partials are in the workspace
         self._reduced = [False, False]  # k_mean, (v_mean, v_scale) are written
         self._made: dict = {}
 
@@ -186,44 +223,53 @@ class Prepared:
             self._sample_stride = max(1, self.nk // SMOOTHING_SAMPLE)
             self._samples = float(max(-(-self.nk // self._sample_stride), 1))  # rows averaged
             c = self._chunks
-            self._work = torch.empty((4 * c + 3, self.b, self.hkv, self.d), dtype=torch.float32,
+            self._work = torch.empty((3 * c + 3, self.b, self.hkv, self.d), dtype=torch.float32,
                                      device=self.k.device)
-            self._stats = (self._work[4 * c], self._work[4 * c + 1], self._work[4 * c + 2])
+            self._stats = (self._work[3 * c], self._work[3 * c + 1], self._work[3 * c + 2])
         return self._work
 
     def _quantize(self, qk_mode: int, pv_mode: int, kq, kscale, vq, n_blocks: int, block_n: int,
-                  quantize: bool = True) -> None:
-        """Gather what is missing (kv_stats_kernel), then reduce and quantize (quantize_kv_kernel;
-        with quantize=False only reduce, into the workspace's k_mean / v_mean, v_scale)."""
+                  quantize: bool = True, q_rows: Optional[QuantizedQ] = None) -> None:
+        """Gather V's range if it is new (kv_stats_kernel), then quantize (quantize_kv_kernel;
+        with quantize=False only the statistics, into the workspace's k_mean / v_mean, v_scale),
+        with q_rows' Q programs in the same launch."""
         work = self._workspace()
         quant_k, quant_v = qk_mode != QK_NATIVE, pv_mode == PV_FP8
         k, v = self.k, self.v
         bh = self.b * self.hkv
         stat_plane = bh * self.d
-        gather_k = quant_k and not self._gathered[0]
-        gather_v = quant_v and not self._gathered[1]
-        if (gather_k or gather_v) and self._chunks:
+        if quant_v and not self._gathered and self._chunks:
             kv_stats_kernel[(self._chunks, bh)](
-                k, v, work,
-                k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+                v, work, v.stride(0), v.stride(1), v.stride(2),
                 self.hkv, self.nk, self._sample_stride, self._chunk_rows, self._chunks, stat_plane,
-                HEAD_DIM=self.d, BLOCK_D=self.d, BLOCK_R=self._block, K_SUM=gather_k, V_STATS=gather_v,
-                num_warps=4, num_stages=1,
+                HEAD_DIM=self.d, BLOCK_D=self.d, BLOCK_R=self._block, num_warps=4, num_stages=1,
             )
-        self._gathered[0] |= quant_k
-        self._gathered[1] |= quant_v
+        self._gathered |= quant_v
         kqs = kq.stride() if quant_k and quantize else (0, 0, 0, 0)
         vqs = vq.stride() if quant_v and quantize else (0, 0, 0, 0)
         k_mean, v_mean, v_scale = self._stats
-        quantize_kv_kernel[(n_blocks if quantize else 1, bh)](
+        per = 1
+        if quantize:
+            per = max(1, min(PREPASS_MAX_BLOCKS, n_blocks * bh // PREPASS_PROGRAMS))
+        k_programs = -(-n_blocks // per) if quantize else 1
+        q_mode, q_blocks, group, qargs = 0, 0, 1, (k, k, k, 0, 0, 0, 0, 0)
+        if q_rows is not None and not q_rows.done:
+            q = q_rows.q
+            group = q.shape[1] // self.hkv
+            q_mode, q_blocks = q_rows.mode, triton.cdiv(q.shape[2], Q_BLOCK)
+            qargs = (q, q_rows.qq, q_rows.scales, q.stride(0), q.stride(1), q.stride(2), q.shape[2], q_rows.pitch)
+        quantize_kv_kernel[(k_programs + group * q_blocks, bh)](
             k, v, work, k_mean, v_mean, v_scale, kq, kscale, vq,
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             kqs[0], kqs[1], kqs[2], vqs[0], vqs[1], vqs[2],
-            self.hkv, self.nk, n_blocks, self._chunks, stat_plane, self._samples,
-            HEAD_DIM=self.d, BLOCK_D=self.d, BLOCK_N=block_n,
-            QK_MODE=qk_mode, PV_MODE=pv_mode, EMULATE=interpreting(), QUANTIZE=quantize,
-            num_warps=4, num_stages=1,
+            self.hkv, self.nk, n_blocks, per, k_programs, self._chunks, stat_plane, self._sample_stride,
+            self._samples, *qargs, q_blocks, group,
+            HEAD_DIM=self.d, BLOCK_D=self.d, BLOCK_N=block_n, BLOCK_R=self._block,
+            BLOCK_S=min(self._block, block_n), QK_MODE=qk_mode, PV_MODE=pv_mode, EMULATE=interpreting(), QUANTIZE=quantize,
+            Q_MODE=q_mode, BLOCK_Q=Q_BLOCK, num_warps=4, num_stages=1,
         )
+        if q_mode:
+            q_rows.done = True
         self._reduced[0] |= quant_k
         self._reduced[1] |= quant_v
 
@@ -243,8 +289,9 @@ class Prepared:
             self._quantize(QK_NATIVE, PV_FP8, ones, ones, ones, 1, 16, quantize=False)
         return self._stats[1], self._stats[2]
 
-    def get(self, qk_mode: int, pv_mode: int, block_n: int):
-        """(Kq, KScale, Vq, VScale, VMean, n_blocks); placeholders where a mode needs none."""
+    def get(self, qk_mode: int, pv_mode: int, block_n: int, q_rows: Optional[QuantizedQ] = None):
+        """(Kq, KScale, Vq, VScale, VMean, n_blocks); placeholders where a mode needs none. When
+        the key is new, q_rows (if given and not yet written) is quantized in the same launch."""
         key = (qk_mode, pv_mode, block_n)
         made = self._made.get(key)
         if made is not None:
@@ -264,7 +311,7 @@ class Prepared:
         vq = torch.empty((self.b, self.hkv, self.d, npad), dtype=torch.float8_e4m3fn, device=dev) if quant_v else v
         v_scale, v_mean = ones, zeros
         if quant_k or quant_v:
-            self._quantize(qk_mode, pv_mode, kq, kscale, vq, n_blocks, block_n)
+            self._quantize(qk_mode, pv_mode, kq, kscale, vq, n_blocks, block_n, q_rows=q_rows)
             if quant_v:
                 v_mean, v_scale = self._stats[1], self._stats[2]
         made = (kq, kscale, vq, v_scale, v_mean, n_blocks)
@@ -289,7 +336,9 @@ def _fp8_ws_ok(q, out, attn_mask, head_levels, level: int, fp8_qk: bool, scale: 
     # Causal calls run the general kernel: the causal mask, applied to every tile of the
     # branch-free loop, made this kernel slower than the general one there (H100, 4k: 0.475 vs
     # 0.379 ms with INT8 Q.K^T).
-    if has_left or has_right or not scale > 0 or q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+    if has_left or (has_right and not (FP8_WS_CAUSAL and right == 0)):
+        return False
+    if not scale > 0 or q.shape[-1] not in SUPPORTED_HEAD_DIMS:
         return False
     return ws_device_ok(q.device) and tma_ok(out)
 
@@ -321,34 +370,22 @@ def _qk8_ws_ok(q, v, out, attn_mask, head_levels, level: int, scale: float, has_
     return ws_device_ok(q.device) and tma_ok(out) and tma_ok(v)
 
 
-def _quantized_q(q, qk_mode: int):
-    """(Qq (B, Hq, Nq, D) INT8 or E4M3, QScale (B * Hq, q_pitch) fp32, q_pitch): quantize_q_kernel's
-    per-row quantization, for the warp-specialised kernels."""
-    b, hq, nq, d = q.shape
-    qq = torch.empty(q.shape, dtype=torch.int8 if qk_mode == QK_INT8 else torch.float8_e4m3fn, device=q.device)
-    q_pitch = -(-nq // 4) * 4
-    qs = torch.empty((b * hq, q_pitch), dtype=torch.float32, device=q.device)
-    quantize_q_kernel[(triton.cdiv(nq, 64), b * hq)](
-        q, qq, qs, q.stride(0), q.stride(1), q.stride(2), hq, nq, q_pitch,
-        HEAD_DIM=d, BLOCK_M=64, EMULATE=interpreting(), QK_MODE=qk_mode, num_warps=4, num_stages=1)
-    return qq, qs, q_pitch
-
-
 def _launch_qk8_ws(q, v, prepared: "Prepared", out, scale: float, causal_right: bool, bottom_right: bool) -> None:
     b, hq, nq, d = q.shape
     hkv, nk = prepared.hkv, prepared.nk
     interp = interpreting()
-    qq, qs, q_pitch = _quantized_q(q, QK_INT8)
+    qrows = QuantizedQ(q, QK_INT8)
 
     def launch(cfg: KernelConfig):
-        kq, kscale, _, _, _, n_blocks = prepared.get(QK_INT8, PV_NATIVE, cfg.block_n)
+        kq, kscale, _, _, _, n_blocks = prepared.get(QK_INT8, PV_NATIVE, cfg.block_n, qrows)
+        qrows.ensure()
         ensure_triton_allocator()
         box = [1, 1, cfg.block_n, d]
         attention_qk8_ws_kernel[(triton.cdiv(nq, cfg.block_m), b * hq)](
-            qq, qs, TensorDescriptor(kq, list(kq.shape), list(kq.stride()), box),
+            qrows.qq, qrows.scales, TensorDescriptor(kq, list(kq.shape), list(kq.stride()), box),
             TensorDescriptor(v, list(v.shape), list(v.stride()), box),
             kscale, out, out.stride(0), out.stride(1), out.stride(2),
-            hq, hq // hkv, nq, q_pitch, nk, n_blocks, scale * LOG2E,
+            hq, hq // hkv, nq, qrows.pitch, nk, n_blocks, scale * LOG2E,
             HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal_right,
             BOTTOM_RIGHT=bottom_right, K_TAIL=nk % cfg.block_n != 0, DOT_PRECISION=_dot_precision(q.dtype),
             WARP_SPEC=not interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -370,18 +407,19 @@ def _launch_fp8_ws(q, prepared: "Prepared", out, scale: float, causal_right: boo
     qk_mode, pv_mode = level_modes(LEVEL_FP8, True)
     interp = interpreting()
 
-    # Q to E4M3 per row first (a reduction over Q inside the warp-specialised kernel does not
-    # pass triton's warp-specialisation pass).
-    qq, qs, q_pitch = _quantized_q(q, QK_FP8)
+    # Q to E4M3 per row first, in the pre-pass launch (a reduction over Q inside the
+    # warp-specialised kernel does not pass triton's warp-specialisation pass).
+    qrows = QuantizedQ(q, QK_FP8)
 
     def launch(cfg: KernelConfig):
-        kq, kscale, vq, v_scale, v_mean, n_blocks = prepared.get(qk_mode, pv_mode, cfg.block_n)
+        kq, kscale, vq, v_scale, v_mean, n_blocks = prepared.get(qk_mode, pv_mode, cfg.block_n, qrows)
+        qrows.ensure()
         ensure_triton_allocator()
         attention_fp8_ws_kernel[(triton.cdiv(nq, cfg.block_m), b * hq)](
-            qq, qs, TensorDescriptor(kq, list(kq.shape), list(kq.stride()), [1, 1, cfg.block_n, d]),
+            qrows.qq, qrows.scales, TensorDescriptor(kq, list(kq.shape), list(kq.stride()), [1, 1, cfg.block_n, d]),
             TensorDescriptor(vq, list(vq.shape), list(vq.stride()), [1, 1, d, cfg.block_n]),
             kscale, v_scale, v_mean, out, out.stride(0), out.stride(1), out.stride(2),
-            hq, hq // hkv, nq, q_pitch, nk, n_blocks, scale * LOG2E,
+            hq, hq // hkv, nq, qrows.pitch, nk, n_blocks, scale * LOG2E,
             HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal_right,
             BOTTOM_RIGHT=bottom_right, K_TAIL=nk % cfg.block_n != 0, DOT_PRECISION=_dot_precision(q.dtype),
             EMULATE=interp, WARP_SPEC=not interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -90,22 +90,20 @@ def kv_program(kv_heads):
 
 @triton.jit
 def kv_stats_kernel(
-    K, V, Partials,
-    stride_kb, stride_kh, stride_kn,
+    V, Partials,
     stride_vb, stride_vh, stride_vn,
     kv_heads, k_len, sample_stride, chunk_rows, n_chunks, stat_plane,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-    K_SUM: tl.constexpr, V_STATS: tl.constexpr,
 ):
-    """Grid (row chunks, batch * kv_heads): the partial statistics of one chunk of rows
+    """Grid (row chunks, batch * kv_heads): V's partial statistics over one chunk of rows
     [c * chunk_rows, (c + 1) * chunk_rows) (chunk_rows a multiple of BLOCK_R), reduced by
-    `quantize_kv_kernel`.
+    `quantize_kv_kernel` (the fp8 level's per-channel V range needs every row before any is
+    quantized).
 
-    Partials is fp32 (4, n_chunks, B, Hkv, D) (stat_plane = B * Hkv * D): [0] the sum of K
-    over the sampled rows (0, sample_stride, 2 * sample_stride, ... < k_len: the rows of
-    quant_reference.smoothing_mean) of the chunk (K_SUM); [1] that of V, [2] and [3] the
-    minimum and maximum of V over every row of the chunk (V_STATS). Planes not asked for are
-    left unwritten."""
+    Partials is fp32 (3, n_chunks, B, Hkv, D) (stat_plane = B * Hkv * D): [0] the sum of V over
+    the sampled rows (0, sample_stride, 2 * sample_stride, ... < k_len: the rows of
+    quant_reference.smoothing_mean) of the chunk, [1] and [2] the minimum and maximum of V over
+    every row of the chunk."""
     pid_c = tl.program_id(0)
     pid_bh, b64, h64 = kv_program(kv_heads)
     offs_r = tl.arange(0, BLOCK_R)
@@ -115,32 +113,61 @@ def kv_stats_kernel(
     hi = tl.minimum(lo + chunk_rows, k_len)
     out = Partials + pid_c * stat_plane + pid_bh * HEAD_DIM + offs_d
     planes = n_chunks * stat_plane
-    if K_SUM:
-        # Only the sampled rows are read: sample j is row j * sample_stride.
-        j_hi = (hi + sample_stride - 1) // sample_stride
-        k_base = K + b64 * stride_kb + h64 * stride_kh
-        k_sum = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-        for j0 in range((lo + sample_stride - 1) // sample_stride, j_hi, BLOCK_R):
-            j = j0 + offs_r
-            k_sum += load_rows(k_base + (j * sample_stride)[:, None] * stride_kn + offs_d[None, :], j, j_hi,
-                               offs_d, HEAD_DIM, BLOCK_D, True).to(tl.float32)
-        tl.store(out, tl.sum(k_sum, 0), mask=d_ok)
-    if V_STATS:
-        v_base = V + b64 * stride_vb + h64 * stride_vh
-        v_sum = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-        v_min = tl.full([BLOCK_R, BLOCK_D], float("inf"), dtype=tl.float32)
-        v_max = tl.full([BLOCK_R, BLOCK_D], float("-inf"), dtype=tl.float32)
-        for r0 in range(lo, hi, BLOCK_R):
-            rows = r0 + offs_r
-            ok = rows < hi
-            v = load_rows(v_base + rows[:, None] * stride_vn + offs_d[None, :], rows, hi, offs_d,
-                          HEAD_DIM, BLOCK_D, True).to(tl.float32)
-            v_sum += tl.where((rows % sample_stride == 0)[:, None], v, 0.0)  # 0 past hi
-            v_min = tl.minimum(v_min, tl.where(ok[:, None], v, float("inf")))
-            v_max = tl.maximum(v_max, tl.where(ok[:, None], v, float("-inf")))
-        tl.store(out + planes, tl.sum(v_sum, 0), mask=d_ok)
-        tl.store(out + 2 * planes, tl.min(v_min, 0), mask=d_ok)
-        tl.store(out + 3 * planes, tl.max(v_max, 0), mask=d_ok)
+    v_base = V + b64 * stride_vb + h64 * stride_vh
+    v_sum = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    v_min = tl.full([BLOCK_R, BLOCK_D], float("inf"), dtype=tl.float32)
+    v_max = tl.full([BLOCK_R, BLOCK_D], float("-inf"), dtype=tl.float32)
+    for r0 in range(lo, hi, BLOCK_R):
+        rows = r0 + offs_r
+        ok = rows < hi
+        v = load_rows(v_base + rows[:, None] * stride_vn + offs_d[None, :], rows, hi, offs_d,
+                      HEAD_DIM, BLOCK_D, True).to(tl.float32)
+        v_sum += tl.where((rows % sample_stride == 0)[:, None], v, 0.0)  # 0 past hi
+        v_min = tl.minimum(v_min, tl.where(ok[:, None], v, float("inf")))
+        v_max = tl.maximum(v_max, tl.where(ok[:, None], v, float("-inf")))
+    tl.store(out, tl.sum(v_sum, 0), mask=d_ok)
+    tl.store(out + planes, tl.min(v_min, 0), mask=d_ok)
+    tl.store(out + 2 * planes, tl.max(v_max, 0), mask=d_ok)
+
+
+@triton.jit
+def sample_mean(base, stride_n, k_len, sample_stride, n_samples,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
+    """The fp32 mean of rows 0, sample_stride, 2 * sample_stride, ... < k_len of the (k_len, D)
+    rows at base (quant_reference.smoothing_mean; n_samples is their number as a float, at least
+    1). Every program that calls it adds the same rows in the same order: the same bits."""
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, BLOCK_D)
+    j_hi = (k_len + sample_stride - 1) // sample_stride
+    total = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for j0 in range(0, j_hi, BLOCK_R):
+        j = j0 + offs_r
+        total += load_rows(base + (j * sample_stride)[:, None] * stride_n + offs_d[None, :], j, j_hi,
+                           offs_d, HEAD_DIM, BLOCK_D, True).to(tl.float32)
+    return tl.math.div_rn(tl.sum(total, 0), n_samples)
+
+
+@triton.jit
+def quantize_rows(X, Xq, XScale, stride_xb, stride_xh, stride_xm, batch, head, heads, x_len, pitch, start,
+                  HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, QK_MODE: tl.constexpr, EMULATE: tl.constexpr):
+    """Rows [start, start + BLOCK) of X's (batch, head) slice to INT8 (QK_MODE 1) or E4M3 (2) with
+    one scale per row (amax / 127 or / 448, at least 1e-30), as attention_quant_fwd_kernel
+    quantizes Q in its prologue. Xq is (B, heads, x_len, D) contiguous, XScale (B * heads, pitch)
+    fp32."""
+    rows = start + tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = rows < x_len
+    x = tl.load(X + batch.to(tl.int64) * stride_xb + head.to(tl.int64) * stride_xh + rows[:, None] * stride_xm
+                + offs_d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+    if QK_MODE == 1:
+        qmax = 127.0
+    else:
+        qmax = 448.0
+    x_scale = tl.maximum(tl.max(tl.abs(x), 1) / qmax, 1e-30)
+    bh = batch.to(tl.int64) * heads + head
+    tl.store(Xq + (bh * x_len + rows[:, None]) * HEAD_DIM + offs_d[None, :],
+             quantize(x / x_scale[:, None], QK_MODE, EMULATE), mask=ok[:, None])
+    tl.store(XScale + bh * pitch + rows, x_scale, mask=ok)
 
 
 @triton.jit
@@ -150,71 +177,101 @@ def quantize_kv_kernel(
     stride_vb, stride_vh, stride_vn,
     stride_kqb, stride_kqh, stride_kqn,
     stride_vqb, stride_vqh, stride_vqd,
-    kv_heads, k_len, n_blocks, n_chunks, stat_plane, n_samples,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    QK_MODE: tl.constexpr, PV_MODE: tl.constexpr, EMULATE: tl.constexpr,
-    QUANTIZE: tl.constexpr = True,
+    kv_heads, k_len, n_blocks, blocks_per_program, k_programs, n_chunks, stat_plane, sample_stride, n_samples,
+    Q, Qq, QScale, stride_qb, stride_qh, stride_qm, q_len, q_pitch, q_blocks, kv_group,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_S: tl.constexpr, QK_MODE: tl.constexpr, PV_MODE: tl.constexpr, EMULATE: tl.constexpr,
+    QUANTIZE: tl.constexpr = True, Q_MODE: tl.constexpr = 0, BLOCK_Q: tl.constexpr = 64,
 ):
-    """Grid (key blocks, batch * kv_heads): one block of K (and V) read once, written quantized.
+    """Grid (k_programs + [kv_group * q_blocks], batch * kv_heads): the quantization pre-pass, one
+    launch.
 
-    Each program first reduces the n_chunks partials of `kv_stats_kernel` for its (batch,
-    kv head): k_mean and v_mean (sums / n_samples, the float number of sampled rows, at least
-    1) and v_scale = max(v_max - v_mean, v_mean - v_min, 1e-30) / 448; the program of key
-    block 0 writes them to KMean, VMean and VScale ((B, Hkv, D) fp32). QUANTIZE=False (grid
-    (1, B * Hkv)) only does that.
+    A K/V program (axis 0 < k_programs) quantizes key blocks [p * blocks_per_program, ...) of its
+    (batch, kv head), each read once: K smoothed by its sampled mean (`sample_mean`, computed by
+    every program alike), per-block scale (QK_MODE INT8 or FP8); V (PV_MODE FP8) smoothed and
+    scaled per channel from `kv_stats_kernel`'s partials, reduced here: v_mean = sum / n_samples,
+    v_scale = max(v_max - v_mean, v_mean - v_min, 1e-30) / 448. Program 0 writes k_mean, v_mean
+    and v_scale to KMean, VMean and VScale ((B, Hkv, D) fp32). QUANTIZE=False (grid (1, B * Hkv))
+    only does that.
 
+    BLOCK_R: rows per step of the K mean; BLOCK_S (dividing BLOCK_N): rows per slice of a key block.
     Kq is (B, Hkv, n_blocks * BLOCK_N, D) int8/fp8, rows past k_len zero; KScale is
-    (B, Hkv, n_blocks) fp32; Vq is (B, Hkv, D, n_blocks * BLOCK_N) fp8 (transposed)."""
+    (B, Hkv, n_blocks) fp32; Vq is (B, Hkv, D, n_blocks * BLOCK_N) fp8 (transposed).
+
+    With Q_MODE (1 INT8, 2 E4M3), the programs past k_programs quantize Q per row for the
+    warp-specialised kernels (`quantize_rows`: BLOCK_Q rows of one query head of the kv head's
+    group each) into Qq (B, Hq, Nq, D) and QScale (B * Hq, q_pitch): one launch less."""
     pid_n = tl.program_id(0)
     pid_bh, b64, h64 = kv_program(kv_heads)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, BLOCK_D)
-    stat = (b64 * kv_heads + h64) * HEAD_DIM
-    d_ok = offs_d < HEAD_DIM
-    keep = (rows[:, None] < k_len) & d_ok[None, :]
-    part = Partials + stat + offs_d
-    planes = n_chunks * stat_plane
+    if pid_n >= k_programs:
+        idx = pid_n - k_programs
+        if Q_MODE != 0:
+            quantize_rows(Q, Qq, QScale, stride_qb, stride_qh, stride_qm, b64, h64 * kv_group + idx // q_blocks,
+                          kv_heads * kv_group, q_len, q_pitch, (idx % q_blocks) * BLOCK_Q, HEAD_DIM, BLOCK_Q,
+                          Q_MODE, EMULATE)
+    else:
+        offs_d = tl.arange(0, BLOCK_D)
+        stat = (b64 * kv_heads + h64) * HEAD_DIM
+        d_ok = offs_d < HEAD_DIM
+        part = Partials + stat + offs_d
+        planes = n_chunks * stat_plane
+        k_base = K + b64 * stride_kb + h64 * stride_kh
+        v_base = V + b64 * stride_vb + h64 * stride_vh
 
-    if QK_MODE != 0:
-        k_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for c in tl.range(0, n_chunks, loop_unroll_factor=4):  # (loads of 4 chunks in flight)
-            k_sum += tl.load(part + c * stat_plane, mask=d_ok, other=0.0)
-        k_mean = tl.math.div_rn(k_sum, n_samples)
-        if pid_n == 0:
-            tl.store(KMean + stat + offs_d, k_mean, mask=d_ok)
-    if PV_MODE == 1:
-        v_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
-        v_min = tl.full([BLOCK_D], float("inf"), dtype=tl.float32)
-        v_max = tl.full([BLOCK_D], float("-inf"), dtype=tl.float32)
-        for c in tl.range(0, n_chunks, loop_unroll_factor=4):
-            v_sum += tl.load(part + planes + c * stat_plane, mask=d_ok, other=0.0)
-            v_min = tl.minimum(v_min, tl.load(part + 2 * planes + c * stat_plane, mask=d_ok, other=0.0))
-            v_max = tl.maximum(v_max, tl.load(part + 3 * planes + c * stat_plane, mask=d_ok, other=0.0))
-        v_mean = tl.math.div_rn(v_sum, n_samples)
-        v_scale = tl.math.div_rn(tl.maximum(tl.maximum(v_max - v_mean, v_mean - v_min), 1e-30), 448.0)
-        if pid_n == 0:
-            tl.store(VMean + stat + offs_d, v_mean, mask=d_ok)
-            tl.store(VScale + stat + offs_d, v_scale, mask=d_ok)
+        if QK_MODE != 0:
+            k_mean = sample_mean(k_base, stride_kn, k_len, sample_stride, n_samples, HEAD_DIM, BLOCK_D, BLOCK_R)
+            if pid_n == 0:
+                tl.store(KMean + stat + offs_d, k_mean, mask=d_ok)
+        if PV_MODE == 1:
+            v_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
+            v_min = tl.full([BLOCK_D], float("inf"), dtype=tl.float32)
+            v_max = tl.full([BLOCK_D], float("-inf"), dtype=tl.float32)
+            for c in tl.range(0, n_chunks, loop_unroll_factor=4):  # (loads of 4 chunks in flight)
+                v_sum += tl.load(part + c * stat_plane, mask=d_ok, other=0.0)
+                v_min = tl.minimum(v_min, tl.load(part + planes + c * stat_plane, mask=d_ok, other=0.0))
+                v_max = tl.maximum(v_max, tl.load(part + 2 * planes + c * stat_plane, mask=d_ok, other=0.0))
+            v_mean = tl.math.div_rn(v_sum, n_samples)
+            v_scale = tl.math.div_rn(tl.maximum(tl.maximum(v_max - v_mean, v_mean - v_min), 1e-30), 448.0)
+            if pid_n == 0:
+                tl.store(VMean + stat + offs_d, v_mean, mask=d_ok)
+                tl.store(VScale + stat + offs_d, v_scale, mask=d_ok)
 
-    if QK_MODE != 0 and QUANTIZE:
-        k = load_rows(K + b64 * stride_kb + h64 * stride_kh + rows[:, None] * stride_kn + offs_d[None, :],
-                      rows, k_len, offs_d, HEAD_DIM, BLOCK_D, True).to(tl.float32)
-        k = tl.where(keep, k - k_mean[None, :], 0.0)
-        if QK_MODE == 1:
-            qmax = 127.0
-        else:
-            qmax = 448.0
-        k_scale = tl.maximum(tl.max(tl.max(tl.abs(k), 1), 0) / qmax, 1e-30)
-        kq = quantize(k / k_scale, QK_MODE, EMULATE)
-        tl.store(Kq + b64 * stride_kqb + h64 * stride_kqh + rows[:, None] * stride_kqn + offs_d[None, :], kq,
-                 mask=d_ok[None, :])
-        tl.store(KScale + (b64 * kv_heads + h64) * n_blocks + pid_n, k_scale)
-    if PV_MODE == 1 and QUANTIZE:
-        v = load_rows(V + b64 * stride_vb + h64 * stride_vh + rows[:, None] * stride_vn + offs_d[None, :],
-                      rows, k_len, offs_d, HEAD_DIM, BLOCK_D, True).to(tl.float32)
-        v = tl.where(keep, (v - v_mean[None, :]) / v_scale[None, :], 0.0)
-        tl.store(Vq + b64 * stride_vqb + h64 * stride_vqh + offs_d[None, :] * stride_vqd + rows[:, None],
-                 to_fp8(v, EMULATE), mask=d_ok[None, :])
+        if QUANTIZE:
+            # Each block is streamed in BLOCK_S-row slices (a whole 128- or 256-row block in
+            # registers spills): K's slices twice, for the block's scale and then to quantize
+            # (the second read hits the cache), V's once (its scales are per channel).
+            if QK_MODE == 1:
+                qmax = 127.0
+            else:
+                qmax = 448.0
+            blk_hi = tl.minimum((pid_n + 1) * blocks_per_program, n_blocks)
+            for blk in range(pid_n * blocks_per_program, blk_hi):
+                if QK_MODE != 0:
+                    amax = tl.zeros([BLOCK_D], dtype=tl.float32)
+                    for r0 in range(0, BLOCK_N, BLOCK_S):
+                        rows = blk * BLOCK_N + r0 + tl.arange(0, BLOCK_S)
+                        k = load_rows(k_base + rows[:, None] * stride_kn + offs_d[None, :],
+                                      rows, k_len, offs_d, HEAD_DIM, BLOCK_D, True).to(tl.float32)
+                        k = tl.where((rows[:, None] < k_len) & d_ok[None, :], k - k_mean[None, :], 0.0)
+                        amax = tl.maximum(amax, tl.max(tl.abs(k), 0))
+                    k_scale = tl.maximum(tl.max(amax, 0) / qmax, 1e-30)
+                    for r0 in range(0, BLOCK_N, BLOCK_S):
+                        rows = blk * BLOCK_N + r0 + tl.arange(0, BLOCK_S)
+                        k = load_rows(k_base + rows[:, None] * stride_kn + offs_d[None, :],
+                                      rows, k_len, offs_d, HEAD_DIM, BLOCK_D, True).to(tl.float32)
+                        k = tl.where((rows[:, None] < k_len) & d_ok[None, :], k - k_mean[None, :], 0.0)
+                        tl.store(Kq + b64 * stride_kqb + h64 * stride_kqh + rows[:, None] * stride_kqn
+                                 + offs_d[None, :], quantize(k / k_scale, QK_MODE, EMULATE), mask=d_ok[None, :])
+                    tl.store(KScale + (b64 * kv_heads + h64) * n_blocks + blk, k_scale)
+                if PV_MODE == 1:
+                    for r0 in range(0, BLOCK_N, BLOCK_S):
+                        rows = blk * BLOCK_N + r0 + tl.arange(0, BLOCK_S)
+                        v = load_rows(v_base + rows[:, None] * stride_vn + offs_d[None, :],
+                                      rows, k_len, offs_d, HEAD_DIM, BLOCK_D, True).to(tl.float32)
+                        v = tl.where((rows[:, None] < k_len) & d_ok[None, :],
+                                     (v - v_mean[None, :]) / v_scale[None, :], 0.0)
+                        tl.store(Vq + b64 * stride_vqb + h64 * stride_vqh + offs_d[None, :] * stride_vqd
+                                 + rows[:, None], to_fp8(v, EMULATE), mask=d_ok[None, :])
 
 
 @triton.jit

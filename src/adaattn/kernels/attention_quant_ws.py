@@ -2,10 +2,11 @@
 levels (attention_qk8_ws_kernel, attention_fp8_ws_kernel).
 
 The same math as attention_quant.py (the float64 simulation in adaptive/quant_reference.py
-is the reference for both): Q quantized per row, INT8 for qk8 and E4M3 for fp8, by
-`quantize_q_kernel` before the attention kernel (a reduction over Q's tile inside the
-warp-specialised kernel does not pass triton 3.6's warp-specialisation pass); K smoothed and
-quantized per block of BLOCK_N keys by the pre-pass (its scales read per tile). qk8: INT8
+is the reference for both): Q quantized per row, INT8 for qk8 and E4M3 for fp8, by the
+pre-pass launch (quantize_kv_kernel's Q programs, or `quantize_q_kernel`) before the attention
+kernel (a reduction over Q's tile inside the warp-specialised kernel does not pass triton 3.6's
+warp-specialisation pass); K smoothed and quantized per block of BLOCK_N keys by the pre-pass
+(its scales read per tile). qk8: INT8
 Q.K^T, scores to float by the bias trick, P.V in V's dtype. fp8: FP8 Q.K^T, P scaled into
 E4M3's range by folding log2(448) into the subtracted max, each tile's P.V started from zero
 and added in fp32, V smoothed and scaled per channel (applied at the end).
@@ -24,7 +25,7 @@ import triton.language as tl
 
 from .attention_fwd import dense_program, dot, round_to
 from .attention_fwd_ws import visible_scores, ws_row_state
-from .attention_quant import INT_BIAS, biased_float, quantize, to_fp8
+from .attention_quant import INT_BIAS, biased_float, quantize_rows, to_fp8
 
 LOG2_FP8_MAX: tl.constexpr = tl.constexpr(8.807354922057604)  # log2(448)
 
@@ -33,27 +34,13 @@ LOG2_FP8_MAX: tl.constexpr = tl.constexpr(8.807354922057604)  # log2(448)
 def quantize_q_kernel(Q, Qq, QScale, stride_qb, stride_qh, stride_qm, q_heads, q_len, q_pitch,
                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, EMULATE: tl.constexpr,
                       QK_MODE: tl.constexpr = 2):
-    """Grid (query blocks, batch * q_heads): Q rows to INT8 (QK_MODE 1) or E4M3 (2) with one
-    scale per row (amax / 127 or / 448, at least 1e-30), as attention_quant_fwd_kernel does in
-    its prologue. Qq is (B, Hq, Nq, D) contiguous, QScale (B * Hq, q_pitch) fp32 (q_pitch >= Nq,
-    a multiple of 4: 16-byte rows)."""
-    pid_m = tl.program_id(0)
+    """Grid (query blocks, batch * q_heads): Q rows to INT8 (QK_MODE 1) or E4M3 (2), one scale
+    per row (attention_quant.quantize_rows), for a call whose K and V were quantized earlier
+    (otherwise quantize_kv_kernel does it in the same launch). Qq is (B, Hq, Nq, D) contiguous,
+    QScale (B * Hq, q_pitch) fp32 (q_pitch >= Nq, a multiple of 4: 16-byte rows)."""
     pid_bh = tl.program_id(1)
-    batch = pid_bh // q_heads
-    head = pid_bh % q_heads
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    ok = rows < q_len
-    q = tl.load(Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh + rows[:, None] * stride_qm
-                + offs_d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
-    if QK_MODE == 1:
-        qmax = 127.0
-    else:
-        qmax = 448.0
-    q_scale = tl.maximum(tl.max(tl.abs(q), 1) / qmax, 1e-30)
-    tl.store(Qq + (pid_bh.to(tl.int64) * q_len + rows[:, None]) * HEAD_DIM + offs_d[None, :],
-             quantize(q / q_scale[:, None], QK_MODE, EMULATE), mask=ok[:, None])
-    tl.store(QScale + pid_bh.to(tl.int64) * q_pitch + rows, q_scale, mask=ok)
+    quantize_rows(Q, Qq, QScale, stride_qb, stride_qh, stride_qm, pid_bh // q_heads, pid_bh % q_heads, q_heads,
+                  q_len, q_pitch, tl.program_id(0) * BLOCK_M, HEAD_DIM, BLOCK_M, QK_MODE, EMULATE)
 
 
 @triton.jit
