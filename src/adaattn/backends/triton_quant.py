@@ -81,9 +81,9 @@ INTERPRET_QUANT = KernelConfig(32, 16, 1, 1)
 # H100, bf16 B=2 H=16 D=128 (benchmarks/NOTES.md, fourth session): 256 keys per tile ran the
 # kernel 1.17x / 1.29x cuDNN at N=4096 / 16384 against 1.01x / 1.24x with 128, same error.
 FP8_WS_CONFIGS = [KernelConfig(128, 256, 4, 2), KernelConfig(128, 128, 4, 2), KernelConfig(128, 64, 4, 2)]
-# The warp-specialised qk8 kernel: the exact warp-specialised forward's candidates, and 3 stages
-# (197 KB of shared memory at D=128 with INT8 K, no spills under triton 3.6).
-QK8_WS_CONFIGS = [KernelConfig(128, 128, 4, 2), KernelConfig(128, 128, 4, 3), KernelConfig(128, 64, 4, 2)]
+# The warp-specialised qk8 kernel: the exact warp-specialised forward's candidates. (With 3
+# stages, 128/128/4/3, it compiles under triton 3.6 and wrote NaN on the H100: fifth session.)
+QK8_WS_CONFIGS = [KernelConfig(128, 128, 4, 2), KernelConfig(128, 64, 4, 2)]
 # Whether causal calls at the fp8 level run the warp-specialised fp8 kernel (its causal mask is a
 # select on every tile); off: the general kernel (third session, 128-key tiles: slower).
 FP8_WS_CAUSAL = os.environ.get("ADAATTN_FP8_WS_CAUSAL", "0") == "1"
@@ -197,6 +197,8 @@ class QuantizedQ:
 Q_BLOCK = 64  # query rows per program of the Q quantization
 PREPASS_PROGRAMS = 264  # about two per SM of an H100: key blocks per program grow past that
 PREPASS_MAX_BLOCKS = 8
+PREPASS_SLICE = 4096  # elements per slice of a key block (rows: PREPASS_SLICE // D)
+PREPASS_WARPS = 4
 
 
 class Prepared:
@@ -265,8 +267,8 @@ class Prepared:
             self.hkv, self.nk, n_blocks, per, k_programs, self._chunks, stat_plane, self._sample_stride,
             self._samples, *qargs, q_blocks, group,
             HEAD_DIM=self.d, BLOCK_D=self.d, BLOCK_N=block_n, BLOCK_R=self._block,
-            BLOCK_S=min(self._block, block_n), QK_MODE=qk_mode, PV_MODE=pv_mode, EMULATE=interpreting(), QUANTIZE=quantize,
-            Q_MODE=q_mode, BLOCK_Q=Q_BLOCK, num_warps=4, num_stages=1,
+            BLOCK_S=min(self._block if interpreting() else max(16, PREPASS_SLICE // self.d), block_n), QK_MODE=qk_mode, PV_MODE=pv_mode, EMULATE=interpreting(), QUANTIZE=quantize,
+            Q_MODE=q_mode, BLOCK_Q=Q_BLOCK, num_warps=PREPASS_WARPS, num_stages=1,
         )
         if q_mode:
             q_rows.done = True
