@@ -34,14 +34,17 @@ def main() -> int:
     b, h, d = 2, 16, 128
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "commit": args.commit, "shape": f"bf16 B={b} H={h} D={d}", "rows": []}
+    defaults = (tq.PREPASS_MAX_BLOCKS, tq.PREPASS_SLICE, tq.PREPASS_WARPS)
+    stats_defaults = (tq.STATS_TILE, tq.STATS_PROGRAMS, tq.STATS_WARPS, tq.STATS_MAX_CHUNKS)
     for n in (4096, 16384):
+        tq.PREPASS_MAX_BLOCKS, tq.PREPASS_SLICE, tq.PREPASS_WARPS = defaults
         q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         for level, block_n in ((tq.LEVEL_QK8, 128), (tq.LEVEL_FP8, 256)):
             qk, pv = tq.level_modes(level, True)
             # bytes: Q, K (and V) read once, their quantized copies written (1 byte per element)
             elems = q.numel() * (3 if level == tq.LEVEL_FP8 else 2)
             moved = elems * 3 + (v.numel() * 2 if level == tq.LEVEL_FP8 else 0)  # + V's statistics read
-            for blocks, slice_, warps in itertools.product((1, 2, 4, 8), (4096, 8192), (4, 8)):
+            for blocks, slice_, warps in itertools.product((1, 2, 8), (8192, 16384), (4,)):
                 tq.PREPASS_MAX_BLOCKS, tq.PREPASS_SLICE, tq.PREPASS_WARPS = blocks, slice_, warps
 
                 def run():
@@ -58,9 +61,22 @@ def main() -> int:
                 result["rows"].append(row)
                 print(f"N={n:6d} {tq.LEVELS[level]:4s} blocks<={blocks} slice {slice_} warps {warps}: "
                       + (f"{ms * 1000:7.1f} us  {row['tb_per_s']:.2f} TB/s" if ms else "-"), flush=True)
-        # the pieces at the defaults: V statistics alone, Q alone
-        tq.PREPASS_MAX_BLOCKS, tq.PREPASS_SLICE, tq.PREPASS_WARPS = 8, 4096, 4
+        # the pieces at the defaults: V statistics alone (per setting), Q alone
+        tq.PREPASS_MAX_BLOCKS, tq.PREPASS_SLICE, tq.PREPASS_WARPS = defaults
         prep = tq.Prepared(k, v)
+        for tile, programs, warps in itertools.product((4096, 8192, 16384), (264, 528, 1056), (4, 8)):
+            tq.STATS_TILE, tq.STATS_PROGRAMS, tq.STATS_WARPS, tq.STATS_MAX_CHUNKS = tile, programs, warps, 256
+            try:
+                ms = gpu_timing.graph_ms(lambda: tq.Prepared(k, v).v_stats())
+            except Exception as e:
+                ms = None
+                print(f"  failed: {type(e).__name__}: {e}", flush=True)
+            result["rows"].append({"n": n, "piece": "v_stats launches", "stats_tile": tile, "stats_programs": programs,
+                                   "stats_warps": warps, "ms": ms,
+                                   "tb_per_s": v.numel() * 2 / ms / 1e9 if ms else None})
+            print(f"N={n}: V statistics tile {tile} programs {programs} warps {warps}: "
+                  + (f"{ms * 1000:.1f} us {v.numel() * 2 / ms / 1e9:.2f} TB/s" if ms else "-"), flush=True)
+        tq.STATS_TILE, tq.STATS_PROGRAMS, tq.STATS_WARPS, tq.STATS_MAX_CHUNKS = stats_defaults
         vs = gpu_timing.graph_ms(lambda: tq.Prepared(k, v).v_stats())
         qq = tq.QuantizedQ(q, tq.QK_FP8)
 

@@ -298,9 +298,9 @@ def test_compiles_with_fullgraph_and_matches_eager():
 def test_each_adaattention_module_has_its_own_controller():
     torch.manual_seed(0)
     policy = adaattn.Policy(mode="auto", precisions=ALL, tolerance=8e-2)
-    a = adaattn.AdaAttention(128, 2, policy=policy, batch_first=True).to(torch.bfloat16)
-    b = adaattn.AdaAttention(128, 2, policy=policy, batch_first=True).to(torch.bfloat16)
-    x = torch.randn(1, 64, 128, dtype=torch.bfloat16)
+    a = adaattn.AdaAttention(128, 2, policy=policy, batch_first=True).to(DEVICE, torch.bfloat16)
+    b = adaattn.AdaAttention(128, 2, policy=policy, batch_first=True).to(DEVICE, torch.bfloat16)
+    x = torch.randn(1, 64, 128, dtype=torch.bfloat16, device=DEVICE)
     with stats.collect() as recs, torch.no_grad():
         a(x, x, x)
         b(x, x, x)

@@ -517,7 +517,7 @@ for d in (64, 128):
         # The general kernel's modes, then the warp-specialised levels' (Q quantized in the launch).
         for QK, pv, QM in ((1, 1, 0), (2, 1, 0), (1, 0, 0), (0, 1, 0), (1, 0, 1), (2, 1, 2)):
             c = compile_for_sm90(quantize_kv_kernel, dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_N=block_n,
-                                                          BLOCK_R=tq.STATS_TILE // d,
+                                                          BLOCK_R=tq.MEAN_TILE // d,
                                                           BLOCK_S=min(tq.STATS_TILE // d, block_n), QK_MODE=QK, PV_MODE=pv,
                                                           EMULATE=False, Q_MODE=QM, BLOCK_Q=tq.Q_BLOCK),
                                  types, divisible, 4, 1)

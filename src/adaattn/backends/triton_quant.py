@@ -132,11 +132,13 @@ def _configs(d: int, dtype: torch.dtype, device: torch.device) -> list:
     return fit or [KernelConfig(64, 32, 4, 1)]
 
 
-# The statistics pass (kv_stats_kernel): rows per step (STATS_TILE // D: 64 at D=64, 32 at
-# D=128, its three fp32 accumulators in registers without spills), and the row chunks per
-# (batch, kv head) are enough for chunks * B * Hkv to reach about two programs per SM of an H100,
-# at most STATS_MAX_CHUNKS (every program of quantize_kv_kernel reduces them one by one).
+# The statistics pass (kv_stats_kernel): rows per step (STATS_TILE // D), and the row chunks per
+# (batch, kv head) are enough for chunks * B * Hkv to reach about STATS_PROGRAMS programs, at most
+# STATS_MAX_CHUNKS (every program of quantize_kv_kernel reduces them one by one). MEAN_TILE // D:
+# rows per step of the sampled K mean in quantize_kv_kernel (its (rows, D) fp32 sum in registers).
 STATS_TILE = 4096
+STATS_WARPS = 4
+MEAN_TILE = 4096
 INTERPRET_STATS_BLOCK = 16
 STATS_PROGRAMS = 264
 STATS_MAX_CHUNKS = 64
@@ -196,8 +198,8 @@ class QuantizedQ:
 
 Q_BLOCK = 64  # query rows per program of the Q quantization
 PREPASS_PROGRAMS = 264  # about two per SM of an H100: key blocks per program grow past that
-PREPASS_MAX_BLOCKS = 8
-PREPASS_SLICE = 4096  # elements per slice of a key block (rows: PREPASS_SLICE // D)
+PREPASS_MAX_BLOCKS = 2
+PREPASS_SLICE = 8192  # elements per slice of a key block (rows: PREPASS_SLICE // D)
 PREPASS_WARPS = 4
 
 
@@ -220,8 +222,10 @@ class Prepared:
 
     def _workspace(self) -> torch.Tensor:
         if self._work is None:
-            self._block = INTERPRET_STATS_BLOCK if interpreting() else max(16, STATS_TILE // max(self.d, 1))
-            self._chunks, self._chunk_rows = stats_chunks(self.nk, self.b * self.hkv, self._block)
+            interp = interpreting()
+            self._block = INTERPRET_STATS_BLOCK if interp else max(16, MEAN_TILE // max(self.d, 1))
+            self._stats_rows = INTERPRET_STATS_BLOCK if interp else max(16, STATS_TILE // max(self.d, 1))
+            self._chunks, self._chunk_rows = stats_chunks(self.nk, self.b * self.hkv, self._stats_rows)
             self._sample_stride = max(1, self.nk // SMOOTHING_SAMPLE)
             self._samples = float(max(-(-self.nk // self._sample_stride), 1))  # rows averaged
             c = self._chunks
@@ -244,7 +248,7 @@ class Prepared:
             kv_stats_kernel[(self._chunks, bh)](
                 v, work, v.stride(0), v.stride(1), v.stride(2),
                 self.hkv, self.nk, self._sample_stride, self._chunk_rows, self._chunks, stat_plane,
-                HEAD_DIM=self.d, BLOCK_D=self.d, BLOCK_R=self._block, num_warps=4, num_stages=1,
+                HEAD_DIM=self.d, BLOCK_D=self.d, BLOCK_R=self._stats_rows, num_warps=STATS_WARPS, num_stages=1,
             )
         self._gathered |= quant_v
         kqs = kq.stride() if quant_k and quantize else (0, 0, 0, 0)
@@ -267,7 +271,8 @@ class Prepared:
             self.hkv, self.nk, n_blocks, per, k_programs, self._chunks, stat_plane, self._sample_stride,
             self._samples, *qargs, q_blocks, group,
             HEAD_DIM=self.d, BLOCK_D=self.d, BLOCK_N=block_n, BLOCK_R=self._block,
-            BLOCK_S=min(self._block if interpreting() else max(16, PREPASS_SLICE // self.d), block_n), QK_MODE=qk_mode, PV_MODE=pv_mode, EMULATE=interpreting(), QUANTIZE=quantize,
+            BLOCK_S=min(INTERPRET_STATS_BLOCK if interpreting() else max(16, PREPASS_SLICE // self.d), block_n),
+            QK_MODE=qk_mode, PV_MODE=pv_mode, EMULATE=interpreting(), QUANTIZE=quantize,
             Q_MODE=q_mode, BLOCK_Q=Q_BLOCK, num_warps=PREPASS_WARPS, num_stages=1,
         )
         if q_mode:
