@@ -111,7 +111,7 @@ def main() -> int:
         "fp8 ws kernel launch (descriptors made once)": ws_kernel,
         "fp8 ws kernel launch (descriptors per call)": ws_kernel_new_desc,
         "quantize_q launch": qpass,
-        "Prepared(k, v).get fp8 (2 launches)": lambda: tq.Prepared(k, v).get(qk_mode, pv_mode, 128),
+        "Prepared(k, v).get fp8 (1 launch)": lambda: tq.Prepared(k, v).get(qk_mode, pv_mode, 128),
         "Prepared(k, v).get qk8 (1 launch)": lambda: tq.Prepared(k, v).get(*tq.level_modes(tq.LEVEL_QK8), 64),
         "_launch_fp8_ws (prepared)": lambda: tq._launch_fp8_ws(q, prepared, out, 0.1, False, False),
         "quant_attention fp8": lambda: tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], fp8_qk=True),

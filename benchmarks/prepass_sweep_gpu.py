@@ -3,10 +3,10 @@
     PYTHONPATH=src python3 benchmarks/prepass_sweep_gpu.py --out $OUT/prepass.json
 
 bf16 B=2 H=16 D=128, N in {4096, 16384}: for the qk8 warp-specialised path (INT8 K, 128-key
-blocks, INT8 Q in the same launch) and the fp8 one (FP8 K and V, 256-key blocks, V's statistics
-launch, E4M3 Q), the pre-pass's GPU time for each (key blocks per program at most, slice
+blocks, INT8 Q in the same launch) and the fp8 one (FP8 K and V, 256-key blocks, E4M3 Q), the pre-pass's GPU time for each (key blocks per program at most, slice
 elements, warps) of triton_quant's PREPASS_* settings, and the bandwidth it reaches (bytes read
-once + written over the time).
+once + written over the time). (The fifth session's first sweeps also timed a V statistics
+launch, since removed: results/2026-11-22-prepass-sweep-*.json.)
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ def main() -> int:
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
               "commit": args.commit, "shape": f"bf16 B={b} H={h} D={d}", "rows": []}
     defaults = (tq.PREPASS_MAX_BLOCKS, tq.PREPASS_SLICE, tq.PREPASS_WARPS)
-    stats_defaults = (tq.STATS_TILE, tq.STATS_PROGRAMS, tq.STATS_WARPS, tq.STATS_MAX_CHUNKS)
     for n in (4096, 16384):
         tq.PREPASS_MAX_BLOCKS, tq.PREPASS_SLICE, tq.PREPASS_WARPS = defaults
         q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
@@ -43,8 +42,8 @@ def main() -> int:
             qk, pv = tq.level_modes(level, True)
             # bytes: Q, K (and V) read once, their quantized copies written (1 byte per element)
             elems = q.numel() * (3 if level == tq.LEVEL_FP8 else 2)
-            moved = elems * 3 + (v.numel() * 2 if level == tq.LEVEL_FP8 else 0)  # + V's statistics read
-            for blocks, slice_, warps in itertools.product((1, 2, 8), (8192, 16384), (4,)):
+            moved = elems * 3
+            for blocks, slice_, warps in itertools.product((1, 2, 4), (8192, 16384), (4, 8)):
                 tq.PREPASS_MAX_BLOCKS, tq.PREPASS_SLICE, tq.PREPASS_WARPS = blocks, slice_, warps
 
                 def run():
@@ -61,23 +60,8 @@ def main() -> int:
                 result["rows"].append(row)
                 print(f"N={n:6d} {tq.LEVELS[level]:4s} blocks<={blocks} slice {slice_} warps {warps}: "
                       + (f"{ms * 1000:7.1f} us  {row['tb_per_s']:.2f} TB/s" if ms else "-"), flush=True)
-        # the pieces at the defaults: V statistics alone (per setting), Q alone
+        # Q alone, at the defaults
         tq.PREPASS_MAX_BLOCKS, tq.PREPASS_SLICE, tq.PREPASS_WARPS = defaults
-        prep = tq.Prepared(k, v)
-        for tile, programs, warps in itertools.product((4096, 8192, 16384), (264, 528, 1056), (4, 8)):
-            tq.STATS_TILE, tq.STATS_PROGRAMS, tq.STATS_WARPS, tq.STATS_MAX_CHUNKS = tile, programs, warps, 256
-            try:
-                ms = gpu_timing.graph_ms(lambda: tq.Prepared(k, v).v_stats())
-            except Exception as e:
-                ms = None
-                print(f"  failed: {type(e).__name__}: {e}", flush=True)
-            result["rows"].append({"n": n, "piece": "v_stats launches", "stats_tile": tile, "stats_programs": programs,
-                                   "stats_warps": warps, "ms": ms,
-                                   "tb_per_s": v.numel() * 2 / ms / 1e9 if ms else None})
-            print(f"N={n}: V statistics tile {tile} programs {programs} warps {warps}: "
-                  + (f"{ms * 1000:.1f} us {v.numel() * 2 / ms / 1e9:.2f} TB/s" if ms else "-"), flush=True)
-        tq.STATS_TILE, tq.STATS_PROGRAMS, tq.STATS_WARPS, tq.STATS_MAX_CHUNKS = stats_defaults
-        vs = gpu_timing.graph_ms(lambda: tq.Prepared(k, v).v_stats())
         qq = tq.QuantizedQ(q, tq.QK_FP8)
 
         def q_alone():
@@ -85,10 +69,8 @@ def main() -> int:
             qq.ensure()
 
         qa = gpu_timing.graph_ms(q_alone)
-        result["rows"].append({"n": n, "piece": "v_stats launches", "ms": vs})
         result["rows"].append({"n": n, "piece": "quantize_q_kernel alone", "ms": qa})
-        print(f"N={n}: V statistics {vs * 1000:.1f} us, Q alone {qa * 1000:.1f} us", flush=True)
-        del prep
+        print(f"N={n}: Q alone {qa * 1000:.1f} us", flush=True)
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
     return 0

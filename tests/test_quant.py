@@ -295,30 +295,21 @@ def test_prepass_writes_what_the_simulation_quantizes(monkeypatch, programs, bn)
     assert torch.equal(kq[:, :, :45].cpu().double(), sim_k)
     assert (kq[:, :, 45:] == 0).all()
     assert torch.allclose(kscale.cpu().double().repeat_interleave(bn, -1)[..., :45], sim_scale, rtol=1e-6)
-    sim_v, sim_vs, _ = value_fp8(v.cpu(), prep.v_stats()[0].cpu(), prep.v_stats()[1].cpu())
+    sim_v, sim_vs, _ = value_fp8(v.cpu(), bn, prep.v_mean().cpu())
     assert torch.equal(vq[..., :45].transpose(-1, -2).cpu().double(), sim_v)
-
-
-def _torch_v_stats(v):
-    """(mean, scale) of V by smoothing_mean and aminmax, as Prepared computed them before the
-    statistics kernel."""
-    v_mean = smoothing_mean(v)
-    if v.shape[-2] == 0:
-        return v_mean, torch.full_like(v_mean, 1e-30 / tq.FP8_MAX)
-    v_min, v_max = torch.aminmax(v, dim=-2)
-    amax = torch.maximum(v_max.float() - v_mean, v_mean - v_min.float())
-    return v_mean, amax.clamp_min(1e-30) / tq.FP8_MAX
+    assert (vq[..., 45:] == 0).all()
+    assert torch.allclose(v_scale.cpu().double(), sim_vs, rtol=1e-6) and v_mean is prep.v_mean()
 
 
 @pytest.mark.parametrize("shape,strided", [
-    ((1, 2, 45, 64), False),    # n not a multiple of the row block, several chunks
+    ((1, 2, 45, 64), False),    # n not a multiple of the row step
     ((2, 2, 100, 128), True),   # n < 256 (every row sampled), D=128, strided K and V
     ((1, 2, 600, 64), True),    # sample stride 2, n past a whole number of strides
-    ((1, 1, 1000, 64), False),  # sample stride 3, one (batch, head): the most chunks
-    ((1, 2, 7, 64), False),     # one partial chunk
-    ((1, 2, 0, 64), False),     # no keys: zero means, scale from the 1e-30 floor
+    ((1, 1, 1000, 64), False),  # sample stride 3, one (batch, head)
+    ((1, 2, 7, 64), False),     # fewer rows than one step
+    ((1, 2, 0, 64), False),     # no keys: zero means
 ])
-def test_prepass_statistics_match_smoothing_mean_and_value_range(shape, strided):
+def test_prepass_means_match_smoothing_mean(shape, strided):
     b, h, n, d = shape
     g = torch.Generator(device="cpu").manual_seed(n + d)
     if strided:  # (B, N, H, D) storage seen as (B, H, N, D): stride(-1) == 1, not contiguous
@@ -328,33 +319,27 @@ def test_prepass_statistics_match_smoothing_mean_and_value_range(shape, strided)
     else:
         k = torch.randn(b, h, n, d, generator=g).to(torch.bfloat16).to(DEVICE)
         v = (torch.randn(b, h, n, d, generator=g) * 2 + 0.7).to(torch.bfloat16).to(DEVICE)
-    want_k = smoothing_mean(k.cpu())
-    want_vm, want_vs = _torch_v_stats(v.cpu())
     close = dict(rtol=1e-6, atol=1e-6)  # the same sums, added in another order
-    # On their own (the reduce-only launch), then as the quantizing launches of each mode write them.
+    # On their own (the means-only launch), then as the quantizing launches of each mode write them.
     alone = tq.Prepared(k, v)
-    k_mean, (v_mean, v_scale) = alone.k_mean().clone(), [t.clone() for t in alone.v_stats()]
-    assert torch.allclose(k_mean.cpu(), want_k, **close)
-    assert torch.allclose(v_mean.cpu(), want_vm, **close)
-    assert torch.allclose(v_scale.cpu(), want_vs, rtol=1e-6, atol=0)
+    k_mean, v_mean = alone.k_mean().clone(), alone.v_mean().clone()
+    assert torch.allclose(k_mean.cpu(), smoothing_mean(k.cpu()), **close)
+    assert torch.allclose(v_mean.cpu(), smoothing_mean(v.cpu()), **close)
     for qk_mode, pv_mode in [(tq.QK_INT8, tq.PV_NATIVE), (tq.QK_NATIVE, tq.PV_FP8), (tq.QK_FP8, tq.PV_FP8)]:
         prep = tq.Prepared(k, v)
-        _, _, _, vs, vm, _ = prep.get(qk_mode, pv_mode, 16)
+        _, _, _, _, vm, _ = prep.get(qk_mode, pv_mode, 16)
         if qk_mode != tq.QK_NATIVE:
-            assert torch.equal(prep.k_mean(), k_mean)  # the same reduction, bit for bit
+            assert torch.equal(prep.k_mean(), k_mean)  # every program sums the same rows alike
         if pv_mode == tq.PV_FP8:
-            assert torch.equal(vm, v_mean) and torch.equal(vs, v_scale)
-            assert prep.v_stats()[0] is vm and prep.v_stats()[1] is vs
+            assert torch.equal(vm, v_mean) and prep.v_mean() is vm
 
 
-def test_prepass_statistics_with_grouped_query_heads():
+def test_prepass_means_with_grouped_query_heads():
     q, k, v = _inputs(1, 4, 2, 33, 70, 64, torch.float16, seed=9, v_shift=0.5)
     prep = tq.Prepared(k, v)
     out = tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], prepared=prep)
-    want_vm, want_vs = _torch_v_stats(v.cpu())
     assert torch.allclose(prep.k_mean().cpu(), smoothing_mean(k.cpu()), rtol=1e-6, atol=1e-6)
-    assert torch.allclose(prep.v_stats()[0].cpu(), want_vm, rtol=1e-6, atol=1e-6)
-    assert torch.allclose(prep.v_stats()[1].cpu(), want_vs, rtol=1e-6, atol=0)
+    assert torch.allclose(prep.v_mean().cpu(), smoothing_mean(v.cpu()), rtol=1e-6, atol=1e-6)
     assert rel_err(out.cpu(), _simulate(q, k, v, tq.LEVEL_FP8)) <= _sim_tol(tq.LEVEL_FP8)
 
 
@@ -369,9 +354,9 @@ class _CountedKernel:
         return self.kernel[grid]
 
 
-def test_prepass_is_one_launch_per_new_key_and_one_more_for_new_value_statistics(monkeypatch):
+def test_prepass_is_one_launch_per_new_key(monkeypatch):
     log = []
-    for name in ("kv_stats_kernel", "quantize_kv_kernel", "attention_quant_fwd_kernel"):
+    for name in ("quantize_kv_kernel", "attention_quant_fwd_kernel"):
         monkeypatch.setattr(tq, name, _CountedKernel(getattr(tq, name), name, log))
 
     def launches(fn, *args):
@@ -379,21 +364,21 @@ def test_prepass_is_one_launch_per_new_key_and_one_more_for_new_value_statistics
         fn(*args)
         return list(log)
 
-    stats, quant = "kv_stats_kernel", "quantize_kv_kernel"
+    quant = "quantize_kv_kernel"
     q, k, v = _inputs(1, 2, 2, 8, 45, 64, torch.bfloat16, seed=4)
     prep = tq.Prepared(k, v)
     assert launches(prep.get, tq.QK_NATIVE, tq.PV_NATIVE, 16) == []
-    assert launches(prep.get, tq.QK_INT8, tq.PV_NATIVE, 16) == [quant]  # K's mean: in the launch
+    assert launches(prep.get, tq.QK_INT8, tq.PV_NATIVE, 16) == [quant]  # the means: in the launch
     assert launches(prep.get, tq.QK_INT8, tq.PV_NATIVE, 16) == []  # made once per key
-    assert launches(prep.get, tq.QK_INT8, tq.PV_FP8, 16) == [stats, quant]  # V's statistics are new
-    assert launches(prep.get, tq.QK_INT8, tq.PV_FP8, 32) == [quant]  # nothing new to gather
+    assert launches(prep.get, tq.QK_INT8, tq.PV_FP8, 16) == [quant]
+    assert launches(prep.get, tq.QK_INT8, tq.PV_FP8, 32) == [quant]
     assert launches(prep.get, tq.QK_FP8, tq.PV_FP8, 16) == [quant]
-    assert launches(prep.k_mean) == [] and launches(prep.v_stats) == []
+    assert launches(prep.k_mean) == [] and launches(prep.v_mean) == []
     del log[:]
-    tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8])  # a call: two pre-pass launches, then attention
-    assert log == [stats, quant, "attention_quant_fwd_kernel"]
+    tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8])  # a call: one pre-pass launch, then attention
+    assert log == [quant, "attention_quant_fwd_kernel"]
     empty = tq.Prepared(k[:, :, :0], v[:, :, :0])
-    assert launches(empty.get, tq.QK_INT8, tq.PV_FP8, 16) == [quant]  # no rows: nothing to gather
+    assert launches(empty.get, tq.QK_INT8, tq.PV_FP8, 16) == [quant]
     assert launches(tq.Prepared(k, v).k_mean) == [quant]
 
 
@@ -487,11 +472,11 @@ def test_quant_kernels_compile_for_hopper_with_8bit_tensor_cores_and_pipelined_f
 SM90_PREPASS = r"""
 import json
 from adaattn.backends import triton_quant as tq
-from adaattn.kernels.attention_quant import kv_stats_kernel, quantize_kv_kernel
+from adaattn.kernels.attention_quant import quantize_kv_kernel
 from sm90 import compile_for_sm90
 
 def types(name):
-    if name in ("Partials", "KMean", "VMean", "VScale", "KScale", "QScale"):
+    if name in ("KMean", "VMean", "VScale", "KScale", "QScale"):
         return "*fp32"
     if name == "Kq":
         return {1: "*i8", 2: "*fp8e4nv"}.get(QK, "*bf16")
@@ -508,17 +493,13 @@ def divisible(name, ty):
 
 stacks = []
 for d in (64, 128):
-    QM = 0
-    c = compile_for_sm90(kv_stats_kernel, dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_R=tq.STATS_TILE // d), types, divisible,
-                         4, 1)
-    stacks.append(("stats", d, c["stack"]))
     block_ns = {c.block_n for c in tq.QUANT_CONFIGS[d] + tq.FP8_WS_CONFIGS + tq.QK8_WS_CONFIGS}
     for block_n in sorted(block_ns):
         # The general kernel's modes, then the warp-specialised levels' (Q quantized in the launch).
         for QK, pv, QM in ((1, 1, 0), (2, 1, 0), (1, 0, 0), (0, 1, 0), (1, 0, 1), (2, 1, 2)):
             c = compile_for_sm90(quantize_kv_kernel, dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_N=block_n,
                                                           BLOCK_R=tq.MEAN_TILE // d,
-                                                          BLOCK_S=min(tq.STATS_TILE // d, block_n), QK_MODE=QK, PV_MODE=pv,
+                                                          BLOCK_S=min(tq.PREPASS_SLICE // d, block_n), QK_MODE=QK, PV_MODE=pv,
                                                           EMULATE=False, Q_MODE=QM, BLOCK_Q=tq.Q_BLOCK),
                                  types, divisible, 4, 1)
             stacks.append(("quantize", d, block_n, QK, pv, QM, c["stack"]))

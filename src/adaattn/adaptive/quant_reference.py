@@ -79,16 +79,21 @@ def quantize_key_blocks(k: torch.Tensor, block_n: int, mode: str, k_mean: torch.
     return _quantize(ks / per_key[..., None], mode), per_key.double()
 
 
-def value_fp8(v: torch.Tensor, v_mean=None, v_scale=None):
-    """V smoothed by `smoothing_mean` and scaled per channel into e4m3's range.
+def value_fp8(v: torch.Tensor, block_n: int, v_mean=None):
+    """V smoothed by `smoothing_mean`, then one scale per block of block_n keys (the block's
+    amax over its keys and channels / 448) into e4m3's range.
 
-    Returns (v_q (..., N, D) float64 e4m3 values, v_scale (..., D), v_mean (..., D))."""
+    Returns (v_q (..., N, D) float64 e4m3 values, block scales (..., blocks) float64,
+    v_mean (..., D) float64)."""
     mean = smoothing_mean(v) if v_mean is None else v_mean.float()
     vs = v.float() - mean.unsqueeze(-2)
-    if v_scale is None:
-        v_scale = (vs.abs().amax(-2) / FP8_MAX).clamp_min(_TINY)
-    v_scale = v_scale.float()
-    return quantize_fp8(vs / v_scale.unsqueeze(-2)), v_scale.double(), mean.double()
+    n = vs.shape[-2]
+    blocks = math.ceil(n / block_n)
+    padded = torch.nn.functional.pad(vs, (0, 0, 0, blocks * block_n - n))
+    amax = padded.unflatten(-2, (blocks, block_n)).abs().amax((-1, -2))
+    scale = (amax / FP8_MAX).clamp_min(_TINY)
+    per_key = scale.repeat_interleave(block_n, -1)[..., :n]
+    return quantize_fp8(vs / per_key[..., None]), scale.double(), mean.double()
 
 
 def simulate_attention(
@@ -122,7 +127,8 @@ def simulate_attention(
         qq, q_scale = quantize_rows(q, qk)
         kq, k_scale = quantize_key_blocks(k, block_n, qk)
     if pv == "fp8":
-        vq, v_scale, v_mean = value_fp8(v)
+        vq, v_scale, v_mean = value_fp8(v, block_n)
+        v_scale = v_scale.repeat_interleave(group, 1)
     else:
         vq = v.double()
     kq, k_scale = kq.repeat_interleave(group, 1), k_scale.repeat_interleave(group, 1)
@@ -146,11 +152,13 @@ def simulate_attention(
             pq = quantize_fp8(p * FP8_MAX)
         else:
             pq = p.to(v.dtype).double()
-        acc = acc * alpha[..., None] + pq @ vq[..., start:start + block_n, :]
+        pv_tile = pq @ vq[..., start:start + block_n, :]
+        if pv == "fp8":  # the tile's V scale, per (batch, head)
+            pv_tile = pv_tile * v_scale[..., start // block_n, None, None]
+        acc = acc * alpha[..., None] + pv_tile
         m = m_new
     seen = l_sum > 0
     out = acc / torch.where(seen, l_sum, torch.ones_like(l_sum))[..., None]
     if pv == "fp8":
-        out = out * v_scale.repeat_interleave(group, 1)[..., None, :] / FP8_MAX
-        out = out + v_mean.repeat_interleave(group, 1)[..., None, :]
+        out = out / FP8_MAX + v_mean.repeat_interleave(group, 1)[..., None, :]
     return torch.where(seen[..., None], out, torch.zeros_like(out))

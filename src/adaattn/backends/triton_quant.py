@@ -10,11 +10,10 @@ Three operating points ("levels"), most precise first:
 head at its own level: one launch per level present, each skipping the heads of other
 levels, so no host synchronisation is needed to mix levels.
 
-The pre-pass runs once per call for the levels launched (see Prepared): quantize_kv_kernel reads
-K (and V) once to write them quantized, each program smoothing K by the mean of a strided
-sample of its rows; for FP8 V, kv_stats_kernel first gathers V's sampled sums and per-channel
-range (one read of V) over chunks of rows, which quantize_kv_kernel reduces. For the
-warp-specialised kernels the same launch quantizes Q per row.
+The pre-pass is one launch per call and level (see Prepared): quantize_kv_kernel reads K (and
+V) from memory once and writes them quantized per key block, each program smoothing them by
+the mean of a strided sample of their rows. For the warp-specialised kernels the same launch
+quantizes Q per row.
 """
 
 from __future__ import annotations
@@ -58,7 +57,6 @@ try:
         QK_INT8,
         QK_NATIVE,
         attention_quant_fwd_kernel,
-        kv_stats_kernel,
         quantize_kv_kernel,
     )
     from ..kernels.attention_quant_ws import attention_fp8_ws_kernel, attention_qk8_ws_kernel, quantize_q_kernel
@@ -132,28 +130,10 @@ def _configs(d: int, dtype: torch.dtype, device: torch.device) -> list:
     return fit or [KernelConfig(64, 32, 4, 1)]
 
 
-# The statistics pass (kv_stats_kernel): rows per step (STATS_TILE // D), and the row chunks per
-# (batch, kv head) are enough for chunks * B * Hkv to reach about STATS_PROGRAMS programs, at most
-# STATS_MAX_CHUNKS (every program of quantize_kv_kernel reduces them one by one). MEAN_TILE // D:
-# rows per step of the sampled K mean in quantize_kv_kernel (its (rows, D) fp32 sum in registers).
-STATS_TILE = 4096
-STATS_WARPS = 4
+# Rows per step of the sampled K and V means in quantize_kv_kernel: MEAN_TILE // D (their (rows,
+# D) fp32 sum in registers); 16 under the interpreter.
 MEAN_TILE = 4096
-INTERPRET_STATS_BLOCK = 16
-STATS_PROGRAMS = 264
-STATS_MAX_CHUNKS = 64
-
-
-def stats_chunks(n: int, bh: int, block: int) -> tuple[int, int]:
-    """(row chunks, rows per chunk) of the statistics pass over n rows of each of bh (batch,
-    kv head) pairs: chunks are whole multiples of `block` rows and none is empty (0 chunks
-    when n is 0)."""
-    if n <= 0:
-        return 0, block
-    blocks = -(-n // block)
-    want = min(blocks, STATS_MAX_CHUNKS, max(1, -(-STATS_PROGRAMS // max(bh, 1))))
-    rows = -(-blocks // want) * block
-    return -(-n // rows), rows
+INTERPRET_MEAN_ROWS = 16
 
 
 _PLACEHOLDERS: dict = {}
@@ -206,54 +186,36 @@ PREPASS_WARPS = 4
 class Prepared:
     """The quantized K/V of one call, per (QK_MODE, PV_MODE, BLOCK_N), made on first use.
 
-    A new key costs one launch of quantize_kv_kernel (K smoothed by its sampled mean, which
-    every program computes alike; Q quantized in the same launch when a QuantizedQ is passed),
-    plus one of kv_stats_kernel before it the first time FP8 V is asked for (V's per-channel
-    range needs every row). Every statistic lives in one fp32 workspace: V's partials, then
-    k_mean, v_mean and v_scale (B, Hkv, D) each."""
+    A new key costs one launch of quantize_kv_kernel: K and V smoothed by their sampled means
+    (which every program computes alike) and quantized per block, with Q quantized in the same
+    launch when a QuantizedQ is passed. The means live in one fp32 workspace (2, B, Hkv, D)."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor):
         self.k, self.v = k, v
         self.b, self.hkv, self.nk, self.d = k.shape
-        self._work = None
-        self._gathered = False  # V's partials are in the workspace
-        self._reduced = [False, False]  # k_mean, (v_mean, v_scale) are written
+        self._means = None
+        self._reduced = [False, False]  # k_mean, v_mean are written
         self._made: dict = {}
 
     def _workspace(self) -> torch.Tensor:
-        if self._work is None:
-            interp = interpreting()
-            self._block = INTERPRET_STATS_BLOCK if interp else max(16, MEAN_TILE // max(self.d, 1))
-            self._stats_rows = INTERPRET_STATS_BLOCK if interp else max(16, STATS_TILE // max(self.d, 1))
-            self._chunks, self._chunk_rows = stats_chunks(self.nk, self.b * self.hkv, self._stats_rows)
+        if self._means is None:
+            self._mean_rows = INTERPRET_MEAN_ROWS if interpreting() else max(16, MEAN_TILE // max(self.d, 1))
             self._sample_stride = max(1, self.nk // SMOOTHING_SAMPLE)
             self._samples = float(max(-(-self.nk // self._sample_stride), 1))  # rows averaged
-            c = self._chunks
-            self._work = torch.empty((3 * c + 3, self.b, self.hkv, self.d), dtype=torch.float32,
-                                     device=self.k.device)
-            self._stats = (self._work[3 * c], self._work[3 * c + 1], self._work[3 * c + 2])
-        return self._work
+            self._means = torch.empty((2, self.b, self.hkv, self.d), dtype=torch.float32, device=self.k.device)
+            self._k_mean, self._v_mean = self._means[0], self._means[1]
+        return self._means
 
-    def _quantize(self, qk_mode: int, pv_mode: int, kq, kscale, vq, n_blocks: int, block_n: int,
+    def _quantize(self, qk_mode: int, pv_mode: int, kq, kscale, vq, vscale, n_blocks: int, block_n: int,
                   quantize: bool = True, q_rows: Optional[QuantizedQ] = None) -> None:
-        """Gather V's range if it is new (kv_stats_kernel), then quantize (quantize_kv_kernel;
-        with quantize=False only the statistics, into the workspace's k_mean / v_mean, v_scale),
-        with q_rows' Q programs in the same launch."""
-        work = self._workspace()
+        """One launch of quantize_kv_kernel (with quantize=False only the means, into the
+        workspace), with q_rows' Q programs in it."""
+        self._workspace()
         quant_k, quant_v = qk_mode != QK_NATIVE, pv_mode == PV_FP8
         k, v = self.k, self.v
         bh = self.b * self.hkv
-        stat_plane = bh * self.d
-        if quant_v and not self._gathered and self._chunks:
-            kv_stats_kernel[(self._chunks, bh)](
-                v, work, v.stride(0), v.stride(1), v.stride(2),
-                self.hkv, self.nk, self._sample_stride, self._chunk_rows, self._chunks, stat_plane,
-                HEAD_DIM=self.d, BLOCK_D=self.d, BLOCK_R=self._stats_rows, num_warps=STATS_WARPS, num_stages=1,
-            )
-        self._gathered |= quant_v
         kqs = kq.stride() if quant_k and quantize else (0, 0, 0, 0)
         vqs = vq.stride() if quant_v and quantize else (0, 0, 0, 0)
-        k_mean, v_mean, v_scale = self._stats
         per = 1
         if quantize:
             per = max(1, min(PREPASS_MAX_BLOCKS, n_blocks * bh // PREPASS_PROGRAMS))
@@ -264,15 +226,15 @@ class Prepared:
             group = q.shape[1] // self.hkv
             q_mode, q_blocks = q_rows.mode, triton.cdiv(q.shape[2], Q_BLOCK)
             qargs = (q, q_rows.qq, q_rows.scales, q.stride(0), q.stride(1), q.stride(2), q.shape[2], q_rows.pitch)
+        interp = interpreting()
         quantize_kv_kernel[(k_programs + group * q_blocks, bh)](
-            k, v, work, k_mean, v_mean, v_scale, kq, kscale, vq,
+            k, v, self._k_mean, self._v_mean, kq, kscale, vq, vscale,
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             kqs[0], kqs[1], kqs[2], vqs[0], vqs[1], vqs[2],
-            self.hkv, self.nk, n_blocks, per, k_programs, self._chunks, stat_plane, self._sample_stride,
-            self._samples, *qargs, q_blocks, group,
-            HEAD_DIM=self.d, BLOCK_D=self.d, BLOCK_N=block_n, BLOCK_R=self._block,
-            BLOCK_S=min(INTERPRET_STATS_BLOCK if interpreting() else max(16, PREPASS_SLICE // self.d), block_n),
-            QK_MODE=qk_mode, PV_MODE=pv_mode, EMULATE=interpreting(), QUANTIZE=quantize,
+            self.hkv, self.nk, n_blocks, per, k_programs, self._sample_stride, self._samples, *qargs, q_blocks, group,
+            HEAD_DIM=self.d, BLOCK_D=self.d, BLOCK_N=block_n, BLOCK_R=self._mean_rows,
+            BLOCK_S=min(INTERPRET_MEAN_ROWS if interp else max(16, PREPASS_SLICE // self.d), block_n),
+            QK_MODE=qk_mode, PV_MODE=pv_mode, EMULATE=interp, QUANTIZE=quantize,
             Q_MODE=q_mode, BLOCK_Q=Q_BLOCK, num_warps=PREPASS_WARPS, num_stages=1,
         )
         if q_mode:
@@ -285,16 +247,15 @@ class Prepared:
         up to fp32 rounding (the order of the sum)."""
         if not self._reduced[0]:
             ones, _ = _placeholders(self.k.device)
-            self._quantize(QK_INT8, PV_NATIVE, ones, ones, ones, 1, 16, quantize=False)
-        return self._stats[0]
+            self._quantize(QK_INT8, PV_NATIVE, ones, ones, ones, ones, 1, 16, quantize=False)
+        return self._k_mean
 
-    def v_stats(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mean, scale) per (B, Hkv, D): V smoothed by its mean, scaled so max |v'| is 448
-        (max(v_max - mean, mean - v_min).clamp_min(1e-30) / 448), as the kernels use them."""
+    def v_mean(self) -> torch.Tensor:
+        """V's smoothing mean (B, Hkv, D) fp32, as k_mean."""
         if not self._reduced[1]:
             ones, _ = _placeholders(self.k.device)
-            self._quantize(QK_NATIVE, PV_FP8, ones, ones, ones, 1, 16, quantize=False)
-        return self._stats[1], self._stats[2]
+            self._quantize(QK_NATIVE, PV_FP8, ones, ones, ones, ones, 1, 16, quantize=False)
+        return self._v_mean
 
     def get(self, qk_mode: int, pv_mode: int, block_n: int, q_rows: Optional[QuantizedQ] = None):
         """(Kq, KScale, Vq, VScale, VMean, n_blocks); placeholders where a mode needs none. When
@@ -315,13 +276,17 @@ class Prepared:
             kscale = torch.empty((self.b, self.hkv, n_blocks), dtype=torch.float32, device=dev)
         else:
             kq, kscale = k, ones
-        vq = torch.empty((self.b, self.hkv, self.d, npad), dtype=torch.float8_e4m3fn, device=dev) if quant_v else v
-        v_scale, v_mean = ones, zeros
+        v_mean = zeros
+        if quant_v:
+            vq = torch.empty((self.b, self.hkv, self.d, npad), dtype=torch.float8_e4m3fn, device=dev)
+            vscale = torch.empty((self.b, self.hkv, n_blocks), dtype=torch.float32, device=dev)
+        else:
+            vq, vscale = v, ones
         if quant_k or quant_v:
-            self._quantize(qk_mode, pv_mode, kq, kscale, vq, n_blocks, block_n, q_rows=q_rows)
+            self._quantize(qk_mode, pv_mode, kq, kscale, vq, vscale, n_blocks, block_n, q_rows=q_rows)
             if quant_v:
-                v_mean, v_scale = self._stats[1], self._stats[2]
-        made = (kq, kscale, vq, v_scale, v_mean, n_blocks)
+                v_mean = self._v_mean
+        made = (kq, kscale, vq, vscale, v_mean, n_blocks)
         self._made[key] = made
         return made
 

@@ -7,17 +7,22 @@ The schemes (the float64 simulation in adaptive/quant_reference.py does the same
   same q.mean, and softmax is invariant to that, so the result is unchanged in exact
   arithmetic.
 - K is quantized per block of BLOCK_N keys (one scale per block, amax / QMAX) by a pre-pass
-  (`quantize_kv_kernel`) that reads K (and V) once; Q is quantized per row inside the
-  attention kernel (one scale per query row, amax / QMAX) right after its one load.
+  (`quantize_kv_kernel`, one launch) that reads K (and V) from memory once; Q is quantized per
+  row inside the attention kernel (one scale per query row, amax / QMAX) right after its one
+  load (the warp-specialised kernels take it quantized by the pre-pass launch).
   INT8 rounds with floor(x + 0.5) and clamps to [-127, 127]; FP8 is E4M3 (max 448),
   round to nearest even.
 - Scores: s = dot(q_q, k_q) * q_scale[row] * k_scale[block] * softmax_scale * log2(e), in
   fp32, then the usual online softmax in fp32.
-- P.V in FP8: V is smoothed (its mean over the sequence subtracted, added back at the end,
-  since the softmax weights sum to one) and scaled per channel into E4M3's range; P (in
-  [0, 1] after the running max) is scaled by 448 and rounded to E4M3. The row sum l uses
-  the fp32 (scaled) P. out = acc * v_scale / l + v_mean. The FP8 V is stored transposed
-  (B, Hkv, D, N) so both tensor-core operands are K-major, as Hopper's FP8 MMA needs.
+- P.V in FP8: V is smoothed (its sampled mean over the sequence subtracted, added back at the
+  end, since the softmax weights sum to one) and given one scale per block of BLOCK_N keys
+  (amax over the block's keys and channels / 448: E4M3 keeps its relative precision over a
+  range of 2^15, so one scale per block loses little to per-channel scales, and needs no pass
+  over all of V before quantizing); P (in [0, 1] after the running max) is scaled by 448 and
+  rounded to E4M3. Each tile's product is multiplied by its V scale as it is added to the fp32
+  accumulator (one FMA with the add). The row sum l uses the fp32 (scaled) P.
+  out = acc / l + v_mean. The FP8 V is stored transposed (B, Hkv, D, N) so both tensor-core
+  operands are K-major, as Hopper's FP8 MMA needs.
 - P.V in the input dtype: P rounded to it, as the exact kernel does.
 
 One kernel serves the three operating points (exact, qk8, fp8) through QK_MODE/PV_MODE; an
@@ -89,50 +94,6 @@ def kv_program(kv_heads):
 
 
 @triton.jit
-def kv_stats_kernel(
-    V, Partials,
-    stride_vb, stride_vh, stride_vn,
-    kv_heads, k_len, sample_stride, chunk_rows, n_chunks, stat_plane,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
-):
-    """Grid (row chunks, batch * kv_heads): V's partial statistics over one chunk of rows
-    [c * chunk_rows, (c + 1) * chunk_rows) (chunk_rows a multiple of BLOCK_R), reduced by
-    `quantize_kv_kernel` (the fp8 level's per-channel V range needs every row before any is
-    quantized).
-
-    Partials is fp32 (3, n_chunks, B, Hkv, D) (stat_plane = B * Hkv * D): [0] the sum of V over
-    the sampled rows (0, sample_stride, 2 * sample_stride, ... < k_len: the rows of
-    quant_reference.smoothing_mean) of the chunk, [1] and [2] the minimum and maximum of V over
-    every row of the chunk."""
-    pid_c = tl.program_id(0)
-    pid_bh, b64, h64 = kv_program(kv_heads)
-    offs_r = tl.arange(0, BLOCK_R)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    lo = pid_c * chunk_rows
-    hi = tl.minimum(lo + chunk_rows, k_len)
-    out = Partials + pid_c * stat_plane + pid_bh * HEAD_DIM + offs_d
-    planes = n_chunks * stat_plane
-    v_base = V + b64 * stride_vb + h64 * stride_vh
-    # (BLOCK_R, D) running statistics, reduced over rows once at the end: reducing every tile
-    # over its rows instead measured 2-3x slower on the H100 (fifth session).
-    v_sum = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    v_min = tl.full([BLOCK_R, BLOCK_D], float("inf"), dtype=tl.float32)
-    v_max = tl.full([BLOCK_R, BLOCK_D], float("-inf"), dtype=tl.float32)
-    for r0 in range(lo, hi, BLOCK_R):
-        rows = r0 + offs_r
-        ok = rows < hi
-        v = load_rows(v_base + rows[:, None] * stride_vn + offs_d[None, :], rows, hi, offs_d,
-                      HEAD_DIM, BLOCK_D, True).to(tl.float32)
-        v_sum += tl.where((rows % sample_stride == 0)[:, None], v, 0.0)  # 0 past hi
-        v_min = tl.minimum(v_min, tl.where(ok[:, None], v, float("inf")))
-        v_max = tl.maximum(v_max, tl.where(ok[:, None], v, float("-inf")))
-    tl.store(out, tl.sum(v_sum, 0), mask=d_ok)
-    tl.store(out + planes, tl.min(v_min, 0), mask=d_ok)
-    tl.store(out + 2 * planes, tl.max(v_max, 0), mask=d_ok)
-
-
-@triton.jit
 def sample_mean(base, stride_n, k_len, sample_stride, n_samples,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
     """The fp32 mean of rows 0, sample_stride, 2 * sample_stride, ... < k_len of the (k_len, D)
@@ -174,31 +135,30 @@ def quantize_rows(X, Xq, XScale, stride_xb, stride_xh, stride_xm, batch, head, h
 
 @triton.jit
 def quantize_kv_kernel(
-    K, V, Partials, KMean, VMean, VScale, Kq, KScale, Vq,
+    K, V, KMean, VMean, Kq, KScale, Vq, VScale,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_kqb, stride_kqh, stride_kqn,
     stride_vqb, stride_vqh, stride_vqd,
-    kv_heads, k_len, n_blocks, blocks_per_program, k_programs, n_chunks, stat_plane, sample_stride, n_samples,
+    kv_heads, k_len, n_blocks, blocks_per_program, k_programs, sample_stride, n_samples,
     Q, Qq, QScale, stride_qb, stride_qh, stride_qm, q_len, q_pitch, q_blocks, kv_group,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_S: tl.constexpr, QK_MODE: tl.constexpr, PV_MODE: tl.constexpr, EMULATE: tl.constexpr,
     QUANTIZE: tl.constexpr = True, Q_MODE: tl.constexpr = 0, BLOCK_Q: tl.constexpr = 64,
 ):
-    """Grid (k_programs + [kv_group * q_blocks], batch * kv_heads): the quantization pre-pass, one
-    launch.
+    """Grid (k_programs + [kv_group * q_blocks], batch * kv_heads): the whole quantization
+    pre-pass in one launch.
 
     A K/V program (axis 0 < k_programs) quantizes key blocks [p * blocks_per_program, ...) of its
-    (batch, kv head), each read once: K smoothed by its sampled mean (`sample_mean`, computed by
-    every program alike), per-block scale (QK_MODE INT8 or FP8); V (PV_MODE FP8) smoothed and
-    scaled per channel from `kv_stats_kernel`'s partials, reduced here: v_mean = sum / n_samples,
-    v_scale = max(v_max - v_mean, v_mean - v_min, 1e-30) / 448. Program 0 writes k_mean, v_mean
-    and v_scale to KMean, VMean and VScale ((B, Hkv, D) fp32). QUANTIZE=False (grid (1, B * Hkv))
-    only does that.
+    (batch, kv head): K (QK_MODE INT8 or FP8) and V (PV_MODE FP8), each smoothed by its sampled
+    mean (`sample_mean`, which every program computes alike) and given one scale per block (the
+    block's amax / QMAX, at least 1e-30). Program 0 writes k_mean and v_mean to KMean and VMean
+    ((B, Hkv, D) fp32). QUANTIZE=False (grid (1, B * Hkv)) only does that.
 
-    BLOCK_R: rows per step of the K mean; BLOCK_S (dividing BLOCK_N): rows per slice of a key block.
-    Kq is (B, Hkv, n_blocks * BLOCK_N, D) int8/fp8, rows past k_len zero; KScale is
-    (B, Hkv, n_blocks) fp32; Vq is (B, Hkv, D, n_blocks * BLOCK_N) fp8 (transposed).
+    BLOCK_R: rows per step of the means; BLOCK_S (dividing BLOCK_N): rows per slice of a block.
+    Kq is (B, Hkv, n_blocks * BLOCK_N, D) int8/fp8, rows past k_len zero; Vq is
+    (B, Hkv, D, n_blocks * BLOCK_N) fp8 (transposed); KScale and VScale are (B, Hkv, n_blocks)
+    fp32.
 
     With Q_MODE (1 INT8, 2 E4M3), the programs past k_programs quantize Q per row for the
     warp-specialised kernels (`quantize_rows`: BLOCK_Q rows of one query head of the kv head's
@@ -215,33 +175,23 @@ def quantize_kv_kernel(
         offs_d = tl.arange(0, BLOCK_D)
         stat = (b64 * kv_heads + h64) * HEAD_DIM
         d_ok = offs_d < HEAD_DIM
-        part = Partials + stat + offs_d
-        planes = n_chunks * stat_plane
         k_base = K + b64 * stride_kb + h64 * stride_kh
         v_base = V + b64 * stride_vb + h64 * stride_vh
+        scale_row = (b64 * kv_heads + h64) * n_blocks
 
         if QK_MODE != 0:
             k_mean = sample_mean(k_base, stride_kn, k_len, sample_stride, n_samples, HEAD_DIM, BLOCK_D, BLOCK_R)
             if pid_n == 0:
                 tl.store(KMean + stat + offs_d, k_mean, mask=d_ok)
         if PV_MODE == 1:
-            v_sum = tl.zeros([BLOCK_D], dtype=tl.float32)
-            v_min = tl.full([BLOCK_D], float("inf"), dtype=tl.float32)
-            v_max = tl.full([BLOCK_D], float("-inf"), dtype=tl.float32)
-            for c in tl.range(0, n_chunks, loop_unroll_factor=4):  # (loads of 4 chunks in flight)
-                v_sum += tl.load(part + c * stat_plane, mask=d_ok, other=0.0)
-                v_min = tl.minimum(v_min, tl.load(part + planes + c * stat_plane, mask=d_ok, other=0.0))
-                v_max = tl.maximum(v_max, tl.load(part + 2 * planes + c * stat_plane, mask=d_ok, other=0.0))
-            v_mean = tl.math.div_rn(v_sum, n_samples)
-            v_scale = tl.math.div_rn(tl.maximum(tl.maximum(v_max - v_mean, v_mean - v_min), 1e-30), 448.0)
+            v_mean = sample_mean(v_base, stride_vn, k_len, sample_stride, n_samples, HEAD_DIM, BLOCK_D, BLOCK_R)
             if pid_n == 0:
                 tl.store(VMean + stat + offs_d, v_mean, mask=d_ok)
-                tl.store(VScale + stat + offs_d, v_scale, mask=d_ok)
 
         if QUANTIZE:
             # Each block is streamed in BLOCK_S-row slices (a whole 128- or 256-row block in
-            # registers spills): K's slices twice, for the block's scale and then to quantize
-            # (the second read hits the cache), V's once (its scales are per channel).
+            # registers spills), twice: for the block's scale, then to quantize (the second
+            # read hits the cache).
             if QK_MODE == 1:
                 qmax = 127.0
             else:
@@ -249,35 +199,48 @@ def quantize_kv_kernel(
             blk_hi = tl.minimum((pid_n + 1) * blocks_per_program, n_blocks)
             for blk in range(pid_n * blocks_per_program, blk_hi):
                 if QK_MODE != 0:
-                    amax = tl.zeros([BLOCK_D], dtype=tl.float32)
+                    k_scale = tl.maximum(block_amax(k_base, stride_kn, k_mean, blk, k_len, HEAD_DIM, BLOCK_D,
+                                                    BLOCK_N, BLOCK_S) / qmax, 1e-30)
                     for r0 in range(0, BLOCK_N, BLOCK_S):
                         rows = blk * BLOCK_N + r0 + tl.arange(0, BLOCK_S)
-                        k = load_rows(k_base + rows[:, None] * stride_kn + offs_d[None, :],
-                                      rows, k_len, offs_d, HEAD_DIM, BLOCK_D, True).to(tl.float32)
-                        k = tl.where((rows[:, None] < k_len) & d_ok[None, :], k - k_mean[None, :], 0.0)
-                        amax = tl.maximum(amax, tl.max(tl.abs(k), 0))
-                    k_scale = tl.maximum(tl.max(amax, 0) / qmax, 1e-30)
-                    for r0 in range(0, BLOCK_N, BLOCK_S):
-                        rows = blk * BLOCK_N + r0 + tl.arange(0, BLOCK_S)
-                        k = load_rows(k_base + rows[:, None] * stride_kn + offs_d[None, :],
-                                      rows, k_len, offs_d, HEAD_DIM, BLOCK_D, True).to(tl.float32)
-                        k = tl.where((rows[:, None] < k_len) & d_ok[None, :], k - k_mean[None, :], 0.0)
+                        k = smoothed_rows(k_base, stride_kn, k_mean, rows, k_len, HEAD_DIM, BLOCK_D)
                         tl.store(Kq + b64 * stride_kqb + h64 * stride_kqh + rows[:, None] * stride_kqn
                                  + offs_d[None, :], quantize(k / k_scale, QK_MODE, EMULATE), mask=d_ok[None, :])
-                    tl.store(KScale + (b64 * kv_heads + h64) * n_blocks + blk, k_scale)
+                    tl.store(KScale + scale_row + blk, k_scale)
                 if PV_MODE == 1:
+                    v_scale = tl.maximum(block_amax(v_base, stride_vn, v_mean, blk, k_len, HEAD_DIM, BLOCK_D,
+                                                    BLOCK_N, BLOCK_S) / 448.0, 1e-30)
                     for r0 in range(0, BLOCK_N, BLOCK_S):
                         rows = blk * BLOCK_N + r0 + tl.arange(0, BLOCK_S)
-                        v = load_rows(v_base + rows[:, None] * stride_vn + offs_d[None, :],
-                                      rows, k_len, offs_d, HEAD_DIM, BLOCK_D, True).to(tl.float32)
-                        v = tl.where((rows[:, None] < k_len) & d_ok[None, :],
-                                     (v - v_mean[None, :]) / v_scale[None, :], 0.0)
+                        v = smoothed_rows(v_base, stride_vn, v_mean, rows, k_len, HEAD_DIM, BLOCK_D)
                         tl.store(Vq + b64 * stride_vqb + h64 * stride_vqh + offs_d[None, :] * stride_vqd
-                                 + rows[:, None], to_fp8(v, EMULATE), mask=d_ok[None, :])
+                                 + rows[:, None], to_fp8(v / v_scale, EMULATE), mask=d_ok[None, :])
+                    tl.store(VScale + scale_row + blk, v_scale)
 
 
 @triton.jit
-def quant_tile(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base, vq_base, mask_base,
+def smoothed_rows(base, stride_n, mean, rows, k_len, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """(rows, BLOCK_D) fp32: the rows at base minus mean; rows past k_len (and padding columns) 0."""
+    offs_d = tl.arange(0, BLOCK_D)
+    x = load_rows(base + rows[:, None] * stride_n + offs_d[None, :], rows, k_len, offs_d, HEAD_DIM, BLOCK_D,
+                  True).to(tl.float32)
+    return tl.where((rows[:, None] < k_len) & (offs_d < HEAD_DIM)[None, :], x - mean[None, :], 0.0)
+
+
+@triton.jit
+def block_amax(base, stride_n, mean, blk, k_len, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr):
+    """max |row - mean| over key block blk's rows and channels, slice by slice (an elementwise
+    running maximum, reduced once: no cross-warp reduction per slice)."""
+    amax = tl.zeros([BLOCK_S, BLOCK_D], dtype=tl.float32)
+    for r0 in range(0, BLOCK_N, BLOCK_S):
+        rows = blk * BLOCK_N + r0 + tl.arange(0, BLOCK_S)
+        amax = tl.maximum(amax, tl.abs(smoothed_rows(base, stride_n, mean, rows, k_len, HEAD_DIM, BLOCK_D)))
+    return tl.max(tl.max(amax, 1), 0)
+
+
+@triton.jit
+def quant_tile(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base, vq_base, vs_base, mask_base,
                start_n, offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
                stride_kn, stride_kqn, stride_vn, stride_vqd, stride_mm, stride_mn,
                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, EDGE: tl.constexpr,
@@ -329,7 +292,8 @@ def quant_tile(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base, vq
         # Hopper's FP8 MMA accumulates with fewer bits than fp32, which over thousands of keys
         # (one long accumulation chain) costs accuracy (measured: 0.12 instead of 0.04 at
         # N=16384); per tile the chain is BLOCK_N products long.
-        acc = acc * alpha[:, None] + tl.dot(to_fp8(p, EMULATE), tl.trans(vt))
+        # The tile's V scale multiplies its product: with the add, one FMA per element as before.
+        acc = acc * alpha[:, None] + tl.dot(to_fp8(p, EMULATE), tl.trans(vt)) * tl.load(vs_base + start_n // BLOCK_N)
     else:
         acc = acc * alpha[:, None]
         v = load_rows(v_base + cols[:, None] * stride_vn + offs_d[None, :], cols, k_len, offs_d,
@@ -339,7 +303,7 @@ def quant_tile(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base, vq
 
 
 @triton.jit
-def quant_tile_run(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base, vq_base, mask_base,
+def quant_tile_run(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base, vq_base, vs_base, mask_base,
                    tile_start, tile_end, offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
                    stride_kn, stride_kqn, stride_vn, stride_vqd, stride_mm, stride_mn,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, EDGE: tl.constexpr,
@@ -352,7 +316,7 @@ def quant_tile_run(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base
     for tile in range(tile_start, tile_end):
         start_n = tile * BLOCK_N
         acc, l_i, m_i = quant_tile(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base, vq_base,
-                                   mask_base, start_n, offs_m, offs_n, offs_d, q_len, k_len, diag,
+                                   vs_base, mask_base, start_n, offs_m, offs_n, offs_d, q_len, k_len, diag,
                                    window_left, window_right, stride_kn, stride_kqn, stride_vn, stride_vqd,
                                    stride_mm, stride_mn, HEAD_DIM, BLOCK_D, BLOCK_N, EDGE, HAS_LEFT,
                                    HAS_RIGHT, MASK_KIND, QK_MODE, PV_MODE, DOT_PRECISION, SCALE_POSITIVE,
@@ -398,6 +362,7 @@ def attention_quant_fwd_kernel(
     kq_base = Kq + b64 * stride_kqb + kv64 * stride_kqh
     vq_base = Vq + b64 * stride_vqb + kv64 * stride_vqh
     ks_base = KScale + (b64 * (q_heads // kv_group) + kv64) * n_blocks
+    vs_base = VScale + (b64 * (q_heads // kv_group) + kv64) * n_blocks
     stat = (b64 * (q_heads // kv_group) + kv64) * HEAD_DIM
     o_base = Out + b64 * stride_ob + h64 * stride_oh
     mask_base = Mask + b64 * stride_mb + h64 * stride_mh
@@ -434,19 +399,19 @@ def attention_quant_fwd_kernel(
     t_full_hi = tl.maximum(t_full_lo, full_hi // BLOCK_N)
     t_hi = tl.maximum(t_full_hi, tl.cdiv(hi, BLOCK_N))
     acc, l_i, m_i = quant_tile_run(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base, vq_base,
-                                   mask_base, t_lo, t_full_lo, offs_m, offs_n, offs_d, q_len, k_len, diag,
+                                   vs_base, mask_base, t_lo, t_full_lo, offs_m, offs_n, offs_d, q_len, k_len, diag,
                                    window_left, window_right, stride_kn, stride_kqn, stride_vn, stride_vqd,
                                    stride_mm, stride_mn, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT,
                                    HAS_RIGHT, MASK_KIND, QK_MODE, PV_MODE, DOT_PRECISION, SCALE_POSITIVE,
                                    EMULATE, EXP_FMA)
     acc, l_i, m_i = quant_tile_run(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base, vq_base,
-                                   mask_base, t_full_lo, t_full_hi, offs_m, offs_n, offs_d, q_len, k_len, diag,
+                                   vs_base, mask_base, t_full_lo, t_full_hi, offs_m, offs_n, offs_d, q_len, k_len, diag,
                                    window_left, window_right, stride_kn, stride_kqn, stride_vn, stride_vqd,
                                    stride_mm, stride_mn, HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT,
                                    HAS_RIGHT, MASK_KIND, QK_MODE, PV_MODE, DOT_PRECISION, SCALE_POSITIVE,
                                    EMULATE, EXP_FMA)
     acc, l_i, m_i = quant_tile_run(acc, l_i, m_i, q, row_scale, k_base, kq_base, ks_base, v_base, vq_base,
-                                   mask_base, t_full_hi, t_hi, offs_m, offs_n, offs_d, q_len, k_len, diag,
+                                   vs_base, mask_base, t_full_hi, t_hi, offs_m, offs_n, offs_d, q_len, k_len, diag,
                                    window_left, window_right, stride_kn, stride_kqn, stride_vn, stride_vqd,
                                    stride_mm, stride_mn, HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT,
                                    HAS_RIGHT, MASK_KIND, QK_MODE, PV_MODE, DOT_PRECISION, SCALE_POSITIVE,
@@ -455,10 +420,8 @@ def attention_quant_fwd_kernel(
     seen = l_i > 0.0
     inv_l = 1.0 / tl.where(seen, l_i, 1.0)
     if PV_MODE == 1:
-        d_ok = offs_d < HEAD_DIM
-        v_scale = tl.load(VScale + stat + offs_d, mask=d_ok, other=0.0)
-        v_mean = tl.load(VMean + stat + offs_d, mask=d_ok, other=0.0)
-        out = acc * inv_l[:, None] * v_scale[None, :]  # P and l both carry the factor 448
+        v_mean = tl.load(VMean + stat + offs_d, mask=offs_d < HEAD_DIM, other=0.0)
+        out = acc * inv_l[:, None]  # P and l both carry the factor 448; the V scales are in acc
         out = tl.where(seen[:, None], out + v_mean[None, :], 0.0)
     else:
         out = acc * inv_l[:, None]

@@ -9,7 +9,7 @@ warp-specialisation pass); K smoothed and quantized per block of BLOCK_N keys by
 (its scales read per tile). qk8: INT8
 Q.K^T, scores to float by the bias trick, P.V in V's dtype. fp8: FP8 Q.K^T, P scaled into
 E4M3's range by folding log2(448) into the subtracted max, each tile's P.V started from zero
-and added in fp32, V smoothed and scaled per channel (applied at the end).
+and added in fp32 times the tile's V scale (V smoothed, one scale per key block).
 
 Written in the form Triton's automatic warp specialisation on Hopper accepts (see
 attention_fwd_ws.py): tensor-descriptor loads, one branch-free key loop, masks as selects.
@@ -44,13 +44,13 @@ def quantize_q_kernel(Q, Qq, QScale, stride_qb, stride_qh, stride_qm, q_heads, q
 
 
 @triton.jit
-def quant_ws_prologue(Qq, QScale, Out, KScale, stride_ob, stride_oh, stride_om, pid_bh, batch, head, kv_head,
+def quant_ws_prologue(Qq, QScale, Out, stride_ob, stride_oh, stride_om, pid_bh, batch, head, kv_head,
                       q_heads, kv_group, q_len, q_pitch, n_blocks,
                       HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(q_desc, qs_desc, o_desc, ks_base, stat) of a quantized warp-specialised program:
+    """(q_desc, qs_desc, o_desc, scale_row, stat) of a quantized warp-specialised program:
     descriptors made here over its quantized Q rows, their scales and its Out rows (rows past
-    q_len read as zeros and are not written), its kv head's K block scales, and the offset of its
-    kv head's per-channel statistics."""
+    q_len read as zeros and are not written), the offset of its kv head's block scales (K's, and
+    V's for fp8) and of its per-channel statistics."""
     b64 = batch.to(tl.int64)
     kv64 = kv_head.to(tl.int64)
     q_desc = tl.make_tensor_descriptor(Qq + pid_bh.to(tl.int64) * q_len * HEAD_DIM, shape=[q_len, HEAD_DIM],
@@ -61,7 +61,7 @@ def quant_ws_prologue(Qq, QScale, Out, KScale, stride_ob, stride_oh, stride_om, 
                                        shape=[q_len, HEAD_DIM], strides=[stride_om, 1],
                                        block_shape=[BLOCK_M, HEAD_DIM])
     kv_row = b64 * (q_heads // kv_group) + kv64
-    return q_desc, qs_desc, o_desc, KScale + kv_row * n_blocks, kv_row * HEAD_DIM
+    return q_desc, qs_desc, o_desc, kv_row * n_blocks, kv_row * HEAD_DIM
 
 
 @triton.jit(do_not_specialize=["q_len", "k_len", "n_blocks", "q_pitch"])
@@ -83,9 +83,10 @@ def attention_qk8_ws_kernel(
     pid_bh, batch, head, kv_head, start_m, diag = dense_program(q_heads, kv_group, q_len, k_len, BLOCK_M,
                                                                 BOTTOM_RIGHT)
 
-    q_desc, qs_desc, o_desc, ks_base, _ = quant_ws_prologue(
-        Qq, QScale, Out, KScale, stride_ob, stride_oh, stride_om, pid_bh, batch, head, kv_head, q_heads, kv_group,
+    q_desc, qs_desc, o_desc, scale_row, _ = quant_ws_prologue(
+        Qq, QScale, Out, stride_ob, stride_oh, stride_om, pid_bh, batch, head, kv_head, q_heads, kv_group,
         q_len, q_pitch, n_blocks, HEAD_DIM, BLOCK_M)
+    ks_base = KScale + scale_row
     offs_m, last_key, m_i, l_i, acc, hi = ws_row_state(start_m, diag, k_len, BLOCK_M, HEAD_DIM, CAUSAL)
     q = q_desc.load([start_m, 0])
     row_scale = qs_desc.load([start_m]) * scale_log2
@@ -123,14 +124,16 @@ def attention_fp8_ws_kernel(
     """Grid (query blocks, batch * q_heads), last query block first. Qq/QScale: quantize_q_kernel's
     output. KqDesc: descriptor over the
     pre-pass's FP8 K (B, Hkv, Npad, D), box (1, 1, BLOCK_N, D); VqDesc: over its transposed FP8
-    V (B, Hkv, D, Npad), box (1, 1, D, BLOCK_N). KScale (B, Hkv, n_blocks), VScale/VMean
+    V (B, Hkv, D, Npad), box (1, 1, D, BLOCK_N). KScale and VScale (B, Hkv, n_blocks), VMean
     (B, Hkv, D) fp32. K_TAIL: k_len is not a multiple of BLOCK_N (padding keys are masked)."""
     pid_bh, batch, head, kv_head, start_m, diag = dense_program(q_heads, kv_group, q_len, k_len, BLOCK_M,
                                                                 BOTTOM_RIGHT)
 
-    q_desc, qs_desc, o_desc, ks_base, stat = quant_ws_prologue(
-        Qq, QScale, Out, KScale, stride_ob, stride_oh, stride_om, pid_bh, batch, head, kv_head, q_heads, kv_group,
+    q_desc, qs_desc, o_desc, scale_row, stat = quant_ws_prologue(
+        Qq, QScale, Out, stride_ob, stride_oh, stride_om, pid_bh, batch, head, kv_head, q_heads, kv_group,
         q_len, q_pitch, n_blocks, HEAD_DIM, BLOCK_M)
+    ks_base = KScale + scale_row
+    vs_base = VScale + scale_row
     offs_m, last_key, m_i, l_i, acc, hi = ws_row_state(start_m, diag, k_len, BLOCK_M, HEAD_DIM, CAUSAL)
     q = q_desc.load([start_m, 0])
     row_scale = qs_desc.load([start_m]) * scale_log2
@@ -150,13 +153,13 @@ def attention_fp8_ws_kernel(
         p = tl.math.exp2(qk * rs[:, None] - (m_shift - LOG2_FP8_MAX)[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         vt = VqDesc.load([batch, kv_head, 0, start_n]).reshape(HEAD_DIM, BLOCK_N)
-        # A fresh fp32 accumulator per tile (Hopper's FP8 MMA accumulates with fewer bits).
-        acc = acc * alpha[:, None] + tl.dot(to_fp8(p, EMULATE), tl.trans(vt))
+        # A fresh fp32 accumulator per tile (Hopper's FP8 MMA accumulates with fewer bits), times
+        # the tile's V scale as it is added.
+        acc = acc * alpha[:, None] + tl.dot(to_fp8(p, EMULATE), tl.trans(vt)) * tl.load(vs_base + start_n // BLOCK_N)
         m_i = m_new
 
     seen = l_i > 0.0
-    v_scale = tl.load(VScale + stat + offs_d)
     v_mean = tl.load(VMean + stat + offs_d)
-    out = acc * (1.0 / tl.where(seen, l_i, 1.0))[:, None] * v_scale[None, :]
+    out = acc * (1.0 / tl.where(seen, l_i, 1.0))[:, None]
     out = tl.where(seen[:, None], out + v_mean[None, :], 0.0)
     o_desc.store([start_m, 0], round_to(out, Out.dtype.element_ty, DOT_PRECISION))
