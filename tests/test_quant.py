@@ -179,6 +179,26 @@ def test_warp_specialised_kernels_match_their_simulation(monkeypatch, level, cas
         assert (out[:, :, ~keep.any(1).to(out.device)] == 0).all()  # rows that see no key
 
 
+@pytest.mark.parametrize("ws", [False, True])
+def test_fp8_values_with_a_key_block_equal_to_their_mean(monkeypatch, ws):
+    # The fp8 kernels keep P.V in units of the current tile's V scale; a block whose smoothed V is
+    # all zero gets the floor scale (2^-40), and coming after blocks of large values it must not
+    # overflow the accumulator: finite, and the simulation's result.
+    monkeypatch.setitem(ta.VARIANTS, "fwd", "ws" if ws else "ptr")
+    bn = _block_n()
+    q, k, _ = _inputs(1, 2, 2, 40, 7 * bn, 64, torch.bfloat16, seed=21)
+    g = torch.Generator(device="cpu").manual_seed(5)
+    r = [(torch.randn(1, 2, bn, 64, generator=g) * 1e5).to(torch.bfloat16) for _ in range(3)]
+    v = torch.cat([r[0], -r[0], r[1], -r[1], r[2], -r[2], torch.zeros_like(r[0])], 2).to(DEVICE)  # mean 0
+    prep = tq.Prepared(k, v)
+    with ta.forced_configs(quant_fp8_ws=_ws_config(tq.FP8_WS_CONFIGS)):
+        out = tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], fp8_qk=True, prepared=prep)
+    _, _, _, v_scale, _, _ = prep.get(*tq.level_modes(tq.LEVEL_FP8, True), bn)
+    assert (v_scale[..., 6] == 2.0 ** -40).all() and (v_scale[..., :6] > 10).all()
+    assert torch.isfinite(out).all()
+    assert rel_err(out.cpu(), _simulate(q, k, v, tq.LEVEL_FP8, True)) <= _sim_tol(tq.LEVEL_FP8)
+
+
 @pytest.mark.parametrize("level", [tq.LEVEL_QK8, tq.LEVEL_FP8])
 def test_queries_quantized_in_the_prepass_launch_or_alone_give_the_same_output(monkeypatch, level):
     # Q is quantized by the launch that quantizes K, or by quantize_q_kernel when K was already

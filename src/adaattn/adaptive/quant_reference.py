@@ -18,6 +18,11 @@ import torch
 INT8_MAX = 127.0
 FP8_MAX = 448.0
 _TINY = 1e-30
+# The least V block scale: the kernels keep their P.V accumulator in units of the current tile's
+# V scale, so a scale near 0 (a block equal to the mean) would blow it up; with 2^-40 that needs
+# |V| near 1e19. Below about 4e-10 a block is then quantized on a coarser grid than its range
+# asks for (absolute error under 2^-49).
+V_SCALE_FLOOR = 2.0 ** -40
 
 
 SMOOTHING_SAMPLE = 256
@@ -81,7 +86,7 @@ def quantize_key_blocks(k: torch.Tensor, block_n: int, mode: str, k_mean: torch.
 
 def value_fp8(v: torch.Tensor, block_n: int, v_mean=None):
     """V smoothed by `smoothing_mean`, then one scale per block of block_n keys (the block's
-    amax over its keys and channels / 448) into e4m3's range.
+    amax over its keys and channels / 448, at least V_SCALE_FLOOR) into e4m3's range.
 
     Returns (v_q (..., N, D) float64 e4m3 values, block scales (..., blocks) float64,
     v_mean (..., D) float64)."""
@@ -91,7 +96,7 @@ def value_fp8(v: torch.Tensor, block_n: int, v_mean=None):
     blocks = math.ceil(n / block_n)
     padded = torch.nn.functional.pad(vs, (0, 0, 0, blocks * block_n - n))
     amax = padded.unflatten(-2, (blocks, block_n)).abs().amax((-1, -2))
-    scale = (amax / FP8_MAX).clamp_min(_TINY)
+    scale = (amax / FP8_MAX).clamp_min(V_SCALE_FLOOR)
     per_key = scale.repeat_interleave(block_n, -1)[..., :n]
     return quantize_fp8(vs / per_key[..., None]), scale.double(), mean.double()
 

@@ -139,6 +139,7 @@ def attention_fp8_ws_kernel(
     row_scale = qs_desc.load([start_m]) * scale_log2
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
+    vs_prev = tl.full([], 1.0, tl.float32)  # the V scale of the tile acc is in units of
 
     for start_n in tl.range(0, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         k = KqDesc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
@@ -153,13 +154,17 @@ def attention_fp8_ws_kernel(
         p = tl.math.exp2(qk * rs[:, None] - (m_shift - LOG2_FP8_MAX)[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         vt = VqDesc.load([batch, kv_head, 0, start_n]).reshape(HEAD_DIM, BLOCK_N)
-        # A fresh fp32 accumulator per tile (Hopper's FP8 MMA accumulates with fewer bits), times
-        # the tile's V scale as it is added.
-        acc = acc * alpha[:, None] + tl.dot(to_fp8(p, EMULATE), tl.trans(vt)) * tl.load(vs_base + start_n // BLOCK_N)
+        # A fresh fp32 accumulator per tile (Hopper's FP8 MMA accumulates with fewer bits). acc is
+        # kept in units of the current tile's V scale: the change of unit rides on the per-row
+        # alpha, so the add stays one FMA per element (multiplying the product by the scale
+        # instead measured 12% slower on the H100).
+        vs = tl.load(vs_base + start_n // BLOCK_N)
+        acc = acc * (alpha * (vs_prev / vs))[:, None] + tl.dot(to_fp8(p, EMULATE), tl.trans(vt))
+        vs_prev = vs
         m_i = m_new
 
     seen = l_i > 0.0
     v_mean = tl.load(VMean + stat + offs_d)
-    out = acc * (1.0 / tl.where(seen, l_i, 1.0))[:, None]
+    out = acc * (vs_prev / tl.where(seen, l_i, 1.0))[:, None]
     out = tl.where(seen[:, None], out + v_mean[None, :], 0.0)
     o_desc.store([start_m, 0], round_to(out, Out.dtype.element_ty, DOT_PRECISION))
