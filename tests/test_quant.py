@@ -196,7 +196,10 @@ def test_fp8_values_with_a_key_block_equal_to_their_mean(monkeypatch, ws):
     _, _, _, v_scale, _, _ = prep.get(*tq.level_modes(tq.LEVEL_FP8, True), bn)
     assert (v_scale[..., 6] == 2.0 ** -40).all() and (v_scale[..., :6] > 10).all()
     assert torch.isfinite(out).all()
-    assert rel_err(out.cpu(), _simulate(q, k, v, tq.LEVEL_FP8, True)) <= _sim_tol(tq.LEVEL_FP8)
+    # Blocks of r and -r cancel in the output: on a GPU, the FP8 tensor cores' shorter
+    # accumulation within each tile shows up amplified (1.25e-2 measured on the H100).
+    tol = _sim_tol(tq.LEVEL_FP8) if DEVICE == "cpu" else 2e-2
+    assert rel_err(out.cpu(), _simulate(q, k, v, tq.LEVEL_FP8, True)) <= tol
 
 
 @pytest.mark.parametrize("level", [tq.LEVEL_QK8, tq.LEVEL_FP8])
