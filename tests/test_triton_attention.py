@@ -360,6 +360,27 @@ def test_config_chooser_times_candidates_once_and_skips_failures(monkeypatch):
     assert chooser.pick("fwd", ("other",), [a, b, c], launch) == a
 
 
+def test_config_chooser_drops_a_config_that_writes_nan_where_another_does_not(monkeypatch):
+    # A miscompiled config (triton 3.6 wrote NaN for one on an H100) must not win on speed.
+    chooser = ta.ConfigChooser()
+    a, b, c = ta.KernelConfig(64, 64), ta.KernelConfig(128, 64), ta.KernelConfig(128, 128)
+    cost = {a: 2.0, b: 1.5, c: 1.0}
+    out = torch.zeros(4)
+
+    def launch(cfg):
+        out.fill_(float("nan") if cfg == c else 1.0)  # the fastest one is wrong
+        return cost[cfg]
+
+    monkeypatch.setattr(ta, "interpreting", lambda: False)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, **kw: fn())
+    with pytest.warns(RuntimeWarning, match="wrote NaN or infinity"):
+        assert chooser.pick("fwd", ("k",), [a, b, c], launch, lambda: out) == b
+    assert "NaN" in chooser.timings[("fwd", ("k",))][str(c)]
+    # Non-finite from every config (the inputs hold NaN): nothing to tell apart, speed decides.
+    monkeypatch.setattr(torch, "isfinite", lambda t: torch.zeros_like(t, dtype=torch.bool))
+    assert chooser.pick("fwd", ("nan inputs",), [a, b, c], launch, lambda: out) == c
+
+
 @pytest.mark.skipif(DEVICE == "cuda", reason="emulates the GPU launch path on the CPU")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_gpu_launch_path_runs_under_the_interpreter(monkeypatch, dtype):

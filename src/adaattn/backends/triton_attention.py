@@ -20,6 +20,7 @@ fixed config runs.
 import math
 import os
 import threading
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -278,8 +279,13 @@ class ConfigChooser:
         # ADAATTN_TRITON_AUTOTUNE=0: take the first fitting candidate, time nothing.
         self.tune = os.environ.get("ADAATTN_TRITON_AUTOTUNE", "1") != "0"
 
-    def pick(self, kind: str, key: tuple, candidates, launch: Callable) -> KernelConfig:
-        """candidates: a list, or a function returning one (only called when the class is new)."""
+    def pick(self, kind: str, key: tuple, candidates, launch: Callable,
+             output: Optional[Callable[[], torch.Tensor]] = None) -> KernelConfig:
+        """candidates: a list, or a function returning one (only called when the class is new).
+        output: what launch writes (the part of it that every candidate writes). When given, a
+        candidate whose output holds a NaN or an infinity where another candidate's does not is
+        dropped with a warning: a config the compiler gets wrong must not win on speed (seen
+        with triton 3.6 on an H100: a 3-stage warp-specialised config wrote NaN)."""
         if kind in self.forced:
             return self.forced[kind]
         if interpreting():
@@ -300,14 +306,24 @@ class ConfigChooser:
             return candidates[0]
         timings: dict = {}
         failures: dict = {}
+        finite: dict = {}
         for c in candidates:
             try:
                 timings[c] = triton.testing.do_bench(lambda: launch(c), warmup=5, rep=20,
                                                      return_mode="median")
+                if output is not None:
+                    finite[c] = bool(torch.isfinite(output()).all())
             except torch.OutOfMemoryError:
                 raise
             except Exception as e:  # out of resources, or a compile failure for this shape
                 failures[str(c)] = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:120] if str(e).strip() else ''}"
+        if any(finite.values()):  # (all non-finite: the inputs are, nothing to tell apart)
+            for c in [c for c, ok in finite.items() if not ok]:
+                del timings[c]
+                failures[str(c)] = "wrote NaN or infinity where another config's output is finite"
+                warnings.warn(f"adaattn triton: {kind} config {c} wrote NaN or infinity where another config's "
+                              f"output is finite, for shape class {key}; it is not used (a compiler bug).",
+                              RuntimeWarning, stacklevel=2)
         if not timings:
             raise RuntimeError(f"adaattn triton: no {kind} config ran for shape class {key}: {failures}")
         # The two fastest are timed once more, and each keeps its better time: one slow
@@ -519,7 +535,8 @@ def _launch_fwd_ws(q, k, v, out, lse, lay, scale, causal_right: bool, bottom_rig
         )
 
     key = _shape_key(q, lay, causal_right, bottom_right, -1, 0 if causal_right else -1, MASK_NONE)
-    cfg = CONFIGS.pick("fwd_ws", key, lambda: fitting_configs("fwd_ws", lay.head_dim, q.dtype, q.device), launch)
+    cfg = CONFIGS.pick("fwd_ws", key, lambda: fitting_configs("fwd_ws", lay.head_dim, q.dtype, q.device), launch,
+                       lambda: out)
     launch(cfg)
 
 
@@ -580,7 +597,8 @@ def launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     if exp_share:
         key = key + (f"exp_fma{exp_share}",)
     cfg = CONFIGS.pick("fwd", key, lambda: fitting_configs("fwd", block_d, q.dtype, q.device,
-                                                           mask.element_size() if mask_kind else 0), launch)
+                                                           mask.element_size() if mask_kind else 0), launch,
+                       lambda: out)
     launch(cfg)
     return out, lse
 

@@ -316,14 +316,14 @@ def _fp8_ws_ok(q, out, attn_mask, head_levels, level: int, fp8_qk: bool, scale: 
 
 
 def _ws_config(kind: str, configs: list, q, hkv: int, nk: int, causal_right: bool, bottom_right: bool,
-               launch) -> KernelConfig:
+               launch, out) -> KernelConfig:
     """The config of a warp-specialised quantized launch: forced (or INTERPRET_QUANT) under the
     interpreter, else timed once per shape class."""
     if interpreting():
         return CONFIGS.forced.get(kind, INTERPRET_QUANT)
     b, hq, nq, d = q.shape
     key = (q.device.index, q.dtype, d, causal_right, bottom_right, hq != hkv, length_bucket(nq), length_bucket(nk))
-    return CONFIGS.pick(kind, key, configs, launch)
+    return CONFIGS.pick(kind, key, configs, launch, lambda: out)
 
 
 def _qk8_ws_ok(q, v, out, attn_mask, head_levels, level: int, scale: float, has_left: bool, has_right: bool,
@@ -363,7 +363,7 @@ def _launch_qk8_ws(q, v, prepared: "Prepared", out, scale: float, causal_right: 
             WARP_SPEC=not interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
-    launch(_ws_config("quant_qk8_ws", QK8_WS_CONFIGS, q, hkv, nk, causal_right, bottom_right, launch))
+    launch(_ws_config("quant_qk8_ws", QK8_WS_CONFIGS, q, hkv, nk, causal_right, bottom_right, launch, out))
 
 
 def fp8_level_uses_fp8_qk(q, attn_mask, causal: bool, window_left: int, window_right: int) -> bool:
@@ -397,7 +397,7 @@ def _launch_fp8_ws(q, prepared: "Prepared", out, scale: float, causal_right: boo
             EMULATE=interp, WARP_SPEC=not interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
-    launch(_ws_config("quant_fp8_ws", FP8_WS_CONFIGS, q, hkv, nk, causal_right, bottom_right, launch))
+    launch(_ws_config("quant_fp8_ws", FP8_WS_CONFIGS, q, hkv, nk, causal_right, bottom_right, launch, out))
 
 
 def launch_level(q, k, v, prepared: Prepared, out, attn_mask, head_levels: Optional[torch.Tensor], level: int,
@@ -453,7 +453,10 @@ def launch_level(q, k, v, prepared: Prepared, out, attn_mask, head_levels: Optio
         key = (q.device.index, q.dtype, d, causal, bottom_right, has_left, window_right >= 0, mask_kind,
                hq != hkv, length_bucket(nq), length_bucket(nk), exp_share)
         # The candidates are only listed (a tensor made for the element size) for a new class.
-        cfg = CONFIGS.pick(kind, key, lambda: _configs(d, q.dtype, q.device), launch)
+        # (Only this launch's heads are compared: the others may be left unwritten.)
+        written = (lambda: out) if head_levels is None else (
+            lambda: out.index_select(1, (head_levels == level).nonzero().flatten()))
+        cfg = CONFIGS.pick(kind, key, lambda: _configs(d, q.dtype, q.device), launch, written)
     launch(cfg)
 
 
