@@ -113,7 +113,8 @@ def main() -> int:
         "quantize_q launch": qpass,
         "Prepared(k, v).get fp8 (1 launch)": lambda: tq.Prepared(k, v).get(qk_mode, pv_mode, 128),
         "Prepared(k, v).get qk8 (1 launch)": lambda: tq.Prepared(k, v).get(*tq.level_modes(tq.LEVEL_QK8), 64),
-        "_launch_fp8_ws (prepared)": lambda: tq._launch_fp8_ws(q, prepared, out, 0.1, False, False),
+        "_launch_quant_ws fp8 (prepared)": lambda: tq._launch_quant_ws(tq.LEVEL_FP8, q, v, prepared, out, 0.1, False,
+                                                                       False),
         "quant_attention fp8": lambda: tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], fp8_qk=True),
         "quant_attention qk8 (warp-specialised)": lambda: tq.quant_attention(q, k, v, levels=[tq.LEVEL_QK8]),
         "quant_attention qk8 (general kernel)": lambda: _general(lambda: tq.quant_attention(

@@ -97,7 +97,7 @@ def pieces(rows):
             try:
                 with ta.forced_configs(quant_fp8_ws=cfg):
                     prepared.get(qk_mode, pv_mode, cfg.block_n)
-                    ms = bench(lambda: tq._launch_fp8_ws(q, prepared, out, D ** -0.5, False, False))
+                    ms = bench(lambda: tq._launch_quant_ws(tq.LEVEL_FP8, q, v, prepared, out, D ** -0.5, False, False))
                     whole_cfg = bench(lambda: tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], fp8_qk=True))
                     o = tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], fp8_qk=True)
                 err = ((o[:, :, idx].double() - ref).norm() / ref.norm()).item()

@@ -159,17 +159,16 @@ def test_warp_specialised_kernels_match_their_simulation(monkeypatch, level, cas
     # Q.K^T (the same, not causal either) do the simulated math; elsewhere the general kernel runs.
     (b, hq, hkv, nq, nk, d), causal, bottom_right, per_head, ws_levels = WS_CASES[case]
     monkeypatch.setitem(ta.VARIANTS, "fwd", "ws")
-    name = {tq.LEVEL_QK8: "_launch_qk8_ws", tq.LEVEL_FP8: "_launch_fp8_ws"}[level]
     calls = []
-    launch = getattr(tq, name)
-    monkeypatch.setattr(tq, name, lambda *a, **kw: (calls.append(1), launch(*a, **kw))[1])
+    launch = tq._launch_quant_ws
+    monkeypatch.setattr(tq, "_launch_quant_ws", lambda *a, **kw: (calls.append(a[0]), launch(*a, **kw))[1])
     q, k, v = _inputs(b, hq, hkv, nq, nk, d, torch.bfloat16, seed=nq + nk + d + level, v_shift=0.3)
     levels = torch.full((hq,), level, dtype=torch.int32, device=DEVICE) if per_head else None
     fp8_qk = level == tq.LEVEL_FP8
     with ta.forced_configs(quant_qk8_ws=_ws_config(tq.QK8_WS_CONFIGS), quant_fp8_ws=_ws_config(tq.FP8_WS_CONFIGS)):
         out = tq.quant_attention(q, k, v, levels=[level], head_levels=levels, causal=causal,
                                  bottom_right=bottom_right, fp8_qk=fp8_qk)
-    assert len(calls) == (1 if level in ws_levels else 0)
+    assert calls == ([level] if level in ws_levels else [])
     assert torch.isfinite(out).all()
     keep = None
     if causal:  # query i sits at position i (+ nk - nq bottom-right)

@@ -342,28 +342,43 @@ def _qk8_ws_ok(q, v, out, attn_mask, head_levels, level: int, scale: float, has_
     return ws_device_ok(q.device) and tma_ok(out) and tma_ok(v)
 
 
-def _launch_qk8_ws(q, v, prepared: "Prepared", out, scale: float, causal_right: bool, bottom_right: bool) -> None:
+def _launch_quant_ws(level: int, q, v, prepared: "Prepared", out, scale: float, causal_right: bool,
+                     bottom_right: bool) -> None:
+    """One warp-specialised quantized launch (kernels/attention_quant_ws.py) for every head at
+    `level`: qk8 (INT8 Q.K^T, P.V with V as it is) or fp8 (FP8 Q.K^T and P.V)."""
     b, hq, nq, d = q.shape
     hkv, nk = prepared.hkv, prepared.nk
+    fp8 = level == LEVEL_FP8
+    qk_mode, pv_mode = level_modes(level, True)
     interp = interpreting()
-    qrows = QuantizedQ(q, QK_INT8)
+    # Q per row, in the pre-pass launch (a reduction over Q inside the warp-specialised kernel
+    # does not pass triton's warp-specialisation pass).
+    qrows = QuantizedQ(q, qk_mode)
 
     def launch(cfg: KernelConfig):
-        kq, kscale, _, _, _, n_blocks = prepared.get(QK_INT8, PV_NATIVE, cfg.block_n, qrows)
+        kq, kscale, vq, v_scale, v_mean, n_blocks = prepared.get(qk_mode, pv_mode, cfg.block_n, qrows)
         qrows.ensure()
         ensure_triton_allocator()
-        box = [1, 1, cfg.block_n, d]
-        attention_qk8_ws_kernel[(triton.cdiv(nq, cfg.block_m), b * hq)](
-            qrows.qq, qrows.scales, TensorDescriptor(kq, list(kq.shape), list(kq.stride()), box),
-            TensorDescriptor(v, list(v.shape), list(v.stride()), box),
-            kscale, out, out.stride(0), out.stride(1), out.stride(2),
-            hq, hq // hkv, nq, qrows.pitch, nk, n_blocks, scale * LOG2E,
-            HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal_right,
-            BOTTOM_RIGHT=bottom_right, K_TAIL=nk % cfg.block_n != 0, DOT_PRECISION=_dot_precision(q.dtype),
-            WARP_SPEC=not interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
+        grid = (triton.cdiv(nq, cfg.block_m), b * hq)
+        k_desc = TensorDescriptor(kq, list(kq.shape), list(kq.stride()), [1, 1, cfg.block_n, d])
+        rest = (out, out.stride(0), out.stride(1), out.stride(2), hq, hq // hkv, nq, qrows.pitch, nk, n_blocks,
+                scale * LOG2E)
+        meta = dict(HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal_right,
+                    BOTTOM_RIGHT=bottom_right, K_TAIL=nk % cfg.block_n != 0, DOT_PRECISION=_dot_precision(q.dtype),
+                    WARP_SPEC=not interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        if fp8:  # V quantized and transposed (D, Npad): its box is (D, BLOCK_N)
+            attention_fp8_ws_kernel[grid](
+                qrows.qq, qrows.scales, k_desc, TensorDescriptor(vq, list(vq.shape), list(vq.stride()),
+                                                                 [1, 1, d, cfg.block_n]),
+                kscale, v_scale, v_mean, *rest, EMULATE=interp, **meta)
+        else:
+            attention_qk8_ws_kernel[grid](
+                qrows.qq, qrows.scales, k_desc, TensorDescriptor(v, list(v.shape), list(v.stride()),
+                                                                 [1, 1, cfg.block_n, d]),
+                kscale, *rest, **meta)
 
-    launch(_ws_config("quant_qk8_ws", QK8_WS_CONFIGS, q, hkv, nk, causal_right, bottom_right, launch, out))
+    kind, configs = ("quant_fp8_ws", FP8_WS_CONFIGS) if fp8 else ("quant_qk8_ws", QK8_WS_CONFIGS)
+    launch(_ws_config(kind, configs, q, hkv, nk, causal_right, bottom_right, launch, out))
 
 
 def fp8_level_uses_fp8_qk(q, attn_mask, causal: bool, window_left: int, window_right: int) -> bool:
@@ -371,33 +386,6 @@ def fp8_level_uses_fp8_qk(q, attn_mask, causal: bool, window_left: int, window_r
     if FP8_LEVEL_QK != "auto":
         return FP8_LEVEL_QK == "fp8"
     return ws_device_ok(q.device)  # Hopper (or the CPU interpreter, which stands in for it)
-
-
-def _launch_fp8_ws(q, prepared: "Prepared", out, scale: float, causal_right: bool, bottom_right: bool) -> None:
-    b, hq, nq, d = q.shape
-    hkv, nk = prepared.hkv, prepared.nk
-    qk_mode, pv_mode = level_modes(LEVEL_FP8, True)
-    interp = interpreting()
-
-    # Q to E4M3 per row first, in the pre-pass launch (a reduction over Q inside the
-    # warp-specialised kernel does not pass triton's warp-specialisation pass).
-    qrows = QuantizedQ(q, QK_FP8)
-
-    def launch(cfg: KernelConfig):
-        kq, kscale, vq, v_scale, v_mean, n_blocks = prepared.get(qk_mode, pv_mode, cfg.block_n, qrows)
-        qrows.ensure()
-        ensure_triton_allocator()
-        attention_fp8_ws_kernel[(triton.cdiv(nq, cfg.block_m), b * hq)](
-            qrows.qq, qrows.scales, TensorDescriptor(kq, list(kq.shape), list(kq.stride()), [1, 1, cfg.block_n, d]),
-            TensorDescriptor(vq, list(vq.shape), list(vq.stride()), [1, 1, d, cfg.block_n]),
-            kscale, v_scale, v_mean, out, out.stride(0), out.stride(1), out.stride(2),
-            hq, hq // hkv, nq, qrows.pitch, nk, n_blocks, scale * LOG2E,
-            HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal_right,
-            BOTTOM_RIGHT=bottom_right, K_TAIL=nk % cfg.block_n != 0, DOT_PRECISION=_dot_precision(q.dtype),
-            EMULATE=interp, WARP_SPEC=not interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-
-    launch(_ws_config("quant_fp8_ws", FP8_WS_CONFIGS, q, hkv, nk, causal_right, bottom_right, launch, out))
 
 
 def launch_level(q, k, v, prepared: Prepared, out, attn_mask, head_levels: Optional[torch.Tensor], level: int,
@@ -413,11 +401,9 @@ def launch_level(q, k, v, prepared: Prepared, out, attn_mask, head_levels: Optio
     lay = None if attn_mask is None else _Layout(b, hq, hkv, nq, nk, d, False)  # (read for a mask only)
     mask, mask_strides, mask_kind = _mask_args(attn_mask, lay, q)
     has_left, left, has_right, right = _position_flags(causal, window_left, window_right)
-    if _fp8_ws_ok(q, out, attn_mask, head_levels, level, fp8_qk, scale, has_left, has_right, right):
-        _launch_fp8_ws(q, prepared, out, scale, has_right, bottom_right)
-        return
-    if _qk8_ws_ok(q, v, out, attn_mask, head_levels, level, scale, has_left, has_right, right):
-        _launch_qk8_ws(q, v, prepared, out, scale, has_right, bottom_right)
+    if (_fp8_ws_ok(q, out, attn_mask, head_levels, level, fp8_qk, scale, has_left, has_right, right)
+            or _qk8_ws_ok(q, v, out, attn_mask, head_levels, level, scale, has_left, has_right, right)):
+        _launch_quant_ws(level, q, v, prepared, out, scale, has_right, bottom_right)
         return
     exp_share = exp_fma_share(exp_fma)
     interp = interpreting()
