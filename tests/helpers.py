@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 import torch.nn.functional as F
+
+# Where the Triton kernels of a test run: the GPU, or else the interpreter (conftest.py sets
+# TRITON_INTERPRET=1 before anything imports triton where there is no CUDA).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+NEEDS_CUDA_OR_INTERPRETER = pytest.mark.skipif(
+    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1", reason="needs CUDA or TRITON_INTERPRET=1")
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -16,10 +25,11 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return num / den
 
 
-def keep_mask(q_len, kv_len, causal, window, device=None):
-    """Written independently of adaattn.backends.masks: True where query i may see key j.
-    (Whole-matrix comparisons: an element-by-element loop took hours at the GPT shape's 8192.)"""
-    i = torch.arange(q_len, device=device)[:, None]
+def keep_mask(q_len, kv_len, causal, window, device=None, bottom_right=False):
+    """Written independently of adaattn.backends.masks: True where query i may see key j
+    (bottom_right: query i sits at position i + kv_len - q_len). (Whole-matrix comparisons: an
+    element-by-element loop took hours at the GPT shape's 8192.)"""
+    i = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len if bottom_right else 0)
     j = torch.arange(kv_len, device=device)[None, :]
     keep = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
     if causal:

@@ -9,14 +9,9 @@ CUDA the kernels run in the Triton interpreter.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
+import pytest
 
 triton = pytest.importorskip("triton")
 
@@ -28,11 +23,9 @@ from adaattn.backends import triton_quant as tq  # noqa: E402
 from adaattn.backends import triton_verify  # noqa: E402
 from adaattn.backends.reference import reference_attention  # noqa: E402
 
-from helpers import rel_err  # noqa: E402
+from helpers import DEVICE, NEEDS_CUDA_OR_INTERPRETER, rel_err  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(
-    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1", reason="needs CUDA or TRITON_INTERPRET=1")
+pytestmark = NEEDS_CUDA_OR_INTERPRETER
 
 ALL = ("native", "int8", "fp8")
 

@@ -8,16 +8,11 @@ the kernels run. On a machine without CUDA the kernels run in the Triton interpr
 
 from __future__ import annotations
 
-import os
-
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import math  # noqa: E402
 
-import pytest  # noqa: E402
+import pytest
 
 triton = pytest.importorskip("triton")
 
@@ -29,11 +24,9 @@ from adaattn.backends.reference import reference_attention  # noqa: E402
 from adaattn.kernels.attention_quant import INT_BIAS, biased_float, to_fp8  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from helpers import keep_mask, rel_err  # noqa: E402
+from helpers import DEVICE, NEEDS_CUDA_OR_INTERPRETER, keep_mask, rel_err  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(
-    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1", reason="needs CUDA or TRITON_INTERPRET=1")
+pytestmark = NEEDS_CUDA_OR_INTERPRETER
 
 QK = {tq.LEVEL_EXACT: "native", tq.LEVEL_QK8: "int8", tq.LEVEL_FP8: "int8"}
 PV = {tq.LEVEL_EXACT: "native", tq.LEVEL_QK8: "native", tq.LEVEL_FP8: "fp8"}

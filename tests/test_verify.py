@@ -3,14 +3,9 @@ and the per-head verification stages against their torch equivalent (adaptive/co
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
+import pytest
 
 triton = pytest.importorskip("triton")
 
@@ -18,25 +13,9 @@ from adaattn.adaptive import analysis, controller  # noqa: E402
 from adaattn.backends import triton_quant as tq  # noqa: E402
 from adaattn.backends import triton_verify  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-pytestmark = pytest.mark.skipif(
-    DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1", reason="needs CUDA or TRITON_INTERPRET=1")
+from helpers import DEVICE, NEEDS_CUDA_OR_INTERPRETER, keep_mask  # noqa: E402
 
-
-def _keep(nq, nk, causal, window, bottom_right):
-    """True where query i sees key j (written from the definition, positions aligned at the end
-    for bottom_right)."""
-    i = torch.arange(nq)[:, None] + (nk - nq if bottom_right else 0)
-    j = torch.arange(nk)[None, :]
-    keep = torch.ones(nq, nk, dtype=torch.bool)
-    if causal:
-        keep &= j <= i
-    if window is not None:
-        if window[0] is not None:
-            keep &= j >= i - window[0]
-        if window[1] is not None:
-            keep &= j <= i + window[1]
-    return keep
+pytestmark = NEEDS_CUDA_OR_INTERPRETER
 
 
 def _float64_rows(q, k, v, rows, scale, keep):
@@ -70,7 +49,7 @@ def test_exact_rows_kernel_matches_float64(b, hq, hkv, nq, nk, d, dtype, causal,
                                                      -1 if window[1] is None else window[1])
     ref = triton_verify.exact_rows(q, k, v, rows, None, scale, causal, align == "bottom_right", left, right)
     assert ref is not None, "the kernel should run here"
-    keep = _keep(nq, nk, causal, window, align == "bottom_right") if (causal or window is not None) else None
+    keep = keep_mask(nq, nk, causal, window, bottom_right=align == "bottom_right") if (causal or window is not None) else None
     want = _float64_rows(q.cpu(), k.cpu(), v.cpu(), rows.cpu(), scale, keep)
     err = (ref.cpu().double() - want).norm() / want.norm()
     assert err <= 2e-5, err

@@ -44,13 +44,18 @@ def quantize_q_kernel(Q, Qq, QScale, stride_qb, stride_qh, stride_qm, q_heads, q
 
 
 @triton.jit
-def quant_ws_prologue(Qq, QScale, Out, stride_ob, stride_oh, stride_om, pid_bh, batch, head, kv_head,
-                      q_heads, kv_group, q_len, q_pitch, n_blocks,
-                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr):
-    """(q_desc, qs_desc, o_desc, scale_row, stat) of a quantized warp-specialised program:
-    descriptors made here over its quantized Q rows, their scales and its Out rows (rows past
-    q_len read as zeros and are not written), the offset of its kv head's block scales (K's, and
-    V's for fp8) and of its per-channel statistics."""
+def quant_ws_prologue(Qq, QScale, Out, KScale, stride_ob, stride_oh, stride_om, q_heads, kv_group, q_len, q_pitch,
+                      k_len, n_blocks, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                      CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr):
+    """What a quantized warp-specialised program starts with, in this order: its place
+    (`dense_program`), descriptors made here over its quantized Q rows, their scales and its Out
+    rows (rows past q_len read as zeros and are not written), its kv head's K block scales and
+    the offset of its block scales (V's too, for fp8) and of its per-channel statistics, then
+    its row state (`ws_row_state`). Returns (batch, kv_head, start_m, q_desc, qs_desc, o_desc,
+    ks_base, scale_row, stat, offs_m, last_key, m_i, l_i, acc, hi). Q and its scales are loaded
+    by the kernel after this (folding those loads in here reordered the TTGIR)."""
+    pid_bh, batch, head, kv_head, start_m, diag = dense_program(q_heads, kv_group, q_len, k_len, BLOCK_M,
+                                                                BOTTOM_RIGHT)
     b64 = batch.to(tl.int64)
     kv64 = kv_head.to(tl.int64)
     q_desc = tl.make_tensor_descriptor(Qq + pid_bh.to(tl.int64) * q_len * HEAD_DIM, shape=[q_len, HEAD_DIM],
@@ -61,7 +66,10 @@ def quant_ws_prologue(Qq, QScale, Out, stride_ob, stride_oh, stride_om, pid_bh, 
                                        shape=[q_len, HEAD_DIM], strides=[stride_om, 1],
                                        block_shape=[BLOCK_M, HEAD_DIM])
     kv_row = b64 * (q_heads // kv_group) + kv64
-    return q_desc, qs_desc, o_desc, kv_row * n_blocks, kv_row * HEAD_DIM
+    scale_row = kv_row * n_blocks
+    offs_m, last_key, m_i, l_i, acc, hi = ws_row_state(start_m, diag, k_len, BLOCK_M, HEAD_DIM, CAUSAL)
+    return (batch, kv_head, start_m, q_desc, qs_desc, o_desc, KScale + scale_row, scale_row, kv_row * HEAD_DIM,
+            offs_m, last_key, m_i, l_i, acc, hi)
 
 
 @triton.jit(do_not_specialize=["q_len", "k_len", "n_blocks", "q_pitch"])
@@ -80,14 +88,9 @@ def attention_qk8_ws_kernel(
     accumulation. Grid (query blocks, batch * q_heads), last query block first. KqDesc: over the
     INT8 K (B, Hkv, Npad, D), box (1, 1, BLOCK_N, D); VDesc: over V (B, Hkv, Nk, D), same box
     (rows past Nk read as zeros). Scope as attention_fp8_ws_kernel's, causal included."""
-    pid_bh, batch, head, kv_head, start_m, diag = dense_program(q_heads, kv_group, q_len, k_len, BLOCK_M,
-                                                                BOTTOM_RIGHT)
-
-    q_desc, qs_desc, o_desc, scale_row, _ = quant_ws_prologue(
-        Qq, QScale, Out, stride_ob, stride_oh, stride_om, pid_bh, batch, head, kv_head, q_heads, kv_group,
-        q_len, q_pitch, n_blocks, HEAD_DIM, BLOCK_M)
-    ks_base = KScale + scale_row
-    offs_m, last_key, m_i, l_i, acc, hi = ws_row_state(start_m, diag, k_len, BLOCK_M, HEAD_DIM, CAUSAL)
+    (batch, kv_head, start_m, q_desc, qs_desc, o_desc, ks_base, _, _, offs_m, last_key, m_i, l_i, acc,
+     hi) = quant_ws_prologue(Qq, QScale, Out, KScale, stride_ob, stride_oh, stride_om, q_heads, kv_group, q_len,
+                             q_pitch, k_len, n_blocks, HEAD_DIM, BLOCK_M, CAUSAL, BOTTOM_RIGHT)
     q = q_desc.load([start_m, 0])
     row_scale = qs_desc.load([start_m]) * scale_log2
     offs_n = tl.arange(0, BLOCK_N)
@@ -126,15 +129,10 @@ def attention_fp8_ws_kernel(
     pre-pass's FP8 K (B, Hkv, Npad, D), box (1, 1, BLOCK_N, D); VqDesc: over its transposed FP8
     V (B, Hkv, D, Npad), box (1, 1, D, BLOCK_N). KScale and VScale (B, Hkv, n_blocks), VMean
     (B, Hkv, D) fp32. K_TAIL: k_len is not a multiple of BLOCK_N (padding keys are masked)."""
-    pid_bh, batch, head, kv_head, start_m, diag = dense_program(q_heads, kv_group, q_len, k_len, BLOCK_M,
-                                                                BOTTOM_RIGHT)
-
-    q_desc, qs_desc, o_desc, scale_row, stat = quant_ws_prologue(
-        Qq, QScale, Out, stride_ob, stride_oh, stride_om, pid_bh, batch, head, kv_head, q_heads, kv_group,
-        q_len, q_pitch, n_blocks, HEAD_DIM, BLOCK_M)
-    ks_base = KScale + scale_row
+    (batch, kv_head, start_m, q_desc, qs_desc, o_desc, ks_base, scale_row, stat, offs_m, last_key, m_i, l_i, acc,
+     hi) = quant_ws_prologue(Qq, QScale, Out, KScale, stride_ob, stride_oh, stride_om, q_heads, kv_group, q_len,
+                             q_pitch, k_len, n_blocks, HEAD_DIM, BLOCK_M, CAUSAL, BOTTOM_RIGHT)
     vs_base = VScale + scale_row
-    offs_m, last_key, m_i, l_i, acc, hi = ws_row_state(start_m, diag, k_len, BLOCK_M, HEAD_DIM, CAUSAL)
     q = q_desc.load([start_m, 0])
     row_scale = qs_desc.load([start_m]) * scale_log2
     offs_n = tl.arange(0, BLOCK_N)
