@@ -193,3 +193,27 @@ def reset() -> None:
         _cache.clear()
         _calls.clear()
         _failed.clear()
+
+
+def runner_names() -> tuple[str, ...]:
+    """Every registered runner's name, in registration order."""
+    return tuple(REGISTRY)
+
+
+def bind(name: str, problem: Problem, policy: Policy | None = None):
+    """fn(query, key, value, attn_mask=None) -> out: runner `name` alone on calls described by
+    `problem` (no dispatch, no fallback), for benchmarks that time one runner against another.
+    Raises NoBackendError when that runner declines the problem, with its reasons."""
+    if name not in REGISTRY:
+        raise ValueError(f"runner must be one of {', '.join(REGISTRY)}, got {name!r}")
+    pol = policy if policy is not None else Policy(backends=(name,))
+    plan = make_plan(problem, pol)
+    if plan.backend != name:
+        why = dict(plan.reasons).get(name, ())
+        raise NoBackendError(f"runner {name} declines {problem.describe()}: {' '.join(why)}")
+    runner = REGISTRY[name]
+
+    def fn(query, key, value, attn_mask=None):
+        return runner.run(query, key, value, attn_mask, problem, plan)
+
+    return fn
