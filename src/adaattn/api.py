@@ -1,34 +1,16 @@
-"""attention(): the one entry point, SDPA-compatible."""
+"""attention() and varlen_attention(): the entry points, SDPA-compatible; explain(); info()."""
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
 from . import planner, stats
-from .backends import REGISTRY
+from .backends.varlen import check_varlen
 from .planner import Plan
 from .policy import EXACT, Policy
-from .problem import Problem, validate
-
-QUANT = planner.QUANT
-
-
-class _LevelNames:
-    """Per-head levels held on the device until a stats reader asks for them."""
-
-    def __init__(self, levels: torch.Tensor):
-        self.levels = levels
-
-    def resolve(self) -> list[str]:
-        from .backends.triton_quant import LEVELS
-
-        return [LEVELS[int(x)] for x in self.levels.tolist()]
-
-
-def adaptive_run(*args, **kwargs):
-    from .adaptive.runner import run
-
-    return run(*args, **kwargs)
+from .problem import Problem, default_scale, from_internal, to_internal, validate, window_sides
 
 
 def _check_policy(policy: object) -> Policy:
@@ -92,17 +74,18 @@ def attention(
         problem, pol, plan = hit
     if problem.layout == "bshd":
         query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    elif problem.out_lead:
+        query, key, value, attn_mask = to_internal(problem, query, key, value, attn_mask)
     if compiling:
-        if plan.backend == QUANT:
-            out, _ = adaptive_run(query, key, value, attn_mask, problem, plan, pol, label, compiling=True)
-        else:
-            out = REGISTRY[plan.backend].run(query, key, value, attn_mask, problem, plan)
+        out = plan.runner.run(query, key, value, attn_mask, problem, plan.launch, label)
     elif stats.enabled:
         out = _run_recorded(query, key, value, attn_mask, problem, plan, pol, label)
     else:
-        out, _, _ = _run(query, key, value, attn_mask, problem, plan, pol, label)
+        out = _run(query, key, value, attn_mask, problem, plan, label)[0]
     if problem.layout == "bshd":
-        out = out.transpose(1, 2)
+        return out.transpose(1, 2)
+    if problem.out_lead:
+        return from_internal(problem, out)
     return out
 
 
@@ -110,6 +93,8 @@ def _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     """Everything validation depends on: calls with equal signatures have equal Problems."""
     return (
         query.shape, key.shape, value.shape, query.dtype, key.dtype, value.dtype,
+        query.stride(), key.stride(), value.stride(),
+        query.data_ptr() % 16, key.data_ptr() % 16, value.data_ptr() % 16,
         query.device, key.device, value.device,
         None if attn_mask is None else (attn_mask.shape, attn_mask.dtype, attn_mask.device),
         dropout_p, is_causal, scale, enable_gqa, layout,
@@ -131,52 +116,55 @@ def _cached(*args):
         return None
 
 
-def _run(q, k, v, attn_mask, problem: Problem, plan: Plan, policy: Policy = EXACT,
-         label: str | None = None) -> tuple[torch.Tensor, tuple[str, ...], dict | None]:
-    """Run the first candidate; a backend that raises is marked failed and the next one runs.
-    Returns (out, failed backends, per-head decisions of an adaptive run or None)."""
+def _run(q, k, v, attn_mask, problem: Problem, plan: Plan, label: Optional[str] = None,
+         recorded: bool = False) -> tuple[torch.Tensor, tuple[str, ...], Optional[dict]]:
+    """Run the first candidate; a runner that raises is marked failed and the next one runs.
+    Returns (out, failed runners, the decisions of the runner that ran when `recorded`)."""
     failed: list[str] = []
     last = len(plan.candidates) - 1
-    for i, name in enumerate(plan.candidates):
+    for i, (name, launch) in enumerate(zip(plan.candidates, plan.launches)):
+        runner = planner.REGISTRY[name]
         try:
-            if name == QUANT:
-                out, info = adaptive_run(q, k, v, attn_mask, problem, plan, policy, label)
-                return out, tuple(failed), info
-            return REGISTRY[name].run(q, k, v, attn_mask, problem, plan), tuple(failed), None
+            if recorded:
+                out, decisions = runner.run_recorded(q, k, v, attn_mask, problem, launch, label)
+                return out, tuple(failed), decisions
+            return runner.run(q, k, v, attn_mask, problem, launch, label), tuple(failed), None
         except Exception as e:
-            if isinstance(e, torch.OutOfMemoryError) or "not enough memory" in str(e) or "out of memory" in str(e):
-                raise torch.OutOfMemoryError(
-                    f"adaattn: out of memory in backend {name} for {problem.describe()}: {e}"
-                ) from e
+            _raise_if_oom(e, name, problem)
             if i == last:
                 # Nothing slower is left to fall back to: the error is the caller's to see, and
-                # the backend is not marked failed for calls that may well succeed.
+                # the runner is not marked failed for calls that may well succeed.
                 raise
             planner.mark_failed(name, problem, e)  # a kernel failure: fall back to a slower path
             failed.append(name)
     raise AssertionError("unreachable: a plan always has a candidate")
 
 
+def _raise_if_oom(e: BaseException, name: str, problem: Problem) -> None:
+    if isinstance(e, torch.OutOfMemoryError) or "not enough memory" in str(e) or "out of memory" in str(e):
+        raise torch.OutOfMemoryError(f"adaattn: out of memory in runner {name} for {problem.describe()}: {e}") from e
+
+
 def _run_recorded(q, k, v, attn_mask, problem, plan, policy, label):
     if stats.timing():
         with stats.Timer(q.device) as t:
-            out, failed, info = _run(q, k, v, attn_mask, problem, plan, policy, label)
+            out, failed, decisions = _run(q, k, v, attn_mask, problem, plan, label, recorded=True)
         wall = t.ms
     else:
-        out, failed, info = _run(q, k, v, attn_mask, problem, plan, policy, label)
+        out, failed, decisions = _run(q, k, v, attn_mask, problem, plan, label, recorded=True)
         wall = None
+    _record(problem, plan, policy, label, failed, decisions, wall)
+    return out
+
+
+def _record(problem, plan, policy, label, failed, decisions, wall) -> None:
     ran = next(n for n in plan.candidates if n not in failed)
-    if info is not None:
-        decisions = {"precision": "per head", "head_levels": info.get("levels"),
-                     "head_errors": info.get("errors"), "verified": info.get("verified", False),
-                     "errors_measured_on": info.get("errors_measured_on"), "tolerance": policy.tolerance,
-                     "approximation": "none", "notes": list(plan.notes)}
-        if info.get("levels_after") is not None:
-            decisions["head_levels_after_verification"] = _LevelNames(info["levels_after"])
-        if info.get("note"):
-            decisions["notes"].append(info["note"])
-    else:
-        decisions = {"precision": "native", "approximation": "none", "notes": list(plan.notes)}
+    decisions = dict(decisions or {})
+    notes = list(plan.notes)
+    note = decisions.pop("note", None)
+    if note:
+        notes.append(note)
+    decisions["notes"] = notes
     stats.add(
         stats.CallRecord(
             backend=ran,
@@ -191,7 +179,6 @@ def _run_recorded(q, k, v, attn_mask, problem, plan, policy, label):
             wall_ms=wall,
         )
     )
-    return out
 
 
 class Explanation:
@@ -214,6 +201,7 @@ class Explanation:
             "chosen": self.chosen,
             "order": list(self.plan.order) if self.plan else None,
             "backends": {n: list(r) for n, r in self.plan.reasons} if self.plan else None,
+            "costs_ms": dict(self.plan.costs) if self.plan else None,
             "notes": list(self.plan.notes) if self.plan else [],
             "error": self.error,
         }
@@ -272,3 +260,88 @@ def explain(
     """
     problem = validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout, window)
     return explain_problem(problem, policy)
+
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    window: Optional[tuple] = None,
+    *,
+    causal_alignment: str = "top_left",
+    deterministic: bool = False,
+    check_offsets: bool = True,
+    policy: Optional[Policy] = None,
+) -> torch.Tensor:
+    """Attention over a batch of sequences of different lengths, packed without padding.
+
+    q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv), Hq a multiple of Hkv;
+    sequence b is rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of q and cu_seqlens_k[b]:cu_seqlens_k[b+1]
+    of k/v (int32 or int64, batch + 1 entries on q's device, starting at 0, never decreasing).
+    max_seqlen_q/k bound the lengths (they size the launch grid).
+    is_causal, window and causal_alignment ("top_left" as SDPA, or "bottom_right": the KV-cache
+    convention) apply within each sequence. Rows of q past cu_seqlens_q[-1] give 0.
+    check_offsets: check the offsets' values (one host read of a flag per call; skipped while
+        a CUDA graph is captured or torch.compile traces). Pass False where the offsets are known
+        good and the read matters.
+    Returns (total_q, Hq, Dv) in q's dtype; differentiable. The planner picks the runner
+    (varlen.triton: our kernels, no padding, no host sync; varlen.sdpa: torch SDPA per sequence).
+    Raises ValueError/TypeError for inconsistent shapes, dtypes, devices or offsets, each naming
+    the argument.
+    """
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                 bool(check_offsets) and not capturing and not _compiling())
+    if causal_alignment not in ("top_left", "bottom_right"):
+        raise ValueError(f"causal_alignment must be 'top_left' or 'bottom_right', got {causal_alignment!r}")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    from .problem import check_scale, check_window
+
+    scale_f = check_scale(scale)
+    left, right = window_sides(check_window(window))
+    pol = _check_policy(policy)
+    if deterministic and not pol.deterministic:
+        from dataclasses import replace
+
+        pol = replace(pol, deterministic=True)
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    problem = Problem(
+        batch=cu_seqlens_q.shape[0] - 1, q_heads=q.shape[1], kv_heads=k.shape[1], q_len=int(max_seqlen_q),
+        kv_len=int(max_seqlen_k), head_dim=q.shape[-1], value_dim=v.shape[-1], dtype=q.dtype,
+        device_type=q.device.type, device_index=q.device.index, causal=is_causal, window_left=left,
+        window_right=right, mask_kind="none", dropout_p=0.0,
+        scale=default_scale(q.shape[-1]) if scale_f is None else scale_f, needs_grad=needs_grad,
+        gqa=q.shape[1] != k.shape[1], varlen=True, bottom_right=causal_alignment == "bottom_right",
+    )
+    plan = planner.get_plan(problem, pol, _compiling())
+    failed: list[str] = []
+    for i, (name, launch) in enumerate(zip(plan.candidates, plan.launches)):
+        runner = planner.REGISTRY[name]
+        try:
+            out = runner.run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, problem, launch)
+            break
+        except Exception as e:
+            _raise_if_oom(e, name, problem)
+            if i == len(plan.candidates) - 1:
+                raise
+            planner.mark_failed(name, problem, e)
+            failed.append(name)
+    if stats.enabled and not _compiling():
+        _record(problem, plan, pol, None, tuple(failed), None, None)
+    return out
+
+
+def info() -> dict:
+    """Versions, devices (name, capability, SMs, memory, tensor-core precisions) and runners.
+
+    Returns a dict; `adaattn info` prints the same as text.
+    """
+    return planner.runner_table()

@@ -1,4 +1,4 @@
-"""`adaattn info | explain | bench`."""
+"""`adaattn info | explain | bench | eval`, and `adaattn --version`."""
 
 from __future__ import annotations
 
@@ -34,9 +34,10 @@ def _window(text: str) -> tuple[int | None, int | None]:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from .hardware import format_report, report
+    from .api import info
+    from .hardware import format_report
 
-    rep = report()
+    rep = info()
     print(json.dumps(rep, indent=2, default=str) if args.json else format_report(rep))
     return 0
 
@@ -44,11 +45,17 @@ def cmd_info(args: argparse.Namespace) -> int:
 def cmd_explain(args: argparse.Namespace) -> int:
     from .api import explain_problem
     from .policy import Policy
-    from .problem import Problem, check_window
+    from .problem import Problem, check_window, default_scale, window_sides
 
     b, h, n, d = args.shape
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda", "meta"):
+        print(f"adaattn explain: --device must be cpu, cuda, cuda:N or meta, got {device!r}", file=sys.stderr)
+        return 2
     if dev.type == "cuda" and not torch.cuda.is_available():
         print("adaattn explain: --device cuda given but no CUDA device is available", file=sys.stderr)
         return 2
@@ -67,12 +74,18 @@ def cmd_explain(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as e:
         print(f"adaattn explain: {e}", file=sys.stderr)
         return 2
+    try:
+        left, right = window_sides(check_window(args.window))
+    except ValueError as e:
+        print(f"adaattn explain: {e}", file=sys.stderr)
+        return 2
     problem = Problem(
         batch=b, q_heads=h, kv_heads=kv_heads, q_len=n, kv_len=n if args.kv_len is None else args.kv_len, head_dim=d,
         value_dim=d, dtype=DTYPES[args.dtype], device_type=dev.type,
         device_index=(dev.index or 0) if dev.type == "cuda" else None, causal=args.causal,
-        window=check_window(args.window), mask_kind=args.mask, dropout_p=0.0, scale=None,
-        needs_grad=args.grad, layout="bhsd", gqa=kv_heads != h,
+        window_left=left, window_right=right, mask_kind=args.mask, dropout_p=0.0, scale=default_scale(d),
+        needs_grad=args.grad, layout="bhsd", gqa=kv_heads != h, mask_dtype=None if args.mask != "additive"
+        else DTYPES[args.dtype], tma_aligned=True,
     )
     exp = explain_problem(problem, policy)
     print(json.dumps(exp.as_dict(), indent=2) if args.json else exp)
@@ -82,7 +95,10 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from .bench import add_arguments as bench_arguments
 
+    from . import __version__
+
     p = argparse.ArgumentParser(prog="adaattn", description="adaattn: adaptive attention for PyTorch")
+    p.add_argument("--version", action="version", version=f"adaattn {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
 
     pi = sub.add_parser("info", help="versions, devices, tensor-core precisions and available backends")

@@ -113,16 +113,22 @@ def device(index: int | None) -> Device | None:
     return dev
 
 
-# Constant for the life of the process: torch.compile calls these once while tracing and
-# bakes the answer in, instead of tracing device queries.
-@torch.compiler.assume_constant_result
+def _constant(fn):
+    """torch.compiler.assume_constant_result without importing torch._dynamo (half a second of
+    `import adaattn`): the decorator only sets this attribute. torch.compile calls such a function
+    once while tracing and bakes the answer in, instead of tracing device queries."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
+@_constant
 def capability(index: int | None) -> tuple[int, int]:
     """Compute capability of a CUDA device, (0, 0) where there is none."""
     dev = device(index)
     return (0, 0) if dev is None else dev.capability
 
 
-@torch.compiler.assume_constant_result
+@_constant
 def arch(device_type: str, index: int | None) -> str:
     """A short name for the device family dispatch keys on: "cpu", "sm80", "sm90", ..."""
     if device_type != "cuda":
@@ -131,29 +137,25 @@ def arch(device_type: str, index: int | None) -> str:
     return f"sm{major}{minor}" if major else "cuda"
 
 
-def report() -> dict:
-    """Versions, devices and which backends are available here (and why not)."""
-    from .backends import REGISTRY
-    from .problem import Problem
+def max_shared_memory(index: int | None) -> int:
+    """Shared memory one program (thread block) may use on this CUDA device, in bytes."""
+    dev = device(index)
+    if dev is None or dev.shared_memory_per_block_kib is None:
+        return 48 * 1024
+    return int(dev.shared_memory_per_block_kib * 1024)
 
-    hw = detect()
-    out = hw.as_dict()
-    backends = {}
-    for device_type in ("cpu", "cuda"):
-        if device_type == "cuda" and not hw.devices:
-            continue
-        # A plain bf16/fp32 problem per device shows what each backend needs beyond the shape.
-        for dtype in ((torch.float32,) if device_type == "cpu" else (torch.bfloat16, torch.float32)):
-            probe = Problem(
-                batch=1, q_heads=8, kv_heads=8, q_len=1024, kv_len=1024, head_dim=128, value_dim=128,
-                dtype=dtype, device_type=device_type, device_index=0 if device_type == "cuda" else None,
-                causal=False, window=None, mask_kind="none", dropout_p=0.0, scale=None,
-                needs_grad=False, layout="bhsd",
-            )
-            key = f"{device_type}/{str(dtype).replace('torch.', '')}"
-            backends[key] = {name: b.supports(probe) for name, b in REGISTRY.items()}
-    out["backends"] = backends
-    return out
+
+@functools.lru_cache(maxsize=1)
+def warp_specialisation_available() -> bool:
+    """Triton accepts tl.range(..., warp_specialize=...) (3.6 and newer); imports triton."""
+    try:
+        import inspect
+
+        import triton.language as tl
+
+        return "warp_specialize" in inspect.signature(tl.range.__init__).parameters
+    except Exception:
+        return False
 
 
 def format_report(rep: dict) -> str:

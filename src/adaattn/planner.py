@@ -1,4 +1,9 @@
-"""Plan: which backend runs a problem, chosen by walking a measured priority list."""
+"""The planner: the registry of runners, and the choice of one for a problem under a policy.
+
+Every runner answers the same questions (`supports`, `cost`, `prepare`), so `explain` can say
+of any of them why it did or did not run. The order is measured data (priority.json); under
+Policy(mode="auto") approximate runners that can take the call go before the exact ones.
+"""
 
 from __future__ import annotations
 
@@ -7,29 +12,52 @@ import threading
 import warnings
 from dataclasses import dataclass
 from importlib import resources
+from typing import Any
 
-from . import hardware
-from .backends import REGISTRY
+import torch
+
+from . import hardware, policy as policy_mod, settings
+from .adaptive.runner import adaptive_runners
+from .backends import Runner, exact_runners
 from .policy import Policy
 from .problem import Problem
+
+REGISTRY: dict[str, Runner] = {}
 
 
 @dataclass(frozen=True)
 class Plan:
-    """The backend to run, those to fall back to, and why every other backend declined."""
+    """The runner to run, those to fall back to (each with its launch description), and why
+    every other runner declined."""
 
     backend: str
     candidates: tuple[str, ...]
+    launches: tuple[Any, ...]  # runner.prepare(...) of each candidate
     order: tuple[str, ...]
     reasons: tuple[tuple[str, tuple[str, ...]], ...]
     notes: tuple[str, ...]
     arch: str
-    levels: tuple[int, ...] = ()  # quantized levels allowed to "triton.quant" (mode="auto")
-    deterministic: bool = False  # Policy.deterministic: backends with a choice take the reproducible path
+    costs: tuple[tuple[str, float | None], ...] = ()
+
+    @property
+    def runner(self) -> Runner:
+        return REGISTRY[self.backend]
+
+    @property
+    def launch(self) -> Any:
+        return self.launches[0]
 
 
 class NoBackendError(ValueError):
-    """No backend can run the problem under the policy; the message lists each one's reasons."""
+    """No runner can run the problem under the policy; the message lists each one's reasons."""
+
+
+def register(runner: Runner) -> Runner:
+    """Add (or replace) a runner; the priority data decides when it is chosen."""
+    REGISTRY[runner.name] = runner
+    policy_mod.known_runners.add(runner.name)
+    reset()
+    return runner
 
 
 def _load_priority() -> list[dict]:
@@ -41,7 +69,7 @@ PRIORITY_RULES: list[dict] = _load_priority()
 
 _lock = threading.Lock()
 _cache: dict[tuple, Plan] = {}
-_failed: dict[tuple[str, tuple], str] = {}  # (backend, shape class) -> error
+_failed: dict[tuple[str, tuple], str] = {}  # (runner, shape class) -> error
 _calls: dict[tuple, tuple] = {}  # call signature -> (problem, policy, plan), see api._signature
 _CALLS_LIMIT = 4096
 
@@ -60,7 +88,7 @@ def _matches(rule: dict, facts: dict) -> bool:
 
 
 def priority(problem: Problem, arch: str) -> tuple[str, ...]:
-    """The ordered backend names the priority data gives for this problem."""
+    """The ordered runner names the priority data gives for this problem."""
     facts = {
         "device": problem.device_type,
         "arch": arch,
@@ -70,6 +98,7 @@ def priority(problem: Problem, arch: str) -> tuple[str, ...]:
         "mask": problem.mask_kind,
         "window": problem.window is not None,
         "needs_grad": problem.needs_grad,
+        "varlen": problem.varlen,
     }
     for rule in PRIORITY_RULES:
         if _matches(rule, facts):
@@ -78,76 +107,71 @@ def priority(problem: Problem, arch: str) -> tuple[str, ...]:
 
 
 def make_plan(problem: Problem, policy: Policy) -> Plan:
-    """Walk the priority list; every registered backend gets its reasons recorded."""
+    """Ask every registered runner; the first in order with no reasons runs, the rest of those
+    with none are its fallbacks."""
     arch = hardware.arch(problem.device_type, problem.device_index)
     order = priority(problem, arch)
-    notes = []
-    levels: tuple[int, ...] = ()
-    if policy.mode == "auto":
-        levels, notes = _adaptive(problem, policy)
-        if levels:
-            order = (QUANT,) + order
     if policy.backends is not None:
-        # Named backends absent from the list (reference, say) go last, in the order named.
-        extra = [n for b in policy.backends for n in REGISTRY if n not in order and policy.admits(n) and (n == b or n.startswith(b + "."))]
+        # Named runners absent from the list (reference, say) go last, in the order named.
+        extra = [n for b in policy.backends for n in REGISTRY
+                 if n not in order and (n == b or n.startswith(b + "."))]
         order = order + tuple(dict.fromkeys(extra))
-    names = list(order) + [n for n in REGISTRY if n not in order]
-    reasons = []
-    candidates = []
-    shape_class = problem.shape_class
-    for name in names:
-        backend = REGISTRY[name]
-        why = list(backend.supports(problem))
-        if name == QUANT and name not in order:
-            why.append("approximate (quantized): runs only under Policy(mode='auto') with precisions beyond "
-                       "'native', where the notes below say why not." if policy.mode == "auto" else
-                       "approximate (quantized): runs only under Policy(mode='auto').")
-        elif name not in order:
-            why.append(f"not in the priority list for {problem.device_type}/{arch}; used only when named in Policy.backends.")
+    reasons: dict[str, list[str]] = {}
+    for name, runner in REGISTRY.items():
+        why = list(runner.supports(problem, policy))
+        if not runner.exact and policy.mode != "auto":
+            why.append("approximate: runs only under Policy(mode='auto').")
+        elif name not in order and runner.exact and policy.admits(name):
+            why.append(f"not in the priority list for {problem.device_type}/{arch}; used only when named in "
+                       "Policy.backends.")
         if not policy.admits(name):
             why.append(f"excluded by Policy.backends={policy.backends}.")
-        failed = _failed.get((name, shape_class))
+        failed = _failed.get((name, problem.shape_class))
         if failed is not None:
             why.append(f"failed at run time earlier for this problem class ({failed}).")
-        reasons.append((name, tuple(why)))
-        if not why:
-            candidates.append(name)
+        reasons[name] = why
+    approximate = [n for n, r in REGISTRY.items() if not r.exact and not reasons[n]]
+    names = approximate + [n for n in order if n in REGISTRY] + [n for n in REGISTRY if n not in order]
+    names = list(dict.fromkeys(names))
+    candidates = [n for n in names if not reasons[n]]
+    notes = []
+    if policy.mode == "auto" and not approximate:
+        notes.append("mode='auto': no approximate runner can take this call (their reasons are listed); it runs "
+                     "exact.")
+    if policy.approximations:
+        notes.append(f"approximations {policy.approximations}: no runner implements them in this version; no "
+                     "tile is approximated.")
     if not candidates:
-        lines = [f"no backend can run {problem.describe()} under {policy}:"]
-        lines += [f"  {n}: {' '.join(r)}" for n, r in reasons]
+        lines = [f"no runner can run {problem.describe()} under {policy}:"]
+        lines += [f"  {n}: {' '.join(reasons[n])}" for n in names]
         raise NoBackendError("\n".join(lines))
+    launches = tuple(REGISTRY[n].prepare(problem, policy) for n in candidates)
+    first = REGISTRY[candidates[0]]
+    if hasattr(first, "notes"):
+        notes = first.notes(problem, launches[0]) + notes
     return Plan(
         backend=candidates[0],
         candidates=tuple(candidates),
-        order=order,
-        reasons=tuple(reasons),
+        launches=launches,
+        order=tuple(names),
+        reasons=tuple((n, tuple(reasons[n])) for n in names),
         notes=tuple(notes),
         arch=arch,
-        levels=levels if candidates[0] == QUANT else (),
-        deterministic=policy.deterministic,
+        costs=tuple((n, REGISTRY[n].cost(problem)) for n in candidates),
     )
 
 
-QUANT = "triton.quant"
-
-
-def _adaptive(problem: Problem, policy: Policy) -> tuple[tuple[int, ...], list[str]]:
-    """Quantized levels this call may use under an auto policy, and notes on what was dropped."""
-    from .adaptive.runner import allowed_levels
-
-    if QUANT not in REGISTRY:
-        return (), ["mode='auto': the quantized kernels need triton, which does not import here; "
-                    "the call runs exact."]
-    if not policy.admits(QUANT):
-        return (), [f"mode='auto': Policy.backends={policy.backends} excludes {QUANT}; the call runs exact."]
-    return allowed_levels(problem, policy, REGISTRY[QUANT].supports(problem))
+def plan_key(problem: Problem, policy: Policy) -> tuple:
+    """What a plan depends on beyond the problem: the policy, the settings, determinism."""
+    return (problem.shape_class, problem.device_index, policy, settings.current(),
+            torch.are_deterministic_algorithms_enabled())
 
 
 def get_plan(problem: Problem, policy: Policy, compiling: bool = False) -> Plan:
     """The cached plan for this problem class and policy (computed fresh under torch.compile)."""
     if compiling:
         return make_plan(problem, policy)
-    key = (problem.shape_class, problem.device_index, policy)
+    key = plan_key(problem, policy)
     plan = _cache.get(key)
     if plan is None:
         plan = make_plan(problem, policy)
@@ -180,8 +204,8 @@ def mark_failed(name: str, problem: Problem, error: BaseException) -> None:
         _calls.clear()
     if first:
         warnings.warn(
-            f"adaattn: backend {name} failed for {problem.describe()} ({summary}); "
-            "falling back to the next backend for this problem class.",
+            f"adaattn: runner {name} failed for {problem.describe()} ({summary}); "
+            "falling back to the next runner for this problem class.",
             RuntimeWarning,
             stacklevel=4,
         )
@@ -208,12 +232,39 @@ def bind(name: str, problem: Problem, policy: Policy | None = None):
         raise ValueError(f"runner must be one of {', '.join(REGISTRY)}, got {name!r}")
     pol = policy if policy is not None else Policy(backends=(name,))
     plan = make_plan(problem, pol)
-    if plan.backend != name:
+    if name not in plan.candidates:
         why = dict(plan.reasons).get(name, ())
         raise NoBackendError(f"runner {name} declines {problem.describe()}: {' '.join(why)}")
     runner = REGISTRY[name]
+    launch = plan.launches[plan.candidates.index(name)]
 
     def fn(query, key, value, attn_mask=None):
-        return runner.run(query, key, value, attn_mask, problem, plan)
+        return runner.run(query, key, value, attn_mask, problem, launch)
 
     return fn
+
+
+def runner_table() -> dict:
+    """Versions, devices (hardware.detect) and which runners can take a plain probe call here."""
+    hw = hardware.detect()
+    out = hw.as_dict()
+    table = {}
+    for device_type in ("cpu", "cuda"):
+        if device_type == "cuda" and not hw.devices:
+            continue
+        # A plain bf16/fp32 problem per device shows what each runner needs beyond the shape.
+        for dtype in ((torch.float32,) if device_type == "cpu" else (torch.bfloat16, torch.float32)):
+            probe = Problem(
+                batch=1, q_heads=8, kv_heads=8, q_len=1024, kv_len=1024, head_dim=128, value_dim=128,
+                dtype=dtype, device_type=device_type, device_index=0 if device_type == "cuda" else None,
+                causal=False, window_left=-1, window_right=-1, mask_kind="none", dropout_p=0.0,
+                scale=128 ** -0.5, needs_grad=False, tma_aligned=True,
+            )
+            key = f"{device_type}/{str(dtype).replace('torch.', '')}"
+            table[key] = {name: r.supports(probe, Policy()) for name, r in REGISTRY.items()}
+    out["backends"] = table
+    return out
+
+
+for _runner in (*exact_runners(), *adaptive_runners()):
+    register(_runner)

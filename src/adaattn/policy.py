@@ -6,6 +6,9 @@ import math
 from dataclasses import dataclass
 
 MODES = ("exact", "auto")
+# Names of the registered runners (the planner adds each one it registers), for checking
+# Policy.backends: a name is known when it is a runner's or a prefix of one ("sdpa", "triton").
+known_runners: set[str] = set()
 PRECISIONS = ("native", "int8", "fp8")
 APPROXIMATIONS = ("lowrank", "skip")
 
@@ -23,8 +26,9 @@ class Policy:
                     exact level is always the fallback for heads that cannot meet `tolerance`.
     approximations: tile approximations allowed: "lowrank", "skip".
     verify:         fraction of calls in [0, 1] on which sampled exact rows check the error.
-    backends:       restrict dispatch to these backend names; a prefix such as "sdpa" admits
-                    every "sdpa.*" sub-backend. None admits all.
+    backends:       restrict dispatch to these runner names; a prefix such as "sdpa" admits
+                    every "sdpa.*" runner. None admits all. Approximate runners (triton.quant*)
+                    run only under mode="auto", whatever this names.
     deterministic:  ask for bitwise-reproducible forward and backward.
     train_quantized: with mode="auto" and inputs that require grad, run the quantized forward
                     (its output is what the loss sees) with an exact backward; by default such
@@ -79,6 +83,11 @@ class Policy:
             if not self.backends:
                 raise ValueError("Policy.backends must name at least one backend, or be None")
             object.__setattr__(self, "backends", tuple(self.backends))
+            unknown = [b for b in self.backends if known_runners and not any(
+                n == b or n.startswith(b + ".") for n in known_runners)]
+            if unknown:
+                raise ValueError(f"Policy.backends names unknown runners {unknown}; known: "
+                                 f"{', '.join(sorted(known_runners))} (or a prefix such as 'sdpa', 'triton')")
         if not isinstance(self.deterministic, bool):
             raise TypeError(f"Policy.deterministic must be a bool, got {type(self.deterministic).__name__}")
         if not isinstance(self.train_quantized, bool):

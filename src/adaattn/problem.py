@@ -18,7 +18,18 @@ LONG_BUCKET = "long"
 
 @dataclass(frozen=True)
 class Problem:
-    """Shapes and options of one call, in the internal (B, H, N, D) layout."""
+    """Shapes and options of one call, in the internal (B, H, N, D) layout, resolved once.
+
+    scale: the softmax scale, resolved (1/sqrt(head_dim) when the call gave none).
+    window_left / window_right: the sliding-window sides, -1 where unbounded.
+    out_lead: the leading dims of the output as SDPA gives them (the call's batch dims and
+        heads); empty tuple means the call was 4-D (B, H, ...) with nothing to reshape.
+    bottom_right: query i sits at position i + kv_len - q_len (the KV-cache convention);
+        SDPA's (and the default) is top-left.
+    tma_aligned: q, k and v each have a unit last stride and 16-byte aligned base and strides
+        (what tensor-descriptor loads need).
+    varlen: packed sequences (varlen_attention): lengths are maxima over the batch.
+    """
 
     batch: int
     q_heads: int
@@ -31,18 +42,32 @@ class Problem:
     device_type: str
     device_index: int | None
     causal: bool
-    window: tuple[int | None, int | None] | None
+    window_left: int
+    window_right: int
     mask_kind: str  # "none", "bool" or "additive"
     dropout_p: float
-    scale: float | None
+    scale: float
     needs_grad: bool
-    layout: str
+    layout: str = "bhsd"
     gqa: bool = False  # q_heads != kv_heads, decided once (a plain bool even under torch.compile)
     mask_grad: bool = False  # an additive attn_mask that requires grad (a learned bias)
+    mask_dtype: torch.dtype | None = None  # an additive mask's dtype (float32 may come with half queries)
+    out_lead: tuple = ()
+    tma_aligned: bool = False
+    varlen: bool = False
+    bottom_right: bool = False  # causal/window aligned to the end of the keys (KV caches)
+
+    @property
+    def window(self) -> tuple[int | None, int | None] | None:
+        """(left, right) with None for an unbounded side, or None without a window."""
+        if self.window_left < 0 and self.window_right < 0:
+            return None
+        return (None if self.window_left < 0 else self.window_left,
+                None if self.window_right < 0 else self.window_right)
 
     @property
     def gqa_groups(self) -> int:
-        return self.q_heads // self.kv_heads
+        return self.q_heads // self.kv_heads if self.kv_heads else 1
 
     @property
     def seq_bucket(self) -> str:
@@ -66,13 +91,17 @@ class Problem:
             self.causal,
             self.window is not None,
             self.mask_kind,
+            self.mask_dtype,
             self.gqa,
             self.dropout_p > 0.0,
             self.needs_grad,
             self.mask_grad,
             self.layout,
-            self.q_len != self.kv_len,  # backends decline causal/window calls on unequal lengths
+            self.q_len != self.kv_len,  # runners decline causal/window calls on unequal lengths
             self.q_len == 0 or self.kv_len == 0,  # and empty sequences
+            self.tma_aligned,
+            self.varlen,
+            self.bottom_right,
         )
 
     def describe(self) -> str:
@@ -84,17 +113,45 @@ class Problem:
         ]
         if self.value_dim != self.head_dim:
             parts.append(f"Dv={self.value_dim}")
+        if self.varlen:
+            parts.append("packed sequences (lengths are maxima)")
         if self.causal:
             parts.append("causal")
         if self.window is not None:
             parts.append(f"window={self.window}")
         if self.mask_kind != "none":
-            parts.append(f"{self.mask_kind} mask")
+            parts.append(f"{self.mask_kind} mask" + (f" ({str(self.mask_dtype).replace('torch.', '')})"
+                                                      if self.mask_dtype not in (None, self.dtype) else ""))
         if self.dropout_p:
             parts.append(f"dropout={self.dropout_p}")
         if self.needs_grad:
             parts.append("grad")
         return ", ".join(parts)
+
+
+def default_scale(head_dim: int) -> float:
+    """SDPA's default softmax scale, 1/sqrt(head_dim); with head_dim 0 every score is 0, and
+    any finite scale gives SDPA's result (uniform attention)."""
+    return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+
+
+def window_sides(window: tuple[int | None, int | None] | None) -> tuple[int, int]:
+    """(left, right) with -1 for an unbounded side."""
+    if window is None:
+        return -1, -1
+    left, right = window
+    return (-1 if left is None else int(left)), (-1 if right is None else int(right))
+
+
+def tma_aligned(*tensors: torch.Tensor) -> bool:
+    """Unit last stride, 16-byte aligned base and strides (no data read: meta tensors say False)."""
+    for t in tensors:
+        if t.device.type == "meta" or t.stride(-1) != 1:
+            return False
+        e = t.element_size()
+        if t.data_ptr() % 16 or any((st * e) % 16 for st in t.stride()[:-1]):
+            return False
+    return True
 
 
 def _name(t: object) -> str:
@@ -133,26 +190,25 @@ def check_scale(scale: object) -> float | None:
         return None
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    if not math.isfinite(scale) or scale == 0:
-        raise ValueError(f"scale must be a finite non-zero float or None, got {scale!r}")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite float or None, got {scale!r}")
     return float(scale)
 
 
 def check_dropout(dropout_p: object) -> float:
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"dropout_p must be a float in [0, 1), got {type(dropout_p).__name__}")
-    if not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p!r}")
+        raise TypeError(f"dropout_p must be a float in [0, 1], got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p!r}")
     return float(dropout_p)
 
 
-def _broadcastable(shape: tuple, target: tuple) -> bool:
-    if len(shape) > len(target):
-        return False
-    for s, t in zip(reversed(shape), reversed(target)):
-        if s != 1 and s != t:
-            return False
-    return True
+def _broadcast(shapes: list[tuple], names: str) -> tuple:
+    try:
+        return tuple(torch.broadcast_shapes(*shapes))
+    except RuntimeError:
+        raise ValueError(f"{names} batch dimensions {', '.join(str(tuple(s)) for s in shapes)} do not broadcast "
+                         "against each other") from None
 
 
 def validate(
@@ -169,7 +225,10 @@ def validate(
 ) -> Problem:
     """Check the arguments of `attention` and return the Problem they describe.
 
-    Tensors are described in the internal (B, H, N, D) layout whatever `layout` says.
+    As SDPA: query (..., Hq, L, E), key (..., Hkv, S, E), value (..., Hkv, S, Ev), at least 2-D,
+    leading dims broadcast against each other (key/value batch 1 against query's batch, say).
+    With layout="bshd" the tensors are 4-D (B, N, H, D). Tensors are described in the internal
+    (B, H, N, D) layout whatever `layout` says.
     Raises TypeError for arguments of the wrong type and ValueError for wrong values,
     each naming the argument, what it got and what is allowed.
     """
@@ -178,11 +237,12 @@ def validate(
             raise TypeError(f"{name} must be a torch.Tensor, got {_name(t)}")
     layout = check_layout(layout)
     for name, t in (("query", query), ("key", key), ("value", value)):
-        if t.dim() != 4:
-            want = "(batch, heads, seq, head_dim)" if layout == "bhsd" else "(batch, seq, heads, head_dim)"
-            raise ValueError(
-                f"{name} must be 4-D {want} for layout={layout!r}, got {t.dim()}-D shape {tuple(t.shape)}"
-            )
+        if layout == "bshd" and t.dim() != 4:
+            raise ValueError(f"{name} must be 4-D (batch, seq, heads, head_dim) for layout='bshd', got "
+                             f"{t.dim()}-D shape {tuple(t.shape)}")
+        if t.dim() < 2:
+            raise ValueError(f"{name} must be at least 2-D (..., seq, head_dim), got {t.dim()}-D shape "
+                             f"{tuple(t.shape)}")
         if t.dtype not in FLOAT_DTYPES:
             raise TypeError(
                 f"{name} must have a floating dtype (float16, bfloat16, float32, float64), got {t.dtype}"
@@ -195,29 +255,28 @@ def validate(
         raise ValueError(
             f"query, key and value must be on one device, got {query.device}, {key.device}, {value.device}"
         )
-    if layout == "bhsd":
-        b, hq, nq, d = query.shape
-        bk, hk, nk, dk = key.shape
-        bv, hv, nv, dv = value.shape
+    if not isinstance(enable_gqa, bool):
+        raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
+    if layout == "bshd":
+        qs, ks, vs = ((t.shape[0], t.shape[2], t.shape[1], t.shape[3]) for t in (query, key, value))
     else:
-        b, nq, hq, d = query.shape
-        bk, nk, hk, dk = key.shape
-        bv, nv, hv, dv = value.shape
-    if not (b == bk == bv):
-        raise ValueError(f"query, key and value must have the same batch size, got {b}, {bk}, {bv}")
+        qs, ks, vs = tuple(query.shape), tuple(key.shape), tuple(value.shape)
+    nq, d = qs[-2], qs[-1]
+    nk, dk = ks[-2], ks[-1]
+    nv, dv = vs[-2], vs[-1]
     if dk != d:
         raise ValueError(f"key head_dim must equal query head_dim {d}, got {dk}")
     if nv != nk:
         raise ValueError(f"value seq length must equal key seq length {nk}, got {nv}")
-    if hv != hk:
-        raise ValueError(f"value heads must equal key heads {hk}, got {hv}")
-    if d == 0 or dv == 0:
-        raise ValueError(f"head_dim must be positive, got query/key {d} and value {dv}")
-    if not isinstance(enable_gqa, bool):
-        raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
+    q_lead, k_lead, v_lead = qs[:-2], ks[:-2], vs[:-2]
+    if k_lead != v_lead and _broadcast([k_lead, v_lead], "key and value") != k_lead:
+        k_lead = _broadcast([k_lead, v_lead], "key and value")
+    hq = q_lead[-1] if q_lead else 1
+    hk = k_lead[-1] if k_lead else 1
     gqa = False
-    if hk != hq:
-        gqa = True
+    # Different head counts (dim -3): grouped-query attention with enable_gqa=True, as SDPA;
+    # a single head on one side otherwise broadcasts like any other leading dim.
+    if q_lead and k_lead and hk != hq and (min(hq, hk) != 1 or (enable_gqa and hk == 1)):
         if not enable_gqa:
             raise ValueError(
                 f"key/value heads ({hk}) differ from query heads ({hq}); pass enable_gqa=True for "
@@ -227,37 +286,52 @@ def validate(
             raise ValueError(
                 f"query heads ({hq}) must be a multiple of key/value heads ({hk}) for grouped-query attention"
             )
+        gqa = hk != hq
+        batch_dims = _broadcast([q_lead[:-1], k_lead[:-1], v_lead[:-1]], "query, key and value")
+        out_lead = batch_dims + (hq,)
+    else:
+        out_lead = _broadcast([q_lead, k_lead, v_lead], "query, key and value")
+        hq = hk = out_lead[-1] if out_lead else 1
+        batch_dims = out_lead[:-1]
+    b = math.prod(batch_dims) if batch_dims else 1
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     dropout = check_dropout(dropout_p)
     scale_f = check_scale(scale)
     win = check_window(window)
 
-    mask_kind = "none"
+    mask_kind, mask_dtype = "none", None
     if attn_mask is not None:
         if not isinstance(attn_mask, torch.Tensor):
             raise TypeError(f"attn_mask must be a torch.Tensor or None, got {_name(attn_mask)}")
         if attn_mask.dtype == torch.bool:
             mask_kind = "bool"
-        elif attn_mask.dtype == query.dtype:
-            mask_kind = "additive"
+        elif attn_mask.dtype == query.dtype or attn_mask.dtype == torch.float32:
+            mask_kind, mask_dtype = "additive", attn_mask.dtype
         else:
             raise TypeError(
-                f"attn_mask must be bool or the query dtype {query.dtype}, got {attn_mask.dtype}"
+                f"attn_mask must be bool, float32 or the query dtype {query.dtype}, got {attn_mask.dtype}"
             )
         if attn_mask.device != query.device:
             raise ValueError(f"attn_mask must be on the query device {query.device}, got {attn_mask.device}")
-        target = (b, hq, nq, nk)
+        if attn_mask.dim() < 2:
+            raise ValueError(f"attn_mask must be at least 2-D (..., q_len, k_len), got {attn_mask.dim()}-D shape "
+                             f"{tuple(attn_mask.shape)}")
+        target = tuple(out_lead) + (nq, nk)
         if not _broadcastable(tuple(attn_mask.shape), target):
             raise ValueError(
                 f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
-                f"(batch, heads, q_len, k_len) = {target}"
+                f"(..., heads, q_len, k_len) = {target}"
             )
 
     needs_grad = torch.is_grad_enabled() and (
         query.requires_grad or key.requires_grad or value.requires_grad
     )
     mask_grad = torch.is_grad_enabled() and attn_mask is not None and attn_mask.requires_grad
+    plain = (layout == "bshd" or (len(qs) == len(ks) == len(vs) == 4 and q_lead == tuple(out_lead)
+                                  and k_lead[:-1] == tuple(batch_dims) and (gqa or k_lead == tuple(out_lead))
+                                  and v_lead == k_lead))
+    left, right = window_sides(win)
     return Problem(
         batch=b,
         q_heads=hq,
@@ -270,12 +344,40 @@ def validate(
         device_type=query.device.type,
         device_index=query.device.index,
         causal=is_causal,
-        window=win,
+        window_left=left,
+        window_right=right,
         mask_kind=mask_kind,
         dropout_p=dropout,
-        scale=scale_f,
+        scale=default_scale(d) if scale_f is None else scale_f,
         needs_grad=needs_grad or mask_grad,
         layout=layout,
         gqa=gqa,
         mask_grad=mask_grad,
+        mask_dtype=mask_dtype,
+        out_lead=() if plain else tuple(out_lead),
+        tma_aligned=tma_aligned(query, key, value),
     )
+
+
+def to_internal(problem: Problem, query, key, value, attn_mask):
+    """(q, k, v, mask) as (B, H, N, D) views for a call whose inputs were not plain 4-D
+    (problem.out_lead non-empty): leading dims broadcast (expand, a view) and flattened."""
+    lead = problem.out_lead
+    batch = lead[:-1]
+    kv_lead = batch + (problem.kv_heads,)
+
+    def four(t, heads_lead):
+        t = t.expand(*heads_lead, *t.shape[-2:])
+        return t.reshape(problem.batch, heads_lead[-1] if heads_lead else 1, *t.shape[-2:])
+
+    q = four(query, lead)
+    k, v = four(key, kv_lead), four(value, kv_lead)
+    if attn_mask is not None and len(lead) > 2 and attn_mask.dim() >= 4:
+        attn_mask = attn_mask.expand(*lead, *attn_mask.shape[-2:]).reshape(
+            problem.batch, problem.q_heads, *attn_mask.shape[-2:])
+    return q, k, v, attn_mask
+
+
+def from_internal(problem: Problem, out: torch.Tensor) -> torch.Tensor:
+    """The (B, Hq, Nq, Dv) output in the call's own leading dims."""
+    return out.reshape(*problem.out_lead, problem.q_len, problem.value_dim)

@@ -64,8 +64,9 @@ class PrecisionController:
     """Levels and measured errors per query head for one call site."""
 
     def __init__(self, site: str, tolerance: float, verify: float, allowed: tuple[int, ...], q_heads: int,
-                 fp8_qk: bool = False, seed: int = 0):
+                 fp8_qk: bool = False, seed: int = 0, allow_ws: bool = True):
         self.site = site
+        self.allow_ws = allow_ws  # the warp-specialised kernels may run (runner triton.quant.ws)
         self.tolerance = float(tolerance)
         self.verify = float(verify)
         self.allowed = tuple(sorted(set(allowed) | {tq.LEVEL_EXACT}))
@@ -191,7 +192,7 @@ class PrecisionController:
         """(out, info): attention with every head at its level; info feeds adaattn.stats."""
         self.calls += 1
         kw = dict(scale=scale, causal=causal, bottom_right=bottom_right, window_left=window_left,
-                  window_right=window_right, fp8_qk=self.fp8_qk)
+                  window_right=window_right, fp8_qk=self.fp8_qk, allow_ws=self.allow_ws)
         # The pre-pass and the kernels read rows with unit stride along the head dimension.
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()

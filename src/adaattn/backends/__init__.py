@@ -1,38 +1,23 @@
-"""The backend registry: every way adaattn can compute attention, by name."""
+"""Exact runners: torch SDPA's kernels, flash_attn, our Triton kernels, the float64 reference.
+
+`exact_runners()` lists them; the planner (adaattn.planner) keeps the registry. Nothing here
+imports triton: our kernels' modules import it when a launch first needs it.
+"""
 
 from __future__ import annotations
 
-from .base import Backend
-from .flash_attn import FlashAttnBackend
-from .reference import ReferenceBackend
-from .sdpa import sdpa_backends
-
-REGISTRY: dict[str, Backend] = {}
+from .base import Backend, Runner
 
 
-def register(backend: Backend) -> Backend:
-    """Add (or replace) a backend; the priority data decides when it is chosen."""
-    REGISTRY[backend.name] = backend
-    import sys
+def exact_runners() -> list[Runner]:
+    from .flash_attn import FlashAttnRunner
+    from .meta import MetaRunner
+    from .reference import ReferenceRunner
+    from .sdpa import sdpa_runners
+    from .triton_attention import triton_runners
+    from .varlen import varlen_runners
 
-    planner = sys.modules.get("adaattn.planner")
-    if planner is not None and hasattr(planner, "reset"):  # plans made before it are stale
-        planner.reset()
-    return backend
+    return [*sdpa_runners(), FlashAttnRunner(), *triton_runners(), *varlen_runners(), ReferenceRunner(), MetaRunner()]
 
 
-for _b in (*sdpa_backends(), FlashAttnBackend(), ReferenceBackend()):
-    register(_b)
-
-try:  # our Triton kernels, only where triton imports
-    import triton  # noqa: F401
-
-    from .triton_attention import TritonBackend
-    from .triton_quant import TritonQuantBackend
-
-    register(TritonBackend())
-    register(TritonQuantBackend())
-except Exception:
-    pass
-
-__all__ = ["Backend", "REGISTRY", "register"]
+__all__ = ["Backend", "Runner", "exact_runners"]

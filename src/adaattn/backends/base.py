@@ -1,37 +1,55 @@
-"""What every backend declares: a name, what it supports (as reasons), and how it runs."""
+"""What every runner declares: a name, what it supports (as reasons), its cost, and how it runs."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 if TYPE_CHECKING:
-    from ..planner import Plan
+    from ..policy import Policy
     from ..problem import Problem
 
 
-class Backend:
-    """One way to compute attention. Subclasses set `name` and override both methods."""
+class Runner:
+    """One way to compute attention: an SDPA kernel, one of our Triton kernels, the float64
+    reference, the quantized adaptive path. The planner asks every runner the same questions.
+
+    exact: False for approximations (quantized, sparse), which run only under Policy(mode="auto").
+    """
 
     name: str = ""
     exact: bool = True
 
-    def supports(self, problem: Problem) -> list[str]:
-        """Reasons this backend cannot run `problem`, each a short sentence; empty means it can."""
+    def supports(self, problem: Problem, policy: Policy) -> list[str]:
+        """Reasons this runner cannot run `problem` under `policy`, each a short sentence naming
+        the limit; empty means it can."""
         raise NotImplementedError
 
-    def run(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attn_mask: torch.Tensor | None,
-        problem: Problem,
-        plan: Plan,
-    ) -> torch.Tensor:
+    def cost(self, problem: Problem) -> Optional[float]:
+        """Predicted milliseconds from committed measurements for this GPU family, or None where
+        there are none."""
+        return None
+
+    def prepare(self, problem: Problem, policy: Policy) -> Any:
+        """The frozen launch description of a planned call (kernel variant, scale, window sides,
+        constexprs), built once per plan; None where the runner needs none."""
+        return None
+
+    def run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+            attn_mask: Optional[torch.Tensor], problem: Problem, launch: Any,
+            label: Optional[str] = None) -> torch.Tensor:
         """Attention on (B, H, N, D) tensors; returns (B, Hq, Nq, Dv) in the input dtype."""
         raise NotImplementedError
 
+    def run_recorded(self, query, key, value, attn_mask, problem, launch, label=None) -> tuple[torch.Tensor, dict]:
+        """(out, decisions): `run` and what it decided, for adaattn.stats."""
+        out = self.run(query, key, value, attn_mask, problem, launch, label)
+        return out, {"precision": "native", "approximation": "none"}
+
     def __repr__(self) -> str:
-        return f"<backend {self.name}>"
+        return f"<runner {self.name}>"
+
+
+# The earlier name of the interface.
+Backend = Runner

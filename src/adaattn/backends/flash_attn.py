@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import hardware
-from .base import Backend
+from .base import Runner
 
 # Imported once, here: an import inside supports() would break torch.compile tracing.
 try:
@@ -17,10 +17,10 @@ except Exception as e:  # ImportError, or a broken CUDA extension
     _import_error = f"{type(e).__name__}: {e}".splitlines()[0][:120]
 
 
-class FlashAttnBackend(Backend):
+class FlashAttnRunner(Runner):
     name = "flash_attn"
 
-    def supports(self, problem) -> list[str]:
+    def supports(self, problem, policy) -> list[str]:
         if _func is None:
             return [f"the flash_attn package does not import ({_import_error})."]
         reasons = []
@@ -38,11 +38,13 @@ class FlashAttnBackend(Backend):
             reasons.append("takes no attn_mask.")
         if problem.q_len != problem.kv_len and (problem.causal or problem.window is not None):
             reasons.append("aligns causal/window masks bottom-right when q_len != k_len; SDPA aligns top-left.")
-        if problem.q_len == 0 or problem.kv_len == 0:
-            reasons.append("does not take empty sequences.")
+        if problem.q_len == 0 or problem.kv_len == 0 or problem.head_dim == 0:
+            reasons.append("does not take empty sequences or head_dim 0.")
+        if problem.varlen:
+            reasons.append("takes dense (B, H, N, D) tensors here, not packed sequences.")
         return reasons
 
-    def run(self, query, key, value, attn_mask, problem, plan):
+    def run(self, query, key, value, attn_mask, problem, launch, label=None):
         left, right = problem.window if problem.window is not None else (None, None)
         window = (-1 if left is None else left, -1 if right is None else right)
         out = _func(

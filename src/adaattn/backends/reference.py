@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .base import Backend
+from .base import Runner
 from .masks import fold_positions
 
 
@@ -47,18 +47,20 @@ def reference_attention(
     return p @ v
 
 
-class ReferenceBackend(Backend):
+class ReferenceRunner(Runner):
     """float64 math; slow and memory-hungry (N x N scores). Chosen only when named in a policy."""
 
     name = "reference"
 
-    def supports(self, problem) -> list[str]:
+    def supports(self, problem, policy) -> list[str]:
         reasons = []
+        if problem.varlen:
+            reasons.append("takes dense (B, H, N, D) tensors, not packed sequences.")
         if problem.dropout_p > 0:
             reasons.append("dropout is not implemented in the float64 reference.")
         return reasons
 
-    def run(self, query, key, value, attn_mask, problem, plan):
+    def run(self, query, key, value, attn_mask, problem, launch, label=None):
         out = reference_attention(
             query, key, value, attn_mask, problem.causal, problem.scale, problem.window
         )

@@ -16,13 +16,13 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import hardware
-from .base import Backend
+from .base import Runner
 from .masks import fold_positions
 
 HALF = (torch.float16, torch.bfloat16)
 
 
-class SdpaBackend(Backend):
+class SdpaRunner(Runner):
     """One SDPA kernel. `kernel` None means torch's own choice (used on the CPU)."""
 
     def __init__(
@@ -57,7 +57,7 @@ class SdpaBackend(Backend):
         self.direct = direct
         self.masks_reason = masks_reason
 
-    def supports(self, problem) -> list[str]:
+    def supports(self, problem, policy) -> list[str]:
         reasons = []
         if problem.device_type != self.device_type:
             reasons.append(f"runs on {self.device_type} tensors only, got {problem.device_type}.")
@@ -85,9 +85,16 @@ class SdpaBackend(Backend):
             reasons.append("causal with q_len != k_len would not be top-left aligned as SDPA defines it.")
         if not self.empty and (problem.q_len == 0 or problem.kv_len == 0):
             reasons.append("does not take empty sequences.")
+        if not self.empty and (problem.head_dim == 0 or problem.value_dim == 0):
+            reasons.append("does not take head_dim 0.")
+        if (self.kernel is not None and problem.mask_dtype is not None and problem.mask_dtype != problem.dtype
+                and self.kernel != SDPBackend.MATH):
+            reasons.append("takes an additive mask in the query dtype only.")
+        if problem.varlen:
+            reasons.append("takes dense (B, H, N, D) tensors, not packed sequences.")
         return reasons
 
-    def run(self, query, key, value, attn_mask, problem, plan):
+    def run(self, query, key, value, attn_mask, problem, launch, label=None):
         if (
             self.direct is not None
             and problem.mask_kind == "none"
@@ -138,26 +145,26 @@ def _efficient(q, k, v, problem):
     )[0]
 
 
-def sdpa_backends() -> list[SdpaBackend]:
+def sdpa_runners() -> list[SdpaRunner]:
     all_float = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
     return [
-        SdpaBackend("sdpa.cpu", None, "cpu", all_float),
-        SdpaBackend(
+        SdpaRunner("sdpa.cpu", None, "cpu", all_float),
+        SdpaRunner(
             "sdpa.cudnn", SDPBackend.CUDNN_ATTENTION, "cuda", HALF, min_capability=(8, 0),
             max_head_dim=128, masks=False, dropout=False, native_gqa=True,
             causal_unequal=False, value_dim_differs=False, empty=False, direct=_cudnn,
             masks_reason="takes no attn_mask here: with one, a fully masked row gives non-zero output "
             "where SDPA's math backend gives zeros (seen on H100, torch 2.11).",
         ),
-        SdpaBackend(
+        SdpaRunner(
             "sdpa.flash", SDPBackend.FLASH_ATTENTION, "cuda", HALF, min_capability=(8, 0),
             max_head_dim=256, masks=False, native_gqa=True, causal_unequal=False,
             value_dim_differs=False, empty=False, direct=_flash,
         ),
-        SdpaBackend(
+        SdpaRunner(
             "sdpa.efficient", SDPBackend.EFFICIENT_ATTENTION, "cuda",
             (torch.float16, torch.bfloat16, torch.float32), min_capability=(5, 0),
             native_gqa=False, empty=False, direct=_efficient,
         ),
-        SdpaBackend("sdpa.math", SDPBackend.MATH, "cuda", all_float),
+        SdpaRunner("sdpa.math", SDPBackend.MATH, "cuda", all_float),
     ]

@@ -19,49 +19,52 @@ quantizes Q per row.
 from __future__ import annotations
 
 import math
-import os
 from typing import Optional
 
 import torch
 
-from ..adaptive.quant_reference import SMOOTHING_SAMPLE
-from .base import Backend
-from .triton_attention import (
-    CONFIGS,
-    VARIANTS,
-    TensorDescriptor,
-    _dot_precision,
-    _Layout,
-    KernelConfig,
-    _mask_args,
-    _new_output,
-    _position_flags,
-    device_capability,
+from .. import hardware, settings
+from .triton_attention import TRITON_FOUND
+from .triton_configs import KernelConfig, interpreting, length_bucket
+from .triton_launch import (
+    LOG2E,
+    RowLayout,
+    dot_precision,
     ensure_triton_allocator,
-    exp_fma_share,
-    interpreting,
+    mask_args,
+    new_output,
+    tensor_descriptor,
     tma_ok,
-    ws_device_ok,
-    length_bucket,
-    max_shared_memory,
-    triton,
-    unsupported_options,
 )
+from .triton_tuner import CONFIGS
 
-try:
-    from ..kernels.attention_fwd import LOG2E
-    from ..kernels.attention_quant import (
-        PV_FP8,
-        PV_NATIVE,
-        QK_FP8,
-        QK_INT8,
-        QK_NATIVE,
-        attention_quant_fwd_kernel,
-        quantize_kv_kernel,
-    )
-    from ..kernels.attention_quant_ws import attention_fp8_ws_kernel, attention_qk8_ws_kernel, quantize_q_kernel
-except Exception:  # triton missing: triton_attention says why
-    attention_quant_fwd_kernel = None
+# kernels/attention_quant.py's modes (constexpr values of the kernels).
+QK_NATIVE, QK_INT8, QK_FP8 = 0, 1, 2
+PV_NATIVE, PV_FP8 = 0, 1
+# Rows sampled (strided) for the smoothing means of K and V (adaptive/quant_reference.py follows it).
+SMOOTHING_SAMPLE = 256
+
+
+class _Kernels:
+    """The quantized kernels, imported (with triton) on the first launch, not with adaattn."""
+
+    def __getattr__(self, name):
+        from ..kernels import attention_quant, attention_quant_ws
+
+        for module in (attention_quant, attention_quant_ws):
+            if hasattr(module, name):
+                value = getattr(module, name)
+                setattr(self, name, value)
+                return value
+        raise AttributeError(name)
+
+
+K = _Kernels()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
 
 LEVELS = ("exact", "qk8", "fp8")
 LEVEL_EXACT, LEVEL_QK8, LEVEL_FP8 = 0, 1, 2
@@ -71,7 +74,6 @@ FP8_MAX = 448.0
 # (where it was measured faster: in the warp-specialised kernel, and causal in the general one,
 # H100 4k/16k causal 0.354/3.35 ms against 0.38-0.50/3.70 with INT8, error 4.8-5.2e-2 against
 # 3.5-3.9e-2), INT8 elsewhere (benchmarks/NOTES.md).
-FP8_LEVEL_QK = os.environ.get("ADAATTN_FP8_LEVEL_QK", "auto")
 
 # One config per level for the CPU interpreter; BLOCK_N is also the K quantization block.
 INTERPRET_QUANT = KernelConfig(32, 16, 1, 1)
@@ -84,7 +86,6 @@ FP8_WS_CONFIGS = [KernelConfig(128, 256, 4, 2), KernelConfig(128, 128, 4, 2), Ke
 QK8_WS_CONFIGS = [KernelConfig(128, 128, 4, 2), KernelConfig(128, 64, 4, 2)]
 # Whether causal calls at the fp8 level run the warp-specialised fp8 kernel (its causal mask is a
 # select on every tile); off: the general kernel (third session, 128-key tiles: slower).
-FP8_WS_CAUSAL = os.environ.get("ADAATTN_FP8_WS_CAUSAL", "0") == "1"
 # Hopper candidates (timed once per shape class like the exact kernel's); the first fitting
 # one runs when nothing is timed.
 QUANT_CONFIGS = {
@@ -106,17 +107,27 @@ def level_modes(level: int, fp8_qk: bool = False) -> tuple[int, int]:
     return (QK_FP8 if fp8_qk else QK_INT8), PV_FP8
 
 
+def ws_device_ok(device: torch.device) -> bool:
+    """Triton's warp specialisation of our kernels runs here: Hopper (sm90), or the CPU
+    interpreter (which ignores it)."""
+    if not hardware.warp_specialisation_available():
+        return False
+    if device.type == "cuda":
+        return hardware.capability(device.index)[0] == 9
+    return interpreting()
+
+
 def fp8_supported(device: torch.device) -> bool:
     """FP8 tensor cores: sm89 (Ada) and newer. Under the CPU interpreter the math is emulated."""
     if device.type == "cpu":
         return interpreting()
-    return device_capability(device) >= (8, 9)
+    return hardware.capability(device.index) >= (8, 9)
 
 
 def int8_supported(device: torch.device) -> bool:
     if device.type == "cpu":
         return interpreting()
-    return device_capability(device) >= (8, 0)
+    return hardware.capability(device.index) >= (8, 0)
 
 
 def _smem(cfg: KernelConfig, d: int, elem: int) -> int:
@@ -125,7 +136,7 @@ def _smem(cfg: KernelConfig, d: int, elem: int) -> int:
 
 def _configs(d: int, dtype: torch.dtype, device: torch.device) -> list:
     elem = torch.empty((), dtype=dtype).element_size()
-    limit = max_shared_memory(device)
+    limit = hardware.max_shared_memory(device.index)
     fit = [c for c in QUANT_CONFIGS[d] if _smem(c, d, elem) <= limit]
     return fit or [KernelConfig(64, 32, 4, 1)]
 
@@ -170,7 +181,7 @@ class QuantizedQ:
             return
         q = self.q
         b, hq, nq, d = q.shape
-        quantize_q_kernel[(triton.cdiv(nq, Q_BLOCK), b * hq)](
+        K.quantize_q_kernel[(_cdiv(nq, Q_BLOCK), b * hq)](
             q, self.qq, self.scales, q.stride(0), q.stride(1), q.stride(2), hq, nq, self.pitch,
             HEAD_DIM=d, BLOCK_M=Q_BLOCK, EMULATE=interpreting(), QK_MODE=self.mode, num_warps=4, num_stages=1)
         self.done = True
@@ -224,10 +235,10 @@ class Prepared:
         if q_rows is not None and not q_rows.done:
             q = q_rows.q
             group = q.shape[1] // self.hkv
-            q_mode, q_blocks = q_rows.mode, triton.cdiv(q.shape[2], Q_BLOCK)
+            q_mode, q_blocks = q_rows.mode, _cdiv(q.shape[2], Q_BLOCK)
             qargs = (q, q_rows.qq, q_rows.scales, q.stride(0), q.stride(1), q.stride(2), q.shape[2], q_rows.pitch)
         interp = interpreting()
-        quantize_kv_kernel[(k_programs + group * q_blocks, bh)](
+        K.quantize_kv_kernel[(k_programs + group * q_blocks, bh)](
             k, v, self._k_mean, self._v_mean, kq, kscale, vq, vscale,
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             kqs[0], kqs[1], kqs[2], vqs[0], vqs[1], vqs[2],
@@ -265,7 +276,7 @@ class Prepared:
         if made is not None:
             return made
         k, v = self.k, self.v
-        n_blocks = max(triton.cdiv(self.nk, block_n), 1)
+        n_blocks = max(_cdiv(self.nk, block_n), 1)
         npad = n_blocks * block_n
         dev = k.device
         ones, zeros = _placeholders(dev)
@@ -295,20 +306,20 @@ class Prepared:
 _KINDS = [(f"quant_{name}", f"quant_{name}" + ("_fp8qk" if i == LEVEL_FP8 else "")) for i, name in enumerate(LEVELS)]
 
 
-def _fp8_ws_ok(q, out, attn_mask, head_levels, level: int, fp8_qk: bool, scale: float, has_left: bool,
+def _fp8_ws_ok(allow_ws: bool, q, out, attn_mask, head_levels, level: int, fp8_qk: bool, scale: float, has_left: bool,
                has_right: bool, right: int) -> bool:
     """Whether the warp-specialised fp8 kernel (kernels/attention_quant_ws.py) runs this launch:
-    the forward variant "ws" (triton_attention.VARIANTS["fwd"]), the fp8 level with FP8 Q.K^T for
+    the warp-specialised runner ("triton.quant.ws"), the fp8 level with FP8 Q.K^T for
     every head (no head-level array), no mask, not causal, no window, positive scale, Hopper (or the
     CPU interpreter), and Out as TMA takes it (16-byte aligned base and strides; Q is copied)."""
-    if VARIANTS["fwd"] != "ws" or TensorDescriptor is None:
+    if not allow_ws or tensor_descriptor() is None:
         return False
     if level != LEVEL_FP8 or not fp8_qk or head_levels is not None or attn_mask is not None:
         return False
     # Causal calls run the general kernel: the causal mask, applied to every tile of the
     # branch-free loop, made this kernel slower than the general one there (H100, 4k: 0.475 vs
     # 0.379 ms with INT8 Q.K^T).
-    if has_left or (has_right and not (FP8_WS_CAUSAL and right == 0)):
+    if has_left or (has_right and not (settings.current().fp8_ws_causal and right == 0)):
         return False
     if not scale > 0 or q.shape[-1] not in SUPPORTED_HEAD_DIMS:
         return False
@@ -320,18 +331,18 @@ def _ws_config(kind: str, configs: list, q, hkv: int, nk: int, causal_right: boo
     """The config of a warp-specialised quantized launch: forced (or INTERPRET_QUANT) under the
     interpreter, else timed once per shape class."""
     if interpreting():
-        return CONFIGS.forced.get(kind, INTERPRET_QUANT)
+        return settings.current().forced(kind) or INTERPRET_QUANT
     b, hq, nq, d = q.shape
     key = (q.device.index, q.dtype, d, causal_right, bottom_right, hq != hkv, length_bucket(nq), length_bucket(nk))
     return CONFIGS.pick(kind, key, configs, launch, lambda: out)
 
 
-def _qk8_ws_ok(q, v, out, attn_mask, head_levels, level: int, scale: float, has_left: bool, has_right: bool,
+def _qk8_ws_ok(allow_ws: bool, q, v, out, attn_mask, head_levels, level: int, scale: float, has_left: bool, has_right: bool,
                right: int) -> bool:
     """Whether the warp-specialised qk8 kernel (kernels/attention_quant_ws.py) runs this launch:
     the forward variant "ws", the qk8 level for every head, no mask, no window (causal is fine),
     positive scale, Hopper (or the CPU interpreter), bf16/fp16 V and Out as TMA takes them."""
-    if VARIANTS["fwd"] != "ws" or TensorDescriptor is None:
+    if not allow_ws or tensor_descriptor() is None:
         return False
     if level != LEVEL_QK8 or head_levels is not None or attn_mask is not None:
         return False
@@ -359,21 +370,22 @@ def _launch_quant_ws(level: int, q, v, prepared: "Prepared", out, scale: float, 
         kq, kscale, vq, v_scale, v_mean, n_blocks = prepared.get(qk_mode, pv_mode, cfg.block_n, qrows)
         qrows.ensure()
         ensure_triton_allocator()
-        grid = (triton.cdiv(nq, cfg.block_m), b * hq)
-        k_desc = TensorDescriptor(kq, list(kq.shape), list(kq.stride()), [1, 1, cfg.block_n, d])
+        grid = (_cdiv(nq, cfg.block_m), b * hq)
+        descriptor = tensor_descriptor()
+        k_desc = descriptor(kq, list(kq.shape), list(kq.stride()), [1, 1, cfg.block_n, d])
         rest = (out, out.stride(0), out.stride(1), out.stride(2), hq, hq // hkv, nq, qrows.pitch, nk, n_blocks,
                 scale * LOG2E)
         meta = dict(HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, CAUSAL=causal_right,
-                    BOTTOM_RIGHT=bottom_right, K_TAIL=nk % cfg.block_n != 0, DOT_PRECISION=_dot_precision(q.dtype),
+                    BOTTOM_RIGHT=bottom_right, K_TAIL=nk % cfg.block_n != 0, DOT_PRECISION=dot_precision(q.dtype),
                     WARP_SPEC=not interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if fp8:  # V quantized and transposed (D, Npad): its box is (D, BLOCK_N)
-            attention_fp8_ws_kernel[grid](
-                qrows.qq, qrows.scales, k_desc, TensorDescriptor(vq, list(vq.shape), list(vq.stride()),
+            K.attention_fp8_ws_kernel[grid](
+                qrows.qq, qrows.scales, k_desc, descriptor(vq, list(vq.shape), list(vq.stride()),
                                                                  [1, 1, d, cfg.block_n]),
                 kscale, v_scale, v_mean, *rest, EMULATE=interp, **meta)
         else:
-            attention_qk8_ws_kernel[grid](
-                qrows.qq, qrows.scales, k_desc, TensorDescriptor(v, list(v.shape), list(v.stride()),
+            K.attention_qk8_ws_kernel[grid](
+                qrows.qq, qrows.scales, k_desc, descriptor(v, list(v.shape), list(v.stride()),
                                                                  [1, 1, cfg.block_n, d]),
                 kscale, *rest, **meta)
 
@@ -383,36 +395,38 @@ def _launch_quant_ws(level: int, q, v, prepared: "Prepared", out, scale: float, 
 
 def fp8_level_uses_fp8_qk(q, attn_mask, causal: bool, window_left: int, window_right: int) -> bool:
     """Whether the fp8 level computes Q.K^T in FP8 (else INT8) for such a call (FP8_LEVEL_QK)."""
-    if FP8_LEVEL_QK != "auto":
-        return FP8_LEVEL_QK == "fp8"
+    choice = settings.current().fp8_level_qk
+    if choice != "auto":
+        return choice == "fp8"
     return ws_device_ok(q.device)  # Hopper (or the CPU interpreter, which stands in for it)
 
 
 def launch_level(q, k, v, prepared: Prepared, out, attn_mask, head_levels: Optional[torch.Tensor], level: int,
                  scale: float, causal: bool, bottom_right: bool, window_left: int, window_right: int,
-                 fp8_qk: bool = False, exp_fma=None) -> None:
+                 fp8_qk: bool = False, exp_fma=None, allow_ws: bool = True) -> None:
     """Write into `out` the rows of the heads at `level` (every head when head_levels is None).
-    exp_fma: see triton_attention.VARIANTS (default there)."""
+    exp_fma: share of exp2 on the FMA units (settings.exp_fma by default)."""
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     if b * hq == 0 or nq == 0:
         return
     qk_mode, pv_mode = level_modes(level, fp8_qk)
-    lay = None if attn_mask is None else _Layout(b, hq, hkv, nq, nk, d, False)  # (read for a mask only)
-    mask, mask_strides, mask_kind = _mask_args(attn_mask, lay, q)
-    has_left, left, has_right, right = _position_flags(causal, window_left, window_right)
-    if (_fp8_ws_ok(q, out, attn_mask, head_levels, level, fp8_qk, scale, has_left, has_right, right)
-            or _qk8_ws_ok(q, v, out, attn_mask, head_levels, level, scale, has_left, has_right, right)):
+    lay = None if attn_mask is None else RowLayout(b, hq, hkv, nq, nk, d, False, d)  # (read for a mask only)
+    mask, mask_strides, mask_kind = mask_args(attn_mask, lay, q)
+    has_left, has_right = window_left >= 0, causal or window_right >= 0
+    left, right = max(window_left, 0), (0 if causal else max(window_right, 0))
+    if (_fp8_ws_ok(allow_ws, q, out, attn_mask, head_levels, level, fp8_qk, scale, has_left, has_right, right)
+            or _qk8_ws_ok(allow_ws, q, v, out, attn_mask, head_levels, level, scale, has_left, has_right, right)):
         _launch_quant_ws(level, q, v, prepared, out, scale, has_right, bottom_right)
         return
-    exp_share = exp_fma_share(exp_fma)
+    exp_share = int(settings.current().exp_fma if exp_fma is None else exp_fma)
     interp = interpreting()
 
     def launch(cfg: KernelConfig):
         kq, kscale, vq, v_scale, v_mean, n_blocks = prepared.get(qk_mode, pv_mode, cfg.block_n)
         vq_strides = (vq.stride(0), vq.stride(1), vq.stride(2)) if pv_mode == PV_FP8 else (0, 0, 0)
-        grid = (triton.cdiv(nq, cfg.block_m), b * hq)
-        attention_quant_fwd_kernel[grid](
+        grid = (_cdiv(nq, cfg.block_m), b * hq)
+        K.attention_quant_fwd_kernel[grid](
             q, k, v, kq, kscale, vq, v_scale, v_mean, out, mask,
             head_levels if head_levels is not None else q,
             q.stride(0), q.stride(1), q.stride(2),
@@ -428,13 +442,13 @@ def launch_level(q, k, v, prepared: Prepared, out, attn_mask, head_levels: Optio
             HEAD_DIM=d, BLOCK_D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             BOTTOM_RIGHT=bottom_right, HAS_LEFT=has_left, HAS_RIGHT=has_right,
             MASK_KIND=mask_kind, QK_MODE=qk_mode, PV_MODE=pv_mode,
-            DOT_PRECISION=_dot_precision(q.dtype), SCALE_POSITIVE=scale > 0, EMULATE=interp,
+            DOT_PRECISION=dot_precision(q.dtype), SCALE_POSITIVE=scale > 0, EMULATE=interp,
             EXP_FMA=exp_share, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
     kind = _KINDS[level][bool(fp8_qk)]
     if interp:
-        cfg = CONFIGS.forced.get(kind, INTERPRET_QUANT)
+        cfg = settings.current().forced(kind) or INTERPRET_QUANT
     else:
         key = (q.device.index, q.dtype, d, causal, bottom_right, has_left, window_right >= 0, mask_kind,
                hq != hkv, length_bucket(nq), length_bucket(nk), exp_share)
@@ -450,7 +464,7 @@ def quant_attention(q, k, v, attn_mask=None, *, levels, head_levels: Optional[to
                     scale: Optional[float] = None, causal: bool = False, bottom_right: bool = False,
                     window_left: int = -1, window_right: int = -1, fp8_qk: bool = False,
                     out: Optional[torch.Tensor] = None, prepared: Optional[Prepared] = None,
-                    exp_fma=None) -> torch.Tensor:
+                    exp_fma=None, allow_ws: bool = True) -> torch.Tensor:
     """Attention with each query head at its level; q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D).
 
     levels: the levels to launch; head_levels: int32 (Hq,) on q's device giving each head's
@@ -462,19 +476,19 @@ def quant_attention(q, k, v, attn_mask=None, *, levels, head_levels: Optional[to
     v = v if v.stride(-1) == 1 else v.contiguous()
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if out is None:
-        out = _new_output(q.shape, q.dtype, q.device)
+        out = new_output(q.shape, q.dtype, q.device)
     prepared = Prepared(k, v) if prepared is None else prepared
     for level in levels:
         launch_level(q, k, v, prepared, out, attn_mask, head_levels, int(level), scale, causal, bottom_right,
-                     window_left, window_right, fp8_qk, exp_fma)
+                     window_left, window_right, fp8_qk, exp_fma, allow_ws)
     return out
 
 
 def quant_can_run(device: torch.device, dtype: torch.dtype, head_dim: int, value_dim: int) -> list[str]:
     """Reasons the quantized kernels cannot run here (empty: they can)."""
     reasons = []
-    if attention_quant_fwd_kernel is None or triton is None:
-        return ["triton does not import."]
+    if not TRITON_FOUND:
+        return ["triton is not installed (pip install adaattn[triton])."]
     if device.type != "cuda" and not (device.type == "cpu" and interpreting()):
         reasons.append(f"quantized kernels run on CUDA GPUs (CPU only under TRITON_INTERPRET=1), got {device.type}.")
     elif device.type == "cuda" and not int8_supported(device):
@@ -484,18 +498,3 @@ def quant_can_run(device: torch.device, dtype: torch.dtype, head_dim: int, value
     if head_dim not in SUPPORTED_HEAD_DIMS or value_dim != head_dim:
         reasons.append(f"quantized kernels take head_dim 64 or 128 (value too), got {head_dim}/{value_dim}.")
     return reasons
-
-
-class TritonQuantBackend(Backend):
-    """Quantized attention forward (per-head levels exact / qk8 / fp8). Approximate: the
-    planner puts it first only under Policy(mode="auto"); adaptive/ runs it."""
-
-    name = "triton.quant"
-    exact = False
-
-    def supports(self, problem) -> list[str]:
-        device = torch.device(problem.device_type, problem.device_index)
-        return quant_can_run(device, problem.dtype, problem.head_dim, problem.value_dim) + unsupported_options(problem)
-
-    def run(self, query, key, value, attn_mask, problem, plan):
-        raise RuntimeError("triton.quant runs through adaattn.adaptive (it needs the policy and call site).")

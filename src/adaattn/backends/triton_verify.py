@@ -15,12 +15,18 @@ from typing import Optional
 
 import torch
 
-from .triton_attention import _dot_precision, interpreting, triton
+from .triton_attention import TRITON_FOUND
+from .triton_configs import interpreting, next_pow2
+from .triton_launch import dot_precision
 
-try:
+
+def _kernels():
+    """(exact_rows_kernel, verify_step_kernel), imported with triton on first use; None without it."""
+    if not TRITON_FOUND:
+        return None, None
     from ..kernels.verify import exact_rows_kernel, verify_step_kernel
-except Exception:  # triton missing: triton_attention says why
-    exact_rows_kernel = verify_step_kernel = None
+
+    return exact_rows_kernel, verify_step_kernel
 
 MAX_ROWS = 128
 MAX_HEAD_DIM = 256
@@ -28,7 +34,7 @@ _failed: dict = {}
 
 
 def _pow2(x: int, least: int) -> int:
-    return max(least, triton.next_power_of_2(max(int(x), 1)))
+    return max(least, next_pow2(max(int(x), 1)))
 
 
 def _where_ok(t: torch.Tensor) -> bool:
@@ -45,6 +51,7 @@ def exact_rows(q, k, v, rows, attn_mask, scale: float, causal: bool, bottom_righ
                window_right: int) -> Optional[torch.Tensor]:
     """Exact attention rows (B, Hq, R, D) fp32 for the query positions `rows` (int32/int64 (R,)),
     or None where the kernel does not apply (see the module docstring)."""
+    exact_rows_kernel, _ = _kernels()
     if exact_rows_kernel is None or "exact_rows" in _failed or attn_mask is not None:
         return None
     b, hq, nq, d = q.shape
@@ -66,7 +73,7 @@ def exact_rows(q, k, v, rows, attn_mask, scale: float, causal: bool, bottom_righ
             hq, hq // hkv, r, nq, nk, float(scale), max(window_left, 0), 0 if causal else max(window_right, 0),
             HEAD_DIM=d, BLOCK_D=_pow2(d, 16), BLOCK_R=_pow2(r, 16), BLOCK_N=16 if interpreting() else 64,
             HAS_LEFT=window_left >= 0, HAS_RIGHT=has_right, BOTTOM_RIGHT=bottom_right,
-            DOT_PRECISION=_dot_precision(q.dtype), num_warps=4, num_stages=2,
+            DOT_PRECISION=dot_precision(q.dtype), num_warps=4, num_stages=2,
         )
     except Exception as e:  # noqa: BLE001  a kernel failure: the torch path runs
         _fail("exact_rows", e)
@@ -78,6 +85,7 @@ def verify_step(out, rows, ref, levels, up, work, err, limit: float, stage: int)
     """Per-head errors of `out`'s sampled rows against `ref` into err (Hq,) fp32 and, for stage 0
     and 1, the redo decisions into work (3, Hq) int32 (rows work.stride(0) apart) (kernels/verify.py). False where the
     kernel does not apply or failed (nothing written)."""
+    _, verify_step_kernel = _kernels()
     if verify_step_kernel is None or "verify_step" in _failed or not _where_ok(out) or out.stride(-1) != 1:
         return False
     b, hq, _, d = out.shape

@@ -1,0 +1,152 @@
+"""Kernel configs of our Triton attention: the candidate tables per kernel and head-dim class,
+the shared-memory model that keeps only those that fit the device, and the shape buckets
+configs are tuned on."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .. import hardware
+
+
+def interpreting() -> bool:
+    """Triton runs in its CPU interpreter (TRITON_INTERPRET=1): tests, never timing."""
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __str__(self) -> str:
+        return f"BM{self.block_m}/BN{self.block_n}/w{self.num_warps}/s{self.num_stages}"
+
+
+# One small config for the CPU interpreter: BLOCK_M != BLOCK_N exercises the tile ranges.
+INTERPRET_CONFIGS = {
+    "fwd": KernelConfig(32, 16, 1, 1),
+    "fwd_ws": KernelConfig(32, 16, 1, 1),
+    "dkdv": KernelConfig(16, 32, 1, 1),
+    "dkdv_atomic": KernelConfig(16, 32, 1, 1),
+    "dq": KernelConfig(32, 16, 1, 1),
+    "delta": KernelConfig(32, 32, 1, 1),
+}
+
+# Candidates for Hopper (H100/H200), each kept only where its shared memory fits the device;
+# the first fitting one runs when nothing is timed. From sm90 compiles of these kernels
+# (triton 3.9, cuobjdump -res-usage): every first candidate compiles without register
+# spills; the others are alternatives for the timing to judge.
+HALF_CONFIGS = {
+    "fwd": {
+        "small_d": [KernelConfig(128, 64, 4, 3), KernelConfig(128, 128, 8, 3), KernelConfig(128, 64, 8, 4),
+                    KernelConfig(64, 64, 4, 3)],
+        # H100, D=128: 128/128/8/3 fastest at three of the four yardstick shapes (variants run).
+        "mid_d": [KernelConfig(128, 128, 8, 3), KernelConfig(128, 64, 8, 3), KernelConfig(128, 128, 8, 2),
+                  KernelConfig(128, 64, 8, 4), KernelConfig(64, 64, 4, 3)],
+        "large_d": [KernelConfig(128, 32, 8, 2), KernelConfig(128, 64, 8, 2), KernelConfig(64, 32, 4, 3),
+                    KernelConfig(64, 32, 4, 2)],
+    },
+    # The warp-specialised forward (kernels/attention_fwd_ws.py): num_warps is per warp group
+    # (two consumer groups and a producer run, 3 x num_warps warps). Only HEAD_DIM 64/128.
+    "fwd_ws": {
+        "small_d": [KernelConfig(128, 128, 4, 2), KernelConfig(128, 64, 4, 2)],
+        "mid_d": [KernelConfig(128, 128, 4, 2), KernelConfig(128, 64, 4, 2)],
+        "large_d": [KernelConfig(128, 64, 4, 2)],
+    },
+    # dk/dv accumulators live in registers all along: small query tiles keep them there.
+    "dkdv": {
+        "small_d": [KernelConfig(32, 128, 8, 2), KernelConfig(64, 128, 8, 2), KernelConfig(32, 64, 4, 2)],
+        "mid_d": [KernelConfig(16, 128, 8, 2), KernelConfig(32, 128, 8, 2), KernelConfig(32, 128, 8, 1),
+                  KernelConfig(32, 64, 4, 1)],
+        # Every wgmma config spills at head_dim 256; the mma.sync one below does not.
+        "large_d": [KernelConfig(16, 32, 4, 1), KernelConfig(16, 64, 8, 1), KernelConfig(16, 32, 4, 2)],
+    },
+    # The dk/dv pass with dq added atomically: one product more per tile (ds^T k).
+    "dkdv_atomic": {
+        "small_d": [KernelConfig(32, 128, 8, 2), KernelConfig(64, 128, 8, 2), KernelConfig(32, 64, 4, 2)],
+        # H100, D=128: 64/128/8/2 fastest at all four yardstick shapes (variants run).
+        "mid_d": [KernelConfig(64, 128, 8, 2), KernelConfig(32, 128, 8, 2), KernelConfig(16, 128, 8, 2),
+                  KernelConfig(32, 64, 4, 2)],
+        "large_d": [KernelConfig(16, 32, 4, 1), KernelConfig(16, 64, 8, 1), KernelConfig(16, 32, 4, 2)],
+    },
+    "dq": {
+        "small_d": [KernelConfig(128, 64, 8, 3), KernelConfig(128, 32, 4, 3), KernelConfig(64, 64, 4, 3)],
+        "mid_d": [KernelConfig(128, 64, 8, 2), KernelConfig(128, 64, 8, 3), KernelConfig(128, 32, 8, 3),
+                  KernelConfig(64, 32, 4, 2)],
+        "large_d": [KernelConfig(128, 32, 8, 2), KernelConfig(64, 16, 4, 2), KernelConfig(64, 16, 4, 1)],
+    },
+}
+# float32 runs exact fp32 products (no tensor cores): small tiles, or the registers spill.
+FP32_CONFIGS = {
+    "fwd": [KernelConfig(32, 16, 4, 1), KernelConfig(16, 32, 4, 1)],
+    "fwd_ws": [KernelConfig(32, 16, 4, 1)],
+    "dkdv": [KernelConfig(16, 32, 4, 1), KernelConfig(32, 16, 4, 1)],
+    "dkdv_atomic": [KernelConfig(16, 32, 4, 1), KernelConfig(32, 16, 4, 1)],
+    "dq": [KernelConfig(32, 16, 4, 1), KernelConfig(16, 32, 4, 1)],
+}
+DELTA_CONFIG = KernelConfig(64, 64, 4, 1)
+
+
+def d_class(block_d: int) -> str:
+    return "small_d" if block_d <= 64 else ("mid_d" if block_d <= 128 else "large_d")
+
+
+def shared_memory_estimate(kind: str, cfg: KernelConfig, block_d: int, elem: int, mask_elem: int = 0) -> int:
+    """Bytes of shared memory a config needs: tiles resident for the whole program plus
+    num_stages copies of each pipelined tile (matches sm90 compiles within a few percent)."""
+    bm, bn, stages = cfg.block_m, cfg.block_n, max(cfg.num_stages, 1)
+    if kind in ("fwd", "fwd_ws"):
+        resident, pipelined = bm * block_d, 2 * bn * block_d
+    elif kind == "dkdv":
+        resident, pipelined = 2 * bn * block_d, 2 * bm * block_d
+    elif kind == "dkdv_atomic":  # ds^T goes through shared memory for the dq product
+        resident, pipelined = 2 * bn * block_d + bm * bn, 2 * bm * block_d
+    else:  # dq
+        resident, pipelined = 2 * bm * block_d, 2 * bn * block_d
+    return (resident + stages * pipelined) * elem + (stages + 1) * bm * bn * mask_elem + 1024
+
+
+def fitting_configs(kind: str, block_d: int, dtype: torch.dtype, device: torch.device,
+                    mask_elem: int = 0) -> list:
+    """The candidates for this kernel whose estimated shared memory fits the device."""
+    if dtype == torch.float32:
+        configs = FP32_CONFIGS[kind]
+    else:
+        configs = HALF_CONFIGS[kind][d_class(block_d)]
+    elem = torch.empty((), dtype=dtype).element_size()
+    limit = hardware.max_shared_memory(device.index)
+    fit = [c for c in configs if shared_memory_estimate(kind, c, block_d, elem, mask_elem) <= limit]
+    if not fit:  # the smallest, shrunk until it fits; the launch says if even that is too big
+        c = min(configs, key=lambda c: shared_memory_estimate(kind, c, block_d, elem, mask_elem))
+        while shared_memory_estimate(kind, c, block_d, elem, mask_elem) > limit and c.num_stages > 1:
+            c = KernelConfig(c.block_m, c.block_n, c.num_warps, c.num_stages - 1)
+        while shared_memory_estimate(kind, c, block_d, elem, mask_elem) > limit and max(c.block_m, c.block_n) > 16:
+            c = KernelConfig(max(c.block_m // 2, 16), max(c.block_n // 2, 16), c.num_warps, c.num_stages)
+        fit = [c]
+    return fit
+
+
+def next_pow2(n: int) -> int:
+    # triton.next_power_of_2 / triton.cdiv cost microseconds per call on the host (they are
+    # wrapped for use inside kernels); the launch glue calls these on every call.
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def length_bucket(n: int) -> int:
+    """Lengths share a tuned config within a power of two; 1 (decode) is its own class."""
+    return 1 if n <= 1 else min(next_pow2(n), 16384)
+
+
+def block_d(head_dim: int) -> int:
+    """The padded head dim of a tile: a power of two, at least 16."""
+    return max(16, next_pow2(head_dim))

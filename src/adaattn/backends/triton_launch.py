@@ -1,0 +1,405 @@
+"""Launches of our exact Triton attention kernels, each from one frozen launch description.
+
+`AttentionLaunch` is built once, when a call is planned (a runner's `prepare`), and holds every
+decision a launch needs: the forward variant, the scale, the causal/window sides, the alignment,
+the grid order and the backward's dq mode. `launch_fwd` / `launch_bwd` turn it and the tensors
+into strides, grids and configs; no host synchronisation.
+
+float32 inputs run their matrix products in full fp32 (tl.dot input_precision="ieee"), not
+TF32, so fp32 results match SDPA's fp32 paths; bf16/fp16 use the tensor cores with fp32
+accumulation.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from .. import settings
+from .triton_configs import (
+    DELTA_CONFIG,
+    INTERPRET_CONFIGS,
+    KernelConfig,
+    block_d,
+    cdiv,
+    fitting_configs,
+    interpreting,
+    length_bucket,
+)
+from .triton_tuner import CONFIGS
+
+FWD_VARIANTS = ("ws", "tma", "ptr")
+DQ_MODES = settings.DQ_MODES
+GRID_ORDERS = settings.GRID_ORDERS
+MASK_NONE, MASK_BOOL, MASK_ADDITIVE = 0, 1, 2  # kernels/attention_fwd.py's MASK_* constants
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class AttentionLaunch:
+    """Everything a launch of our exact kernels needs beyond the tensors.
+
+    variant: "ws" (warp-specialised, Hopper), "tma" (tensor-descriptor K/V loads) or "ptr".
+    window_left / window_right: -1 where unbounded; causal is the right bound 0.
+    dq_mode: how the backward makes dq ("separate" is the deterministic, atomic-free one).
+    """
+
+    variant: str
+    scale: float
+    causal: bool
+    bottom_right: bool = False
+    window_left: int = -1
+    window_right: int = -1
+    grid_order: str = "query_major"
+    exp_fma: int = 0
+    dq_mode: str = "atomic"
+
+    def __post_init__(self) -> None:
+        if self.variant not in FWD_VARIANTS:
+            raise ValueError(f"variant must be one of {FWD_VARIANTS}, got {self.variant!r}")
+        if self.grid_order not in GRID_ORDERS:
+            raise ValueError(f"grid_order must be one of {GRID_ORDERS}, got {self.grid_order!r}")
+        if self.dq_mode not in DQ_MODES:
+            raise ValueError(f"dq_mode must be one of {DQ_MODES}, got {self.dq_mode!r}")
+        if self.exp_fma not in (0, 2, 4):
+            raise ValueError(f"exp_fma must be 0, 2 or 4, got {self.exp_fma!r}")
+
+    @property
+    def has_left(self) -> bool:
+        return self.window_left >= 0
+
+    @property
+    def has_right(self) -> bool:
+        return self.causal or self.window_right >= 0
+
+    @property
+    def left(self) -> int:
+        return max(self.window_left, 0)
+
+    @property
+    def right(self) -> int:
+        return 0 if self.causal else max(self.window_right, 0)
+
+
+def make_launch(variant: str, scale: float, causal: bool, window_left: int = -1, window_right: int = -1,
+                bottom_right: bool = False, deterministic: bool = False) -> AttentionLaunch:
+    """A launch description with the current settings' grid order, exp share and dq mode."""
+    current = settings.current()
+    return AttentionLaunch(variant, float(scale), bool(causal), bool(bottom_right), int(window_left),
+                           int(window_right), current.fwd_grid, int(current.exp_fma),
+                           "separate" if deterministic else current.dq)
+
+
+# Custom ops take plain arguments: a launch description travels as its index in this table.
+_launches: list[AttentionLaunch] = []
+_launch_ids: dict[AttentionLaunch, int] = {}
+_lock = threading.Lock()
+
+
+def launch_id(launch: AttentionLaunch) -> int:
+    got = _launch_ids.get(launch)
+    if got is None:
+        with _lock:
+            got = _launch_ids.get(launch)
+            if got is None:
+                got = _launch_ids[launch] = len(_launches)
+                _launches.append(launch)
+    return got
+
+
+def launch_of(index: int) -> AttentionLaunch:
+    return _launches[index]
+
+
+def new_output(shape, dtype, device) -> torch.Tensor:
+    if settings.current().poison_outputs:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
+@dataclass
+class RowLayout:
+    """Where rows of one (batch, head) live: strides (batch, head, row) of a dense
+    (B, H, N, D) tensor, or (0, head, row) of a packed (T, H, D) one."""
+
+    batch: int
+    q_heads: int
+    kv_heads: int
+    q_len: int  # dense length, or max_seqlen for packed
+    k_len: int
+    head_dim: int
+    varlen: bool
+    value_dim: int = 0
+
+    def strides(self, t: torch.Tensor) -> tuple:
+        if self.varlen:
+            return (0, t.stride(1), t.stride(0))
+        return (t.stride(0), t.stride(1), t.stride(2))
+
+
+def row_layout(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k) -> RowLayout:
+    if cu_seqlens_q is not None:
+        return RowLayout(cu_seqlens_q.shape[0] - 1, q.shape[1], k.shape[1], max_seqlen_q, max_seqlen_k,
+                         q.shape[-1], True, v.shape[-1])
+    return RowLayout(q.shape[0], q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[-1], False, v.shape[-1])
+
+
+def lse_shape(q: torch.Tensor, varlen: bool) -> tuple:
+    return (q.shape[1], q.shape[0]) if varlen else (q.shape[0], q.shape[1], q.shape[2])
+
+
+def out_shape(q: torch.Tensor, v: torch.Tensor) -> tuple:
+    return tuple(q.shape[:-1]) + (v.shape[-1],)
+
+
+def lse_strides(lse: torch.Tensor, lay: RowLayout) -> tuple:
+    if lay.varlen:
+        return (0, lse.stride(0), lse.stride(1))
+    return (lse.stride(0), lse.stride(1), lse.stride(2))
+
+
+def mask_args(attn_mask, lay: RowLayout, like: torch.Tensor):
+    """(tensor, strides (b, h, q, k), MASK_KIND) with stride 0 on broadcast dimensions."""
+    if attn_mask is None:
+        return like, (0, 0, 0, 0), MASK_NONE
+    m = attn_mask.expand(lay.batch, lay.q_heads, lay.q_len, lay.k_len)
+    if m.dtype == torch.bool:
+        return m.view(torch.uint8), m.stride(), MASK_BOOL
+    return m, m.stride(), MASK_ADDITIVE
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    if interpreting() and dtype == torch.bfloat16:
+        return "interpreter_bf16"  # see kernels/attention_fwd.py: dot, round_to
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def tma_ok(t: torch.Tensor) -> bool:
+    """A tensor a TMA descriptor takes as it is: unit last stride, 16-byte aligned base and strides."""
+    e = t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and not any((st * e) % 16 for st in t.stride()[:-1])
+
+
+def tensor_descriptor():
+    """triton's TensorDescriptor class, or None on a triton without it."""
+    try:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+    except ImportError:
+        return None
+    return TensorDescriptor
+
+
+def _triton_scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda" if torch.cuda.is_available() else "cpu")
+
+
+def ensure_triton_allocator() -> None:
+    """Kernels that make tensor descriptors on the device need scratch memory from the
+    allocator set with triton.set_allocator. Install one backed by torch's caching allocator
+    (so it works under CUDA-graph capture) unless the caller already set their own. The
+    setting is a context variable: checked on every launch, since a new thread starts without."""
+    import triton
+
+    try:
+        from triton.runtime import _allocation
+
+        if not isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+            return
+    except Exception:
+        pass
+    triton.set_allocator(_triton_scratch)
+
+
+def _shape_key(q, lay: RowLayout, launch: AttentionLaunch, mask_kind, mask_elem=0) -> tuple:
+    return (q.device.type, q.device.index, q.dtype, lay.head_dim, lay.value_dim, lay.varlen, launch.causal,
+            launch.bottom_right, launch.has_left, launch.window_right >= 0, mask_kind, mask_elem,
+            lay.q_heads != lay.kv_heads, length_bucket(lay.q_len), length_bucket(lay.k_len))
+
+
+def _launch_fwd_ws(q, k, v, out, lse, lay: RowLayout, launch: AttentionLaunch) -> None:
+    from ..kernels.attention_fwd_ws import attention_fwd_ws_kernel
+
+    descriptor = tensor_descriptor()
+
+    def run(cfg: KernelConfig):
+        ensure_triton_allocator()
+        box = [1, 1, cfg.block_n, lay.head_dim]
+        attention_fwd_ws_kernel[(cdiv(lay.q_len, cfg.block_m), lay.batch * lay.q_heads)](
+            q, descriptor(k, list(k.shape), list(k.stride()), box),
+            descriptor(v, list(v.shape), list(v.stride()), box), out, lse, *lay.strides(q), *lay.strides(out),
+            *lse_strides(lse, lay), lay.q_heads, lay.q_heads // lay.kv_heads, lay.q_len, lay.k_len,
+            launch.scale * LOG2E, HEAD_DIM=lay.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            CAUSAL=launch.has_right, BOTTOM_RIGHT=launch.bottom_right, K_TAIL=lay.k_len % cfg.block_n != 0,
+            DOT_PRECISION=dot_precision(q.dtype), WARP_SPEC=not interpreting(),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+
+    key = _shape_key(q, lay, launch, MASK_NONE)
+    cfg = CONFIGS.pick("fwd_ws", key, lambda: fitting_configs("fwd_ws", lay.head_dim, q.dtype, q.device), run,
+                       lambda: out)
+    run(cfg)
+
+
+def _check_variant(launch: AttentionLaunch, lay: RowLayout, q, k, v, mask_kind: int) -> None:
+    """The planner picks a variant from the call's facts; a launch that breaks them is a bug
+    (raised, so the fallback runs, never a silent switch of kernel)."""
+    if launch.variant == "ptr":
+        return
+    ok = (not lay.varlen and mask_kind == MASK_NONE and launch.scale > 0 and lay.head_dim == block_d(lay.head_dim)
+          and lay.value_dim == lay.head_dim and q.dtype != torch.float32 and tensor_descriptor() is not None
+          and all(tma_ok(t) for t in (q, k, v)))
+    if ok and launch.variant == "ws":
+        ok = not launch.has_left and launch.right == 0 and lay.head_dim in (64, 128)
+    if not ok:
+        raise ValueError(f"the {launch.variant} forward cannot run this launch (mask, window, head dim, dtype or "
+                         "alignment); the planner should not have chosen it")
+
+
+def launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+               launch: AttentionLaunch):
+    """Run the forward kernel; returns (out (..., Dv) like q, lse fp32 (B, Hq, Nq) or (Hq, T))."""
+    q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
+    lay = row_layout(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    out = new_output(out_shape(q, v), q.dtype, q.device)
+    lse = new_output(lse_shape(q, lay.varlen), torch.float32, q.device)
+    if lay.batch * lay.q_heads == 0 or lay.q_len == 0 or q.numel() == 0 or out.numel() == 0:
+        return out, lse
+    if lay.k_len == 0 or k.numel() == 0:  # no key: rows give 0, as SDPA's math; the lse is -inf
+        return out.zero_(), lse.fill_(float("-inf"))
+    mask, mask_strides, mask_kind = mask_args(attn_mask, lay, q)
+    _check_variant(launch, lay, q, k, v, mask_kind)
+    if launch.variant == "ws":
+        _launch_fwd_ws(q, k, v, out, lse, lay, launch)
+        return out, lse
+    from ..kernels.attention_fwd import attention_fwd_kernel
+
+    bd = block_d(max(lay.head_dim, lay.value_dim))
+    cu_q = cu_seqlens_q if lay.varlen else q
+    cu_k = cu_seqlens_k if lay.varlen else q
+    use_tma = launch.variant == "tma"
+    head_major = launch.grid_order == "head_major"
+    descriptor = tensor_descriptor() if use_tma else None
+
+    def run(cfg: KernelConfig):
+        blocks = cdiv(lay.q_len, cfg.block_m)
+        grid = (lay.batch * lay.q_heads, blocks) if head_major else (blocks, lay.batch * lay.q_heads)
+        extra = {}
+        if use_tma:
+            box = [1, 1, cfg.block_n, bd]
+            extra = dict(KDesc=descriptor(k, list(k.shape), list(k.stride()), box),
+                         VDesc=descriptor(v, list(v.shape), list(v.stride()), box), USE_TMA=True)
+        attention_fwd_kernel[grid](
+            q, k, v, out, lse, mask, cu_q, cu_k,
+            *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(out),
+            *lse_strides(lse, lay), *mask_strides,
+            lay.q_heads, lay.q_heads // lay.kv_heads, lay.q_len, lay.k_len,
+            launch.scale * LOG2E, launch.left, launch.right,
+            HEAD_DIM=lay.head_dim, BLOCK_D=bd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            IS_VARLEN=lay.varlen, BOTTOM_RIGHT=launch.bottom_right, HAS_LEFT=launch.has_left,
+            HAS_RIGHT=launch.has_right, MASK_KIND=mask_kind, DOT_PRECISION=dot_precision(q.dtype),
+            SCALE_POSITIVE=launch.scale > 0, HEAD_MAJOR=head_major, EXP_FMA=launch.exp_fma,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+        )
+
+    mask_elem = mask.element_size() if mask_kind else 0
+    key = _shape_key(q, lay, launch, mask_kind, mask_elem)
+    if use_tma or head_major:
+        key = key + (launch.variant, launch.grid_order)
+    if launch.exp_fma:
+        key = key + (f"exp_fma{launch.exp_fma}",)
+    cfg = CONFIGS.pick("fwd", key, lambda: fitting_configs("fwd", bd, q.dtype, q.device, mask_elem), run,
+                       lambda: out)
+    run(cfg)
+    return out, lse
+
+
+def launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+               launch: AttentionLaunch):
+    """Run delta, dk/dv and dq kernels; returns (dq, dk, dv) shaped like q, k, v.
+    launch.dq_mode "separate" is the one whose bits do not depend on timing."""
+    from ..kernels.attention_bwd import (
+        attention_bwd_delta_kernel,
+        attention_bwd_dkdv_kernel,
+        attention_bwd_dq_kernel,
+    )
+
+    mode = launch.dq_mode
+    atomic = mode != "separate"
+    q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
+    dout, out = last_dim_contiguous(dout), last_dim_contiguous(out)
+    lay = row_layout(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
+    dq = new_output(q.shape, q.dtype, q.device)
+    dk = new_output(k.shape, k.dtype, k.device)
+    dv = new_output(v.shape, v.dtype, v.device)
+    if lay.batch * lay.q_heads == 0 or q.numel() == 0 or k.numel() == 0 or lay.q_len == 0 or lay.k_len == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    mask, mask_strides, mask_kind = mask_args(attn_mask, lay, q)
+    bd = block_d(max(lay.head_dim, lay.value_dim))
+    cu_q = cu_seqlens_q if lay.varlen else q
+    cu_k = cu_seqlens_k if lay.varlen else q
+    flags = dict(IS_VARLEN=lay.varlen, BOTTOM_RIGHT=launch.bottom_right, HAS_LEFT=launch.has_left,
+                 HAS_RIGHT=launch.has_right, MASK_KIND=mask_kind, DOT_PRECISION=dot_precision(q.dtype))
+    lse_st = lse_strides(lse, lay)
+    left, right, scale = launch.left, launch.right, launch.scale
+
+    delta = torch.empty_like(lse)
+    # Atomic dq: an fp32 accumulator the delta kernel zeroes (dq itself when it is fp32).
+    # Poisoned like an output, so rows the zeroing missed show up as NaN.
+    if atomic:
+        dq_acc = dq if dq.dtype == torch.float32 else new_output(q.shape, torch.float32, q.device)
+        dq_acc_strides = lay.strides(dq_acc)
+    else:
+        dq_acc, dq_acc_strides = dq, (0, 0, 0)
+    dcfg = INTERPRET_CONFIGS["delta"] if interpreting() else DELTA_CONFIG
+    attention_bwd_delta_kernel[(cdiv(lay.q_len, dcfg.block_m), lay.batch * lay.q_heads)](
+        out, dout, delta, dq_acc, cu_q, *lay.strides(out), *lay.strides(dout), *lse_st,
+        *dq_acc_strides, lay.q_heads, lay.q_len,
+        HEAD_DIM=lay.head_dim, BLOCK_D=bd, BLOCK_M=dcfg.block_m, IS_VARLEN=lay.varlen,
+        ZERO_DQ=atomic, num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
+    )
+
+    dq_acc_dirty = [False]
+
+    def run_dkdv(cfg: KernelConfig):
+        grid = (cdiv(lay.k_len, cfg.block_n), lay.batch * lay.kv_heads)
+        if atomic and dq_acc_dirty[0]:
+            dq_acc.zero_()  # config timing runs the kernel many times; each run adds into dq_acc
+        dq_acc_dirty[0] = atomic
+        attention_bwd_dkdv_kernel[grid](
+            q, k, v, dout, lse, delta, dk, dv, dq_acc, mask, cu_q, cu_k,
+            *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(dout), *lse_st,
+            *lay.strides(dk), *lay.strides(dv), *dq_acc_strides, *mask_strides,
+            lay.kv_heads, lay.q_heads // lay.kv_heads, lay.q_len, lay.k_len,
+            scale, scale * LOG2E, left, right,
+            HEAD_DIM=lay.head_dim, BLOCK_D=bd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            ATOMIC_DQ=atomic, ROTATE=mode == "atomic_rotate",
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+        )
+
+    def run_dq(cfg: KernelConfig):
+        grid = (cdiv(lay.q_len, cfg.block_m), lay.batch * lay.q_heads)
+        attention_bwd_dq_kernel[grid](
+            q, k, v, dout, lse, delta, dq, mask, cu_q, cu_k,
+            *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(dout), *lse_st,
+            *lay.strides(dq), *mask_strides,
+            lay.q_heads, lay.q_heads // lay.kv_heads, lay.q_len, lay.k_len,
+            scale, scale * LOG2E, left, right,
+            HEAD_DIM=lay.head_dim, BLOCK_D=bd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+        )
+
+    mask_elem = mask.element_size() if mask_kind else 0
+    key = _shape_key(q, lay, launch, mask_kind, mask_elem)
+    kernels = ((("dkdv_atomic" if atomic else "dkdv"), run_dkdv),) + (() if atomic else (("dq", run_dq),))
+    for kind, run in kernels:
+        candidates = (lambda kind=kind: fitting_configs(kind, bd, q.dtype, q.device, mask_elem))
+        run(CONFIGS.pick(kind, key + ((mode,) if atomic else ()), candidates, run))
+    if atomic and dq_acc is not dq:
+        dq.copy_(dq_acc)
+    return dq, dk, dv

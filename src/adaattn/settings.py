@@ -1,0 +1,121 @@
+"""Settings: the ADAATTN_* environment variables, read once, and what tests and benchmarks override.
+
+Every plan is cached under the settings it was made with (`current()` is part of the key), so
+`override(...)` never meets a stale plan. A bad value raises ValueError naming the variable.
+
+    ADAATTN_POISON_OUTPUTS=1     outputs start as NaN (tests: an unwritten element fails)
+    ADAATTN_TRITON_AUTOTUNE=0    take the first fitting kernel config, time nothing
+    ADAATTN_TRITON_DQ            how our backward makes dq: atomic (default), separate, atomic_rotate
+    ADAATTN_TRITON_FWD_GRID      query_major (default) or head_major launch grid of our forward
+    ADAATTN_TRITON_EXP_FMA       0 (default), 2, 4: share of exp2 on the FMA units (one in N)
+    ADAATTN_FP8_LEVEL_QK         auto (default: FP8 on Hopper), int8, fp8: Q.K^T of the fp8 level
+    ADAATTN_FP8_WS_CAUSAL=1      causal fp8-level calls may run the warp-specialised fp8 kernel
+    ADAATTN_TRITON_FWD           gone: the forward variants are runners ("triton.ws", "triton.tma",
+                                 "triton.ptr"); pin one with Policy(backends=(name,)). Setting it warns.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, fields, replace
+from typing import Iterator
+
+DQ_MODES = ("separate", "atomic", "atomic_rotate")
+GRID_ORDERS = ("query_major", "head_major")
+EXP_FMA_SHARES = ("0", "2", "4")
+FP8_LEVEL_QK = ("auto", "int8", "fp8")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the environment (or an override) sets; hashable, so plans can be keyed on it."""
+
+    poison_outputs: bool = False
+    autotune: bool = True
+    dq: str = "atomic"  # measured fastest on the H100 (results/2026-11-22-triton-variants-h100.json)
+    fwd_grid: str = "query_major"
+    exp_fma: str = "0"
+    fp8_level_qk: str = "auto"
+    fp8_ws_causal: bool = False
+    # (kernel kind, KernelConfig) pairs that replace the tuned choice: tests and benchmarks.
+    forced_configs: tuple = ()
+
+    def __post_init__(self) -> None:
+        for name, allowed in (("dq", DQ_MODES), ("fwd_grid", GRID_ORDERS), ("exp_fma", EXP_FMA_SHARES),
+                              ("fp8_level_qk", FP8_LEVEL_QK)):
+            value = getattr(self, name)
+            if str(value) not in allowed:
+                raise ValueError(f"setting {name} must be one of {allowed}, got {value!r}")
+            object.__setattr__(self, name, str(value))
+
+    def forced(self, kind: str):
+        """The forced KernelConfig of a kernel kind, or None."""
+        for k, cfg in self.forced_configs:
+            if k == kind:
+                return cfg
+        return None
+
+
+_ENV = {
+    "poison_outputs": ("ADAATTN_POISON_OUTPUTS", lambda s: s == "1"),
+    "autotune": ("ADAATTN_TRITON_AUTOTUNE", lambda s: s != "0"),
+    "dq": ("ADAATTN_TRITON_DQ", str),
+    "fwd_grid": ("ADAATTN_TRITON_FWD_GRID", str),
+    "exp_fma": ("ADAATTN_TRITON_EXP_FMA", str),
+    "fp8_level_qk": ("ADAATTN_FP8_LEVEL_QK", str),
+    "fp8_ws_causal": ("ADAATTN_FP8_WS_CAUSAL", lambda s: s == "1"),
+}
+
+
+def from_environment(env=None) -> Settings:
+    """Settings from ADAATTN_* variables (os.environ by default); raises ValueError on bad values."""
+    env = os.environ if env is None else env
+    values = {}
+    for field, (var, parse) in _ENV.items():
+        if var in env:
+            values[field] = parse(env[var])
+    if "ADAATTN_TRITON_FWD" in env:
+        warnings.warn("ADAATTN_TRITON_FWD is no longer read: the forward variants are runners; pin one with "
+                      "Policy(backends=('triton.ws',)) / 'triton.tma' / 'triton.ptr'.", RuntimeWarning, stacklevel=2)
+    try:
+        return Settings(**values)
+    except ValueError as e:
+        names = {f: var for f, (var, _) in _ENV.items()}
+        msg = str(e)
+        for f, var in names.items():
+            msg = msg.replace(f"setting {f} ", f"{var} ")
+        raise ValueError(msg) from None
+
+
+_lock = threading.Lock()
+_current = from_environment()
+
+
+def current() -> Settings:
+    return _current
+
+
+@contextmanager
+def override(**changes) -> Iterator[Settings]:
+    """Run a block with some settings replaced, e.g. override(dq="separate"); `forced_configs`
+    takes a dict {kind: KernelConfig} merged over the current ones."""
+    global _current
+    known = {f.name for f in fields(Settings)}
+    unknown = set(changes) - known
+    if unknown:
+        raise ValueError(f"unknown setting {sorted(unknown)}; known: {sorted(known)}")
+    if isinstance(changes.get("forced_configs"), dict):
+        merged = dict(_current.forced_configs)
+        merged.update(changes["forced_configs"])
+        changes["forced_configs"] = tuple(merged.items())
+    with _lock:
+        old = _current
+        _current = replace(old, **changes)
+    try:
+        yield _current
+    finally:
+        with _lock:
+            _current = old
