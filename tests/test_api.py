@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import adaattn
 from adaattn import planner, stats
-from adaattn.backends import REGISTRY
+from adaattn.planner import REGISTRY
 from adaattn.backends.base import Backend
 from adaattn.backends.reference import reference_attention
 from adaattn.problem import SEQ_BUCKETS
@@ -145,13 +145,13 @@ def test_bshd_layout_passes_views_without_copying(monkeypatch):
     class Spy(Backend):
         name = "sdpa.cpu"
 
-        def supports(self, problem):
-            return real.supports(problem)
+        def supports(self, problem, policy):
+            return real.supports(problem, policy)
 
-        def run(self, q, k, v, attn_mask, problem, plan):
+        def run(self, q, k, v, attn_mask, problem, launch, label=None):
             seen["ptrs"] = (q.data_ptr(), k.data_ptr(), v.data_ptr())
             seen["shape"] = tuple(q.shape)
-            return real.run(q, k, v, attn_mask, problem, plan)
+            return real.run(q, k, v, attn_mask, problem, launch)
 
     monkeypatch.setitem(REGISTRY, "sdpa.cpu", Spy())
     q, k, v = torch.randn(2, 11, 4, 16), torch.randn(2, 13, 4, 16), torch.randn(2, 13, 4, 16)
@@ -201,7 +201,7 @@ class _Broken(Backend):
         self.error = error
         self.calls = 0
 
-    def supports(self, problem):
+    def supports(self, problem, policy):
         return []
 
     def run(self, *args):
@@ -218,7 +218,7 @@ def test_backend_failing_at_run_time_falls_back_with_one_warning(monkeypatch):
     broken = _Broken(RuntimeError("compile error in kernel"))
     _put_first(monkeypatch, broken)
     q, k, v = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16), torch.randn(1, 2, 8, 16)
-    with pytest.warns(RuntimeWarning, match="backend broken failed") as caught:
+    with pytest.warns(RuntimeWarning, match="runner broken failed") as caught:
         with stats.collect() as recs:
             outs = [adaattn.attention(q, k, v) for _ in range(3)]
     assert len([w for w in caught if "broken" in str(w.message)]) == 1
@@ -233,7 +233,7 @@ def test_backend_failing_at_run_time_falls_back_with_one_warning(monkeypatch):
 def test_out_of_memory_is_reraised_with_the_sizes(monkeypatch):
     _put_first(monkeypatch, _Broken(torch.OutOfMemoryError("CUDA out of memory")))
     q = torch.randn(1, 2, 8, 16)
-    with pytest.raises(torch.OutOfMemoryError, match=r"backend broken .*Nq=8 Nk=8 D=16"):
+    with pytest.raises(torch.OutOfMemoryError, match=r"runner broken .*Nq=8 Nk=8 D=16"):
         adaattn.attention(q, q, q)
 
 
@@ -301,11 +301,11 @@ def test_cached_plan_is_not_reused_across_equal_and_unequal_lengths(monkeypatch)
     class SquareOnly(Backend):
         name = "square_only"
 
-        def supports(self, problem):
+        def supports(self, problem, policy):
             return ["needs q_len == k_len"] if problem.q_len != problem.kv_len else []
 
-        def run(self, q, k, v, attn_mask, problem, plan):
-            return REGISTRY["sdpa.cpu"].run(q, k, v, attn_mask, problem, plan)
+        def run(self, q, k, v, attn_mask, problem, launch, label=None):
+            return REGISTRY["sdpa.cpu"].run(q, k, v, attn_mask, problem, launch)
 
     _put_first(monkeypatch, SquareOnly())
     q, k = torch.randn(1, 2, 30, 16), torch.randn(1, 2, 40, 16)
@@ -323,8 +323,8 @@ def test_the_last_backend_failing_raises_and_is_not_marked_failed(monkeypatch):
     class Flaky(Backend):
         name = "sdpa.cpu"
 
-        def supports(self, problem):
-            return real.supports(problem)
+        def supports(self, problem, policy):
+            return real.supports(problem, policy)
 
         def run(self, *args):
             calls["n"] += 1
@@ -342,7 +342,7 @@ def test_the_last_backend_failing_raises_and_is_not_marked_failed(monkeypatch):
 def test_cpu_allocation_failure_is_reported_as_out_of_memory(monkeypatch):
     _put_first(monkeypatch, _Broken(RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate")))
     q = torch.randn(1, 2, 8, 16)
-    with pytest.raises(torch.OutOfMemoryError, match=r"backend broken .*Nq=8"):
+    with pytest.raises(torch.OutOfMemoryError, match=r"runner broken .*Nq=8"):
         adaattn.attention(q, q, q)
 
 
@@ -369,9 +369,9 @@ def test_priority_data_puts_triton_first_for_long_masked_and_windowed_calls():
     base = dataclasses.replace(validate(q, q, q, None, 0.0, False, None, False, "bhsd", None),
                                device_type="cuda", device_index=0)
     cases = [
-        (dict(mask_kind="bool"), "triton"),
-        (dict(mask_kind="additive"), "triton"),
-        (dict(window=(128, 0)), "triton"),
+        (dict(mask_kind="bool"), "triton.ptr"),
+        (dict(mask_kind="additive"), "triton.ptr"),
+        (dict(window_left=128, window_right=0), "triton.ptr"),
         ({}, "sdpa.cudnn"),  # unmasked prefill: cuDNN measured fastest
         (dict(mask_kind="bool", q_len=64, kv_len=64), "sdpa.cudnn"),  # short: SDPA's order (cuDNN declines masks)
         (dict(dtype=torch.float32, mask_kind="bool"), "sdpa.efficient"),
@@ -387,9 +387,9 @@ def test_a_mask_that_requires_grad_gets_its_gradient_and_our_kernels_decline_it(
     bias = torch.zeros(1, 1, 16, 16, requires_grad=True)
     problem = validate(q, q, q, bias, 0.0, False, None, False, "bhsd", None)
     assert problem.mask_grad and problem.needs_grad
-    for name in ("triton", "triton.quant"):
+    for name in ("triton.ptr", "triton.quant.general"):
         if name in REGISTRY:
-            assert any("requires grad" in r for r in REGISTRY[name].supports(problem)), name
+            assert any("requires grad" in r for r in REGISTRY[name].supports(problem, adaattn.Policy())), name
     adaattn.attention(q, q, q, attn_mask=bias.detach())  # cached signature without the grad
     out = adaattn.attention(q, q, q, attn_mask=bias)
     out.sum().backward()

@@ -7,7 +7,7 @@ import torch
 
 import adaattn
 from adaattn import Policy, planner, stats
-from adaattn.backends import REGISTRY
+from adaattn.planner import REGISTRY
 from adaattn.backends.reference import reference_attention
 
 from helpers import assert_within_standard, sdpa_equivalent
@@ -47,7 +47,7 @@ def test_sdpa_sub_backend_meets_the_standard(backend, case, dtype):
     elif mask_kind == "additive":
         mask = torch.randn(1, hq, nq, nk, device="cuda", dtype=dtype)
     kwargs = dict(attn_mask=mask, is_causal=causal, enable_gqa=hq != hk, window=window)
-    if backend != "default" and REGISTRY[backend].supports(adaattn.problem.validate(q, k, v, mask, 0.0, causal, None, hq != hk, "bhsd", window)):
+    if backend != "default" and REGISTRY[backend].supports(adaattn.problem.validate(q, k, v, mask, 0.0, causal, None, hq != hk, "bhsd", window), adaattn.Policy()):
         with pytest.raises(adaattn.NoBackendError):
             adaattn.attention(q, k, v, policy=policy, **kwargs)
         return

@@ -5,9 +5,7 @@ from .api import Explanation, attention, explain, info, varlen_attention
 from .nn import AdaAttention
 from .planner import NoBackendError
 from .policy import Policy
-
-__version__ = "0.1.0"
-
+from .version import __version__
 
 __all__ = [
     "AdaAttention",

@@ -95,7 +95,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from .bench import add_arguments as bench_arguments
 
-    from . import __version__
+    from .version import __version__
 
     p = argparse.ArgumentParser(prog="adaattn", description="adaattn: adaptive attention for PyTorch")
     p.add_argument("--version", action="version", version=f"adaattn {__version__}")

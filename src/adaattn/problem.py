@@ -203,6 +203,15 @@ def check_dropout(dropout_p: object) -> float:
     return float(dropout_p)
 
 
+def _broadcastable(shape: tuple, target: tuple) -> bool:
+    if len(shape) > len(target):
+        return False
+    for s, t in zip(reversed(shape), reversed(target)):
+        if s != 1 and s != t:
+            return False
+    return True
+
+
 def _broadcast(shapes: list[tuple], names: str) -> tuple:
     try:
         return tuple(torch.broadcast_shapes(*shapes))
@@ -259,6 +268,9 @@ def validate(
         raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
     if layout == "bshd":
         qs, ks, vs = ((t.shape[0], t.shape[2], t.shape[1], t.shape[3]) for t in (query, key, value))
+        if not qs[0] == ks[0] == vs[0]:
+            raise ValueError(f"query, key and value must have the same batch size with layout='bshd', got "
+                             f"{qs[0]}, {ks[0]}, {vs[0]}")
     else:
         qs, ks, vs = tuple(query.shape), tuple(key.shape), tuple(value.shape)
     nq, d = qs[-2], qs[-1]

@@ -1,9 +1,11 @@
 """The adaptive-precision runners: which levels a policy allows, the custom op, one adaptive call.
 
-    triton.quant     the general quantized kernel for every launch (kernels/attention_quant.py)
-    triton.quant.ws  the warp-specialised quantized kernels (kernels/attention_quant_ws.py) for
-                     a launch where every head is at qk8 or every head at fp8, the general kernel
-                     for mixed levels; Hopper, no mask, no sliding window
+    triton.quant.general  the general quantized kernel for every launch (kernels/attention_quant.py)
+    triton.quant.ws       the warp-specialised quantized kernels (kernels/attention_quant_ws.py) for
+                          a launch where every head is at qk8 or every head at fp8, the general
+                          kernel for mixed levels; Hopper, no mask, no sliding window
+
+Policy(backends=("triton.quant",)) admits both (a prefix admits every runner under it).
 
 Both are approximate (`exact = False`): the planner offers them only under Policy(mode="auto").
 `supports` answers the planner's question (no device work): the levels the policy allows on
@@ -142,7 +144,7 @@ class QuantizedRunner(Runner):
 
     def __init__(self, warp_specialised: bool):
         self.warp_specialised = warp_specialised
-        self.name = "triton.quant.ws" if warp_specialised else "triton.quant"
+        self.name = "triton.quant.ws" if warp_specialised else "triton.quant.general"
 
     def supports(self, problem, policy) -> list[str]:
         device = torch.device(problem.device_type, problem.device_index)

@@ -11,8 +11,8 @@ Each case is one (q, k, v) with several heads, every head built to stress one th
 - "large_v_mean":  V with a mean 20x its spread: the output is mostly the mean, which V
                    smoothing keeps exact and plain FP8 V would blur.
 - "k_mean":        K with a large common offset per channel: what K smoothing is for.
-- "shipped_model": Q/K/V captured from the shipped GPT (adaattn.models), real attention
-                   heads (GQA 6/2, D=64, causal) on held-out text.
+- extra cases, such as Q/K/V captured from the shipped GPT (adaattn.models.capture.
+                   shipped_model_heads): real attention heads (GQA 6/2, D=64, causal).
 
 `cases(...)` yields (name, q, k, v, causal); the test suite holds every head that adaattn
 reports as quantized to its tolerance against float64, on each case.
@@ -52,25 +52,16 @@ def make(kind: str, batch: int = 1, heads: int = 4, n: int = 128, d: int = 64, d
     return tuple(t.to(dtype).to(device) for t in (q, k, v))
 
 
-def shipped_model_heads(n: int = 256, layers=(0, 3, 7), device="cpu", dtype=torch.bfloat16):
-    """[(name, q, k, v)] from the shipped GPT's layers on held-out text (causal, GQA)."""
-    from ..models import pretrained
-    from ..models.capture import capture
-
-    model = pretrained.load(device=device)
-    got = capture(model, seq_len=n, layers=list(layers), dtype=torch.float32 if device == "cpu" else dtype)
-    return [(f"shipped_model.layer{lc.layer}", lc.q.to(dtype), lc.k.to(dtype), lc.v.to(dtype)) for lc in got.layers]
-
-
 def cases(n: int = 128, d: int = 64, heads: int = 4, dtype=torch.bfloat16, device="cpu", seed: int = 0,
-          shipped: bool = True):
-    """Every structured case: (name, q, k, v, causal)."""
+          extra=()):
+    """Every structured case: (name, q, k, v, causal), then each (name, q, k, v) of `extra`
+    (causal), e.g. adaattn.models.capture.shipped_model_heads(...): the library does not load
+    the shipped model itself."""
     for i, kind in enumerate(KINDS):
         q, k, v = make(kind, 1, heads, n, d, dtype, device, seed)
         yield kind, q, k, v, bool(i % 2)
-    if shipped:
-        for name, q, k, v in shipped_model_heads(max(n, 64), device=device, dtype=dtype):
-            yield name, q, k, v, True
+    for name, q, k, v in extra:
+        yield name, q, k, v, True
 
 
 def scale_for(d: int) -> float:

@@ -122,3 +122,12 @@ def _autocast(device: torch.device, dtype: torch.dtype):
     if dtype in (torch.bfloat16, torch.float16):
         return torch.autocast(device.type, dtype=dtype)
     return contextlib.nullcontext()
+
+
+def shipped_model_heads(n: int = 256, layers=(0, 3, 7), device="cpu", dtype=torch.bfloat16):
+    """[(name, q, k, v)] from the shipped GPT's layers on held-out text (causal, GQA)."""
+    from . import pretrained
+
+    model = pretrained.load(device=device)
+    got = capture(model, seq_len=n, layers=list(layers), dtype=torch.float32 if device == "cpu" else dtype)
+    return [(f"shipped_model.layer{lc.layer}", lc.q.to(dtype), lc.k.to(dtype), lc.v.to(dtype)) for lc in got.layers]

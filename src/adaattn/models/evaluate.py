@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..api import attention
-from ..bench import accuracy
+from ..backends import reference as accuracy
 from ..policy import PRECISIONS, APPROXIMATIONS, Policy
 from .capture import Capture, _autocast, capture, default_dtype
 from .data import load_corpus, unigram_bits_per_byte, windows
