@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from adaattn import cli
-from adaattn.backends import REGISTRY
-from adaattn.backends.base import Backend
+from adaattn import cli, planner
+from adaattn import policy as policy_mod
+from adaattn.backends.base import Runner
 from adaattn.backends.reference import reference_attention
 from adaattn.bench import accuracy, overhead, report
 from adaattn.bench.grid import QUICK_CPU, Shape, parse_seq_lens
@@ -96,18 +96,20 @@ def test_sampled_reference_equals_full_reference_on_sampled_rows(causal, monkeyp
     assert accuracy.relative_error(out, got, rows) > 1e-2
 
 
-class ExplodingBackend(Backend):
+class ExplodingRunner(Runner):
     name = "exploding"
 
-    def supports(self, problem):
+    def supports(self, problem, policy):
         return []
 
-    def run(self, query, key, value, attn_mask, problem, plan):
+    def run(self, query, key, value, attn_mask, problem, launch, label=None):
         raise RuntimeError("kernel exploded")
 
 
 def test_a_backend_that_raises_is_reported_in_its_row_and_the_run_goes_on(monkeypatch):
-    monkeypatch.setitem(REGISTRY, "exploding", ExplodingBackend())
+    monkeypatch.setitem(planner.REGISTRY, "exploding", ExplodingRunner())
+    monkeypatch.setattr(policy_mod, "known_runners", {*policy_mod.known_runners, "exploding"})
+    planner.reset()
     rows = run_suite(tiny_shapes(causal=(False,), seq_lens=(16,)), fast_settings())
     by_name = {r["backend"]: r for r in rows}
     assert by_name["exploding"]["error"] == "RuntimeError: kernel exploded"
@@ -181,21 +183,21 @@ def test_git_commit_read_from_the_git_files_matches_git():
     assert report.git_commit() == res.stdout.strip()
 
 
-def test_quick_cli_runs_the_quick_grid_and_overhead_and_writes_json(tmp_path):
+def test_quick_on_a_cpu_runs_the_cpu_suite_with_its_overhead_and_prints_the_table_last(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
     res = subprocess.run(
         [sys.executable, "-m", "adaattn", "bench", "--quick", "--device", "cpu", "--threads", "1",
-         "--rep-ms", "5", "--out", str(tmp_path)],
+         "--rep-ms", "1", "--warmup-ms", "1", "--out", str(tmp_path)],
         capture_output=True, text=True, env=env, timeout=120,
     )
     assert res.returncode == 0, res.stderr
     lines = res.stdout.strip().splitlines()
     assert "dispatch overhead" in res.stdout
-    assert lines[-1].split()[7] == "adaattn"  # the table comes last
-    (path,) = tmp_path.glob("bench-*.json")
+    assert lines[-1].split()[0] == "adaattn"  # the table comes last
+    (path,) = tmp_path.glob("cpu-bench-*.json")
     data = json.loads(path.read_text())
-    assert data["config"]["mode"] == "quick"
-    assert len(data["rows"]) == 3 * len(QUICK_CPU.shapes())
-    assert {r["seq_len"] for r in data["rows"]} == set(QUICK_CPU.seq_lens)
+    assert data["suite"] == "cpu"
+    assert {r["peer"] for r in data["rows"]} == {"math", "fused", "adaattn"}
+    assert {r["x"] for r in data["rows"]} == {128, 512, 1024, 2048}
     assert [o["seq_len"] for o in data["overhead"]] == [128, 512]
     assert all(o["error"] is None and o["picked"] == "sdpa.cpu" for o in data["overhead"])

@@ -10,11 +10,10 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import sdpa_kernel
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import planner
 from ..api import attention
-from ..backends import REGISTRY
 from ..policy import EXACT
 from ..problem import validate
 from . import timing
@@ -25,6 +24,8 @@ ADAATTN = "adaattn"
 RUN = "backend.run"  # the picked backend's run, called directly: the same code without dispatch
 SAME_KERNEL = "sdpa same kernel"  # SDPA pinned to the kernel adaattn picks, context entered once
 PLAIN = "sdpa"  # SDPA with torch's own kernel choice
+SDPA_KERNELS = {"sdpa.cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa.flash": SDPBackend.FLASH_ATTENTION,
+                "sdpa.efficient": SDPBackend.EFFICIENT_ATTENTION, "sdpa.math": SDPBackend.MATH}
 
 SHAPES_CUDA = (
     Shape(2, 16, 16, 128, 128, torch.bfloat16, False),
@@ -41,7 +42,7 @@ HOW = (
     "median over rounds of loop time / calls. 'sdpa same kernel' is "
     "F.scaled_dot_product_attention inside torch.nn.attention.sdpa_kernel(<kernel adaattn picked>), "
     "the context entered once around the loop, as a user pinning the kernel would; 'backend.run' "
-    "is the picked backend's run called directly; 'sdpa' is plain SDPA. overhead_* compares "
+    "is the picked runner alone (planner.bind); 'sdpa' is plain SDPA. overhead_* compares "
     "adaattn with 'baseline'; vs_plain_* with plain SDPA."
 )
 
@@ -54,22 +55,22 @@ def _variants(shape: Shape, q, k, v) -> tuple[str, dict[str, tuple[Callable, Cal
     """The picked backend, {variant: (call, context factory)}, and the same-kernel baseline's name."""
     extra = {"enable_gqa": True} if shape.gqa else {}
     problem = validate(q, k, v, None, 0.0, shape.causal, None, shape.gqa)
-    plan = planner.get_plan(problem, EXACT)
-    backend = REGISTRY[plan.backend]
+    picked = planner.get_plan(problem, EXACT).backend
+    run = planner.bind(picked, problem)
     none = contextlib.nullcontext
     variants = {
         ADAATTN: (lambda: attention(q, k, v, is_causal=shape.causal, enable_gqa=shape.gqa), none),
-        RUN: (lambda: backend.run(q, k, v, None, problem, plan), none),
+        RUN: (lambda: run(q, k, v), none),
         PLAIN: (lambda: F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, **extra), none),
     }
-    kernel = getattr(backend, "kernel", None)
+    kernel = SDPA_KERNELS.get(picked)
     baseline = RUN
     if kernel is not None:
         variants[SAME_KERNEL] = (variants[PLAIN][0], lambda: sdpa_kernel(kernel))
         baseline = SAME_KERNEL
-    elif plan.backend.startswith("sdpa"):
+    elif picked.startswith("sdpa"):
         baseline = PLAIN  # sdpa.cpu: torch's own choice is the same kernel
-    return plan.backend, variants, baseline
+    return picked, variants, baseline
 
 
 def _loop_us(fn: Callable, context: Callable, calls: int, device: torch.device) -> float:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable
@@ -11,8 +12,7 @@ import torch.nn.functional as F
 
 from .. import planner
 from ..api import attention
-from ..backends import REGISTRY
-from ..policy import EXACT, Policy
+from ..policy import EXACT
 from ..problem import validate
 from . import accuracy, timing
 from .grid import Shape
@@ -21,10 +21,16 @@ from .progress import Progress
 TORCH = "torch"  # F.scaled_dot_product_attention called directly: torch's own kernel choice
 ADAATTN = "adaattn"  # adaattn.attention with the default policy: dispatch included
 YARDSTICK = "reference"  # the float64 error yardstick, never timed
+NEVER_TIMED = (YARDSTICK, "meta")  # meta tensors compute nothing
+
+
+def interpreted(name: str, device: torch.device) -> bool:
+    """A Triton runner on the CPU runs in Triton's interpreter: a correctness path, never timed."""
+    return device.type == "cpu" and "triton" in name and os.environ.get("TRITON_INTERPRET", "") == "1"
 
 HOW_BACKENDS_RUN = (
-    "Each registry backend row calls Backend.run(q, k, v, None, problem, plan) directly, with the plan "
-    "from planner.make_plan(problem, Policy(backends=(name,))): the kernel without adaattn's dispatch. "
+    "Each registry runner row calls planner.bind(name, problem)(q, k, v): that runner alone, without "
+    "adaattn's dispatch. "
     "Row 'torch' calls torch.nn.functional.scaled_dot_product_attention directly (torch chooses the "
     "kernel); row 'adaattn' calls adaattn.attention with the default policy (validation, plan lookup "
     "and the chosen backend), its choice in 'picked'."
@@ -76,21 +82,21 @@ def runners(shape: Shape, q, k, v, settings: Settings) -> tuple[list[Runner], di
         sdpa = F.scaled_dot_product_attention
         rows.append((TORCH, lambda: sdpa(q, k, v, is_causal=shape.causal, **extra), None))
 
-    for name, backend in REGISTRY.items():
-        if name == YARDSTICK or not settings.wanted(name):
+    for name in planner.runner_names():
+        if name in NEVER_TIMED or not settings.wanted(name):
             continue
-        reasons = backend.supports(problem)
-        if getattr(backend, "interpreted", False):
-            reasons = [*reasons, "runs under TRITON_INTERPRET (a correctness path, not a timing one)."]
-        if reasons:
-            declined[name] = list(reasons)
+        if interpreted(name, q.device):
+            declined[name] = ["runs under TRITON_INTERPRET (a correctness path, not a timing one)."]
             continue
         try:
-            plan = planner.make_plan(problem, Policy(backends=(name,)))
-        except Exception as e:  # NoBackendError: it failed earlier in this process, say
+            fn = planner.bind(name, problem)
+        except planner.NoBackendError as e:
+            declined[name] = [str(e).split(": ", 1)[-1]]
+            continue
+        except Exception as e:  # it failed earlier in this process, say
             rows.append((name, error_text(e), None))
             continue
-        rows.append((name, lambda b=backend, p=plan: b.run(q, k, v, None, problem, p), None))
+        rows.append((name, lambda f=fn: f(q, k, v), None))
 
     if settings.wanted(ADAATTN):
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -26,35 +27,62 @@ def method(device: torch.device) -> str:
     return "time.perf_counter around each call after one warm-up call, median"
 
 
+@dataclass(frozen=True)
+class Spread:
+    """Milliseconds per call over `samples` timed repetitions."""
+
+    min: float
+    median: float
+    max: float
+    samples: int
+
+    @classmethod
+    def of(cls, times_ms: list[float]) -> "Spread":
+        return cls(min(times_ms), statistics.median(times_ms), max(times_ms), len(times_ms))
+
+
 def median_ms(fn: Callable[[], object], device: torch.device, warmup_ms: float = 25, rep_ms: float = 100) -> float:
-    """Median milliseconds per call of `fn`.
+    """Median milliseconds per call of `fn` (see `spread_ms`)."""
+    return spread_ms(fn, device, warmup_ms, rep_ms).median
 
-    CUDA: triton.testing.do_bench where triton imports, else CUDA events. CPU: perf_counter
-    around each call, as many calls as fit in `rep_ms` (at least 3, at most 1000).
+
+def spread_ms(fn: Callable[[], object], device: torch.device, warmup_ms: float = 25, rep_ms: float = 100,
+              min_samples: int = 3) -> Spread:
+    """Min, median and max milliseconds per call of `fn`, over at least `min_samples` calls.
+
+    CUDA: every sample of triton.testing.do_bench (return_mode="all") where triton imports, else
+    CUDA events; a call longer than `rep_ms` gets further samples timed by the wall clock around a
+    synchronised call. CPU: perf_counter around each call, as many calls as fit in `rep_ms`
+    (at least `min_samples`, at most 1000).
     """
-    if device.type == "cuda":
-        do_bench = _do_bench()
-        if do_bench is not None:
-            return float(do_bench(fn, warmup=int(warmup_ms), rep=int(rep_ms), return_mode="median"))
-        return _cuda_events_ms(fn, device, warmup_ms, rep_ms)
-    return _wall_ms(fn, rep_ms)
+    if device.type != "cuda":
+        return Spread.of(_wall_samples(fn, device, rep_ms, min_samples))
+    do_bench = _do_bench()
+    if do_bench is not None:
+        times = [float(t) for t in do_bench(fn, warmup=int(warmup_ms), rep=int(rep_ms), return_mode="all")]
+    else:
+        times = _cuda_events_samples(fn, device, warmup_ms, rep_ms)
+    while len(times) < min_samples:
+        times.append(_synced_call_ms(fn, device))
+    return Spread.of(times)
 
 
-def _wall_ms(fn: Callable[[], object], rep_ms: float) -> float:
-    fn()  # warm-up: first-call allocations and lazy initialisation
+def _synced_call_ms(fn: Callable[[], object], device: torch.device) -> float:
+    synchronize(device)
     t0 = time.perf_counter()
     fn()
-    first = time.perf_counter() - t0
-    reps = max(3, min(1000, int(rep_ms * 1e-3 / max(first, 1e-7))))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    synchronize(device)
+    return (time.perf_counter() - t0) * 1e3
 
 
-def _cuda_events_ms(fn: Callable[[], object], device: torch.device, warmup_ms: float, rep_ms: float) -> float:
+def _wall_samples(fn: Callable[[], object], device: torch.device, rep_ms: float, min_samples: int) -> list[float]:
+    fn()  # warm-up: first-call allocations and lazy initialisation
+    times = [_synced_call_ms(fn, device)]
+    reps = max(min_samples, min(1000, int(rep_ms / max(times[0], 1e-4))))
+    return times + [_synced_call_ms(fn, device) for _ in range(reps - 1)]
+
+
+def _cuda_events_samples(fn: Callable[[], object], device: torch.device, warmup_ms: float, rep_ms: float) -> list[float]:
     with torch.cuda.device(device):
         fn()
         torch.cuda.synchronize()
@@ -74,7 +102,7 @@ def _cuda_events_ms(fn: Callable[[], object], device: torch.device, warmup_ms: f
             fn()
             e.record()
         torch.cuda.synchronize()
-        return statistics.median(s.elapsed_time(e) for s, e in events)
+        return [s.elapsed_time(e) for s, e in events]
 
 
 def peak_mib(fn: Callable[[], object], device: torch.device) -> float | None:

@@ -1,0 +1,152 @@
+"""What a suite measures: cases (one problem each) and their peers, timed side by side in one run."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .. import stats
+from . import timing
+from .progress import Progress
+from .suite import error_text
+
+
+@dataclass
+class Peer:
+    """One row of a case: a call timed beside the others on the same inputs.
+
+    forward: () -> output, called once before timing (its output goes to the case's error check);
+    timed: what is timed (default: forward), e.g. forward and backward; context: entered around
+    every call of this peer, timing included (e.g. torch's sdpa_kernel pinning); warm: calls made
+    before timing; info: () -> extra fields for the row, called after timing; reason: why the peer
+    cannot run here (then forward is None and the row is listed as not run).
+    """
+
+    name: str
+    forward: Callable[[], object] | None = None
+    timed: Callable[[], object] | None = None
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    warm: int = 1
+    info: Callable[[], dict] | None = None
+    reason: str = ""
+
+
+def unavailable(name: str, reason: str) -> Peer:
+    return Peer(name, reason=reason)
+
+
+@dataclass
+class Case:
+    """One problem of a suite. `make()` builds its inputs (lazily, so one case's memory is freed
+    before the next) and returns (peers, check): check(output) -> relative error, or None.
+
+    x: the size the plot puts on its horizontal axis (N, KV length, prompt length); work: what one
+    call does in `unit`s (FLOPs, bytes, tokens) for the figure work / time; baseline: the peer the
+    ratio column divides by.
+    """
+
+    suite: str
+    label: str
+    x: int
+    fields: dict
+    baseline: str
+    figure: str  # "TFLOP/s", "TB/s" or "tokens/s"
+    work: float
+    make: Callable[[], tuple[list[Peer], Callable[[object], float] | None]]
+    series: str = ""  # cases of one series share a plot panel (default: the label without x)
+
+
+SCALE = {"TFLOP/s": 1e12, "TB/s": 1e12, "tokens/s": 1.0}
+
+
+@dataclass
+class Settings:
+    device: torch.device
+    warmup_ms: float = 25.0
+    rep_ms: float = 100.0
+    progress: bool = True
+    not_run: dict = field(default_factory=dict)  # peer name -> reason
+
+
+def run_cases(cases: list[Case], settings: Settings) -> list[dict]:
+    """Every peer of every case: one row each (see `measure`), ratios to the case's baseline filled in."""
+    progress = Progress(len(cases), enabled=settings.progress)
+    rows: list[dict] = []
+    try:
+        for case in cases:
+            progress.step(case.label)
+            rows.extend(_run_case(case, settings, progress))
+    finally:
+        progress.close()
+    return rows
+
+
+def _run_case(case: Case, settings: Settings, progress: Progress) -> list[dict]:
+    base = {"suite": case.suite, "case": case.label, "series": case.series or case.label, "x": case.x,
+            **case.fields, "baseline": case.baseline, "figure_unit": case.figure}
+    try:
+        peers, check = case.make()
+    except Exception as e:  # the inputs themselves did not fit, say
+        _free(settings.device)
+        return [{**base, "peer": case.baseline, **_empty(), "error": error_text(e)}]
+    rows = []
+    for peer in peers:
+        if peer.forward is None:
+            settings.not_run.setdefault(peer.name, peer.reason)
+            continue
+        progress.note(peer.name)
+        rows.append({**base, "peer": peer.name, **measure(peer, case, check, settings)})
+    del peers, check
+    _free(settings.device)
+    ref = next((r for r in rows if r["peer"] == case.baseline and r["ms"] is not None), None)
+    for r in rows:
+        r["x_baseline"] = None if ref is None or r["ms"] is None else ref["ms"] / r["ms"]
+    return rows
+
+
+def _empty() -> dict:
+    return {"ms": None, "ms_min": None, "ms_max": None, "samples": 0, "figure": None, "rel_error": None,
+            "ran": None, "error": None}
+
+
+def measure(peer: Peer, case: Case, check, settings: Settings) -> dict:
+    """Time one peer: min/median/max ms, the figure (work / median), error, what adaattn ran."""
+    row = _empty()
+    device = settings.device
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            with peer.context(), stats.collect() as records:
+                for _ in range(max(1, peer.warm)):
+                    out = peer.forward()
+            row["ran"] = sorted({r.backend for r in records}) or None
+            if check is not None and out is not None:
+                row["rel_error"] = check(out)
+            del out
+            with peer.context():
+                spread = timing.spread_ms(peer.timed or peer.forward, device, settings.warmup_ms, settings.rep_ms)
+            row.update(ms=spread.median, ms_min=spread.min, ms_max=spread.max, samples=spread.samples,
+                       figure=case.work / (spread.median * 1e-3) / SCALE[case.figure])
+            if peer.info is not None:
+                row.update(peer.info())
+        except Exception as e:
+            row["error"] = error_text(e)
+            _free(device)
+    texts = (str(w.message).strip() for w in caught)
+    msgs = list(dict.fromkeys(t.splitlines()[0][:200] for t in texts if t))
+    if msgs:
+        row["warnings"] = msgs
+    return row
+
+
+def _free(device: torch.device) -> None:
+    if device.type == "cuda":
+        try:  # after an out-of-memory, give the cache back before the next row
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+        except Exception:
+            pass

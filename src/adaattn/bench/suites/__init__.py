@@ -1,0 +1,29 @@
+"""`adaattn bench --suite NAME`: each suite times adaattn against its peers on one kind of workload."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from . import cpu, decode, gpt, hf, prefill, quant, train, varlen, window
+
+
+@dataclass(frozen=True)
+class Suite:
+    """name; help (one line for --help); needs_cuda: refuses to run without a GPU; cases:
+    (args, device) -> list of bench.cases.Case, built without touching the device (inputs are made
+    when each case runs); dispatch_overhead: also measure adaattn's per-call overhead (bench.overhead)."""
+
+    name: str
+    help: str
+    needs_cuda: bool
+    cases: Callable
+    dispatch_overhead: bool = False
+
+
+SUITES = {
+    m.NAME: Suite(m.NAME, m.HELP, m.NEEDS_CUDA, m.cases, getattr(m, "DISPATCH_OVERHEAD", False))
+    for m in (prefill, train, decode, quant, window, varlen, hf, gpt, cpu)
+}
+
+__all__ = ["SUITES", "Suite"]
