@@ -53,8 +53,8 @@ CASES = [
     ("enable_gqa type", lambda: adaattn.attention(*qkv(), enable_gqa="yes"), TypeError, r"enable_gqa must be a bool, got str"),
     ("policy type", lambda: adaattn.attention(*qkv(), policy="auto"), TypeError,
      r"policy must be an adaattn.Policy or None, got str"),
-    ("bshd rank", lambda: adaattn.attention(torch.randn(2, 8, 16), *qkv()[1:], layout="bshd"), ValueError,
-     r"query must be 4-D \(batch, seq, heads, head_dim\) for layout='bshd'"),
+    ("bshd rank", lambda: adaattn.attention(torch.randn(8, 16), *qkv()[1:], layout="bshd"), ValueError,
+     r"query must be at least 3-D \(..., seq, heads, head_dim\) for layout='bshd'"),
 ]
 
 

@@ -37,9 +37,6 @@ def _lint_imports() -> list[str]:
     return [sys.executable, "-c", "import sys; from importlinter.cli import lint_imports_command as c; sys.exit(c())"]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13: layering contracts broken today: backends.triton_quant imports "
-                   "adaptive.quant_reference, hardware imports backends, adaptive.structured imports models, "
-                   "models.evaluate imports bench, bench.report imports the adaattn package (and so nn)")
 def test_import_linter_contracts_are_kept():
     pytest.importorskip("importlinter", reason="import-linter is not installed (pip install import-linter)")
     assert CONFIG.is_file(), f"{CONFIG} is missing"
@@ -65,8 +62,6 @@ def test_import_linter_config_names_every_layer_of_the_design():
     assert positions == sorted(positions), "layers out of DESIGN.md's order"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13: import adaattn imports triton (backends/__init__ registers the "
-                   "Triton runners eagerly) and torch._dynamo (through hardware / torch.nn.attention)")
 def test_import_adaattn_imports_no_optional_or_heavy_module():
     code = (
         "import sys, json\n"
@@ -98,8 +93,6 @@ def _import_us(statement: str) -> int:
 
 
 @pytest.mark.slow  # six interpreter starts that each import torch: about 12 s on a 2-core CPU
-@pytest.mark.xfail(strict=True, reason="issue 13: import adaattn costs about 2.4x import torch today "
-                   "(triton, torch._dynamo and every backend load eagerly)")
 def test_import_adaattn_costs_at_most_1_3x_import_torch():
     torch_us = min(_import_us("import torch") for _ in range(3))
     ours_us = min(_import_us("import adaattn") for _ in range(3))
@@ -138,8 +131,6 @@ def test_api_has_no_runner_name_string():
     assert not found, f"api.py names runners: {found}"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13: api.py branches on QUANT (`if name == QUANT`, "
-                   "`plan.backend == QUANT`), the quantized runner's name")
 def test_api_names_no_runner_constant():
     tree = _api_tree()
     found = []
@@ -150,8 +141,6 @@ def test_api_names_no_runner_constant():
     assert not found, f"api.py refers to a runner's name constant: {found}"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 13: api.py imports runner modules (backends.triton_quant for "
-                   "LEVELS, adaptive.runner for run)")
 def test_api_imports_no_runner_module():
     """api.py reaches runners only through the planner: it imports no runner's module."""
     tree = _api_tree()

@@ -73,8 +73,8 @@ def attention(
     else:
         problem, pol, plan = hit
     if problem.layout == "bshd":
-        query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    elif problem.out_lead:
+        query, key, value = query.transpose(-3, -2), key.transpose(-3, -2), value.transpose(-3, -2)
+    if problem.out_lead is not None:
         query, key, value, attn_mask = to_internal(problem, query, key, value, attn_mask)
     if compiling:
         out = plan.runner.run(query, key, value, attn_mask, problem, plan.launch, label)
@@ -82,10 +82,10 @@ def attention(
         out = _run_recorded(query, key, value, attn_mask, problem, plan, pol, label)
     else:
         out = _run(query, key, value, attn_mask, problem, plan, label)[0]
+    if problem.out_lead is not None:
+        out = from_internal(problem, out)
     if problem.layout == "bshd":
-        return out.transpose(1, 2)
-    if problem.out_lead:
-        return from_internal(problem, out)
+        return out.transpose(-3, -2)
     return out
 
 

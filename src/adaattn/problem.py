@@ -23,7 +23,7 @@ class Problem:
     scale: the softmax scale, resolved (1/sqrt(head_dim) when the call gave none).
     window_left / window_right: the sliding-window sides, -1 where unbounded.
     out_lead: the leading dims of the output as SDPA gives them (the call's batch dims and
-        heads); empty tuple means the call was 4-D (B, H, ...) with nothing to reshape.
+        heads), or None where the call was plain 4-D (B, H, N, D) with nothing to broadcast.
     bottom_right: query i sits at position i + kv_len - q_len (the KV-cache convention);
         SDPA's (and the default) is top-left.
     tma_aligned: q, k and v each have a unit last stride and 16-byte aligned base and strides
@@ -52,7 +52,7 @@ class Problem:
     gqa: bool = False  # q_heads != kv_heads, decided once (a plain bool even under torch.compile)
     mask_grad: bool = False  # an additive attn_mask that requires grad (a learned bias)
     mask_dtype: torch.dtype | None = None  # an additive mask's dtype (float32 may come with half queries)
-    out_lead: tuple = ()
+    out_lead: tuple | None = None
     tma_aligned: bool = False
     varlen: bool = False
     bottom_right: bool = False  # causal/window aligned to the end of the keys (KV caches)
@@ -246,8 +246,8 @@ def validate(
             raise TypeError(f"{name} must be a torch.Tensor, got {_name(t)}")
     layout = check_layout(layout)
     for name, t in (("query", query), ("key", key), ("value", value)):
-        if layout == "bshd" and t.dim() != 4:
-            raise ValueError(f"{name} must be 4-D (batch, seq, heads, head_dim) for layout='bshd', got "
+        if layout == "bshd" and t.dim() < 3:
+            raise ValueError(f"{name} must be at least 3-D (..., seq, heads, head_dim) for layout='bshd', got "
                              f"{t.dim()}-D shape {tuple(t.shape)}")
         if t.dim() < 2:
             raise ValueError(f"{name} must be at least 2-D (..., seq, head_dim), got {t.dim()}-D shape "
@@ -266,11 +266,8 @@ def validate(
         )
     if not isinstance(enable_gqa, bool):
         raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
-    if layout == "bshd":
-        qs, ks, vs = ((t.shape[0], t.shape[2], t.shape[1], t.shape[3]) for t in (query, key, value))
-        if not qs[0] == ks[0] == vs[0]:
-            raise ValueError(f"query, key and value must have the same batch size with layout='bshd', got "
-                             f"{qs[0]}, {ks[0]}, {vs[0]}")
+    if layout == "bshd":  # (..., N, H, D): described as (..., H, N, D)
+        qs, ks, vs = (tuple(t.shape[:-3]) + (t.shape[-2], t.shape[-3], t.shape[-1]) for t in (query, key, value))
     else:
         qs, ks, vs = tuple(query.shape), tuple(key.shape), tuple(value.shape)
     nq, d = qs[-2], qs[-1]
@@ -340,9 +337,8 @@ def validate(
         query.requires_grad or key.requires_grad or value.requires_grad
     )
     mask_grad = torch.is_grad_enabled() and attn_mask is not None and attn_mask.requires_grad
-    plain = (layout == "bshd" or (len(qs) == len(ks) == len(vs) == 4 and q_lead == tuple(out_lead)
-                                  and k_lead[:-1] == tuple(batch_dims) and (gqa or k_lead == tuple(out_lead))
-                                  and v_lead == k_lead))
+    plain = (len(qs) == len(ks) == len(vs) == 4 and q_lead == tuple(out_lead)
+             and k_lead[:-1] == tuple(batch_dims) and (gqa or k_lead == tuple(out_lead)) and vs[:-2] == ks[:-2])
     left, right = window_sides(win)
     return Problem(
         batch=b,
@@ -366,7 +362,7 @@ def validate(
         gqa=gqa,
         mask_grad=mask_grad,
         mask_dtype=mask_dtype,
-        out_lead=() if plain else tuple(out_lead),
+        out_lead=None if plain else tuple(out_lead),
         tma_aligned=tma_aligned(query, key, value),
     )
 
