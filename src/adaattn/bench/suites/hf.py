@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..cases import Case, Peer, unavailable
@@ -74,18 +76,18 @@ def _maker(phase, size, batch, prompt, new, dtype, device, cache):
 
 
 def _peer(model, impl, phase, ids, new) -> Peer:
-    def switch():
+    @contextlib.contextmanager
+    def switched():  # once around the peer's calls: switching is not what is timed
         model.set_attn_implementation(impl)
+        yield
 
     @torch.no_grad()
     def prefill():
-        switch()
         return model(ids, use_cache=False).logits
 
     @torch.no_grad()
     def generate():
-        switch()
         return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                               do_sample=False, pad_token_id=0)
 
-    return Peer(impl, prefill if phase == "prefill" else generate)
+    return Peer(impl, prefill if phase == "prefill" else generate, context=switched)
