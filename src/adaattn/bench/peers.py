@@ -130,7 +130,7 @@ def flex(call: Call, mask_mod: Callable, name: str = "flex") -> Peer:
     if call.q.device.type != "cuda":
         return unavailable(name, "FlexAttention is timed on CUDA only here")
     n, m = call.q.shape[2], call.k.shape[2]
-    block_mask = create_block_mask(mask_mod, None, None, n, m, device=call.q.device, _compile=True)
+    block_mask = torch.compile(create_block_mask)(mask_mod, None, None, n, m, device=call.q.device)
     compiled = torch.compile(flex_attention, dynamic=False)
     q, k, v = call.q, call.k, call.v
     return call.peer(name, lambda: compiled(q, k, v, block_mask=block_mask, enable_gqa=call.gqa))
