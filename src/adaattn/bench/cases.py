@@ -12,7 +12,7 @@ import torch
 from .. import stats
 from . import timing
 from .progress import Progress
-from .suite import error_text
+from .suite import error_text, failed, with_warnings
 
 
 @dataclass
@@ -91,7 +91,7 @@ def _run_case(case: Case, settings: Settings, progress: Progress) -> list[dict]:
     try:
         peers, check = case.make()
     except Exception as e:  # the inputs themselves did not fit, say
-        _free(settings.device)
+        timing.release_after_error(settings.device)
         return [{**base, "peer": case.baseline, **_empty(), "error": error_text(e)}]
     rows = []
     for peer in peers:
@@ -101,7 +101,7 @@ def _run_case(case: Case, settings: Settings, progress: Progress) -> list[dict]:
         progress.note(peer.name)
         rows.append({**base, "peer": peer.name, **measure(peer, case, check, settings)})
     del peers, check
-    _free(settings.device)
+    timing.release_after_error(settings.device)
     ref = next((r for r in rows if r["peer"] == case.baseline and r["ms"] is not None), None)
     for r in rows:
         r["x_baseline"] = None if ref is None or r["ms"] is None else ref["ms"] / r["ms"]
@@ -134,19 +134,5 @@ def measure(peer: Peer, case: Case, check, settings: Settings) -> dict:
             if peer.info is not None:
                 row.update(peer.info())
         except Exception as e:
-            row["error"] = error_text(e)
-            _free(device)
-    texts = (str(w.message).strip() for w in caught)
-    msgs = list(dict.fromkeys(t.splitlines()[0][:200] for t in texts if t))
-    if msgs:
-        row["warnings"] = msgs
-    return row
-
-
-def _free(device: torch.device) -> None:
-    if device.type == "cuda":
-        try:  # after an out-of-memory, give the cache back before the next row
-            torch.cuda.synchronize(device)
-            torch.cuda.empty_cache()
-        except Exception:
-            pass
+            failed(row, e, device)
+    return with_warnings(row, caught)

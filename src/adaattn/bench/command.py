@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 import time
 
@@ -61,13 +60,8 @@ def main_suite(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"adaattn bench: --suite {suite.name}: {e}", file=sys.stderr)
         return 2
-    env = report.environment(device)
-    if args.commit:
-        env["git_commit"] = args.commit
-    started = datetime.datetime.now(datetime.timezone.utc)
+    env, started = report.start(device, args.commit, f"adaattn bench --suite {suite.name}", timing.method(device))
     t0 = time.perf_counter()
-    print(f"adaattn bench --suite {suite.name} on {env['device_name']}: torch {env['torch']}, triton {env['triton']}, "
-          f"commit {(env['git_commit'] or 'unknown')[:12]}; timing: {timing.method(device)}", flush=True)
     settings = Settings(device, args.warmup_ms, args.rep_ms, progress=not args.no_progress)
     rows = run_cases(cases, settings)
     ov_rows = []

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import datetime
 import sys
 import time
 
@@ -102,13 +101,8 @@ def main_grid(args: argparse.Namespace) -> int:
         except (FileNotFoundError, ValueError) as e:
             return _fail(f"--workload gpt: {e}")
         shapes = [c.shape for c in cases]
-    env = report.environment(device)
-    if args.commit:
-        env["git_commit"] = args.commit
-    started = datetime.datetime.now(datetime.timezone.utc)
+    env, started = report.start(device, args.commit, f"adaattn bench ({mode})", timing.method(device))
     t0 = time.perf_counter()
-    print(f"adaattn bench ({mode}) on {env['device_name']}: torch {env['torch']}, triton {env['triton']}, "
-          f"commit {(env['git_commit'] or 'unknown')[:12]}; timing: {timing.method(device)}", flush=True)
 
     rows = [] if run_overhead == "only" else run_suite(shapes, settings, cases)
     ov_rows = []

@@ -8,15 +8,29 @@ from pathlib import Path
 from .table import size_label
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None (after a note on stderr) where it does not import."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except Exception:
+        print("adaattn bench: matplotlib is not installed; skipping the PNG plot", file=sys.stderr)
         return None
     return plt
+
+
+def size_ticks(ax, xs: list[int]) -> None:
+    """A log2 size axis with a tick at each size, labelled 128, 1k, 4k, 64k."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs)
+    ax.set_xticklabels([size_label(x) for x in xs])
+    ax.minorticks_off()
+
+
+def save_figure(plt, fig, path: Path, title: str) -> Path:
+    return save_figure(plt, fig, path, title)
 
 
 def write_suite_plot(path: Path, rows: list[dict], title: str) -> Path | None:
@@ -24,9 +38,8 @@ def write_suite_plot(path: Path, rows: list[dict], title: str) -> Path | None:
 
     Returns None, after a note on stderr, where matplotlib does not import.
     """
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
-        print("adaattn bench: matplotlib is not installed; skipping the PNG plot", file=sys.stderr)
         return None
     series: dict[str, list[dict]] = {}
     for r in rows:
@@ -49,10 +62,7 @@ def write_suite_plot(path: Path, rows: list[dict], title: str) -> Path | None:
         ax_ratio.set_ylabel(f"{group[0]['baseline']} time / this time")
         ax_ratio.axhline(1.0, color="grey", lw=0.8)
         for ax in (ax_fig, ax_ratio):
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(xs)
-            ax.set_xticklabels([size_label(x) for x in xs])
-            ax.minorticks_off()
+            size_ticks(ax, xs)
             ax.set_xlabel("size")
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=7)

@@ -7,7 +7,6 @@ import json
 import platform
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -108,6 +107,16 @@ def environment(device: torch.device) -> dict:
     return env
 
 
+def start(device: torch.device, commit: str | None, what: str, timing_method: str) -> tuple[dict, datetime.datetime]:
+    """The environment of a run (with `commit` where given) and its start time; prints the header line."""
+    env = environment(device)
+    if commit:
+        env["git_commit"] = commit
+    print(f"{what} on {env['device_name']}: torch {env['torch']}, triton {env['triton']}, "
+          f"commit {(env['git_commit'] or 'unknown')[:12]}; timing: {timing_method}", flush=True)
+    return env, datetime.datetime.now(datetime.timezone.utc)
+
+
 def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "device"
 
@@ -198,13 +207,10 @@ def write_plot(path: Path, rows: list[dict], title: str) -> Path | None:
 
     Returns None (after a note on stderr) where matplotlib does not import.
     """
-    try:
-        import matplotlib
+    from .plot import pyplot, save_figure, size_ticks
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception:
-        print("adaattn bench: matplotlib is not installed; skipping the PNG plot", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return None
     configs: dict[tuple, list[dict]] = {}
     for r in rows:
@@ -231,15 +237,10 @@ def write_plot(path: Path, rows: list[dict], title: str) -> Path | None:
             ax_row[1].set_title(f"peak memory above inputs, {label}", fontsize=9)
             ax_row[1].set_ylabel("MiB")
         for ax in ax_row:
-            ax.set_xscale("log", base=2)
+            size_ticks(ax, sorted({r["seq_len"] for r in group}))
             ax.set_yscale("log")
             ax.set_xlabel("sequence length N")
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path, title)
 

@@ -57,6 +57,21 @@ def error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {first}"[:240]
 
 
+def failed(row: dict, e: BaseException, device: torch.device) -> None:
+    """A call raised: its row says so, and CUDA memory is given back before the next one."""
+    row["error"] = error_text(e)
+    timing.release_after_error(device)
+
+
+def with_warnings(row: dict, caught: list) -> dict:
+    """`row` with the first line of each distinct warning its call raised, if any."""
+    texts = (str(w.message).strip() for w in caught)
+    msgs = list(dict.fromkeys(t.splitlines()[0][:200] for t in texts if t))
+    if msgs:
+        row["warnings"] = msgs
+    return row
+
+
 def make_inputs(shape: Shape, device: torch.device, seed: int, requires_grad: bool) -> tuple[torch.Tensor, ...]:
     """Fresh torch.randn query, key, value in (B, H, N, D), made on `device`, reproducible from `seed`."""
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -135,18 +150,8 @@ def measure(name: str, forward: Callable, shape: Shape, inputs, ref, rows_idx, s
             row["tflops"] = shape.flops(settings.backward) / (row["ms"] * 1e-3) / 1e12
             row["peak_mib"] = timing.peak_mib(fn, device)
         except Exception as e:
-            row["error"] = error_text(e)
-            if device.type == "cuda":
-                try:  # after an out-of-memory, give the cache back before the next row
-                    torch.cuda.synchronize(device)
-                    torch.cuda.empty_cache()
-                except Exception:
-                    pass
-    texts = (str(w.message).strip() for w in caught)
-    msgs = list(dict.fromkeys(t.splitlines()[0][:200] for t in texts if t))
-    if msgs:
-        row["warnings"] = msgs
-    return row
+            failed(row, e, device)
+    return with_warnings(row, caught)
 
 
 @dataclass

@@ -120,3 +120,13 @@ def peak_mib(fn: Callable[[], object], device: torch.device) -> float | None:
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def release_after_error(device: torch.device) -> None:
+    """After a failed call (an out-of-memory, say), give the CUDA cache back before the next one."""
+    if device.type == "cuda":
+        try:
+            torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
+        except Exception:
+            pass
