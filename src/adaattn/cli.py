@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     pe.add_argument("--json", action="store_true")
     pe.set_defaults(func=cmd_explain)
 
-    pb = sub.add_parser("bench", help="time every available backend over a grid of shapes")
+    pb = sub.add_parser("bench", help="benchmark suites (--suite NAME): each times adaattn against its peers in one run")
     bench_arguments(pb)
 
     from .models.evaluate import add_arguments as eval_arguments

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .. import __version__
+from ..version import __version__
 from ..hardware import triton_version
 
 

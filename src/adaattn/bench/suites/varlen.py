@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ... import varlen_attention
+from ...api import varlen_attention
 from .. import peers
 from ..cases import Case
 from ..dense import describe, error_check, random_qkv
