@@ -52,7 +52,7 @@ def test_import_linter_config_names_every_layer_of_the_design():
     text = CONFIG.read_text()
     for module in ("adaattn.api", "adaattn.planner", "(adaattn.kv)", "adaattn.adaptive", "adaattn.backends",
                    "adaattn.kernels", "adaattn.problem", "adaattn.policy", "adaattn.hardware", "adaattn.stats",
-                   "(adaattn.settings)", "adaattn.nn", "adaattn.integrations", "adaattn.models", "adaattn.bench",
+                   "adaattn.settings", "adaattn.version", "adaattn.nn", "adaattn.integrations", "adaattn.models", "adaattn.bench",
                    "adaattn.cli", "(adaattn.distributed)"):
         assert module in text, f"{module} is not in {CONFIG.name}"
     order = ["adaattn.api", "adaattn.planner", "(adaattn.kv)", "adaattn.adaptive", "adaattn.backends",
