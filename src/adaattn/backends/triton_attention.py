@@ -59,8 +59,6 @@ def unsupported_options(problem) -> list[str]:
         reasons.append("dropout is not implemented.")
     if problem.mask_grad:
         reasons.append("an attn_mask that requires grad would get no gradient (not implemented).")
-    if problem.value_dim != problem.head_dim:
-        reasons.append("value head_dim differs from query/key head_dim (not implemented).")
     return reasons
 
 
@@ -92,6 +90,9 @@ class TritonRunner(Runner):
             reasons.append("takes float16/bfloat16 (tensor-descriptor loads).")
         if problem.head_dim != block_d(problem.head_dim):
             reasons.append(f"needs a power-of-two head_dim >= 16, got {problem.head_dim}.")
+        if problem.value_dim != problem.head_dim:
+            reasons.append(f"needs the value head_dim equal to head_dim, got {problem.value_dim} and "
+                           f"{problem.head_dim}.")
         if not problem.tma_aligned:
             reasons.append("needs q, k, v with unit last stride and 16-byte aligned base and strides.")
         if not problem.scale > 0:

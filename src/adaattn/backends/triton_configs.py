@@ -97,36 +97,47 @@ def d_class(block_d: int) -> str:
     return "small_d" if block_d <= 64 else ("mid_d" if block_d <= 128 else "large_d")
 
 
-def shared_memory_estimate(kind: str, cfg: KernelConfig, block_d: int, elem: int, mask_elem: int = 0) -> int:
+def shared_memory_estimate(kind: str, cfg: KernelConfig, block_d: int, elem: int, mask_elem: int = 0,
+                           block_dv: int = 0) -> int:
     """Bytes of shared memory a config needs: tiles resident for the whole program plus
-    num_stages copies of each pipelined tile (matches sm90 compiles within a few percent)."""
+    num_stages copies of each pipelined tile (matches sm90 compiles within a few percent).
+    block_d: the padded query/key head dim; block_dv: the padded value head dim (0: block_d),
+    the width of V, dO and the output tiles."""
     bm, bn, stages = cfg.block_m, cfg.block_n, max(cfg.num_stages, 1)
-    if kind in ("fwd", "fwd_ws"):
-        resident, pipelined = bm * block_d, 2 * bn * block_d
-    elif kind == "dkdv":
-        resident, pipelined = 2 * bn * block_d, 2 * bm * block_d
+    qk, vo = block_d, block_dv or block_d
+    if kind in ("fwd", "fwd_ws"):  # q resident; k and v pipelined
+        resident, pipelined = bm * qk, bn * (qk + vo)
+    elif kind == "dkdv":  # k and v resident; q and do pipelined
+        resident, pipelined = bn * (qk + vo), bm * (qk + vo)
     elif kind == "dkdv_atomic":  # ds^T goes through shared memory for the dq product
-        resident, pipelined = 2 * bn * block_d + bm * bn, 2 * bm * block_d
-    else:  # dq
-        resident, pipelined = 2 * bm * block_d, 2 * bn * block_d
+        resident, pipelined = bn * (qk + vo) + bm * bn, bm * (qk + vo)
+    else:  # dq: q and do resident; k and v pipelined
+        resident, pipelined = bm * (qk + vo), bn * (qk + vo)
     return (resident + stages * pipelined) * elem + (stages + 1) * bm * bn * mask_elem + 1024
 
 
 def fitting_configs(kind: str, block_d: int, dtype: torch.dtype, device: torch.device,
-                    mask_elem: int = 0) -> list:
-    """The candidates for this kernel whose estimated shared memory fits the device."""
+                    mask_elem: int = 0, block_dv: int = 0) -> list:
+    """The candidates for this kernel whose estimated shared memory fits the device. block_dv:
+    the padded value head dim where it differs from block_d (0: the same); the candidate table
+    is that of the larger of the two (its register and shared-memory budget)."""
+    block_dv = block_dv or block_d
     if dtype == torch.float32:
         configs = FP32_CONFIGS[kind]
     else:
-        configs = HALF_CONFIGS[kind][d_class(block_d)]
+        configs = HALF_CONFIGS[kind][d_class(max(block_d, block_dv))]
     elem = torch.empty((), dtype=dtype).element_size()
     limit = hardware.max_shared_memory(device.index)
-    fit = [c for c in configs if shared_memory_estimate(kind, c, block_d, elem, mask_elem) <= limit]
+
+    def need(c: KernelConfig) -> int:
+        return shared_memory_estimate(kind, c, block_d, elem, mask_elem, block_dv)
+
+    fit = [c for c in configs if need(c) <= limit]
     if not fit:  # the smallest, shrunk until it fits; the launch says if even that is too big
-        c = min(configs, key=lambda c: shared_memory_estimate(kind, c, block_d, elem, mask_elem))
-        while shared_memory_estimate(kind, c, block_d, elem, mask_elem) > limit and c.num_stages > 1:
+        c = min(configs, key=need)
+        while need(c) > limit and c.num_stages > 1:
             c = KernelConfig(c.block_m, c.block_n, c.num_warps, c.num_stages - 1)
-        while shared_memory_estimate(kind, c, block_d, elem, mask_elem) > limit and max(c.block_m, c.block_n) > 16:
+        while need(c) > limit and max(c.block_m, c.block_n) > 16:
             c = KernelConfig(max(c.block_m // 2, 16), max(c.block_n // 2, 16), c.num_warps, c.num_stages)
         fit = [c]
     return fit

@@ -279,7 +279,9 @@ def launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
         return out, lse
     from ..kernels.attention_fwd import attention_fwd_kernel
 
-    bd = block_d(max(lay.head_dim, lay.value_dim))
+    # Q/K tiles are bd wide, V/Out tiles bdv: no padding spent on the smaller head dim. Equal
+    # head dims give equal widths, so D == Dv compiles to the kernel it always was.
+    bd, bdv = block_d(lay.head_dim), block_d(lay.value_dim)
     cu_q = cu_seqlens_q if lay.varlen else q
     cu_k = cu_seqlens_k if lay.varlen else q
     use_tma = launch.variant == "tma"
@@ -291,16 +293,17 @@ def launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
         grid = (lay.batch * lay.q_heads, blocks) if head_major else (blocks, lay.batch * lay.q_heads)
         extra = {}
         if use_tma:
-            box = [1, 1, cfg.block_n, bd]
-            extra = dict(KDesc=descriptor(k, list(k.shape), list(k.stride()), box),
-                         VDesc=descriptor(v, list(v.shape), list(v.stride()), box), USE_TMA=True)
+            extra = dict(KDesc=descriptor(k, list(k.shape), list(k.stride()), [1, 1, cfg.block_n, bd]),
+                         VDesc=descriptor(v, list(v.shape), list(v.stride()), [1, 1, cfg.block_n, bdv]),
+                         USE_TMA=True)
         attention_fwd_kernel[grid](
             q, k, v, out, lse, mask, cu_q, cu_k,
             *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(out),
             *lse_strides(lse, lay), *mask_strides,
             lay.q_heads, lay.q_heads // lay.kv_heads, lay.q_len, lay.k_len,
             launch.scale * LOG2E, launch.left, launch.right,
-            HEAD_DIM=lay.head_dim, BLOCK_D=bd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            HEAD_DIM=lay.head_dim, BLOCK_D=bd, HEAD_DIM_V=lay.value_dim, BLOCK_DV=bdv,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             IS_VARLEN=lay.varlen, BOTTOM_RIGHT=launch.bottom_right, HAS_LEFT=launch.has_left,
             HAS_RIGHT=launch.has_right, MASK_KIND=mask_kind, DOT_PRECISION=dot_precision(q.dtype),
             SCALE_POSITIVE=launch.scale > 0, HEAD_MAJOR=head_major, EXP_FMA=launch.exp_fma,
@@ -313,7 +316,7 @@ def launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
         key = key + (launch.variant, launch.grid_order)
     if launch.exp_fma:
         key = key + (f"exp_fma{launch.exp_fma}",)
-    cfg = CONFIGS.pick("fwd", key, lambda: fitting_configs("fwd", bd, q.dtype, q.device, mask_elem), run,
+    cfg = CONFIGS.pick("fwd", key, lambda: fitting_configs("fwd", bd, q.dtype, q.device, mask_elem, bdv), run,
                        lambda: out)
     run(cfg)
     return out, lse
@@ -340,7 +343,7 @@ def launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, m
     if lay.batch * lay.q_heads == 0 or q.numel() == 0 or k.numel() == 0 or lay.q_len == 0 or lay.k_len == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     mask, mask_strides, mask_kind = mask_args(attn_mask, lay, q)
-    bd = block_d(max(lay.head_dim, lay.value_dim))
+    bd, bdv = block_d(lay.head_dim), block_d(lay.value_dim)  # Q/K/dQ/dK tiles; V/O/dO/dV tiles
     cu_q = cu_seqlens_q if lay.varlen else q
     cu_k = cu_seqlens_k if lay.varlen else q
     flags = dict(IS_VARLEN=lay.varlen, BOTTOM_RIGHT=launch.bottom_right, HAS_LEFT=launch.has_left,
@@ -360,7 +363,8 @@ def launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, m
     attention_bwd_delta_kernel[(cdiv(lay.q_len, dcfg.block_m), lay.batch * lay.q_heads)](
         out, dout, delta, dq_acc, cu_q, *lay.strides(out), *lay.strides(dout), *lse_st,
         *dq_acc_strides, lay.q_heads, lay.q_len,
-        HEAD_DIM=lay.head_dim, BLOCK_D=bd, BLOCK_M=dcfg.block_m, IS_VARLEN=lay.varlen,
+        HEAD_DIM=lay.head_dim, BLOCK_D=bd, HEAD_DIM_V=lay.value_dim, BLOCK_DV=bdv,
+        BLOCK_M=dcfg.block_m, IS_VARLEN=lay.varlen,
         ZERO_DQ=atomic, num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
     )
 
@@ -377,8 +381,8 @@ def launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, m
             *lay.strides(dk), *lay.strides(dv), *dq_acc_strides, *mask_strides,
             lay.kv_heads, lay.q_heads // lay.kv_heads, lay.q_len, lay.k_len,
             scale, scale * LOG2E, left, right,
-            HEAD_DIM=lay.head_dim, BLOCK_D=bd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            ATOMIC_DQ=atomic, ROTATE=mode == "atomic_rotate",
+            HEAD_DIM=lay.head_dim, BLOCK_D=bd, HEAD_DIM_V=lay.value_dim, BLOCK_DV=bdv,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ATOMIC_DQ=atomic, ROTATE=mode == "atomic_rotate",
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
         )
 
@@ -390,15 +394,15 @@ def launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, m
             *lay.strides(dq), *mask_strides,
             lay.q_heads, lay.q_heads // lay.kv_heads, lay.q_len, lay.k_len,
             scale, scale * LOG2E, left, right,
-            HEAD_DIM=lay.head_dim, BLOCK_D=bd, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+            HEAD_DIM=lay.head_dim, BLOCK_D=bd, HEAD_DIM_V=lay.value_dim, BLOCK_DV=bdv,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
         )
 
     mask_elem = mask.element_size() if mask_kind else 0
     key = _shape_key(q, lay, launch, mask_kind, mask_elem)
     kernels = ((("dkdv_atomic" if atomic else "dkdv"), run_dkdv),) + (() if atomic else (("dq", run_dq),))
     for kind, run in kernels:
-        candidates = (lambda kind=kind: fitting_configs(kind, bd, q.dtype, q.device, mask_elem))
+        candidates = (lambda kind=kind: fitting_configs(kind, bd, q.dtype, q.device, mask_elem, bdv))
         run(CONFIGS.pick(kind, key + ((mode,) if atomic else ()), candidates, run))
     if atomic and dq_acc is not dq:
         dq.copy_(dq_acc)

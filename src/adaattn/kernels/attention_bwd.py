@@ -18,6 +18,9 @@ order of dq over key blocks then depends on timing, so its bits can differ betwe
 log2 domain; a row with lse = -inf (it saw no key) is given lse = +inf so p = 0.
 
 Masking and tile ranges are the forward's (attention_fwd), seen from the key side here.
+
+Head dims: Q, K, dQ, dK tiles span HEAD_DIM padded to BLOCK_D; V, O, dO, dV tiles span the value
+head dim HEAD_DIM_V padded to BLOCK_DV (BLOCK_DV == BLOCK_D where the two are equal).
 """
 
 import triton
@@ -88,11 +91,13 @@ def attention_bwd_delta_kernel(
     stride_lb, stride_lh, stride_lm,
     stride_dqb, stride_dqh, stride_dqm,
     q_heads, q_len_dense,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
     IS_VARLEN: tl.constexpr, ZERO_DQ: tl.constexpr,
 ):
-    """Grid: (query blocks, batch * q_heads). Delta has the layout of the saved lse. With
-    ZERO_DQ it also zeroes the same rows of the fp32 dq accumulator (atomic dq mode)."""
+    """Grid: (query blocks, batch * q_heads). Delta has the layout of the saved lse: the sum
+    over the HEAD_DIM_V value columns of o * do. With ZERO_DQ it also zeroes the same rows
+    (HEAD_DIM columns) of the fp32 dq accumulator (atomic dq mode)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     batch = pid_bh // q_heads
@@ -110,16 +115,17 @@ def attention_bwd_delta_kernel(
         do_base += q_start.to(tl.int64) * stride_dom
         d_base += q_start.to(tl.int64) * stride_lm
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    o = load_rows(o_base + offs_m[:, None] * stride_om + offs_d[None, :], offs_m, q_len, offs_d,
-                  HEAD_DIM, BLOCK_D, True).to(tl.float32)
-    do = load_rows(do_base + offs_m[:, None] * stride_dom + offs_d[None, :], offs_m, q_len, offs_d,
-                   HEAD_DIM, BLOCK_D, True).to(tl.float32)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    o = load_rows(o_base + offs_m[:, None] * stride_om + offs_dv[None, :], offs_m, q_len, offs_dv,
+                  HEAD_DIM_V, BLOCK_DV, True).to(tl.float32)
+    do = load_rows(do_base + offs_m[:, None] * stride_dom + offs_dv[None, :], offs_m, q_len, offs_dv,
+                   HEAD_DIM_V, BLOCK_DV, True).to(tl.float32)
     tl.store(d_base + offs_m * stride_lm, tl.sum(o * do, 1), mask=offs_m < q_len)
     if ZERO_DQ:
         dqa_base = DQAcc + b64 * stride_dqb + head.to(tl.int64) * stride_dqh
         if IS_VARLEN:
             dqa_base += q_start.to(tl.int64) * stride_dqm
+        offs_d = tl.arange(0, BLOCK_D)
         store_rows(dqa_base + offs_m[:, None] * stride_dqm + offs_d[None, :],
                    tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), offs_m, q_len, offs_d, HEAD_DIM, BLOCK_D)
 
@@ -143,9 +149,10 @@ def atomic_add_rows(ptrs, value, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, B
 
 @triton.jit
 def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, start_m,
-              offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+              offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
               stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, stride_dqm, scale, scale_log2,
-              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EDGE: tl.constexpr,
+              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+              BLOCK_DV: tl.constexpr, EDGE: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
               DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr):
     """Add one query tile's contribution to dk and dv, in (key, query) orientation; with
@@ -153,8 +160,8 @@ def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq
     rows = start_m + offs_m
     q = load_rows(q_base + rows[:, None] * stride_qm + offs_d[None, :], rows, q_len, offs_d,
                   HEAD_DIM, BLOCK_D, EDGE)
-    do = load_rows(do_base + rows[:, None] * stride_dom + offs_d[None, :], rows, q_len, offs_d,
-                   HEAD_DIM, BLOCK_D, EDGE)
+    do = load_rows(do_base + rows[:, None] * stride_dom + offs_dv[None, :], rows, q_len, offs_dv,
+                   HEAD_DIM_V, BLOCK_DV, EDGE)
     lse, delta = load_row_stats(lse_base, delta_base, rows, q_len, stride_lm, EDGE)
     s_t = dot(k, tl.trans(q), None, DOT_PRECISION) * scale_log2
     s_t = apply_masks(s_t, rows[None, :], offs_n[:, None], q_len, k_len, diag, window_left, window_right,
@@ -176,9 +183,10 @@ def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq
 
 @triton.jit
 def dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, tile_start, tile_end,
-                  offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                  offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                   stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, stride_dqm, scale, scale_log2, rotate,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                  BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                   EDGE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                   MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                   ROTATE: tl.constexpr):
@@ -194,17 +202,17 @@ def dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base
             j = tl.where(j >= n_tiles, j - n_tiles, j)
             start_m = tl.multiple_of(tile_start + j * BLOCK_M, BLOCK_M)
             dk, dv = dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, start_m,
-                               offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                               offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                                stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, stride_dqm, scale,
-                               scale_log2, HEAD_DIM, BLOCK_D, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND,
+                               scale_log2, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND,
                                DOT_PRECISION, ATOMIC_DQ)
     else:
         for start_m in range(tile_start, tile_end, BLOCK_M):
             start_m = tl.multiple_of(start_m, BLOCK_M)
             dk, dv = dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, start_m,
-                               offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                               offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                                stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, stride_dqm, scale,
-                               scale_log2, HEAD_DIM, BLOCK_D, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND,
+                               scale_log2, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND,
                                DOT_PRECISION, ATOMIC_DQ)
     return dk, dv
 
@@ -224,13 +232,15 @@ def attention_bwd_dkdv_kernel(
     kv_heads, kv_group, q_len_dense, k_len_dense,
     scale, scale_log2, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ATOMIC_DQ: tl.constexpr = False, ROTATE: tl.constexpr = False,
 ):
-    """Grid: (key blocks, batch * kv_heads). dk/dv are (B, Hkv, Nk, D), summed over the group.
+    """Grid: (key blocks, batch * kv_heads). dk (B, Hkv, Nk, D) and dv (B, Hkv, Nk, Dv), summed
+    over the group.
     ATOMIC_DQ: also add dq (B, Hq, Nq, D) into the zeroed fp32 DQAcc; ROTATE: each program
     starts its fully visible query tiles at its own offset (see dkdv_tile_run)."""
     pid_n = tl.program_id(0)
@@ -260,12 +270,13 @@ def attention_bwd_dkdv_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     k = load_rows(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], offs_n, k_len, offs_d,
                   HEAD_DIM, BLOCK_D, True)
-    v = load_rows(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], offs_n, k_len, offs_d,
-                  HEAD_DIM, BLOCK_D, True)
+    v = load_rows(v_base + offs_n[:, None] * stride_vn + offs_dv[None, :], offs_n, k_len, offs_dv,
+                  HEAD_DIM_V, BLOCK_DV, True)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
 
     lo, full_lo, full_hi, hi = query_tile_range(start_n, q_len, k_len, diag, window_left, window_right,
                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
@@ -284,40 +295,41 @@ def attention_bwd_dkdv_kernel(
             delta_base += q_start.to(tl.int64) * stride_lm
             dq_base += q_start.to(tl.int64) * stride_dqm
         dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, lo,
-                               full_lo, offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                               full_lo, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                                stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, stride_dqm, scale,
-                               scale_log2, pid_n, HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT,
-                               MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False)
+                               scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, True,
+                               HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False)
         dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, full_lo,
-                               full_hi, offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                               full_hi, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                                stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, stride_dqm, scale,
-                               scale_log2, pid_n, HEAD_DIM, BLOCK_D, BLOCK_M, False, HAS_LEFT, HAS_RIGHT,
-                               MASK_KIND, DOT_PRECISION, ATOMIC_DQ, ROTATE)
+                               scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, False,
+                               HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, ROTATE)
         dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, full_hi,
-                               hi, offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                               hi, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                                stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, stride_dqm, scale,
-                               scale_log2, pid_n, HEAD_DIM, BLOCK_D, BLOCK_M, True, HAS_LEFT, HAS_RIGHT,
-                               MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False)
+                               scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, True,
+                               HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False)
 
     store_rows(dk_base + offs_n[:, None] * stride_dkn + offs_d[None, :], round_to(dk, DK.dtype.element_ty, DOT_PRECISION),
                offs_n, k_len, offs_d, HEAD_DIM, BLOCK_D)
-    store_rows(dv_base + offs_n[:, None] * stride_dvn + offs_d[None, :], round_to(dv, DV.dtype.element_ty, DOT_PRECISION),
-               offs_n, k_len, offs_d, HEAD_DIM, BLOCK_D)
+    store_rows(dv_base + offs_n[:, None] * stride_dvn + offs_dv[None, :],
+               round_to(dv, DV.dtype.element_ty, DOT_PRECISION), offs_n, k_len, offs_dv, HEAD_DIM_V, BLOCK_DV)
 
 
 @triton.jit
 def dq_tile(dq, q, do, lse, delta, k_base, v_base, mask_base, start_n,
-            offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+            offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
             stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
-            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EDGE: tl.constexpr,
+            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+            BLOCK_DV: tl.constexpr, EDGE: tl.constexpr,
             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
             DOT_PRECISION: tl.constexpr):
     """Add one key tile's contribution to dq."""
     cols = start_n + offs_n
     k = load_rows(k_base + cols[:, None] * stride_kn + offs_d[None, :], cols, k_len, offs_d,
                   HEAD_DIM, BLOCK_D, EDGE)
-    v = load_rows(v_base + cols[:, None] * stride_vn + offs_d[None, :], cols, k_len, offs_d,
-                  HEAD_DIM, BLOCK_D, EDGE)
+    v = load_rows(v_base + cols[:, None] * stride_vn + offs_dv[None, :], cols, k_len, offs_dv,
+                  HEAD_DIM_V, BLOCK_DV, EDGE)
     s = dot(q, tl.trans(k), None, DOT_PRECISION) * scale_log2
     s = apply_masks(s, offs_m[:, None], cols[None, :], q_len, k_len, diag, window_left, window_right,
                     mask_base, stride_mm, stride_mn, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND)
@@ -330,18 +342,19 @@ def dq_tile(dq, q, do, lse, delta, k_base, v_base, mask_base, start_n,
 
 @triton.jit
 def dq_tile_run(dq, q, do, lse, delta, k_base, v_base, mask_base, tile_start, tile_end,
-                offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                 stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
-                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                 EDGE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                 MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """The tile loop over keys [tile_start, tile_end), in steps of BLOCK_N."""
     for start_n in range(tile_start, tile_end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         dq = dq_tile(dq, q, do, lse, delta, k_base, v_base, mask_base, start_n,
-                     offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                     offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                      stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
-                     HEAD_DIM, BLOCK_D, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION)
+                     HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION)
     return dq
 
 
@@ -358,12 +371,13 @@ def attention_bwd_dq_kernel(
     q_heads, kv_group, q_len_dense, k_len_dense,
     scale, scale_log2, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Grid: (query blocks, batch * q_heads). dq is (B, Hq, Nq, D)."""
+    """Grid: (query blocks, batch * q_heads). dq is (B, Hq, Nq, D); dO (B, Hq, Nq, Dv)."""
     # Query blocks run last-first: under causal masks the last blocks do the most work, and
     # starting them first shortens the tail of the grid.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -401,26 +415,30 @@ def attention_bwd_dq_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     q = load_rows(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, q_len, offs_d,
                   HEAD_DIM, BLOCK_D, True)
-    do = load_rows(do_base + offs_m[:, None] * stride_dom + offs_d[None, :], offs_m, q_len, offs_d,
-                   HEAD_DIM, BLOCK_D, True)
+    do = load_rows(do_base + offs_m[:, None] * stride_dom + offs_dv[None, :], offs_m, q_len, offs_dv,
+                   HEAD_DIM_V, BLOCK_DV, True)
     lse, delta = load_row_stats(lse_base, delta_base, offs_m, q_len, stride_lm, True)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     lo, full_lo, full_hi, hi = key_tile_range(start_m, q_len, k_len, diag, window_left, window_right,
                                               BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     dq = dq_tile_run(dq, q, do, lse, delta, k_base, v_base, mask_base, lo, full_lo,
-                     offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                     offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                      stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
-                     HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION)
+                     HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
+                     DOT_PRECISION)
     dq = dq_tile_run(dq, q, do, lse, delta, k_base, v_base, mask_base, full_lo, full_hi,
-                     offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                     offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                      stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
-                     HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION)
+                     HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, MASK_KIND,
+                     DOT_PRECISION)
     dq = dq_tile_run(dq, q, do, lse, delta, k_base, v_base, mask_base, full_hi, hi,
-                     offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                     offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                      stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
-                     HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION)
+                     HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
+                     DOT_PRECISION)
     store_rows(dq_base + offs_m[:, None] * stride_dqm + offs_d[None, :], round_to(dq, DQ.dtype.element_ty, DOT_PRECISION),
                offs_m, q_len, offs_d, HEAD_DIM, BLOCK_D)

@@ -217,13 +217,14 @@ def apply_masks(s, q_idx, k_idx, q_len, k_len, diag, window_left, window_right,
 
 @triton.jit
 def fwd_tile(acc, l_i, m_i, q, k_base, v_base, mask_base, start_n,
-             offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+             offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
              stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
-             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EDGE: tl.constexpr,
-             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
+             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+             EDGE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
              DOT_PRECISION: tl.constexpr, SCALE_POSITIVE: tl.constexpr, EXP_FMA: tl.constexpr = 0):
     """Fold one key tile into the running (acc, l_i, m_i) of the online softmax. EXP_FMA: the
-    share of the fully visible tiles' exp2 computed on the FMA units (exp2_tile)."""
+    share of the fully visible tiles' exp2 computed on the FMA units (exp2_tile). K tiles are
+    (BLOCK_N, BLOCK_D) over HEAD_DIM columns, V tiles and acc (., BLOCK_DV) over HEAD_DIM_V."""
     cols = start_n + offs_n
     k = load_rows(k_base + cols[:, None] * stride_kn + offs_d[None, :], cols, k_len, offs_d,
                   HEAD_DIM, BLOCK_D, EDGE)
@@ -244,8 +245,8 @@ def fwd_tile(acc, l_i, m_i, q, k_base, v_base, mask_base, start_n,
         alpha = tl.math.exp2(m_i - m_shift)
         p = tl.math.exp2(s - m_shift[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = load_rows(v_base + cols[:, None] * stride_vn + offs_d[None, :], cols, k_len, offs_d,
-                  HEAD_DIM, BLOCK_D, EDGE)
+    v = load_rows(v_base + cols[:, None] * stride_vn + offs_dv[None, :], cols, k_len, offs_dv,
+                  HEAD_DIM_V, BLOCK_DV, EDGE)
     acc = acc * alpha[:, None]
     acc = dot(round_to(p, v.dtype, DOT_PRECISION), v, acc, DOT_PRECISION)
     return acc, l_i, m_new
@@ -253,9 +254,10 @@ def fwd_tile(acc, l_i, m_i, q, k_base, v_base, mask_base, start_n,
 
 @triton.jit
 def fwd_tile_run(acc, l_i, m_i, q, k_base, v_base, mask_base, tile_start, tile_end,
-                 offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                 offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                  stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                 BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                  EDGE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                  MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALE_POSITIVE: tl.constexpr,
                  EXP_FMA: tl.constexpr = 0):
@@ -263,25 +265,27 @@ def fwd_tile_run(acc, l_i, m_i, q, k_base, v_base, mask_base, tile_start, tile_e
     for start_n in range(tile_start, tile_end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         acc, l_i, m_i = fwd_tile(acc, l_i, m_i, q, k_base, v_base, mask_base, start_n,
-                                 offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                                 offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                                  stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
-                                 HEAD_DIM, BLOCK_D, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION,
-                                 SCALE_POSITIVE, EXP_FMA)
+                                 HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND,
+                                 DOT_PRECISION, SCALE_POSITIVE, EXP_FMA)
     return acc, l_i, m_i
 
 
 @triton.jit
 def fwd_tile_tma(acc, l_i, m_i, q, k_desc, v_desc, batch, kv_head, start_n, scale_log2,
-                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 BLOCK_DV: tl.constexpr):
     """fwd_tile for a tile every row sees, no mask, positive scale: K and V come through
-    tensor descriptors (TMA on Hopper) as (1, 1, BLOCK_N, BLOCK_D) boxes of (B, Hkv, Nk, D)."""
+    tensor descriptors (TMA on Hopper) as (1, 1, BLOCK_N, BLOCK_D) boxes of (B, Hkv, Nk, D)
+    (V's box (1, 1, BLOCK_N, BLOCK_DV); the launch takes TMA only where Dv == D)."""
     k = k_desc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
     qk = dot(q, tl.trans(k), None, DOT_PRECISION)
     m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(qk * scale_log2 - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = v_desc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, BLOCK_D)
+    v = v_desc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, BLOCK_DV)
     acc = acc * alpha[:, None]
     acc = dot(round_to(p, v.dtype, DOT_PRECISION), v, acc, DOT_PRECISION)
     return acc, l_i, m_new
@@ -289,11 +293,12 @@ def fwd_tile_tma(acc, l_i, m_i, q, k_desc, v_desc, batch, kv_head, start_n, scal
 
 @triton.jit
 def fwd_tile_run_tma(acc, l_i, m_i, q, k_desc, v_desc, batch, kv_head, tile_start, tile_end, scale_log2,
-                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     BLOCK_DV: tl.constexpr):
     for start_n in range(tile_start, tile_end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         acc, l_i, m_i = fwd_tile_tma(acc, l_i, m_i, q, k_desc, v_desc, batch, kv_head, start_n, scale_log2,
-                                     BLOCK_N, BLOCK_D, DOT_PRECISION)
+                                     BLOCK_N, BLOCK_D, DOT_PRECISION, BLOCK_DV)
     return acc, l_i, m_i
 
 
@@ -309,6 +314,7 @@ def attention_fwd_kernel(
     q_heads, kv_group, q_len_dense, k_len_dense,
     scale_log2, window_left, window_right,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
@@ -318,6 +324,10 @@ def attention_fwd_kernel(
 ):
     """Grid: (query blocks, batch * q_heads), or (batch * q_heads, query blocks) with
     HEAD_MAJOR. Writes Out rows and their log-sum-exp.
+
+    Q and K tiles span HEAD_DIM columns padded to BLOCK_D; V, the accumulator and Out span the
+    value head dim HEAD_DIM_V padded to BLOCK_DV (the launch passes BLOCK_DV == BLOCK_D where
+    HEAD_DIM_V == HEAD_DIM, so that case compiles to the same code as a single head dim).
 
     USE_TMA (dense, no mask, positive scale, HEAD_DIM == BLOCK_D): the fully visible key
     tiles load K and V through the tensor descriptors KDesc/VDesc over (B, Hkv, Nk, D); edge
@@ -362,39 +372,40 @@ def attention_fwd_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     q = load_rows(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, q_len, offs_d,
                   HEAD_DIM, BLOCK_D, True)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     lo, full_lo, full_hi, hi = key_tile_range(start_m, q_len, k_len, diag, window_left, window_right,
                                               BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     acc, l_i, m_i = fwd_tile_run(acc, l_i, m_i, q, k_base, v_base, mask_base, lo, full_lo,
-                                 offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                                 offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                                  stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
-                                 HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                                 DOT_PRECISION, SCALE_POSITIVE)
+                                 HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
+                                 MASK_KIND, DOT_PRECISION, SCALE_POSITIVE)
     if USE_TMA:
         acc, l_i, m_i = fwd_tile_run_tma(acc, l_i, m_i, q, KDesc, VDesc, batch, kv_head, full_lo, full_hi, scale_log2,
-                                         BLOCK_N, BLOCK_D, DOT_PRECISION)
+                                         BLOCK_N, BLOCK_D, DOT_PRECISION, BLOCK_DV)
     else:
         acc, l_i, m_i = fwd_tile_run(acc, l_i, m_i, q, k_base, v_base, mask_base, full_lo, full_hi,
-                                     offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
-                                     stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
-                                     HEAD_DIM, BLOCK_D, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                                     DOT_PRECISION, SCALE_POSITIVE, EXP_FMA)
+                                     offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left,
+                                     window_right, stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
+                                     HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
+                                     MASK_KIND, DOT_PRECISION, SCALE_POSITIVE, EXP_FMA)
     acc, l_i, m_i = fwd_tile_run(acc, l_i, m_i, q, k_base, v_base, mask_base, full_hi, hi,
-                                 offs_m, offs_n, offs_d, q_len, k_len, diag, window_left, window_right,
+                                 offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                                  stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
-                                 HEAD_DIM, BLOCK_D, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                                 DOT_PRECISION, SCALE_POSITIVE)
+                                 HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
+                                 MASK_KIND, DOT_PRECISION, SCALE_POSITIVE)
 
     # A row that saw no key (fully masked) writes 0 and lse = -inf, as SDPA's math path.
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2_K, float("-inf"))
-    store_rows(o_base + offs_m[:, None] * stride_om + offs_d[None, :], round_to(out, Out.dtype.element_ty, DOT_PRECISION),
-               offs_m, q_len, offs_d, HEAD_DIM, BLOCK_D)
+    store_rows(o_base + offs_m[:, None] * stride_om + offs_dv[None, :],
+               round_to(out, Out.dtype.element_ty, DOT_PRECISION), offs_m, q_len, offs_dv, HEAD_DIM_V, BLOCK_DV)
     tl.store(l_base + offs_m * stride_lm, lse, mask=offs_m < q_len)
