@@ -18,8 +18,13 @@ triton = pytest.importorskip("triton")
 
 from adaattn.adaptive.quant_reference import (  # noqa: E402
     quantize_key_blocks, simulate_attention, smoothing_mean, value_fp8)
-from adaattn.backends import triton_attention as ta  # noqa: E402
+import adaattn  # noqa: E402
+from adaattn import hardware, settings  # noqa: E402
+from adaattn.adaptive import runner  # noqa: E402
 from adaattn.backends import triton_quant as tq  # noqa: E402
+from adaattn.backends import triton_tuner  # noqa: E402
+from adaattn.backends.triton_configs import KernelConfig  # noqa: E402
+from adaattn.problem import validate  # noqa: E402
 from adaattn.backends.reference import reference_attention  # noqa: E402
 from adaattn.kernels.attention_quant import INT_BIAS, biased_float, to_fp8  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -34,11 +39,12 @@ PV = {tq.LEVEL_EXACT: "native", tq.LEVEL_QK8: "native", tq.LEVEL_FP8: "fp8"}
 
 @pytest.fixture(autouse=True)
 def _poison(monkeypatch):
-    monkeypatch.setattr(ta, "POISON_OUTPUTS", True)
-    monkeypatch.setattr(ta.CONFIGS, "tune", False)
+    monkeypatch.setattr(triton_tuner.CONFIGS, "tune", False)
+    forced = {}
     if DEVICE == "cuda":  # the warp-specialised kernels' K blocks as the simulation's
-        monkeypatch.setitem(ta.CONFIGS.forced, "quant_fp8_ws", _ws_config(tq.FP8_WS_CONFIGS))
-        monkeypatch.setitem(ta.CONFIGS.forced, "quant_qk8_ws", _ws_config(tq.QK8_WS_CONFIGS))
+        forced = {"quant_fp8_ws": _ws_config(tq.FP8_WS_CONFIGS), "quant_qk8_ws": _ws_config(tq.QK8_WS_CONFIGS)}
+    with settings.override(poison_outputs=True, forced_configs=forced):
+        yield
 
 
 def _inputs(b, hq, hkv, nq, nk, d, dtype, seed, v_shift=0.0):
@@ -95,8 +101,8 @@ def test_windows_narrower_than_the_query_block_count_each_key_tile_once(level, c
     kind = f"quant_{tq.LEVELS[level]}"
     q, k, v = _inputs(1, 2, 2, 40, 40, 64, torch.bfloat16, seed=41 + level, v_shift=0.3)
     left, right = window[0], -1 if window[1] is None else window[1]
-    with ta.forced_configs(**{kind: ta.KernelConfig(64, 16, 1, 1) if DEVICE == "cpu" else
-                              ta.KernelConfig(128, 64, 4, 2)}):
+    with triton_tuner.forced_configs(**{kind: KernelConfig(64, 16, 1, 1) if DEVICE == "cpu" else
+                                        KernelConfig(128, 64, 4, 2)}):
         out = tq.quant_attention(q, k, v, levels=[level], causal=causal, window_left=left, window_right=right)
     keep = keep_mask(40, 40, causal, window)
     sim = _simulate(q, k, v, level, False, keep, block_n=16 if DEVICE == "cpu" else 64)
@@ -149,18 +155,19 @@ WS_CASES = {
 @pytest.mark.parametrize("level", [tq.LEVEL_QK8, tq.LEVEL_FP8])
 def test_warp_specialised_kernels_match_their_simulation(monkeypatch, level, case):
     # kernels/attention_quant_ws.py: qk8 (every head at it, no mask or window) and fp8 with FP8
-    # Q.K^T (the same, not causal either) do the simulated math; elsewhere the general kernel runs.
+    # Q.K^T (the same, not causal either) do the simulated math where warp-specialised kernels
+    # are allowed (allow_ws, the triton.quant.ws runner's); elsewhere the general kernel runs.
     (b, hq, hkv, nq, nk, d), causal, bottom_right, per_head, ws_levels = WS_CASES[case]
-    monkeypatch.setitem(ta.VARIANTS, "fwd", "ws")
     calls = []
     launch = tq._launch_quant_ws
     monkeypatch.setattr(tq, "_launch_quant_ws", lambda *a, **kw: (calls.append(a[0]), launch(*a, **kw))[1])
     q, k, v = _inputs(b, hq, hkv, nq, nk, d, torch.bfloat16, seed=nq + nk + d + level, v_shift=0.3)
     levels = torch.full((hq,), level, dtype=torch.int32, device=DEVICE) if per_head else None
     fp8_qk = level == tq.LEVEL_FP8
-    with ta.forced_configs(quant_qk8_ws=_ws_config(tq.QK8_WS_CONFIGS), quant_fp8_ws=_ws_config(tq.FP8_WS_CONFIGS)):
+    with triton_tuner.forced_configs(quant_qk8_ws=_ws_config(tq.QK8_WS_CONFIGS),
+                                     quant_fp8_ws=_ws_config(tq.FP8_WS_CONFIGS)):
         out = tq.quant_attention(q, k, v, levels=[level], head_levels=levels, causal=causal,
-                                 bottom_right=bottom_right, fp8_qk=fp8_qk)
+                                 bottom_right=bottom_right, fp8_qk=fp8_qk, allow_ws=True)
     assert calls == ([level] if level in ws_levels else [])
     assert torch.isfinite(out).all()
     keep = None
@@ -176,15 +183,18 @@ def test_fp8_values_with_a_key_block_equal_to_their_mean(monkeypatch, ws):
     # The fp8 kernels keep P.V in units of the current tile's V scale; a block whose smoothed V is
     # all zero gets the floor scale (2^-40), and coming after blocks of large values it must not
     # overflow the accumulator: finite, and the simulation's result.
-    monkeypatch.setitem(ta.VARIANTS, "fwd", "ws" if ws else "ptr")
+    calls = []
+    launch = tq._launch_quant_ws
+    monkeypatch.setattr(tq, "_launch_quant_ws", lambda *a, **kw: (calls.append(a[0]), launch(*a, **kw))[1])
     bn = _block_n()
     q, k, _ = _inputs(1, 2, 2, 40, 7 * bn, 64, torch.bfloat16, seed=21)
     g = torch.Generator(device="cpu").manual_seed(5)
     r = [(torch.randn(1, 2, bn, 64, generator=g) * 1e5).to(torch.bfloat16) for _ in range(3)]
     v = torch.cat([r[0], -r[0], r[1], -r[1], r[2], -r[2], torch.zeros_like(r[0])], 2).to(DEVICE)  # mean 0
     prep = tq.Prepared(k, v)
-    with ta.forced_configs(quant_fp8_ws=_ws_config(tq.FP8_WS_CONFIGS)):
-        out = tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], fp8_qk=True, prepared=prep)
+    with triton_tuner.forced_configs(quant_fp8_ws=_ws_config(tq.FP8_WS_CONFIGS)):
+        out = tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], fp8_qk=True, prepared=prep, allow_ws=ws)
+    assert calls == ([tq.LEVEL_FP8] if ws else [])
     _, _, _, v_scale, _, _ = prep.get(*tq.level_modes(tq.LEVEL_FP8, True), bn)
     assert (v_scale[..., 6] == 2.0 ** -40).all() and (v_scale[..., :6] > 10).all()
     assert torch.isfinite(out).all()
@@ -198,15 +208,18 @@ def test_fp8_values_with_a_key_block_equal_to_their_mean(monkeypatch, ws):
 def test_queries_quantized_in_the_prepass_launch_or_alone_give_the_same_output(monkeypatch, level):
     # Q is quantized by the launch that quantizes K, or by quantize_q_kernel when K was already
     # quantized earlier in the call (here: by a Prepared used before); both do the same math.
-    monkeypatch.setitem(ta.VARIANTS, "fwd", "ws")
     q, k, v = _inputs(1, 4, 2, 70, 50, 64, torch.bfloat16, seed=level, v_shift=0.3)
     fp8_qk = level == tq.LEVEL_FP8
     cfgs = dict(quant_qk8_ws=_ws_config(tq.QK8_WS_CONFIGS), quant_fp8_ws=_ws_config(tq.FP8_WS_CONFIGS))
-    with ta.forced_configs(**cfgs):
-        fused = tq.quant_attention(q, k, v, levels=[level], fp8_qk=fp8_qk)
+    calls = []
+    launch = tq._launch_quant_ws
+    monkeypatch.setattr(tq, "_launch_quant_ws", lambda *a, **kw: (calls.append(a[0]), launch(*a, **kw))[1])
+    with triton_tuner.forced_configs(**cfgs):
+        fused = tq.quant_attention(q, k, v, levels=[level], fp8_qk=fp8_qk, allow_ws=True)
         prep = tq.Prepared(k, v)
         prep.get(*tq.level_modes(level, fp8_qk), _block_n())
-        alone = tq.quant_attention(q, k, v, levels=[level], fp8_qk=fp8_qk, prepared=prep)
+        alone = tq.quant_attention(q, k, v, levels=[level], fp8_qk=fp8_qk, prepared=prep, allow_ws=True)
+    assert calls == [level, level]  # the warp-specialised kernels, whose launch quantizes Q
     assert torch.equal(fused, alone)
     assert rel_err(fused.cpu(), _simulate(q, k, v, level, fp8_qk, None)) <= _sim_tol(level)
 
@@ -252,7 +265,7 @@ def test_warp_specialised_quantized_kernels_compile_for_hopper_with_8_bit_tensor
     pytest.importorskip("triton.compiler")
     import sm90
 
-    if not ta.WS_AVAILABLE:
+    if not hardware.warp_specialisation_available():
         pytest.skip("this triton has no warp_specialize")
     sm90.assert_warp_specialised(sm90.run_json(SM90_QUANT_WS_COMPILE.replace("LEVEL", level)), ("quantized_wgmma",))
 
@@ -371,8 +384,8 @@ class _CountedKernel:
 
 def test_prepass_is_one_launch_per_new_key(monkeypatch):
     log = []
-    for name in ("quantize_kv_kernel", "attention_quant_fwd_kernel"):
-        monkeypatch.setattr(tq, name, _CountedKernel(getattr(tq, name), name, log))
+    for name in ("quantize_kv_kernel", "attention_quant_fwd_kernel"):  # tq.K: the kernels, imported on first use
+        monkeypatch.setattr(tq.K, name, _CountedKernel(getattr(tq.K, name), name, log))
 
     def launches(fn, *args):
         del log[:]
@@ -537,6 +550,36 @@ def test_backend_reasons():
     assert any("float16 or bfloat16" in r for r in tq.quant_can_run(dev, torch.float32, 64, 64))
 
 
+def test_runners_reasons_and_launches():
+    # triton.quant.general takes what the kernels take; triton.quant.ws (warp-specialised kernels
+    # allowed) also declines masks, sliding windows and tensors a TMA descriptor cannot take.
+    policy = adaattn.Policy(mode="auto", precisions=("native", "int8", "fp8"), tolerance=5e-2)
+    general, ws = runner.QuantizedRunner(False), runner.QuantizedRunner(True)
+    assert (general.name, ws.name) == ("triton.quant.general", "triton.quant.ws")
+    assert not general.exact and not ws.exact
+    q = torch.randn(1, 2, 16, 64, dtype=torch.bfloat16, device=DEVICE)
+
+    def problem(*args, mask=None, causal=False, window=None):
+        return validate(*(args or (q, q, q)), mask, 0.0, causal, None, False, "bhsd", window)
+
+    plain = problem(causal=True)
+    assert general.supports(plain, policy) == []
+    assert general.prepare(plain, policy).allow_ws is False
+    assert any("head_dim 64 or 128" in r for r in general.supports(problem(q[..., :32], q[..., :32], q[..., :32]),
+                                                                     policy))
+    if not tq.ws_device_ok(q.device):
+        assert ws.supports(plain, policy) != []
+        return
+    assert ws.supports(plain, policy) == [] and ws.prepare(plain, policy).allow_ws is True
+    masked = problem(mask=torch.ones(16, 16, dtype=torch.bool, device=DEVICE))
+    windowed = problem(window=(8, 8))
+    odd = torch.randn(1, 2, 16, 68, dtype=torch.bfloat16, device=DEVICE)[..., :64]  # rows 136 bytes apart
+    strided = problem(q, odd, odd)
+    for p, why in ((masked, "attn_mask"), (windowed, "sliding window"), (strided, "16-byte")):
+        assert general.supports(p, policy) == []
+        assert any(why in r for r in ws.supports(p, policy)), (why, ws.supports(p, policy))
+
+
 # ---- on the GPU -------------------------------------------------------------------------------
 
 gpu = pytest.mark.gpu
@@ -551,7 +594,7 @@ def test_gpu_kernels_match_simulation_at_medium_size(level, fp8_qk, causal):
     q, k, v = _inputs(1, 4, 2, 1000, 1000, 128, torch.bfloat16, seed=level, v_shift=0.3)
     # (qk8, and fp8 with FP8 Q.K^T, run the warp-specialised kernels: configs with the same key block)
     block = tq.QUANT_CONFIGS[128][0].block_n
-    with ta.forced_configs(**{f"quant_{tq.LEVELS[level]}" + ("_fp8qk" if fp8_qk and level == 2 else ""):
+    with triton_tuner.forced_configs(**{f"quant_{tq.LEVELS[level]}" + ("_fp8qk" if fp8_qk and level == 2 else ""):
                               tq.QUANT_CONFIGS[128][0],
                               "quant_fp8_ws": next(c for c in tq.FP8_WS_CONFIGS if c.block_n == block),
                               "quant_qk8_ws": next(c for c in tq.QK8_WS_CONFIGS if c.block_n == block)}):
