@@ -73,7 +73,9 @@ HALF_CONFIGS = {
         # H100, D=128: 64/128/8/2 fastest at all four yardstick shapes (variants run).
         "mid_d": [KernelConfig(64, 128, 8, 2), KernelConfig(32, 128, 8, 2), KernelConfig(16, 128, 8, 2),
                   KernelConfig(32, 64, 4, 2)],
-        "large_d": [KernelConfig(16, 32, 4, 1), KernelConfig(16, 64, 8, 1), KernelConfig(16, 32, 4, 2)],
+        # 16/64/8/1 is left out: on the H100 (triton 3.6) it raised an illegal memory access at
+        # head dims 256/256, 192/128, 128/256 and 256/128 (the dkdv kernel without atomics runs it).
+        "large_d": [KernelConfig(16, 32, 4, 1), KernelConfig(16, 32, 4, 2)],
     },
     "dq": {
         "small_d": [KernelConfig(128, 64, 8, 3), KernelConfig(128, 32, 4, 3), KernelConfig(64, 64, 4, 3)],
