@@ -33,10 +33,6 @@ ALL = ("native", "int8", "fp8")
 # The runner an auto call without mask or window runs: the warp-specialised kernels where they
 # run (Hopper, or the interpreter), the general quantized kernel elsewhere.
 QUANT_RUNNER = "triton.quant.ws" if tq.ws_device_ok(torch.device(DEVICE)) else "triton.quant.general"
-# problem.py tma_aligned() calls Tensor.data_ptr() while dynamo traces adaattn.attention.
-COMPILE_BUG = pytest.mark.xfail(
-    strict=True, reason="problem.py tma_aligned() (called by validate) reads t.data_ptr() under torch.compile; dynamo "
-    "cannot trace it (TypeError on int % int): every compiled adaattn.attention call fails")
 
 
 @pytest.fixture(autouse=True)
@@ -296,8 +292,6 @@ def test_fp8_is_dropped_where_tensor_cores_lack_it(monkeypatch):
     assert levels == () and any("8.9" in r for r in reasons)
 
 
-@pytest.mark.xfail(strict=True, reason="adaptive/runner.py allowed_levels drops fp8 without a word when int8 is "
-                   "allowed (the 8.9 reason is only kept when no level is left), so the plan never says why")
 def test_dropping_fp8_is_explained(monkeypatch):
     problem = _cuda_problem(monkeypatch)
     e = adaattn.api.explain_problem(problem, adaattn.Policy(mode="auto", precisions=ALL))
@@ -305,7 +299,6 @@ def test_dropping_fp8_is_explained(monkeypatch):
     assert any("8.9" in n for n in e.plan.notes), e.plan.notes
 
 
-@COMPILE_BUG
 def test_compiles_with_fullgraph_and_matches_eager():
     q, k, v = structured.make("random", 1, 2, 64, 64, torch.bfloat16, DEVICE, seed=5)
     policy = adaattn.Policy(mode="auto", precisions=ALL, tolerance=8e-2, verify=0.0)

@@ -16,8 +16,9 @@ from adaattn import cli, planner
 from adaattn import policy as policy_mod
 from adaattn.backends.base import Runner
 from adaattn.backends.reference import reference_attention
+from adaattn import version
 from adaattn.bench import accuracy, overhead, report
-from adaattn.bench.grid import QUICK_CPU, Shape, parse_seq_lens
+from adaattn.bench.grid import Shape, parse_seq_lens
 from adaattn.bench.suite import Settings, run_suite
 
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -179,7 +180,7 @@ def test_git_commit_read_from_the_git_files_matches_git():
         pytest.skip("git is not installed")
     if res.returncode != 0:
         pytest.skip("not a git checkout")
-    assert report._read_head(here) == res.stdout.strip()
+    assert version._read_head(here) == res.stdout.strip()
     assert report.git_commit() == res.stdout.strip()
 
 

@@ -692,15 +692,11 @@ FWD_VARIANT_CASES = {
 
 
 # adaattn.attention aligns causal masks top-left (as SDPA); bottom-right cases go to the
-# runner through the planner (run_ours), where the launch loses the alignment.
-BOTTOM_RIGHT_BUG = pytest.mark.xfail(
-    strict=True, reason="backends/triton_attention.py TritonRunner.prepare does not pass problem.bottom_right to "
-    "make_launch: a bottom-right problem runs top-left aligned (silently wrong)")
+# runner through the planner (run_ours).
 
 
 def _runner_cases(cases):
-    return [pytest.param(name, marks=BOTTOM_RIGHT_BUG) if cases[name][0].get("align") == "bottom_right" else name
-            for name in cases]
+    return list(cases)
 
 
 @pytest.mark.parametrize("fwd,grid_order", [("tma", "query_major"), ("ptr", "head_major"), ("tma", "head_major")])
@@ -1044,9 +1040,6 @@ def test_runners_decline_with_reasons(monkeypatch):
         assert any("CUDA" in r for r in runner.supports(_problem(device_type="cpu", device_index=None), policy))
 
 
-@pytest.mark.xfail(strict=True, reason="api.py _signature (the per-call cache of problem and plan) leaves out "
-                   "settings.current(): a call repeated under settings.override reuses the plan and launch made "
-                   "before it (planner.plan_key has the settings; the call cache does not)")
 def test_a_settings_override_reaches_a_repeated_call(monkeypatch):
     calls = spy_fwd_launches(monkeypatch)
     q = _randn((1, 2, 16, 32), torch.bfloat16, _gen(26))

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from . import planner, stats
+from . import planner, settings, stats
 from .backends.varlen import check_varlen
 from .planner import Plan
 from .policy import EXACT, Policy
@@ -102,6 +102,7 @@ def _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         type(dropout_p), type(is_causal), type(scale), type(enable_gqa),
         torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad),
         torch.is_grad_enabled() and attn_mask is not None and getattr(attn_mask, "requires_grad", False),
+        settings.current(), torch.are_deterministic_algorithms_enabled(),
     )
 
 

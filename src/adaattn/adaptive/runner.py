@@ -40,6 +40,7 @@ class QuantLaunch:
     deterministic: bool
     allow_ws: bool
     policy_key: str
+    fp8_wanted: bool = False  # the policy allowed fp8 (the notes say why it is not among the levels)
 
 
 def allowed_levels(problem, policy) -> tuple[tuple[int, ...], list[str]]:
@@ -174,11 +175,15 @@ class QuantizedRunner(Runner):
         key = (f"tolerance={policy.tolerance} precisions={policy.precisions} verify={policy.verify} "
                f"train_quantized={policy.train_quantized} runner={self.name}")
         return QuantLaunch(levels, policy.tolerance, policy.verify, policy.train_quantized,
-                           bool(policy.deterministic), self.warp_specialised, key)
+                           bool(policy.deterministic), self.warp_specialised, key, "fp8" in policy.precisions)
 
     def notes(self, problem, launch: QuantLaunch) -> list[str]:
         names = ", ".join(tq.LEVELS[x] for x in (tq.LEVEL_EXACT, *launch.levels))
-        return [f"mode='auto': each head runs at one of ({names}) under tolerance {launch.tolerance:g}: it starts "
+        dropped = []
+        if launch.fp8_wanted and tq.LEVEL_FP8 not in launch.levels:
+            dropped.append("fp8: FP8 tensor cores need compute capability 8.9 or newer; this GPU lacks them, so "
+                           "qk8 (INT8 Q.K^T, P.V in the input dtype) is the cheapest level here.")
+        return dropped + [f"mode='auto': each head runs at one of ({names}) under tolerance {launch.tolerance:g}: it starts "
                 f"at the cheapest level predicted to meet it, sampled rows check it (on every first call, then on "
                 f"a fraction {launch.verify:g} of calls), and heads over it are recomputed one level up."
                 + (" The backward is exact." if problem.needs_grad else "")]

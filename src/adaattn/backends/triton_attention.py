@@ -110,7 +110,7 @@ class TritonRunner(Runner):
 
     def prepare(self, problem, policy) -> AttentionLaunch:
         return make_launch(self.variant, problem.scale, problem.causal, problem.window_left, problem.window_right,
-                           deterministic=_deterministic(policy))
+                           problem.bottom_right, _deterministic(policy))
 
     def run(self, query, key, value, attn_mask, problem, launch, label=None):
         return run_dense(query, key, value, attn_mask, launch)

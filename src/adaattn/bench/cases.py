@@ -93,14 +93,18 @@ def _run_case(case: Case, settings: Settings, progress: Progress) -> list[dict]:
     except Exception as e:  # the inputs themselves did not fit, say
         timing.release_after_error(settings.device)
         return [{**base, "peer": case.baseline, **_empty(), "error": error_text(e)}]
-    rows = []
+    rows, timed = [], []
     for peer in peers:
         if peer.forward is None:
             settings.not_run.setdefault(peer.name, peer.reason)
             continue
         progress.note(peer.name)
-        rows.append({**base, "peer": peer.name, **measure(peer, case, check, settings)})
-    del peers, check
+        row = {**base, "peer": peer.name, **measure(peer, case, check, settings)}
+        rows.append(row)
+        if row["error"] is None:
+            timed.append((peer, row))
+    time_interleaved(timed, case, settings)
+    del peers, check, timed
     timing.release_after_error(settings.device)
     ref = next((r for r in rows if r["peer"] == case.baseline and r["ms"] is not None), None)
     for r in rows:
@@ -127,12 +131,40 @@ def measure(peer: Peer, case: Case, check, settings: Settings) -> dict:
             if check is not None and out is not None:
                 row["rel_error"] = check(out)
             del out
-            with peer.context():
-                spread = timing.spread_ms(peer.timed or peer.forward, device, settings.warmup_ms, settings.rep_ms)
-            row.update(ms=spread.median, ms_min=spread.min, ms_max=spread.max, samples=spread.samples,
-                       figure=case.work / (spread.median * 1e-3) / SCALE[case.figure])
-            if peer.info is not None:
-                row.update(peer.info())
         except Exception as e:
             failed(row, e, device)
     return with_warnings(row, caught)
+
+
+ROUNDS = 3
+
+
+def time_interleaved(timed: list, case: Case, settings: Settings) -> None:
+    """Time every peer of a case in ROUNDS rounds, each round every peer once (rep_ms / ROUNDS
+    each), so a slow drift of clocks or temperature falls on all rows alike rather than on the
+    ones timed last; a row's spread is over the samples of all its rounds."""
+    samples: dict[int, list[float]] = {id(row): [] for _, row in timed}
+    for _ in range(ROUNDS):
+        for peer, row in timed:
+            if row["error"] is not None:
+                continue
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                try:
+                    with peer.context():
+                        samples[id(row)] += timing.samples_ms(peer.timed or peer.forward, settings.device,
+                                                              settings.warmup_ms, settings.rep_ms / ROUNDS)
+                except Exception as e:
+                    failed(row, e, settings.device)
+            with_warnings(row, caught)
+    for peer, row in timed:
+        if row["error"] is not None or not samples[id(row)]:
+            continue
+        spread = timing.Spread.of(samples[id(row)])
+        row.update(ms=spread.median, ms_min=spread.min, ms_max=spread.max, samples=spread.samples,
+                   figure=case.work / (spread.median * 1e-3) / SCALE[case.figure])
+        if peer.info is not None:
+            try:
+                row.update(peer.info())
+            except Exception as e:
+                failed(row, e, settings.device)

@@ -66,7 +66,7 @@ def failed(row: dict, e: BaseException, device: torch.device) -> None:
 def with_warnings(row: dict, caught: list) -> dict:
     """`row` with the first line of each distinct warning its call raised, if any."""
     texts = (str(w.message).strip() for w in caught)
-    msgs = list(dict.fromkeys(t.splitlines()[0][:200] for t in texts if t))
+    msgs = list(dict.fromkeys([*row.get("warnings", ()), *(t.splitlines()[0][:200] for t in texts if t)]))
     if msgs:
         row["warnings"] = msgs
     return row

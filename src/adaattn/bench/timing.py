@@ -48,6 +48,12 @@ def median_ms(fn: Callable[[], object], device: torch.device, warmup_ms: float =
 
 def spread_ms(fn: Callable[[], object], device: torch.device, warmup_ms: float = 25, rep_ms: float = 100,
               min_samples: int = 3) -> Spread:
+    """Min, median and max milliseconds per call of `fn` (see `samples_ms`)."""
+    return Spread.of(samples_ms(fn, device, warmup_ms, rep_ms, min_samples))
+
+
+def samples_ms(fn: Callable[[], object], device: torch.device, warmup_ms: float = 25, rep_ms: float = 100,
+               min_samples: int = 3) -> list[float]:
     """Min, median and max milliseconds per call of `fn`, over at least `min_samples` calls.
 
     CUDA: every sample of triton.testing.do_bench (return_mode="all") where triton imports, else
@@ -56,7 +62,7 @@ def spread_ms(fn: Callable[[], object], device: torch.device, warmup_ms: float =
     (at least `min_samples`, at most 1000).
     """
     if device.type != "cuda":
-        return Spread.of(_wall_samples(fn, device, rep_ms, min_samples))
+        return _wall_samples(fn, device, rep_ms, min_samples)
     do_bench = _do_bench()
     if do_bench is not None:
         times = [float(t) for t in do_bench(fn, warmup=int(warmup_ms), rep=int(rep_ms), return_mode="all")]
@@ -64,7 +70,7 @@ def spread_ms(fn: Callable[[], object], device: torch.device, warmup_ms: float =
         times = _cuda_events_samples(fn, device, warmup_ms, rep_ms)
     while len(times) < min_samples:
         times.append(_synced_call_ms(fn, device))
-    return Spread.of(times)
+    return times
 
 
 def _synced_call_ms(fn: Callable[[], object], device: torch.device) -> float:
