@@ -9,8 +9,6 @@ import adaattn
 from adaattn.problem import SEQ_BUCKETS
 
 
-
-
 def _bucket(n: int) -> str:
     for limit, name in SEQ_BUCKETS[1:]:
         if n <= limit:
@@ -29,6 +27,25 @@ def test_fullgraph_compile_matches_eager():
     mask = torch.rand(70, 70) > 0.1
     compiled = torch.compile(_block, fullgraph=True)
     assert torch.allclose(compiled(q, k, v, mask), _block(q, k, v, mask), atol=1e-5)
+
+
+def test_planning_under_compile_traces_no_cached_device_query():
+    """Planning runs inside the traced region; device facts (capability, warp specialisation)
+    must be evaluated, not traced: dynamo tracing into a functools.lru_cache wrapper that
+    imports triton failed on torch 2.11 (InternalTorchDynamoError on an H100)."""
+    import warnings
+
+    torch._dynamo.reset()
+    q = torch.randn(1, 2, 64, 64, dtype=torch.float16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for policy in (None, adaattn.Policy(backends=("triton",)),
+                       adaattn.Policy(mode="auto", precisions=("native", "int8", "fp8"))):
+            torch._dynamo.reset()
+            torch.compile(lambda q: adaattn.explain(q, q, q, policy=policy).plan.backend, fullgraph=False)(q)
+            torch.compile(lambda q: adaattn.attention(q, q, q, is_causal=True, policy=policy), fullgraph=True)(q)
+    traced_caches = [str(w.message) for w in caught if "lru_cache" in str(w.message)]
+    assert not traced_caches, traced_caches
 
 
 def test_compiled_gradients_match_eager():

@@ -145,17 +145,22 @@ def max_shared_memory(index: int | None) -> int:
     return int(dev.shared_memory_per_block_kib * 1024)
 
 
-@functools.lru_cache(maxsize=1)
+_warp_specialisation: list[bool] = []
+
+
+@_constant  # called while torch.compile plans a call: evaluated, not traced (it imports triton)
 def warp_specialisation_available() -> bool:
     """Triton accepts tl.range(..., warp_specialize=...) (3.6 and newer); imports triton."""
-    try:
-        import inspect
+    if not _warp_specialisation:
+        try:
+            import inspect
 
-        import triton.language as tl
+            import triton.language as tl
 
-        return "warp_specialize" in inspect.signature(tl.range.__init__).parameters
-    except Exception:
-        return False
+            _warp_specialisation.append("warp_specialize" in inspect.signature(tl.range.__init__).parameters)
+        except Exception:
+            _warp_specialisation.append(False)
+    return _warp_specialisation[0]
 
 
 def format_report(rep: dict) -> str:

@@ -215,6 +215,8 @@ def _broadcastable(shape: tuple, target: tuple) -> bool:
 
 
 def _broadcast(shapes: list[tuple], names: str) -> tuple:
+    if all(tuple(s) == tuple(shapes[0]) for s in shapes[1:]):  # the common case, and plain for torch.compile
+        return tuple(shapes[0])
     try:
         return tuple(torch.broadcast_shapes(*shapes))
     except RuntimeError:

@@ -12,7 +12,6 @@ accumulation.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -92,25 +91,24 @@ def make_launch(variant: str, scale: float, causal: bool, window_left: int = -1,
                            "separate" if deterministic else current.dq)
 
 
-# Custom ops take plain arguments: a launch description travels as its index in this table.
-_launches: list[AttentionLaunch] = []
-_launch_ids: dict[AttentionLaunch, int] = {}
-_lock = threading.Lock()
+# Custom ops take plain arguments: a launch description travels as a string of its fields
+# (made in traced code without locks or global state; parsed once per distinct string).
+_parsed: dict[str, AttentionLaunch] = {}
 
 
-def launch_id(launch: AttentionLaunch) -> int:
-    got = _launch_ids.get(launch)
+def launch_id(launch: AttentionLaunch) -> str:
+    """The launch description as the custom ops take it (launch_of turns it back)."""
+    return (f"{launch.variant},{launch.scale!r},{int(launch.causal)},{int(launch.bottom_right)},"
+            f"{launch.window_left},{launch.window_right},{launch.grid_order},{launch.exp_fma},{launch.dq_mode}")
+
+
+def launch_of(key: str) -> AttentionLaunch:
+    got = _parsed.get(key)
     if got is None:
-        with _lock:
-            got = _launch_ids.get(launch)
-            if got is None:
-                got = _launch_ids[launch] = len(_launches)
-                _launches.append(launch)
+        v, scale, causal, bottom_right, left, right, grid, exp_fma, dq = key.split(",")
+        got = _parsed[key] = AttentionLaunch(v, float(scale), causal == "1", bottom_right == "1", int(left),
+                                             int(right), grid, int(exp_fma), dq)
     return got
-
-
-def launch_of(index: int) -> AttentionLaunch:
-    return _launches[index]
 
 
 def new_output(shape, dtype, device) -> torch.Tensor:

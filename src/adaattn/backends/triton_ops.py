@@ -1,6 +1,6 @@
 """torch custom ops over our exact Triton kernels (`adaattn::triton_fwd`, `adaattn::triton_bwd`),
 with fake (meta) implementations and autograd, so torch.compile(fullgraph=True) traces through
-them. The launch description (triton_launch.AttentionLaunch) travels as its index."""
+them. The launch description (triton_launch.AttentionLaunch) travels as a string (launch_id)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from .triton_launch import launch_bwd, launch_fwd, launch_of, lse_shape, out_sha
 def triton_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
     cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
-    max_seqlen_q: int, max_seqlen_k: int, launch: int,
+    max_seqlen_q: int, max_seqlen_k: int, launch: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse). Dense q (B, Hq, Nq, D) or packed (T, Hq, D) with cu_seqlens."""
     return launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -33,7 +33,7 @@ def _triton_fwd_fake(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_
 def triton_bwd(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
     lse: torch.Tensor, attn_mask: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
-    cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int, launch: int,
+    cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int, launch: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv)."""
     return launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
