@@ -66,12 +66,14 @@ def sampled_reference(
     rows: torch.Tensor,
     causal: bool,
     scale: float | None = None,
+    window: tuple[int | None, int | None] | None = None,
 ) -> torch.Tensor:
     """Exact float64 attention for the query rows `rows` only, all batches and heads.
 
     query (B, Hq, Nq, D), key/value (B, Hkv, Nk, D/Dv) with Hq a multiple of Hkv; returns
     float64 (B, Hq, len(rows), Dv). Causal is top-left aligned: row i attends keys j <= i,
-    so a row's reference needs only its own query and the keys up to it. Batches and
+    so a row's reference needs only its own query and the keys up to it. `window` (left, right):
+    row i attends keys i-left .. i+right (None on a side: unbounded), as adaattn's `window`. Batches and
     key/value head groups go in chunks so the scores stay under CHUNK_BYTES.
     """
     b, hq, _, _ = query.shape
@@ -79,8 +81,17 @@ def sampled_reference(
     group = hq // hk
     rows = rows.to(query.device)
     keep = None
+    keys = torch.arange(nk, device=query.device).unsqueeze(0)
     if causal:
-        keep = torch.arange(nk, device=query.device).unsqueeze(0) <= rows.unsqueeze(1)
+        keep = keys <= rows.unsqueeze(1)
+    if window is not None:
+        left, right = window
+        inside = torch.ones(len(rows), nk, dtype=torch.bool, device=query.device)
+        if left is not None:
+            inside &= keys >= rows.unsqueeze(1) - left
+        if right is not None:
+            inside &= keys <= rows.unsqueeze(1) + right
+        keep = inside if keep is None else keep & inside
     per_kv_head = group * len(rows) * max(nk, 1) * 8 * 3
     kv_chunk = max(1, min(hk, CHUNK_BYTES // max(per_kv_head, 1)))
     out = []

@@ -1,75 +1,8 @@
-"""Relative error against the float64 reference, on a sample of query rows at large N."""
+"""Relative error against the float64 reference, on a sample of query rows at large N (the
+functions live beside the reference itself, backends/reference.py, for models/ too)."""
 
 from __future__ import annotations
 
-import torch
+from ..backends.reference import CHUNK_BYTES, relative_error, sample_rows, sampled_reference
 
-from ..backends.reference import reference_attention
-
-# Bytes of float64 scores one reference chunk may hold; the softmax makes a few copies.
-CHUNK_BYTES = 256 * 2**20
-
-
-def sample_rows(q_len: int, max_rows: int) -> torch.Tensor:
-    """Up to `max_rows` query row indices spread evenly over [0, q_len), first and last included."""
-    if q_len <= max_rows:
-        return torch.arange(q_len)
-    return torch.linspace(0, q_len - 1, max_rows).round().long().unique()
-
-
-def sampled_reference(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    rows: torch.Tensor,
-    causal: bool,
-    scale: float | None = None,
-    window: tuple[int | None, int | None] | None = None,
-) -> torch.Tensor:
-    """Exact float64 attention for the query rows `rows` only, all batches and heads.
-
-    query (B, Hq, Nq, D), key/value (B, Hkv, Nk, D/Dv) with Hq a multiple of Hkv; returns
-    float64 (B, Hq, len(rows), Dv). Causal is top-left aligned: row i attends keys j <= i,
-    so a row's reference needs only its own query and the keys up to it. `window` (left, right):
-    row i attends keys i-left .. i+right (None on a side: unbounded), as adaattn's `window`. Batches and
-    key/value head groups go in chunks so the scores stay under CHUNK_BYTES.
-    """
-    b, hq, _, _ = query.shape
-    hk, nk = key.shape[1], key.shape[2]
-    group = hq // hk
-    rows = rows.to(query.device)
-    keep = None
-    keys = torch.arange(nk, device=query.device).unsqueeze(0)
-    if causal:
-        keep = keys <= rows.unsqueeze(1)
-    if window is not None:
-        left, right = window
-        inside = torch.ones(len(rows), nk, dtype=torch.bool, device=query.device)
-        if left is not None:
-            inside &= keys >= rows.unsqueeze(1) - left
-        if right is not None:
-            inside &= keys <= rows.unsqueeze(1) + right
-        keep = inside if keep is None else keep & inside
-    per_kv_head = group * len(rows) * max(nk, 1) * 8 * 3
-    kv_chunk = max(1, min(hk, CHUNK_BYTES // max(per_kv_head, 1)))
-    out = []
-    for bi in range(b):
-        parts = []
-        for h0 in range(0, hk, kv_chunk):
-            h1 = min(hk, h0 + kv_chunk)
-            q = query[bi : bi + 1, h0 * group : h1 * group].index_select(2, rows)
-            parts.append(
-                reference_attention(q, key[bi : bi + 1, h0:h1], value[bi : bi + 1, h0:h1], keep, False, scale)
-            )
-        out.append(torch.cat(parts, dim=1))
-    return torch.cat(out, dim=0)
-
-
-def relative_error(out: torch.Tensor, ref: torch.Tensor, rows: torch.Tensor) -> float:
-    """‖out[rows] − ref‖ / ‖ref‖ in float64, over all batches, heads and the sampled rows."""
-    picked = out.detach().index_select(2, rows.to(out.device)).double()
-    denom = torch.linalg.vector_norm(ref)
-    num = torch.linalg.vector_norm(picked - ref)
-    if denom == 0:
-        return float(num)
-    return float(num / denom)
+__all__ = ["CHUNK_BYTES", "relative_error", "sample_rows", "sampled_reference"]
