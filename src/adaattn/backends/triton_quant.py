@@ -19,6 +19,7 @@ quantizes Q per row.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -302,26 +303,53 @@ class Prepared:
         return made
 
 
+@dataclass(frozen=True)
+class QuantKernelLaunch:
+    """What a quantized launch needs beyond the tensors and the level: the scale, the
+    causal/window sides (-1 unbounded), the fp8 level's Q.K^T precision, the exp2 share on the FMA
+    units, and whether the warp-specialised kernels may run (runner triton.quant.ws)."""
+
+    scale: float
+    causal: bool = False
+    bottom_right: bool = False
+    window_left: int = -1
+    window_right: int = -1
+    fp8_qk: bool = False
+    exp_fma: int = 0
+    allow_ws: bool = True
+
+    @property
+    def has_left(self) -> bool:
+        return self.window_left >= 0
+
+    @property
+    def has_right(self) -> bool:
+        return self.causal or self.window_right >= 0
+
+    @property
+    def right(self) -> int:
+        return 0 if self.causal else max(self.window_right, 0)
+
+
 # The config kind of (level, fp8_qk): "quant_<level>", "_fp8qk" for the fp8 level with FP8 Q.K^T.
 _KINDS = [(f"quant_{name}", f"quant_{name}" + ("_fp8qk" if i == LEVEL_FP8 else "")) for i, name in enumerate(LEVELS)]
 
 
-def _fp8_ws_ok(allow_ws: bool, q, out, attn_mask, head_levels, level: int, fp8_qk: bool, scale: float, has_left: bool,
-               has_right: bool, right: int) -> bool:
+def _fp8_ws_ok(launch: QuantKernelLaunch, q, out, attn_mask, head_levels, level: int) -> bool:
     """Whether the warp-specialised fp8 kernel (kernels/attention_quant_ws.py) runs this launch:
     the warp-specialised runner ("triton.quant.ws"), the fp8 level with FP8 Q.K^T for
     every head (no head-level array), no mask, not causal, no window, positive scale, Hopper (or the
     CPU interpreter), and Out as TMA takes it (16-byte aligned base and strides; Q is copied)."""
-    if not allow_ws or tensor_descriptor() is None:
+    if not launch.allow_ws or tensor_descriptor() is None:
         return False
-    if level != LEVEL_FP8 or not fp8_qk or head_levels is not None or attn_mask is not None:
+    if level != LEVEL_FP8 or not launch.fp8_qk or head_levels is not None or attn_mask is not None:
         return False
     # Causal calls run the general kernel: the causal mask, applied to every tile of the
     # branch-free loop, made this kernel slower than the general one there (H100, 4k: 0.475 vs
     # 0.379 ms with INT8 Q.K^T).
-    if has_left or (has_right and not (settings.current().fp8_ws_causal and right == 0)):
+    if launch.has_left or (launch.has_right and not (settings.current().fp8_ws_causal and launch.right == 0)):
         return False
-    if not scale > 0 or q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+    if not launch.scale > 0 or q.shape[-1] not in SUPPORTED_HEAD_DIMS:
         return False
     return ws_device_ok(q.device) and tma_ok(out)
 
@@ -337,16 +365,15 @@ def _ws_config(kind: str, configs: list, q, hkv: int, nk: int, causal_right: boo
     return CONFIGS.pick(kind, key, configs, launch, lambda: out)
 
 
-def _qk8_ws_ok(allow_ws: bool, q, v, out, attn_mask, head_levels, level: int, scale: float, has_left: bool, has_right: bool,
-               right: int) -> bool:
+def _qk8_ws_ok(launch: QuantKernelLaunch, q, v, out, attn_mask, head_levels, level: int) -> bool:
     """Whether the warp-specialised qk8 kernel (kernels/attention_quant_ws.py) runs this launch:
     the forward variant "ws", the qk8 level for every head, no mask, no window (causal is fine),
     positive scale, Hopper (or the CPU interpreter), bf16/fp16 V and Out as TMA takes them."""
-    if not allow_ws or tensor_descriptor() is None:
+    if not launch.allow_ws or tensor_descriptor() is None:
         return False
     if level != LEVEL_QK8 or head_levels is not None or attn_mask is not None:
         return False
-    if has_left or (has_right and right != 0) or not scale > 0 or q.shape[-1] not in SUPPORTED_HEAD_DIMS:
+    if launch.has_left or launch.right != 0 or not launch.scale > 0 or q.shape[-1] not in SUPPORTED_HEAD_DIMS:
         return False
     if v.dtype not in (torch.float16, torch.bfloat16) or v.shape[-1] != q.shape[-1]:
         return False
@@ -402,27 +429,26 @@ def fp8_level_uses_fp8_qk(q, attn_mask, causal: bool, window_left: int, window_r
 
 
 def launch_level(q, k, v, prepared: Prepared, out, attn_mask, head_levels: Optional[torch.Tensor], level: int,
-                 scale: float, causal: bool, bottom_right: bool, window_left: int, window_right: int,
-                 fp8_qk: bool = False, exp_fma=None, allow_ws: bool = True) -> None:
-    """Write into `out` the rows of the heads at `level` (every head when head_levels is None).
-    exp_fma: share of exp2 on the FMA units (settings.exp_fma by default)."""
+                 launch: QuantKernelLaunch) -> None:
+    """Write into `out` the rows of the heads at `level` (every head when head_levels is None)."""
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     if b * hq == 0 or nq == 0:
         return
-    qk_mode, pv_mode = level_modes(level, fp8_qk)
+    qk_mode, pv_mode = level_modes(level, launch.fp8_qk)
+    scale, bottom_right, fp8_qk = launch.scale, launch.bottom_right, launch.fp8_qk
     lay = None if attn_mask is None else RowLayout(b, hq, hkv, nq, nk, d, False, d)  # (read for a mask only)
     mask, mask_strides, mask_kind = mask_args(attn_mask, lay, q)
-    has_left, has_right = window_left >= 0, causal or window_right >= 0
-    left, right = max(window_left, 0), (0 if causal else max(window_right, 0))
-    if (_fp8_ws_ok(allow_ws, q, out, attn_mask, head_levels, level, fp8_qk, scale, has_left, has_right, right)
-            or _qk8_ws_ok(allow_ws, q, v, out, attn_mask, head_levels, level, scale, has_left, has_right, right)):
+    has_left, has_right = launch.has_left, launch.has_right
+    left, right = max(launch.window_left, 0), launch.right
+    if (_fp8_ws_ok(launch, q, out, attn_mask, head_levels, level)
+            or _qk8_ws_ok(launch, q, v, out, attn_mask, head_levels, level)):
         _launch_quant_ws(level, q, v, prepared, out, scale, has_right, bottom_right)
         return
-    exp_share = int(settings.current().exp_fma if exp_fma is None else exp_fma)
+    exp_share = launch.exp_fma
     interp = interpreting()
 
-    def launch(cfg: KernelConfig):
+    def run(cfg: KernelConfig):
         kq, kscale, vq, v_scale, v_mean, n_blocks = prepared.get(qk_mode, pv_mode, cfg.block_n)
         vq_strides = (vq.stride(0), vq.stride(1), vq.stride(2)) if pv_mode == PV_FP8 else (0, 0, 0)
         grid = (_cdiv(nq, cfg.block_m), b * hq)
@@ -450,14 +476,14 @@ def launch_level(q, k, v, prepared: Prepared, out, attn_mask, head_levels: Optio
     if interp:
         cfg = settings.current().forced(kind) or INTERPRET_QUANT
     else:
-        key = (q.device.index, q.dtype, d, causal, bottom_right, has_left, window_right >= 0, mask_kind,
+        key = (q.device.index, q.dtype, d, launch.causal, bottom_right, has_left, launch.window_right >= 0, mask_kind,
                hq != hkv, length_bucket(nq), length_bucket(nk), exp_share)
         # The candidates are only listed (a tensor made for the element size) for a new class.
         # (Only this launch's heads are compared: the others may be left unwritten.)
         written = (lambda: out) if head_levels is None else (
             lambda: out.index_select(1, (head_levels == level).nonzero().flatten()))
-        cfg = CONFIGS.pick(kind, key, lambda: _configs(d, q.dtype, q.device), launch, written)
-    launch(cfg)
+        cfg = CONFIGS.pick(kind, key, lambda: _configs(d, q.dtype, q.device), run, written)
+    run(cfg)
 
 
 def quant_attention(q, k, v, attn_mask=None, *, levels, head_levels: Optional[torch.Tensor] = None,
@@ -470,6 +496,8 @@ def quant_attention(q, k, v, attn_mask=None, *, levels, head_levels: Optional[to
     levels: the levels to launch; head_levels: int32 (Hq,) on q's device giving each head's
     level, or None when `levels` is one level for every head. Heads whose level is not in
     `levels` are left unwritten in `out` (for recomputing some heads of an earlier output).
+    The keyword options make one QuantKernelLaunch for every level's launch (exp_fma: the
+    settings' share by default).
     """
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
@@ -478,9 +506,11 @@ def quant_attention(q, k, v, attn_mask=None, *, levels, head_levels: Optional[to
     if out is None:
         out = new_output(q.shape, q.dtype, q.device)
     prepared = Prepared(k, v) if prepared is None else prepared
+    launch = QuantKernelLaunch(scale, bool(causal), bool(bottom_right), int(window_left), int(window_right),
+                               bool(fp8_qk), int(settings.current().exp_fma if exp_fma is None else exp_fma),
+                               bool(allow_ws))
     for level in levels:
-        launch_level(q, k, v, prepared, out, attn_mask, head_levels, int(level), scale, causal, bottom_right,
-                     window_left, window_right, fp8_qk, exp_fma, allow_ws)
+        launch_level(q, k, v, prepared, out, attn_mask, head_levels, int(level), launch)
     return out
 
 
