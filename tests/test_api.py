@@ -17,7 +17,7 @@ from adaattn.backends.base import Backend
 from adaattn.backends.reference import reference_attention
 from adaattn.problem import SEQ_BUCKETS
 
-from helpers import assert_within_standard, rel_err, sdpa_equivalent
+from helpers import NEEDS_CUDA_OR_INTERPRETER, assert_within_standard, rel_err, sdpa_equivalent
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # Broadcast patterns for a (B, H, Nq, Nk) mask: which leading dims are kept (1 = broadcast).
@@ -394,3 +394,19 @@ def test_a_mask_that_requires_grad_gets_its_gradient_and_our_kernels_decline_it(
     out = adaattn.attention(q, q, q, attn_mask=bias)
     out.sum().backward()
     assert bias.grad is not None and bias.grad.abs().sum() > 0
+
+
+@NEEDS_CUDA_OR_INTERPRETER
+def test_calls_of_one_shape_class_with_other_scales_and_windows_each_get_their_own_launch():
+    """A plan's launch descriptions bake in the scale and window sides: two calls of one shape
+    class that differ only there must not share a plan (found by fuzzing: a scale=0 call's plan
+    ran a later scale=-0.5 call)."""
+    torch.manual_seed(4)
+    q, k = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    policy = adaattn.Policy(backends=("triton",))
+    for kwargs in (dict(scale=0.0), dict(scale=-0.5), dict(scale=0.3), dict(window=(4, 0)), dict(window=(9, 2)),
+                   dict(window=(9, 2), is_causal=True)):
+        ours = adaattn.attention(q, k, k, policy=policy, **kwargs)
+        ref = reference_attention(q, k, k, None, kwargs.get("is_causal", False), kwargs.get("scale"),
+                                  kwargs.get("window"))
+        assert rel_err(ours, ref) < 1e-5, kwargs

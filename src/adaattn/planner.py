@@ -162,9 +162,10 @@ def make_plan(problem: Problem, policy: Policy) -> Plan:
 
 
 def plan_key(problem: Problem, policy: Policy) -> tuple:
-    """What a plan depends on beyond the problem: the policy, the settings, determinism."""
-    return (problem.shape_class, problem.device_index, policy, settings.current(),
-            torch.are_deterministic_algorithms_enabled())
+    """What a plan depends on: the problem's shape class and the values its launch descriptions
+    bake in (scale, window sides), the policy, the settings, determinism."""
+    return (problem.shape_class, problem.scale, problem.window_left, problem.window_right, problem.device_index,
+            policy, settings.current(), torch.are_deterministic_algorithms_enabled())
 
 
 def get_plan(problem: Problem, policy: Policy, compiling: bool = False) -> Plan:
