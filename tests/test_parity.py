@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import adaattn
 from adaattn import Policy, stats
 
-from helpers import DEVICE, NEEDS_CUDA_OR_INTERPRETER, assert_within_standard
+from helpers import DEVICE, NEEDS_CUDA_OR_INTERPRETER, assert_within_standard, rel_err
 
 # The exact paths a call can take: the default dispatch (on the CPU: sdpa.cpu), the float64
 # reference runner, and our Triton kernels (the interpreter on the CPU).
@@ -427,3 +427,17 @@ def test_value_head_dim_differing_from_query_head_dim_runs_on_triton(variant, la
         ours = _run("triton", q, k, v, layout, **kw)
     assert [r.backend for r in recs] == ["triton.ptr"] and not recs[0].fallbacks
     _check(ours, q, k, v, layout, **kw)
+
+
+@pytest.mark.parametrize("path", _path_params(*ALL_PATHS))
+@pytest.mark.parametrize("scale", [0.0, -0.5], ids=["zero", "negative"])
+def test_causal_with_a_non_positive_scale_matches_float64(path, scale):
+    """SDPA itself returns NaN here (is_causal with scale <= 0, torch 2.13 CPU, math and fused
+    kernels); we give the float64 result (found by fuzzing)."""
+    torch.manual_seed(21)
+    q, k = _rand(1, 2, 5, 16), _rand(1, 2, 17, 16)
+    ours = _run(path, q, k, k, is_causal=True, scale=scale)
+    keep = torch.ones(5, 17, dtype=torch.bool, device=DEVICE).tril()
+    ref = F.scaled_dot_product_attention(q.double(), k.double(), k.double(), attn_mask=keep, scale=scale)
+    assert not ours.isnan().any()
+    assert rel_err(ours, ref) < 1e-5

@@ -103,11 +103,14 @@ class SdpaRunner(Runner):
             and problem.dropout_p == 0.0
             and problem.head_dim % 8 == 0
             and problem.value_dim == problem.head_dim
+            and problem.scale > 0
             and not torch.compiler.is_compiling()  # dynamo cannot wrap these ops' SymInt outputs
         ):
             return self.direct(query, key, value, problem)
         causal = problem.causal
-        if problem.window is not None or (causal and attn_mask is not None):
+        # A non-positive scale with is_causal gives NaN in torch's kernels (CPU math and fused,
+        # torch 2.13): the causal mask goes in as a boolean mask instead.
+        if problem.window is not None or (causal and (attn_mask is not None or problem.scale <= 0)):
             attn_mask = fold_positions(
                 attn_mask, problem.q_len, problem.kv_len, causal, problem.window, query.device, query.dtype
             )
