@@ -394,3 +394,17 @@ def test_gpu_compiled_auto_call_matches_eager():
     compiled = torch.compile(f, fullgraph=True)(q, k, v)
     assert torch.equal(compiled, eager)
     assert set(controller.find("compiled-gpu").levels) == {tq.LEVEL_QK8}
+
+
+def test_auto_does_not_quantize_keys_and_values_per_call_in_decode():
+    """Issue 14, item 2: with few query rows against many keys, exact attention is bound by
+    reading K/V, and the quantized runners (whose pre-pass reads and writes them again) decline."""
+    q = torch.randn(1, 8, 1, 64, dtype=torch.bfloat16, device=DEVICE)
+    k = torch.randn(1, 2, 4096, 64, dtype=torch.bfloat16, device=DEVICE)
+    exp = adaattn.explain(q, k, k, enable_gqa=True, policy=adaattn.Policy(mode="auto", precisions=ALL))
+    assert not exp.chosen.startswith("triton.quant")
+    for name in ("triton.quant.general", "triton.quant.ws"):
+        assert any("few query rows against the keys" in r for r in dict(exp.plan.reasons)[name]), name
+    square = torch.randn(1, 8, 64, 64, dtype=torch.bfloat16, device=DEVICE)  # prefill: still offered
+    exp = adaattn.explain(square, square, square, policy=adaattn.Policy(mode="auto", precisions=ALL))
+    assert not any("few query rows" in r for r in dict(exp.plan.reasons)["triton.quant.general"])

@@ -28,6 +28,17 @@ from ..backends.triton_attention import unsupported_options
 from . import controller
 
 
+# Below this many query rows per key/value head (q_len x GQA group), against at least 4x as many
+# keys (decode, chunked prefill against a cache), exact attention is bound by
+# reading K and V (its FLOPs per byte of K/V are about 2 x these rows: under an H100's ~230
+# FLOP/byte balance point until ~100 rows, and the pre-pass reads K/V once more and writes them
+# quantized, so the quantized path cannot win until the kernel's compute dominates). Measured:
+# mode="auto" in decode read 0.9 TB/s against cuDNN's 3.0 (issue 14's table); at 4k x 16 heads the
+# quantized kernels still trail cuDNN (results/2026-11-23-prefill-h100.md). Issue 14 replaces this
+# bound with measured costs.
+MIN_QUERY_ROWS_PER_KV_HEAD = 1024
+
+
 @dataclass(frozen=True)
 class QuantLaunch:
     """What a planned adaptive call needs: the levels allowed beyond exact and the policy's
@@ -157,6 +168,11 @@ class QuantizedRunner(Runner):
             reasons.append("aligns causal masks top-left only.")
         if policy.mode == "auto":
             reasons += allowed_levels(problem, policy)[1]
+        rows = problem.q_len * problem.gqa_groups
+        if rows < MIN_QUERY_ROWS_PER_KV_HEAD and problem.kv_len >= 4 * problem.q_len:
+            reasons.append(f"few query rows against the keys ({problem.q_len} x {problem.gqa_groups} per key/value head, "
+                           f"under {MIN_QUERY_ROWS_PER_KV_HEAD}, with at least 4x as many keys): exact attention is bound by reading K and V there, and "
+                           "quantizing them per call reads them again (a quantized KV cache does it once, at append).")
         if self.warp_specialised and not reasons:
             if not tq.ws_device_ok(device):
                 reasons.append("warp-specialised quantized kernels run on Hopper (sm90) with triton 3.6+ only.")
