@@ -216,6 +216,7 @@ class Explanation:
         lines.append(f"priority ({self.problem.device_type}/{p.arch}, {self.problem.seq_bucket} sequences): "
                      + (" > ".join(p.order) or "(none)"))
         width = max(len(n) for n, _ in p.reasons)
+        predicted = {n: ms for n, ms in p.costs if ms is not None}
         for name, why in p.reasons:
             if name == p.backend:
                 status = "CHOSEN"
@@ -223,6 +224,8 @@ class Explanation:
                 status = "ok (fallback)"
             else:
                 status = "no: " + " ".join(why)
+            if name in predicted:
+                status += f" (predicted {predicted[name]:.3g} ms)"
             lines.append(f"  {name:<{width}}  {status}")
         lines.append(f"chosen: {p.backend}")
         lines += [f"note: {n}" for n in p.notes]

@@ -145,6 +145,11 @@ def make_plan(problem: Problem, policy: Policy) -> Plan:
         lines = [f"no runner can run {problem.describe()} under {policy}:"]
         lines += [f"  {n}: {' '.join(reasons[n])}" for n in names]
         raise NoBackendError("\n".join(lines))
+    candidates, timed = _by_cost(problem, candidates, reasons)
+    if not candidates:
+        lines = [f"no runner can run {problem.describe()} under {policy}:"]
+        lines += [f"  {n}: {' '.join(reasons[n])}" for n in names]
+        raise NoBackendError("\n".join(lines))
     launches = tuple(REGISTRY[n].prepare(problem, policy) for n in candidates)
     first = REGISTRY[candidates[0]]
     if hasattr(first, "notes"):
@@ -157,8 +162,29 @@ def make_plan(problem: Problem, policy: Policy) -> Plan:
         reasons=tuple((n, tuple(reasons[n])) for n in names),
         notes=tuple(notes),
         arch=arch,
-        costs=tuple((n, REGISTRY[n].cost(problem)) for n in candidates),
+        costs=tuple((n, timed.get(n)) for n in candidates),
     )
+
+
+def _by_cost(problem: Problem, candidates: list[str], reasons: dict) -> tuple[list[str], dict]:
+    """Candidates ordered by measured cost where it is known: the exact runners fastest first when
+    every one of them has a prediction, and an approximate runner dropped (with its reason) when
+    it measures no faster than the fastest exact one. Under torch.compile costs are not read."""
+    if torch.compiler.is_compiling():
+        return candidates, {}
+    timed = {n: REGISTRY[n].cost(problem) for n in candidates}
+    exact = [n for n in candidates if REGISTRY[n].exact]
+    if exact and all(timed[n] is not None for n in exact):
+        exact.sort(key=lambda n: timed[n])
+    approximate = []
+    for n in (n for n in candidates if not REGISTRY[n].exact):
+        best = exact[0] if exact else None
+        if best is not None and timed[n] is not None and timed[best] is not None and timed[n] >= timed[best]:
+            reasons[n].append(f"meets the policy but measures {timed[n]:.3g} ms against {best}'s "
+                              f"{timed[best]:.3g} ms here.")
+        else:
+            approximate.append(n)
+    return approximate + exact, timed
 
 
 def plan_key(problem: Problem, policy: Policy) -> tuple:

@@ -168,8 +168,10 @@ class QuantizedRunner(Runner):
             reasons.append("aligns causal masks top-left only.")
         if policy.mode == "auto":
             reasons += allowed_levels(problem, policy)[1]
+        # (Keys against queries first: under torch.compile(dynamic=True) a square call then guards
+        # on that alone, never on the row count, so prefill lengths do not recompile.)
         rows = problem.q_len * problem.gqa_groups
-        if rows < MIN_QUERY_ROWS_PER_KV_HEAD and problem.kv_len >= 4 * problem.q_len:
+        if problem.kv_len >= 4 * problem.q_len and rows < MIN_QUERY_ROWS_PER_KV_HEAD:
             reasons.append(f"few query rows against the keys ({problem.q_len} x {problem.gqa_groups} per key/value head, "
                            f"under {MIN_QUERY_ROWS_PER_KV_HEAD}, with at least 4x as many keys): exact attention is bound by reading K and V there, and "
                            "quantizing them per call reads them again (a quantized KV cache does it once, at append).")

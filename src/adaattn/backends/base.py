@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from .. import costs, hardware
+
 if TYPE_CHECKING:
     from ..policy import Policy
     from ..problem import Problem
@@ -27,9 +29,9 @@ class Runner:
         raise NotImplementedError
 
     def cost(self, problem: Problem) -> Optional[float]:
-        """Predicted milliseconds from committed measurements for this GPU family, or None where
-        there are none."""
-        return None
+        """Predicted milliseconds from measurements for this GPU family (adaattn.costs: the
+        committed ones and the user's own calibration), or None where there are none."""
+        return costs.predict(self.name, hardware.arch(problem.device_type, problem.device_index), problem)
 
     def prepare(self, problem: Problem, policy: Policy) -> Any:
         """The frozen launch description of a planned call (kernel variant, scale, window sides,

@@ -107,6 +107,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--gpt-size", choices=("shipped", "medium"), default=None,
                    help="gpt step: the shipped config, or GPT-2 medium's size (24 layers, d=1024)")
     s.add_argument("--gpt-windows", type=_positive, default=None, help="gpt heldout: windows of 8192 bytes (default 16)")
+    s.add_argument("--install", action="store_true",
+                   help="calibrate: write the measured costs to this user's cache, where the planner reads them")
     parser.add_argument("--backends", default=None, metavar="NAME,...",
                         help="only these rows: registry backends (a prefix such as 'sdpa' takes every "
                         "sdpa.*), 'torch' and 'adaattn'")

@@ -64,6 +64,7 @@ def main_suite(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     settings = Settings(device, args.warmup_ms, args.rep_ms, progress=not args.no_progress)
     rows = run_cases(cases, settings)
+    written = suite.finish(args, rows) if suite.finish is not None else []
     ov_rows = []
     if suite.dispatch_overhead and args.overhead != "no":
         ov_rows = overhead_mod.run_overhead(overhead_mod.default_shapes(device.type), device)
@@ -85,6 +86,8 @@ def main_suite(args: argparse.Namespace) -> int:
         if png is not None:
             print(f"wrote {png}")
 
+    for path in written:
+        print(f"wrote {path}")
     for name, why in settings.not_run.items():
         print(f"not run: {name}: {why}")
     if ov_rows:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import cpu, decode, gpt, hf, prefill, quant, train, varlen, window
+from . import calibrate, cpu, decode, gpt, hf, prefill, quant, train, varlen, window
 
 
 @dataclass(frozen=True)
@@ -19,11 +19,13 @@ class Suite:
     needs_cuda: bool
     cases: Callable
     dispatch_overhead: bool = False
+    finish: Callable | None = None  # (args, rows) -> paths written, after the rows are timed
 
 
 SUITES = {
-    m.NAME: Suite(m.NAME, m.HELP, m.NEEDS_CUDA, m.cases, getattr(m, "DISPATCH_OVERHEAD", False))
-    for m in (prefill, train, decode, quant, window, varlen, hf, gpt, cpu)
+    m.NAME: Suite(m.NAME, m.HELP, m.NEEDS_CUDA, m.cases, getattr(m, "DISPATCH_OVERHEAD", False),
+                  getattr(m, "finish", None))
+    for m in (prefill, train, decode, quant, window, varlen, hf, gpt, cpu, calibrate)
 }
 
 __all__ = ["SUITES", "Suite"]

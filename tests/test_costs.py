@@ -1,0 +1,111 @@
+"""Measured costs (adaattn.costs): interpolation, the planner's use of them, and the calibrate suite."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import adaattn
+from adaattn import costs, planner
+from adaattn.problem import validate
+
+from helpers import DEVICE, NEEDS_CUDA_OR_INTERPRETER
+
+
+@pytest.fixture
+def cost_file(tmp_path, monkeypatch):
+    """A user cost file of our own (the package ships none for the CPU): written, then read."""
+    path = tmp_path / "costs.json"
+    monkeypatch.setenv("ADAATTN_COSTS", str(path))
+
+    def write(entries):
+        costs.write(path, entries, merge=False)
+        costs.load(force=True)
+        planner.reset()
+
+    yield write
+    monkeypatch.delenv("ADAATTN_COSTS")
+    costs.load(force=True)
+
+
+def _problem(n, d=64, dtype=torch.float16, causal=False, q_len=None, policy_grad=False):
+    q = torch.empty(1, 2, n if q_len is None else q_len, d, dtype=dtype, device=DEVICE)
+    k = torch.empty(1, 2, n, d, dtype=dtype, device=DEVICE)
+    return validate(q, k, k, None, 0.0, causal, None, False, "bhsd", None)
+
+
+def test_prediction_interpolates_the_rate_in_log_length_and_scales_by_work(cost_file):
+    arch = "cpu"
+    p1, p4 = _problem(1024), _problem(4096)
+    cost_file([costs.entry("sdpa.cpu", arch, p1, 2.0), costs.entry("sdpa.cpu", arch, p4, 64.0)])
+    r1, r4 = 2.0 / costs.work(p1), 64.0 / costs.work(p4)
+    p2 = _problem(2048)
+    assert costs.predict("sdpa.cpu", arch, p2) == pytest.approx((r1 + r4) / 2 * costs.work(p2))
+    assert costs.predict("sdpa.cpu", arch, _problem(512)) == pytest.approx(r1 * costs.work(_problem(512)))
+    assert costs.predict("sdpa.cpu", arch, _problem(8192)) == pytest.approx(r4 * costs.work(_problem(8192)))
+    assert costs.predict("sdpa.cpu", arch, _problem(1024, causal=True)) is None  # another class: unmeasured
+    assert costs.predict("sdpa.cpu", "sm90", p1) is None
+
+
+def test_a_cost_file_of_another_schema_is_refused(tmp_path, monkeypatch):
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"schema": "something/0", "entries": []}))
+    monkeypatch.setenv("ADAATTN_COSTS", str(path))
+    with pytest.raises(ValueError, match="schema"):
+        costs.load(force=True)
+    monkeypatch.delenv("ADAATTN_COSTS")
+    costs.load(force=True)
+
+
+@NEEDS_CUDA_OR_INTERPRETER
+def test_the_planner_runs_the_exact_runner_measured_fastest_and_says_so(cost_file):
+    problem = _problem(256)
+    arch = "cpu" if DEVICE == "cpu" else adaattn.hardware.arch("cuda", None)
+    policy = adaattn.Policy(backends=("triton",))
+    first = planner.make_plan(problem, policy)
+    slow, fast = first.candidates[0], first.candidates[-1]
+    assert slow != fast
+    cost_file([costs.entry(n, arch, problem, 5.0 if n != fast else 1.0) for n in first.candidates])
+    plan = planner.make_plan(problem, policy)
+    assert plan.backend == fast and dict(plan.costs)[fast] == pytest.approx(1.0)
+    q = torch.randn(1, 2, 256, 64, dtype=torch.float16, device=DEVICE)
+    assert "predicted 1 ms" in str(adaattn.explain(q, q, q, policy=policy))
+
+
+@NEEDS_CUDA_OR_INTERPRETER
+def test_an_approximate_runner_measured_slower_than_exact_never_runs(cost_file):
+    problem = _problem(256)
+    arch = "cpu" if DEVICE == "cpu" else adaattn.hardware.arch("cuda", None)
+    policy = adaattn.Policy(mode="auto", precisions=("native", "int8", "fp8"), backends=("triton",))
+    first = planner.make_plan(problem, policy)
+    approximate = [n for n in first.candidates if not planner.REGISTRY[n].exact]
+    assert approximate, first.reasons
+    cost_file([costs.entry(n, arch, problem, 3.0 if n in approximate else 2.0) for n in first.candidates])
+    plan = planner.make_plan(problem, policy)
+    assert plan.backend not in approximate
+    for name in approximate:
+        assert name not in plan.candidates
+        assert any("measures 3 ms against" in r for r in dict(plan.reasons)[name]), dict(plan.reasons)[name]
+
+
+def test_calibrate_suite_writes_costs_the_planner_then_reads(tmp_path, monkeypatch):
+    from adaattn.cli import main
+
+    user = tmp_path / "user" / "costs.json"
+    monkeypatch.setenv("ADAATTN_COSTS", str(user))
+    out = tmp_path / "out"
+    try:
+        assert main(["bench", "--suite", "calibrate", "--device", "cpu", "--seq-lens", "64,128", "--rep-ms", "5",
+                     "--warmup-ms", "1", "--out", str(out), "--install", "--no-progress"]) == 0
+        written = json.loads((out / "costs.json").read_text())
+        assert written["schema"] == costs.SCHEMA
+        assert {e["runner"] for e in written["entries"]} >= {"sdpa.cpu"}
+        assert {e["n"] for e in written["entries"]} == {64, 128}
+        assert user.is_file()
+        q = torch.randn(1, 4, 96, 64)
+        assert costs.predict("sdpa.cpu", "cpu", validate(q, q, q)) > 0  # between the measured lengths
+    finally:
+        monkeypatch.delenv("ADAATTN_COSTS")
+        costs.load(force=True)
