@@ -36,8 +36,29 @@ MASK_NONE, MASK_BOOL, MASK_ADDITIVE = 0, 1, 2  # kernels/attention_fwd.py's MASK
 LOG2E = 1.4426950408889634
 
 
+class WindowSides:
+    """The visible band of a launch with `causal`, `window_left` and `window_right` (-1 unbounded):
+    causal is the right bound 0."""
+
+    @property
+    def has_left(self) -> bool:
+        return self.window_left >= 0
+
+    @property
+    def has_right(self) -> bool:
+        return self.causal or self.window_right >= 0
+
+    @property
+    def left(self) -> int:
+        return max(self.window_left, 0)
+
+    @property
+    def right(self) -> int:
+        return 0 if self.causal else max(self.window_right, 0)
+
+
 @dataclass(frozen=True)
-class AttentionLaunch:
+class AttentionLaunch(WindowSides):
     """Everything a launch of our exact kernels needs beyond the tensors.
 
     variant: "ws" (warp-specialised, Hopper), "tma" (tensor-descriptor K/V loads) or "ptr".
@@ -64,23 +85,6 @@ class AttentionLaunch:
             raise ValueError(f"dq_mode must be one of {DQ_MODES}, got {self.dq_mode!r}")
         if self.exp_fma not in (0, 2, 4):
             raise ValueError(f"exp_fma must be 0, 2 or 4, got {self.exp_fma!r}")
-
-    @property
-    def has_left(self) -> bool:
-        return self.window_left >= 0
-
-    @property
-    def has_right(self) -> bool:
-        return self.causal or self.window_right >= 0
-
-    @property
-    def left(self) -> int:
-        return max(self.window_left, 0)
-
-    @property
-    def right(self) -> int:
-        return 0 if self.causal else max(self.window_right, 0)
-
 
 def make_launch(variant: str, scale: float, causal: bool, window_left: int = -1, window_right: int = -1,
                 bottom_right: bool = False, deterministic: bool = False) -> AttentionLaunch:

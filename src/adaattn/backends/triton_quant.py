@@ -30,6 +30,7 @@ from .triton_configs import KernelConfig, interpreting, length_bucket
 from .triton_launch import (
     LOG2E,
     RowLayout,
+    WindowSides,
     dot_precision,
     ensure_triton_allocator,
     mask_args,
@@ -304,7 +305,7 @@ class Prepared:
 
 
 @dataclass(frozen=True)
-class QuantKernelLaunch:
+class QuantKernelLaunch(WindowSides):
     """What a quantized launch needs beyond the tensors and the level: the scale, the
     causal/window sides (-1 unbounded), the fp8 level's Q.K^T precision, the exp2 share on the FMA
     units, and whether the warp-specialised kernels may run (runner triton.quant.ws)."""
@@ -317,18 +318,6 @@ class QuantKernelLaunch:
     fp8_qk: bool = False
     exp_fma: int = 0
     allow_ws: bool = True
-
-    @property
-    def has_left(self) -> bool:
-        return self.window_left >= 0
-
-    @property
-    def has_right(self) -> bool:
-        return self.causal or self.window_right >= 0
-
-    @property
-    def right(self) -> int:
-        return 0 if self.causal else max(self.window_right, 0)
 
 
 # The config kind of (level, fp8_qk): "quant_<level>", "_fp8qk" for the fp8 level with FP8 Q.K^T.
