@@ -1,0 +1,16 @@
+"""Context (sequence) parallel attention over a torch.distributed process group.
+
+`ring_attention` computes exact attention for a sequence sharded across the ranks of a group:
+K/V shards travel around the ring (isend/irecv) while each rank attends its local queries to
+the visiting keys, and partial results merge exactly by log-sum-exp. The same code runs on
+NCCL (GPU tensors) and gloo (CPU tensors). `shard` / `unshard` split and restore the global
+sequence in the layout ("zigzag" or "plain") that ring_attention assumes.
+
+Not imported by `import adaattn`; use `import adaattn.distributed`.
+"""
+
+from __future__ import annotations
+
+from .ring import RingAttention, positions, ring_attention, shard, unshard
+
+__all__ = ["RingAttention", "positions", "ring_attention", "shard", "unshard"]
