@@ -42,13 +42,14 @@ def attention(
 ) -> torch.Tensor:
     """Scaled dot-product attention, a drop-in for torch.nn.functional.scaled_dot_product_attention.
 
-    Shapes with layout="bhsd" (default): query (B, Hq, Nq, D), key (B, Hkv, Nk, D),
-    value (B, Hkv, Nk, Dv) -> (B, Hq, Nq, Dv). With layout="bshd" every tensor is
-    (B, N, H, D) instead, and the result is a (B, Nq, Hq, Dv) view; no copies are made.
+    Shapes with layout="bhsd" (default): query (..., Hq, Nq, D), key (..., Hkv, Nk, D),
+    value (..., Hkv, Nk, Dv) -> (..., Hq, Nq, Dv), at least 2-D, leading dims broadcasting
+    against each other as SDPA's do. With layout="bshd" the tensors are (..., N, H, D) instead,
+    and the result is a (..., Nq, Hq, Dv) view; no copies are made for 4-D inputs.
     dtypes: float16, bfloat16, float32 (and float64), all three the same.
 
-    attn_mask: bool (True = takes part) or additive in the query dtype, broadcastable to
-        (B, Hq, Nq, Nk); it is always in (B, H, Nq, Nk) order, whatever the layout.
+    attn_mask: bool (True = takes part) or additive (the query dtype, or float32), at least 2-D,
+        broadcastable to (..., Hq, Nq, Nk); always in (..., H, Nq, Nk) order, whatever the layout.
     is_causal: top-left aligned causal mask, as SDPA; may be combined with attn_mask.
     window: (left, right) sliding window: query i attends keys i-left .. i+right
         (None on a side = unbounded); combines with is_causal and attn_mask.
@@ -62,14 +63,20 @@ def attention(
     backend can run the call under the policy.
     """
     compiling = _compiling()
-    hit = None if compiling else _cached(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout, window, policy)
+    signature = None if compiling else _signature_or_none(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                                          enable_gqa, layout, window, policy)
+    hit = None
+    if signature is not None:
+        try:
+            hit = planner.recall_call(signature)
+        except TypeError:  # an unhashable argument: such calls are validated every time
+            signature = None
     if hit is None:
         problem = validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout, window)
         pol = _check_policy(policy)
         plan = planner.get_plan(problem, pol, compiling)
-        if not compiling:
-            planner.remember_call(_signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                                             layout, window, policy), (problem, pol, plan))
+        if signature is not None:
+            planner.remember_call(signature, (problem, pol, plan))
     else:
         problem, pol, plan = hit
     if problem.layout == "bshd":
@@ -106,30 +113,23 @@ def _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     )
 
 
-def _cached(*args):
-    """The (problem, policy, plan) of an earlier call with the same signature, if any.
-
-    Validation and planning cost more than a short kernel; a repeated call skips both.
-    """
+def _signature_or_none(*args):
+    """The call's signature, the key of its (problem, policy, plan): validation and planning cost
+    more than a short kernel, and a repeated call skips both. None where it cannot be made."""
     try:
-        return planner.recall_call(_signature(*args))
+        return _signature(*args)
     except (AttributeError, TypeError):  # not tensors, or unhashable arguments: validate() says why
         return None
 
 
-def _run(q, k, v, attn_mask, problem: Problem, plan: Plan, label: Optional[str] = None,
-         recorded: bool = False) -> tuple[torch.Tensor, tuple[str, ...], Optional[dict]]:
-    """Run the first candidate; a runner that raises is marked failed and the next one runs.
-    Returns (out, failed runners, the decisions of the runner that ran when `recorded`)."""
+def _first_that_runs(problem: Problem, plan: Plan, call) -> tuple[object, tuple[str, ...]]:
+    """call(runner, launch) on the first candidate; a runner that raises is marked failed and
+    the next one runs. Returns (what call returned, the runners that failed)."""
     failed: list[str] = []
     last = len(plan.candidates) - 1
     for i, (name, launch) in enumerate(zip(plan.candidates, plan.launches)):
-        runner = planner.REGISTRY[name]
         try:
-            if recorded:
-                out, decisions = runner.run_recorded(q, k, v, attn_mask, problem, launch, label)
-                return out, tuple(failed), decisions
-            return runner.run(q, k, v, attn_mask, problem, launch, label), tuple(failed), None
+            return call(planner.REGISTRY[name], launch), tuple(failed)
         except Exception as e:
             _raise_if_oom(e, name, problem)
             if i == last:
@@ -139,6 +139,18 @@ def _run(q, k, v, attn_mask, problem: Problem, plan: Plan, label: Optional[str] 
             planner.mark_failed(name, problem, e)  # a kernel failure: fall back to a slower path
             failed.append(name)
     raise AssertionError("unreachable: a plan always has a candidate")
+
+
+def _run(q, k, v, attn_mask, problem: Problem, plan: Plan, label: Optional[str] = None,
+         recorded: bool = False) -> tuple[torch.Tensor, tuple[str, ...], Optional[dict]]:
+    """Run the plan (see _first_that_runs). Returns (out, failed runners, the decisions of the
+    runner that ran when `recorded`)."""
+    if recorded:
+        (out, decisions), failed = _first_that_runs(
+            problem, plan, lambda r, launch: r.run_recorded(q, k, v, attn_mask, problem, launch, label))
+        return out, failed, decisions
+    out, failed = _first_that_runs(problem, plan, lambda r, launch: r.run(q, k, v, attn_mask, problem, launch, label))
+    return out, failed, None
 
 
 def _raise_if_oom(e: BaseException, name: str, problem: Problem) -> None:
@@ -326,20 +338,10 @@ def varlen_attention(
         gqa=q.shape[1] != k.shape[1], varlen=True, bottom_right=causal_alignment == "bottom_right",
     )
     plan = planner.get_plan(problem, pol, _compiling())
-    failed: list[str] = []
-    for i, (name, launch) in enumerate(zip(plan.candidates, plan.launches)):
-        runner = planner.REGISTRY[name]
-        try:
-            out = runner.run_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, problem, launch)
-            break
-        except Exception as e:
-            _raise_if_oom(e, name, problem)
-            if i == len(plan.candidates) - 1:
-                raise
-            planner.mark_failed(name, problem, e)
-            failed.append(name)
+    out, failed = _first_that_runs(problem, plan, lambda r, launch: r.run_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, problem, launch))
     if stats.enabled and not _compiling():
-        _record(problem, plan, pol, None, tuple(failed), None, None)
+        _record(problem, plan, pol, None, failed, None, None)
     return out
 
 

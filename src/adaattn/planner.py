@@ -151,9 +151,7 @@ def make_plan(problem: Problem, policy: Policy) -> Plan:
         lines += [f"  {n}: {' '.join(reasons[n])}" for n in names]
         raise NoBackendError("\n".join(lines))
     launches = tuple(REGISTRY[n].prepare(problem, policy) for n in candidates)
-    first = REGISTRY[candidates[0]]
-    if hasattr(first, "notes"):
-        notes = first.notes(problem, launches[0]) + notes
+    notes = REGISTRY[candidates[0]].notes(problem, launches[0]) + notes
     return Plan(
         backend=candidates[0],
         candidates=tuple(candidates),
@@ -212,13 +210,11 @@ def recall_call(signature: tuple):
 
 
 def remember_call(signature: tuple, entry: tuple) -> None:
-    try:
-        with _lock:
-            if len(_calls) >= _CALLS_LIMIT:
-                _calls.clear()
-            _calls[signature] = entry
-    except TypeError:  # an unhashable argument: such calls are simply not cached
-        pass
+    """Keep a call's (problem, policy, plan) under its signature (recall_call hashed it already)."""
+    with _lock:
+        if len(_calls) >= _CALLS_LIMIT:
+            _calls.clear()
+        _calls[signature] = entry
 
 
 def mark_failed(name: str, problem: Problem, error: BaseException) -> None:

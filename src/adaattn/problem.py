@@ -282,8 +282,7 @@ def validate(
     if nv != nk:
         raise ValueError(f"value seq length must equal key seq length {nk}, got {nv}")
     q_lead, k_lead, v_lead = qs[:-2], ks[:-2], vs[:-2]
-    if k_lead != v_lead and _broadcast([k_lead, v_lead], "key and value") != k_lead:
-        k_lead = _broadcast([k_lead, v_lead], "key and value")
+    k_lead = _broadcast([k_lead, v_lead], "key and value")
     hq = q_lead[-1] if q_lead else 1
     hk = k_lead[-1] if k_lead else 1
     gqa = False

@@ -38,6 +38,10 @@ class Runner:
         constexprs), built once per plan; None where the runner needs none."""
         return None
 
+    def notes(self, problem: Problem, launch: Any) -> list[str]:
+        """What explain should say about a planned call when this runner is chosen."""
+        return []
+
     def run(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             attn_mask: Optional[torch.Tensor], problem: Problem, launch: Any,
             label: Optional[str] = None) -> torch.Tensor:

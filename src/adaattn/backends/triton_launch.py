@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import settings
+from ..problem import tma_aligned
 from .triton_configs import (
     DELTA_CONFIG,
     INTERPRET_CONFIGS,
@@ -183,9 +184,8 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 def tma_ok(t: torch.Tensor) -> bool:
-    """A tensor a TMA descriptor takes as it is: unit last stride, 16-byte aligned base and strides."""
-    e = t.element_size()
-    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and not any((st * e) % 16 for st in t.stride()[:-1])
+    """A tensor a TMA descriptor takes as it is (problem.tma_aligned, the fact the planner read)."""
+    return tma_aligned(t)
 
 
 def tensor_descriptor():

@@ -254,6 +254,15 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _visiting(q_pos_cpu, src: int, world: int, m: int, balance: str, causal: bool, window: Window, device):
+    """Global positions (on `device`) of the K/V shard of rank `src`, or None when no local query
+    sees any of its keys (the block is skipped). Decided on the CPU: no device sync."""
+    vis = _mask(q_pos_cpu, positions(src, world, m, balance), causal, window)
+    if vis is not None and not bool(vis.any()):
+        return None
+    return positions(src, world, m, balance, device)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, rank, world, causal, scale, window, balance):
@@ -270,10 +279,8 @@ class _RingAttention(torch.autograd.Function):
             reqs, nxt = None, None
             if step < world - 1:
                 nxt, reqs = ring.exchange([cur_k, cur_v])
-            src = (rank - step) % world
-            vis = _mask(q_pos_cpu, positions(src, world, m, balance), causal, window)
-            if vis is None or bool(vis.any()):
-                k_pos = positions(src, world, m, balance, q.device)
+            k_pos = _visiting(q_pos_cpu, (rank - step) % world, world, m, balance, causal, window, q.device)
+            if k_pos is not None:
                 bo, bl = _block_forward(qc, cur_k.to(cdt), cur_v.to(cdt), scale, q_pos, k_pos, causal, window)
                 out, lse = _merge(out, lse, bo, bl)
             if reqs is not None:
@@ -303,10 +310,8 @@ class _RingAttention(torch.autograd.Function):
             kv_reqs, nxt = None, None
             if step < world - 1:
                 nxt, kv_reqs = ring.exchange([cur_k, cur_v])
-            src = (rank - step) % world
-            vis = _mask(q_pos_cpu, positions(src, world, m, balance), causal, window)
-            if vis is None or bool(vis.any()):
-                k_pos = positions(src, world, m, balance, q.device)
+            k_pos = _visiting(q_pos_cpu, (rank - step) % world, world, m, balance, causal, window, q.device)
+            if k_pos is not None:
                 bdq, bdk, bdv = _block_backward(qc, cur_k.to(cdt), cur_v.to(cdt), doc, lse, delta, scale,
                                                 q_pos, k_pos, causal, window)
                 dq += bdq
