@@ -91,7 +91,12 @@ def test_varlen_packs_documents_and_quant_takes_tolerances():
     cases = _cases(["--suite", "varlen", "--documents", "4", "--doc-len", "2048"])
     assert [(c.fields["documents"], c.fields["doc_len"]) for c in cases] == [(4, 2048), (4, 2048)]
     assert cases[0].baseline == "cuDNN (batch)" and cases[0].work == 2 * 4 * 16 * 2048 * 2048 * 128
-    assert len(_cases(["--suite", "quant", "--tolerances", "2e-2"])) == 4
+    quant = _cases(["--suite", "quant", "--tolerances", "2e-2"])
+    # The four yardsticks, GQA 32/8 at 8k causal, decode at 8k and 32k of KV: each against the default call too.
+    assert [c.x for c in quant] == [4096, 16384, 4096, 16384, 8192, 8192, 32768]
+    assert all(c.also == ("adaattn exact",) for c in quant)
+    assert quant[4].fields["kv_heads"] == 8 and quant[5].fields["q_len"] == 1
+    assert len(_cases(["--suite", "quant", "--seq-lens", "1024"])) == 2  # a grid given: the grid alone
     with pytest.raises(SystemExit):
         _cases(["--suite", "quant", "--tolerances", "2"])
 

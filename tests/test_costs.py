@@ -82,12 +82,15 @@ def test_an_approximate_runner_measured_slower_than_exact_never_runs(cost_file):
     first = planner.make_plan(problem, policy)
     approximate = [n for n in first.candidates if not planner.REGISTRY[n].exact]
     assert approximate, first.reasons
-    cost_file([costs.entry(n, arch, problem, 3.0 if n in approximate else 2.0) for n in first.candidates])
+    exact = [n for n in first.candidates if planner.REGISTRY[n].exact]
+    levels = [costs.entry(f"{n}:{lv}", arch, problem, 3.0) for n in approximate for lv in ("exact", "qk8", "fp8")]
+    cost_file([costs.entry(n, arch, problem, 2.0) for n in exact] + levels)
     plan = planner.make_plan(problem, policy)
     assert plan.backend not in approximate
     for name in approximate:
         assert name not in plan.candidates
-        assert any("measures 3 ms against" in r for r in dict(plan.reasons)[name]), dict(plan.reasons)[name]
+        assert any("cheapest option measures 3 ms against" in r for r in dict(plan.reasons)[name]), \
+            dict(plan.reasons)[name]
 
 
 def test_calibrate_suite_writes_costs_the_planner_then_reads(tmp_path, monkeypatch):

@@ -171,8 +171,8 @@ def _run_recorded(q, k, v, attn_mask, problem, plan, policy, label):
 
 
 def _record(problem, plan, policy, label, failed, decisions, wall) -> None:
-    ran = next(n for n in plan.candidates if n not in failed)
     decisions = dict(decisions or {})
+    ran = decisions.pop("ran", None) or next(n for n in plan.candidates if n not in failed)
     notes = list(plan.notes)
     note = decisions.pop("note", None)
     if note:

@@ -18,7 +18,7 @@ import torch
 
 from . import hardware, policy as policy_mod, settings
 from .adaptive.runner import adaptive_runners
-from .backends import Runner, exact_runners
+from .backends import ExactAlternative, Runner, exact_runners
 from .policy import Policy
 from .problem import Problem
 
@@ -145,12 +145,13 @@ def make_plan(problem: Problem, policy: Policy) -> Plan:
         lines = [f"no runner can run {problem.describe()} under {policy}:"]
         lines += [f"  {n}: {' '.join(reasons[n])}" for n in names]
         raise NoBackendError("\n".join(lines))
-    candidates, timed = _by_cost(problem, candidates, reasons)
+    launches = {n: REGISTRY[n].prepare(problem, policy) for n in candidates}
+    candidates, timed = _by_cost(problem, candidates, launches, reasons)
     if not candidates:
         lines = [f"no runner can run {problem.describe()} under {policy}:"]
         lines += [f"  {n}: {' '.join(reasons[n])}" for n in names]
         raise NoBackendError("\n".join(lines))
-    launches = tuple(REGISTRY[n].prepare(problem, policy) for n in candidates)
+    launches = _with_exact_alternative(problem, candidates, launches, timed)
     notes = REGISTRY[candidates[0]].notes(problem, launches[0]) + notes
     return Plan(
         backend=candidates[0],
@@ -164,13 +165,14 @@ def make_plan(problem: Problem, policy: Policy) -> Plan:
     )
 
 
-def _by_cost(problem: Problem, candidates: list[str], reasons: dict) -> tuple[list[str], dict]:
+def _by_cost(problem: Problem, candidates: list[str], launches: dict, reasons: dict) -> tuple[list[str], dict]:
     """Candidates ordered by measured cost where it is known: the exact runners fastest first when
     every one of them has a prediction, and an approximate runner dropped (with its reason) when
-    it measures no faster than the fastest exact one. Under torch.compile costs are not read."""
+    even its cheapest allowed option measures no faster than the fastest exact one. Under
+    torch.compile costs are not read."""
     if torch.compiler.is_compiling():
         return candidates, {}
-    timed = {n: REGISTRY[n].cost(problem) for n in candidates}
+    timed = {n: REGISTRY[n].cost(problem, launches[n]) for n in candidates}
     exact = [n for n in candidates if REGISTRY[n].exact]
     if exact and all(timed[n] is not None for n in exact):
         exact.sort(key=lambda n: timed[n])
@@ -178,11 +180,29 @@ def _by_cost(problem: Problem, candidates: list[str], reasons: dict) -> tuple[li
     for n in (n for n in candidates if not REGISTRY[n].exact):
         best = exact[0] if exact else None
         if best is not None and timed[n] is not None and timed[best] is not None and timed[n] >= timed[best]:
-            reasons[n].append(f"meets the policy but measures {timed[n]:.3g} ms against {best}'s "
-                              f"{timed[best]:.3g} ms here.")
+            reasons[n].append(f"meets the policy but its cheapest option measures {timed[n]:.3g} ms against "
+                              f"{best}'s {timed[best]:.3g} ms here.")
         else:
             approximate.append(n)
     return approximate + exact, timed
+
+
+def _with_exact_alternative(problem: Problem, candidates: list[str], launches: dict, timed: dict) -> tuple:
+    """The candidates' launch descriptions in order, each approximate one told the fastest exact
+    candidate (which it runs instead where its own option measures no faster at a call site)."""
+    exact = next((n for n in candidates if REGISTRY[n].exact), None)
+    out = []
+    for n in candidates:
+        launch = launches[n]
+        if exact is not None and not REGISTRY[n].exact:
+            runner, exact_launch = REGISTRY[exact], launches[exact]
+
+            def run(q, k, v, attn_mask, problem, label=None, runner=runner, exact_launch=exact_launch):
+                return runner.run(q, k, v, attn_mask, problem, exact_launch, label)
+
+            launch = REGISTRY[n].attach_exact(launch, ExactAlternative(exact, timed.get(exact), run))
+        out.append(launch)
+    return tuple(out)
 
 
 def plan_key(problem: Problem, policy: Policy) -> tuple:

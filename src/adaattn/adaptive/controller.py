@@ -26,14 +26,17 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 import zlib
 from collections import deque
 
 import torch
 
+from .. import hardware
 from ..backends import triton_quant as tq
 from ..backends import triton_verify
 from . import analysis
+from . import choice as choice_mod
 
 PREDICT_MARGIN = 0.7
 VERIFY_MARGIN = 0.8
@@ -64,8 +67,9 @@ class PrecisionController:
     """Levels and measured errors per query head for one call site."""
 
     def __init__(self, site: str, tolerance: float, verify: float, allowed: tuple[int, ...], q_heads: int,
-                 fp8_qk: bool = False, seed: int = 0, allow_ws: bool = True):
+                 fp8_qk: bool = False, seed: int = 0, allow_ws: bool = True, runner: str = choice_mod.GENERAL):
         self.site = site
+        self.runner = runner  # whose cost entries predict this site's time
         self.allow_ws = allow_ws  # the warp-specialised kernels may run (runner triton.quant.ws)
         self.tolerance = float(tolerance)
         self.verify = float(verify)
@@ -91,6 +95,13 @@ class PrecisionController:
         self._up_tables: dict = {}
         self._captured: list = []  # device tensors a CUDA graph points at: never freed
         self._lock = threading.RLock()
+        # Time: quantized or exact, per problem size (batch, heads, q_len, kv_len); the site's
+        # measurements of its own option (verified calls) and of both (first call, without data).
+        self._choices: dict[tuple, choice_mod.Choice] = {}
+        self._measured: dict[tuple, float] = {}
+        self._exact_measured: dict[tuple, float] = {}
+        self._ratio: float | None = None  # quantized / exact, measured at the site's first size
+        self.last_choice: choice_mod.Choice | None = None
 
     # ---- host-side state ----------------------------------------------------------------
 
@@ -101,19 +112,22 @@ class PrecisionController:
         return {"site": self.site, "tolerance": self.tolerance, "levels": names, "errors": list(self.errors),
                 "error_ema": list(self.ema), "predicted": self.predicted, "statistics": self.statistics,
                 "calls": self.calls, "verified_calls": self.verified_calls, "escalations": self.escalations,
-                "step_downs": self.step_downs}
+                "step_downs": self.step_downs,
+                "choice": None if self.last_choice is None else self.last_choice.as_dict()}
 
     def poll(self, wait: bool = False) -> None:
         """Apply finished verification readbacks (all of them, waiting, with wait=True)."""
         with self._lock:
             while self._pending:
-                event, started, errors, levels, first_errors = self._pending[0]
+                event, started, errors, levels, first_errors, timed = self._pending[0]
                 if not wait and event is not None and not event.query():
                     return
                 if event is not None:
                     event.synchronize()
                 self._pending.popleft()
                 self._apply(started, levels.tolist(), errors.tolist(), first_errors.tolist())
+                if timed is not None:
+                    self._apply_time(*timed)
 
     def _apply(self, started: list[int], levels: list[int], errors: list[float], first_errors: list[float]) -> None:
         """One verified call's readback: the levels it started at, the levels it ended at (a
@@ -126,6 +140,8 @@ class PrecisionController:
                         self._no_probe[h] = True  # the cheaper level was tried again and failed
                     self._probing[h] = None
                     self.levels[h] = min(self.levels[h], levels[h])
+                    self._choices.clear()  # the site's option changed: its times are predicted again
+                    self._measured.clear()
                     self.ema[h] = errors[h]
                     self._calm[h] = 0
                 elif levels[h] == self.levels[h]:
@@ -151,6 +167,8 @@ class PrecisionController:
         self._probing[h] = level
         self._calm[h] = 0
         self.step_downs += 1
+        self._choices.clear()
+        self._measured.clear()
 
     def _generator(self, device: torch.device) -> torch.Generator:
         key = str(device)
@@ -188,38 +206,111 @@ class PrecisionController:
 
     # ---- one call -------------------------------------------------------------------------
 
-    def run(self, q, k, v, attn_mask, scale, causal, bottom_right, window_left, window_right):
-        """(out, info): attention with every head at its level; info feeds adaattn.stats."""
+    def run(self, q, k, v, attn_mask, scale, causal, bottom_right, window_left, window_right, exact=None,
+            problem=None):
+        """(out, info): attention with every head at its level; info feeds adaattn.stats.
+
+        exact (a backends.ExactAlternative) and problem: the fastest exact runner for this call,
+        which runs instead where the site's option is no faster (adaptive/choice.py)."""
         self.calls += 1
         kw = dict(scale=scale, causal=causal, bottom_right=bottom_right, window_left=window_left,
                   window_right=window_right, fp8_qk=self.fp8_qk, allow_ws=self.allow_ws)
         # The pre-pass and the kernels read rows with unit stride along the head dimension.
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+        if exact is not None and problem is None:
+            exact = None
         if capturing:
-            return self._run_captured(q, k, v, attn_mask, kw)
+            return self._run_captured(q, k, v, attn_mask, kw, exact, problem)
         self.poll()
         if self.levels is None:
             if q.numel() == 0 or k.shape[2] == 0:  # nothing to learn from: exact, warm up later
                 out = tq.quant_attention(q, k, v, attn_mask, levels=[tq.LEVEL_EXACT], **kw)
                 return out, {"levels": ["exact"] * self.q_heads, "verified": False,
                              "errors": [None] * self.q_heads, "note": "empty input: exact, no warm-up"}
-            return self._warm_up(q, k, v, attn_mask, kw)
+            out, info = self._warm_up(q, k, v, attn_mask, kw)
+            if exact is not None:
+                picked = self.choose(problem, exact, (q, k, v, attn_mask, kw))
+                info.update(picked.as_dict())
+            return out, info
+        picked = self.choose(problem, exact) if exact is not None else None
+        if picked is not None and not picked.quantized:
+            out = exact.run(q, k, v, attn_mask, problem)
+            return out, {"levels": [tq.LEVELS[x] for x in self.levels], "verified": False,
+                         "errors": list(self.errors), "errors_measured_on": "an earlier call", **picked.as_dict(),
+                         "ran": exact.name}
         verify = self.verify > 0 and self._rng.random() < self.verify and q.numel() > 0 and k.shape[2] > 0
         prepared = tq.Prepared(k, v)
         levels, levels_dev = self._snapshot(q.device)
         present = sorted(set(levels))
+        timer = _Timer(q.device) if verify and picked is not None else None
         out = tq.quant_attention(q, k, v, attn_mask, levels=present,
                                  head_levels=levels_dev if len(present) > 1 else None, prepared=prepared, **kw)
+        if timer is not None:
+            timer.stop()
         info = {"levels": [tq.LEVELS[x] for x in levels], "verified": verify,
                 "errors": list(self.errors), "errors_measured_on": "an earlier call"}
+        if picked is not None:
+            info.update(picked.as_dict())
         if not verify:
             return out, info
         self.verified_calls += 1
         errors, final, first = self._verify(q, k, v, attn_mask, out, levels_dev, present, prepared, kw)
-        self._queue(levels, errors, final, first)
+        self._queue(levels, errors, final, first, None if timer is None else (timer, _size(problem)))
         info.update(verified=True, errors=errors, levels_after=final, errors_measured_on="this call")
         return out, info
+
+    # ---- time: the site's option against the exact runner ---------------------------------
+
+    def choose(self, problem, exact, inputs=None) -> choice_mod.Choice:
+        """The site's choice for this problem size (cached until its levels or measurements
+        change). With `inputs` (the first call, which synchronises anyway) and no figure to
+        compare, both options are timed once here on a CUDA device."""
+        key = _size(problem)
+        with self._lock:
+            levels = list(self.levels)
+        ckey = (key, tuple(levels))
+        picked = self._choices.get(ckey)
+        if picked is not None:
+            self.last_choice = picked
+            return picked
+        arch = hardware.arch(problem.device_type, problem.device_index)
+        predicted = choice_mod.predict_levels(self.runner, arch, problem, levels)
+        exact_ms = exact.predicted_ms if exact.predicted_ms is not None else self._exact_measured.get(key)
+        measured = self._measured.get(key)
+        needs = (measured is None and predicted is None) or exact_ms is None
+        if needs and inputs is not None and problem.device_type == "cuda" and self._ratio is None \
+                and any(lv != tq.LEVEL_EXACT for lv in levels):
+            measured, exact_ms = self._time_both(problem, exact, levels, *inputs)
+            self._measured[key], self._exact_measured[key] = measured, exact_ms
+            self._ratio = measured / exact_ms if exact_ms > 0 else None
+        picked = choice_mod.decide(levels, predicted, measured, exact.name, exact_ms, self._ratio)
+        self._choices[ckey] = picked
+        self.last_choice = picked
+        return picked
+
+    def _time_both(self, problem, exact, levels, q, k, v, attn_mask, kw) -> tuple[float, float]:
+        """Milliseconds of one steady-state launch of the site's levels and of one exact call
+        (after one untimed exact call: its first may build plans), on the current stream."""
+        present = sorted(set(levels))
+        head_levels = torch.tensor(levels, dtype=torch.int32, device=q.device) if len(present) > 1 else None
+        exact.run(q, k, v, attn_mask, problem)
+        t = _Timer(q.device)
+        exact.run(q, k, v, attn_mask, problem)
+        t.stop()
+        u = _Timer(q.device)
+        tq.quant_attention(q, k, v, attn_mask, levels=present, head_levels=head_levels, prepared=tq.Prepared(k, v),
+                           **kw)
+        u.stop()
+        return u.ms(), t.ms()
+
+    def _apply_time(self, timer: "_Timer", key: tuple) -> None:
+        """A verified call's measured time of the site's option: an EMA per size, which takes the
+        place of the prediction for that size from then on."""
+        ms = timer.ms()
+        prev = self._measured.get(key)
+        self._measured[key] = ms if prev is None else (1 - EMA) * prev + EMA * ms
+        self._choices = {k: c for k, c in self._choices.items() if k[0] != key}
 
     def _sample_rows(self, q_len: int, device: torch.device) -> torch.Tensor:
         """SAMPLE_ROWS distinct query rows (all when q_len <= SAMPLE_ROWS), sorted, int32 on
@@ -254,16 +345,16 @@ class PrecisionController:
         _step(out, rows, ref, levels_dev, up_table, work, errs[2], limit, 2)
         return errs[2], work[2], errs[0]
 
-    def _queue(self, started, errors, levels, first) -> None:
+    def _queue(self, started, errors, levels, first, timed=None) -> None:
         if errors.is_cuda:
             host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in (errors, levels, first)]
             for h, t in zip(host, (errors, levels, first)):
                 h.copy_(t, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
-            entry = (event, list(started), *host)
+            entry = (event, list(started), *host, timed)
         else:
-            entry = (None, list(started), errors, levels, first)
+            entry = (None, list(started), errors, levels, first, timed)
         with self._lock:
             self._pending.append(entry)
 
@@ -311,11 +402,17 @@ class PrecisionController:
                 "errors_measured_on": "this call", "predicted": {n: pred_host[n] for n in pred_host}}
         return out, info
 
-    def _run_captured(self, q, k, v, attn_mask, kw):
+    def _run_captured(self, q, k, v, attn_mask, kw, exact=None, problem=None):
         if self.levels is None:
             out = tq.quant_attention(q, k, v, attn_mask, levels=[tq.LEVEL_EXACT], **kw)
             return out, {"levels": ["exact"] * self.q_heads, "verified": False, "errors": [None] * self.q_heads,
                          "note": "captured before warm-up: every head exact"}
+        picked = self._choices.get((_size(problem), tuple(self.levels))) if exact is not None else None
+        if picked is not None and not picked.quantized:  # the choice made eagerly holds in the graph
+            out = exact.run(q, k, v, attn_mask, problem)
+            return out, {"levels": [tq.LEVELS[x] for x in self.levels], "verified": False,
+                         "errors": list(self.errors), "errors_measured_on": "an earlier call (graph capture)",
+                         **picked.as_dict(), "ran": exact.name}
         levels, levels_dev = self._snapshot(q.device)
         present = sorted(set(levels))
         self._captured.append(levels_dev)  # the graph reads it on every replay
@@ -323,6 +420,36 @@ class PrecisionController:
                                  head_levels=levels_dev if len(present) > 1 else None, **kw)
         return out, {"levels": [tq.LEVELS[x] for x in levels], "verified": False,
                      "errors": list(self.errors), "errors_measured_on": "an earlier call (graph capture)"}
+
+
+def _size(problem) -> tuple:
+    """The sizes a site's times depend on beyond its shape class."""
+    return (problem.batch, problem.q_heads, problem.q_len, problem.kv_len)
+
+
+class _Timer:
+    """CUDA events around work on the current stream (read once the work is done); the wall
+    clock on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.cuda:
+            self.end.record()
+        else:
+            self.t1 = time.perf_counter()
+
+    def ms(self) -> float:
+        if self.cuda:
+            self.end.synchronize()
+            return float(self.start.elapsed_time(self.end))
+        return (self.t1 - self.t0) * 1e3
 
 
 def _step(out, rows, ref, levels, up, work, err, limit: float, stage: int) -> None:

@@ -17,15 +17,16 @@ becomes part of a graph.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
 
 from ..backends import triton_quant as tq
-from ..backends.base import Runner
+from .. import hardware
+from ..backends.base import ExactAlternative, Runner
 from ..backends.triton_attention import unsupported_options
-from . import controller
+from . import choice, controller
 
 
 # Below this many query rows per key/value head (q_len x GQA group), against at least 4x as many
@@ -52,6 +53,9 @@ class QuantLaunch:
     allow_ws: bool
     policy_key: str
     fp8_wanted: bool = False  # the policy allowed fp8 (the notes say why it is not among the levels)
+    runner: str = choice.GENERAL  # whose cost entries predict a site's time
+    # The fastest exact runner the planner found, run instead where a site's option is no faster.
+    exact: Optional[ExactAlternative] = field(default=None, compare=False)
 
 
 def allowed_levels(problem, policy) -> tuple[tuple[int, ...], list[str]]:
@@ -103,9 +107,10 @@ def _controller(site: str, tolerance: float, verify: float, levels, allow_ws: bo
                 left: int, right: int) -> controller.PrecisionController:
     """The controller of `site`, made on first use; its fp8 level's Q.K^T precision is chosen
     then (triton_quant.fp8_level_uses_fp8_qk: FP8 on Hopper)."""
+    runner = "triton.quant.ws" if allow_ws else choice.GENERAL
     return controller.get(site, lambda: controller.PrecisionController(
         site, tolerance, verify, tuple(levels), q.shape[1],
-        fp8_qk=tq.fp8_level_uses_fp8_qk(q, attn_mask, causal, left, right), allow_ws=allow_ws))
+        fp8_qk=tq.fp8_level_uses_fp8_qk(q, attn_mask, causal, left, right), allow_ws=allow_ws, runner=runner))
 
 
 @torch.library.custom_op("adaattn::adaptive_fwd", mutates_args=())
@@ -193,7 +198,17 @@ class QuantizedRunner(Runner):
         key = (f"tolerance={policy.tolerance} precisions={policy.precisions} verify={policy.verify} "
                f"train_quantized={policy.train_quantized} runner={self.name}")
         return QuantLaunch(levels, policy.tolerance, policy.verify, policy.train_quantized,
-                           bool(policy.deterministic), self.warp_specialised, key, "fp8" in policy.precisions)
+                           bool(policy.deterministic), self.warp_specialised, key, "fp8" in policy.precisions,
+                           self.name)
+
+    def cost(self, problem, launch: Optional[QuantLaunch] = None) -> Optional[float]:
+        """The predicted time of the cheapest level the launch allows, every head at it (the best
+        a call site can do; a site's own levels are predicted once it has them)."""
+        levels = launch.levels if launch is not None else (tq.LEVEL_QK8, tq.LEVEL_FP8)
+        return choice.cheapest(self.name, hardware.arch(problem.device_type, problem.device_index), problem, levels)
+
+    def attach_exact(self, launch: QuantLaunch, exact: ExactAlternative) -> QuantLaunch:
+        return replace(launch, exact=exact)
 
     def notes(self, problem, launch: QuantLaunch) -> list[str]:
         names = ", ".join(tq.LEVELS[x] for x in (tq.LEVEL_EXACT, *launch.levels))
@@ -218,24 +233,36 @@ class QuantizedRunner(Runner):
             decisions["head_levels_after_verification"] = LevelNames(info["levels_after"])
         if info.get("note"):
             decisions["note"] = info["note"]
+        for k in ("option", "rejected", "predicted_ms", "exact_ms", "measured_ms", "why", "ran"):
+            if k in info:
+                decisions[k] = info[k]
         return out, decisions
 
     def _run(self, q, k, v, attn_mask, problem, launch: QuantLaunch, label):
         compiling = torch.compiler.is_compiling()
         site = site_key(problem, launch, label) if compiling else _site_key_eager(problem, launch, label)
         scale, left, right = problem.scale, problem.window_left, problem.window_right
-        if compiling or problem.needs_grad:
+        if compiling:
             out = adaptive_fwd(q, k, v, attn_mask, scale, problem.causal, left, right, site, launch.tolerance,
                                launch.verify, list(launch.levels), launch.deterministic, launch.allow_ws)
-            if compiling:
-                return out, {}
-            ctl = _controller(site, launch.tolerance, launch.verify, launch.levels, launch.allow_ws, q, attn_mask,
-                              problem.causal, left, right)
-            return out, {"levels": ctl.describe()["levels"], "errors": list(ctl.errors),
-                         "note": "quantized forward, exact backward"}
+            return out, {}
         ctl = _controller(site, launch.tolerance, launch.verify, launch.levels, launch.allow_ws, q, attn_mask,
                           problem.causal, left, right)
-        return ctl.run(q, k, v, attn_mask, scale, problem.causal, False, left, right)
+        if problem.needs_grad:
+            # A site that settled on exact runs the exact runner with its own backward; otherwise
+            # the quantized forward with an exact backward (the custom op's autograd).
+            picked = ctl.choose(problem, launch.exact) if ctl.levels is not None and launch.exact else None
+            if picked is not None and not picked.quantized:
+                out = launch.exact.run(q, k, v, attn_mask, problem, label)
+                return out, {"levels": ctl.describe()["levels"], "errors": list(ctl.errors), **picked.as_dict(),
+                             "ran": launch.exact.name}
+            out = adaptive_fwd(q, k, v, attn_mask, scale, problem.causal, left, right, site, launch.tolerance,
+                               launch.verify, list(launch.levels), launch.deterministic, launch.allow_ws)
+            info = {"levels": ctl.describe()["levels"], "errors": list(ctl.errors),
+                    "note": "quantized forward, exact backward"}
+            return out, ({**info, **picked.as_dict()} if picked is not None else info)
+        return ctl.run(q, k, v, attn_mask, scale, problem.causal, False, left, right, exact=launch.exact,
+                       problem=problem)
 
 
 class LevelNames:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -28,10 +29,18 @@ class Runner:
         the limit; empty means it can."""
         raise NotImplementedError
 
-    def cost(self, problem: Problem) -> Optional[float]:
+    def cost(self, problem: Problem, launch: Any = None) -> Optional[float]:
         """Predicted milliseconds from measurements for this GPU family (adaattn.costs: the
-        committed ones and the user's own calibration), or None where there are none."""
+        committed ones and the user's own calibration), or None where there are none. `launch`
+        (this runner's prepare(...)) narrows the prediction where it matters (an approximate
+        runner's allowed levels, say)."""
         return costs.predict(self.name, hardware.arch(problem.device_type, problem.device_index), problem)
+
+    def attach_exact(self, launch: Any, exact: "ExactAlternative") -> Any:
+        """The launch description of an approximate runner, told which exact runner the planner
+        would run instead (it runs that one where its own option measures no faster). Exact
+        runners return `launch` unchanged."""
+        return launch
 
     def prepare(self, problem: Problem, policy: Policy) -> Any:
         """The frozen launch description of a planned call (kernel variant, scale, window sides,
@@ -55,6 +64,16 @@ class Runner:
 
     def __repr__(self) -> str:
         return f"<runner {self.name}>"
+
+
+@dataclass(frozen=True)
+class ExactAlternative:
+    """The fastest exact runner the planner found for a problem: its name, its predicted
+    milliseconds (None without cost data), and run(query, key, value, attn_mask) -> out."""
+
+    name: str
+    predicted_ms: Optional[float]
+    run: Callable[..., torch.Tensor] = field(compare=False, repr=False)
 
 
 # The earlier name of the interface.

@@ -58,6 +58,7 @@ class Case:
     work: float
     make: Callable[[], tuple[list[Peer], Callable[[object], float] | None]]
     series: str = ""  # cases of one series share a plot panel (default: the label without x)
+    also: tuple[str, ...] = ()  # further peers to divide by: each row gets x_<peer> (spaces as _)
 
 
 SCALE = {"TFLOP/s": 1e12, "TB/s": 1e12, "tokens/s": 1.0}
@@ -106,9 +107,10 @@ def _run_case(case: Case, settings: Settings, progress: Progress) -> list[dict]:
     time_interleaved(timed, case, settings)
     del peers, check, timed
     timing.release_after_error(settings.device)
-    ref = next((r for r in rows if r["peer"] == case.baseline and r["ms"] is not None), None)
-    for r in rows:
-        r["x_baseline"] = None if ref is None or r["ms"] is None else ref["ms"] / r["ms"]
+    for name, field_name in ((case.baseline, "x_baseline"), *((a, "x_" + a.replace(" ", "_")) for a in case.also)):
+        ref = next((r for r in rows if r["peer"] == name and r["ms"] is not None), None)
+        for r in rows:
+            r[field_name] = None if ref is None or r["ms"] is None else ref["ms"] / r["ms"]
     return rows
 
 
@@ -129,23 +131,34 @@ def measure(peer: Peer, case: Case, check, settings: Settings) -> dict:
                     out = peer.forward()
             row["ran"] = sorted({r.backend for r in records}) or None
             if check is not None and out is not None:
-                row["rel_error"] = check(out)
+                err = check(out)  # a float, or (float, further fields such as per-head errors)
+                if isinstance(err, tuple):
+                    err, extra = err
+                    row.update(extra)
+                row["rel_error"] = err
             del out
         except Exception as e:
             failed(row, e, device)
     return with_warnings(row, caught)
 
 
-ROUNDS = 3
+ROUNDS = 3  # at least; one more per ROUND_MS of --rep-ms beyond
+ROUND_MS = 100.0
+
+
+def rounds(rep_ms: float) -> int:
+    return max(ROUNDS, int(rep_ms // ROUND_MS))
 
 
 def time_interleaved(timed: list, case: Case, settings: Settings) -> None:
-    """Time every peer of a case in ROUNDS rounds, each round every peer once (rep_ms / ROUNDS
-    each), so a slow drift of clocks or temperature falls on all rows alike rather than on the
-    ones timed last; a row's spread is over the samples of all its rounds."""
+    """Time every peer of a case in rounds (rounds(rep_ms) of them, each round every peer once for
+    rep_ms / rounds, the order rotated by one each round), so a slow drift of clocks or
+    temperature falls on all rows alike rather than on the ones timed last or right after a
+    heavy one; a row's spread is over the samples of all its rounds."""
     samples: dict[int, list[float]] = {id(row): [] for _, row in timed}
-    for _ in range(ROUNDS):
-        for peer, row in timed:
+    n = rounds(settings.rep_ms)
+    for i in range(n):
+        for peer, row in timed[i % len(timed):] + timed[:i % len(timed)] if timed else []:
             if row["error"] is not None:
                 continue
             with warnings.catch_warnings(record=True) as caught:
@@ -153,7 +166,7 @@ def time_interleaved(timed: list, case: Case, settings: Settings) -> None:
                 try:
                     with peer.context():
                         samples[id(row)] += timing.samples_ms(peer.timed or peer.forward, settings.device,
-                                                              settings.warmup_ms, settings.rep_ms / ROUNDS)
+                                                              settings.warmup_ms, settings.rep_ms / n)
                 except Exception as e:
                     failed(row, e, settings.device)
             with_warnings(row, caught)

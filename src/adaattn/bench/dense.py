@@ -14,13 +14,26 @@ from .peers import Call
 ERROR_ROWS = 256
 
 
-def error_check(call: Call, rows: int = ERROR_ROWS) -> Callable[[torch.Tensor], float]:
-    """out (B, H, N, D) -> relative error against float64 on up to `rows` sampled query rows."""
+def error_check(call: Call, rows: int = ERROR_ROWS, per_head: bool = False) -> Callable[[torch.Tensor], object]:
+    """out (B, H, N, D) -> relative error against float64 on up to `rows` sampled query rows;
+    with per_head, (that error, {"head_errors": each query head's relative L2 error over the
+    batch and the sampled rows, "max_head_error": the largest}), the measure Policy.tolerance
+    bounds."""
     idx = accuracy.sample_rows(call.q.shape[2], rows)
     with torch.no_grad():
         ref = accuracy.sampled_reference(call.q.detach(), call.k.detach(), call.v.detach(), idx, call.causal,
                                          window=call.window)
-    return lambda out: accuracy.relative_error(out, ref, idx)
+    if not per_head:
+        return lambda out: accuracy.relative_error(out, ref, idx)
+
+    def check(out):
+        got = out.detach().index_select(2, idx.to(out.device)).double()
+        want = ref.to(got.device, torch.float64)
+        heads = ((got - want).pow(2).sum((0, 2, 3)).sqrt() / want.pow(2).sum((0, 2, 3)).sqrt().clamp_min(1e-300))
+        heads = [float(x) for x in heads.tolist()]
+        return accuracy.relative_error(out, ref, idx), {"head_errors": heads, "max_head_error": max(heads)}
+
+    return check
 
 
 def random_qkv(batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int, dtype: torch.dtype,
@@ -36,7 +49,8 @@ def random_qkv(batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int, h
 
 def shape_case(suite: str, shape: Shape, device: torch.device, peers: Callable[[Call], list[Peer]], baseline: str,
                backward: bool = False, seed: int = 0, error_rows: int = ERROR_ROWS,
-               inputs: Callable[[bool], tuple[torch.Tensor, ...]] | None = None, fields: dict | None = None) -> Case:
+               inputs: Callable[[bool], tuple[torch.Tensor, ...]] | None = None, fields: dict | None = None,
+               also: tuple[str, ...] = (), per_head: bool = False) -> Case:
     """One case of `shape` (Nq = Nk), TFLOP/s as MEASURING.md counts them (x3.5 with backward).
 
     inputs: requires_grad -> (q, k, v) of the shape on `device`; default fresh torch.randn from `seed`.
@@ -53,11 +67,11 @@ def shape_case(suite: str, shape: Shape, device: torch.device, peers: Callable[[
             q, k, v = random_qkv(shape.batch, shape.heads, shape.kv_heads, shape.seq_len, shape.seq_len,
                                  shape.head_dim, shape.dtype, device, seed, requires_grad=backward)
         call = Call(q, k, v, causal=shape.causal, backward=backward)
-        return peers(call), error_check(call, error_rows)
+        return peers(call), error_check(call, error_rows, per_head)
 
     series = label.replace(f"N={shape.seq_len} ", "")
     return Case(suite, label, shape.seq_len, {**shape.as_dict(), "pass": what, **(fields or {})}, baseline, "TFLOP/s",
-                shape.flops(backward), make, series=series)
+                shape.flops(backward), make, series=series, also=also)
 
 
 def window_pairs(n: int, left: int) -> int:

@@ -15,9 +15,12 @@ from ..grid import dtype_name
 from . import options
 
 NAME = "calibrate"
-HELP = ("every exact runner alone (planner.bind) on bf16 B=2 H=16 D 64/128 N 512-16k causal and not, and decode "
+HELP = ("every exact runner alone (planner.bind), and each quantized runner with every head at one level "
+        "(exact/qk8/fp8, steady state), on bf16 B=2 H=16 D 64/128 N 512-16k causal and not, and decode "
         "B=16 Hq=32 Hkv=8 KV 1k-32k (CPU: float32 B=1 H=4 D=64 N 128-1k): the cost data the planner reads; "
         "--install writes it to the user cache (adaattn.costs.user_path()); x the runner adaattn picks")
+# Never the fastest on a GPU, and a memory hog at long lengths: not calibrated there.
+SKIP_CUDA = ("sdpa.math",)
 NEEDS_CUDA = False
 PREFILL_CUDA = dict(batch=2, heads=16, kv_heads=16, head_dims=(64, 128), lens=(512, 1024, 2048, 4096, 8192, 16384),
                     dtypes=(torch.bfloat16,))
@@ -60,7 +63,7 @@ def _case(spec, dtype, d, n, causal, decode, device, seed):
         q, k, v = random_qkv(b, hq, hkv, nq, n, d, dtype, device, seed)
         peers = []
         for name in planner.runner_names():
-            if not planner.REGISTRY[name].exact:
+            if not planner.REGISTRY[name].exact or (device.type == "cuda" and name in SKIP_CUDA):
                 continue
             try:
                 fn = planner.bind(name, problem)
@@ -68,10 +71,41 @@ def _case(spec, dtype, d, n, causal, decode, device, seed):
                 continue
             peers.append(Peer(name, forward=lambda fn=fn: fn(q, k, v),
                               info=lambda name=name: {"runner": name, "arch": arch}))
+        peers += _level_peers(problem, q, k, v, arch)
         return peers, None
 
     return Case(NAME, f"{series} N={n}", n, {**fields, "problem": problem}, baseline, "TFLOP/s",
                 costs.work(problem) * 2, make, series=series)
+
+
+def _level_peers(problem, q, k, v, arch) -> list:
+    """Each quantized runner that takes the problem under mode="auto", with every head held at
+    one level (no verification): the steady state of a call site at that level. Entries are
+    named "<runner>:<level>" (adaptive/choice.py reads them)."""
+    from ...adaptive import choice, controller
+    from ...backends import triton_quant as tq
+
+    if problem.device_type == "cpu":
+        return []  # the interpreter: a correctness path, never timed
+    policy = Policy(mode="auto", precisions=("native", "int8", "fp8"))
+    out = []
+    for name, runner in planner.REGISTRY.items():
+        if runner.exact or runner.supports(problem, policy):
+            continue
+        launch = runner.prepare(problem, policy)
+        ws = name == "triton.quant.ws"
+        fp8_qk = tq.fp8_level_uses_fp8_qk(q, None, problem.causal, -1, -1)
+        for level in (tq.LEVEL_EXACT, *launch.levels):
+            ctl = controller.PrecisionController(f"calibrate {name} {level}", 1.0, 0.0, (level,), problem.q_heads,
+                                                 fp8_qk=fp8_qk, allow_ws=ws, runner=name)
+            ctl.levels = [level] * problem.q_heads
+            entry = choice.level_entry(name, level)
+
+            def forward(ctl=ctl):
+                return ctl.run(q, k, v, None, problem.scale, problem.causal, False, -1, -1)[0]
+
+            out.append(Peer(entry, forward=forward, info=lambda entry=entry: {"runner": entry, "arch": arch}))
+    return out
 
 
 def _on(problem, device):
