@@ -338,13 +338,15 @@ def test_train_script_runs_both_kinds_and_writes_log_plots_weights_and_eval(tmp_
     assert result["context"] == 64 and result["structure"]["entropy_bits"]
 
 
-def test_attention_spec_parses_the_three_forms_and_rejects_others():
+def test_attention_spec_parses_the_four_forms_and_rejects_others():
     from adaattn import Policy
     from adaattn.models.gpt import parse_attention
 
     assert parse_attention("sdpa") == ("sdpa", None)
     assert parse_attention("adaattn") == ("adaattn", None)
     assert parse_attention("adaattn:triton") == ("adaattn", Policy(backends=("triton",)))
-    for bad in ("flash", "adaattn:", ""):
-        with pytest.raises(ValueError, match="attention spec must be sdpa, adaattn or adaattn:BACKEND"):
+    assert parse_attention("auto:0.03") == ("adaattn", Policy(mode="auto", precisions=("native", "int8", "fp8"),
+                                                               tolerance=0.03))
+    for bad in ("flash", "adaattn:", "", "auto:x"):
+        with pytest.raises(ValueError, match="attention spec"):
             parse_attention(bad)

@@ -129,6 +129,14 @@ def capability(index: int | None) -> tuple[int, int]:
 
 
 @_constant
+def capability_at_least(index: int | None, major: int, minor: int = 0) -> bool:
+    """Whether a CUDA device's compute capability is (major, minor) or newer. The comparison
+    happens here, evaluated once under torch.compile (torch 2.11's dynamo fails on `>=`
+    between traced tuples)."""
+    return capability(index) >= (major, minor)
+
+
+@_constant
 def arch(device_type: str, index: int | None) -> str:
     """A short name for the device family dispatch keys on: "cpu", "sm80", "sm90", ..."""
     if device_type != "cuda":

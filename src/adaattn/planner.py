@@ -166,16 +166,18 @@ def make_plan(problem: Problem, policy: Policy) -> Plan:
 
 
 def _by_cost(problem: Problem, candidates: list[str], launches: dict, reasons: dict) -> tuple[list[str], dict]:
-    """Candidates ordered by measured cost where it is known: the exact runners fastest first when
-    every one of them has a prediction, and an approximate runner dropped (with its reason) when
+    """Candidates ordered by measured cost where it is known: the measured exact runners fastest
+    first (the others after them, in priority order), and an approximate runner dropped (with its reason) when
     even its cheapest allowed option measures no faster than the fastest exact one. Under
     torch.compile costs are not read."""
     if torch.compiler.is_compiling():
         return candidates, {}
     timed = {n: REGISTRY[n].cost(problem, launches[n]) for n in candidates}
     exact = [n for n in candidates if REGISTRY[n].exact]
-    if exact and all(timed[n] is not None for n in exact):
-        exact.sort(key=lambda n: timed[n])
+    # Measured runners first, fastest first; unmeasured ones after them in priority order
+    # (sdpa.math, say, which calibration leaves out on a GPU). Without any measurement the
+    # priority order stands.
+    exact.sort(key=lambda n: (timed[n] is None, timed[n] or 0.0))
     approximate = []
     for n in (n for n in candidates if not REGISTRY[n].exact):
         best = exact[0] if exact else None

@@ -29,9 +29,8 @@ class FlashAttnRunner(Runner):
             return reasons
         if problem.dtype not in (torch.float16, torch.bfloat16):
             reasons.append("takes float16 or bfloat16 only.")
-        cap = hardware.capability(problem.device_index)
-        if cap < (8, 0):
-            reasons.append(f"needs sm80 or newer, this GPU is sm{cap[0]}{cap[1]}.")
+        if not hardware.capability_at_least(problem.device_index, 8, 0):
+            reasons.append(f"needs sm80 or newer, this GPU is {hardware.arch('cuda', problem.device_index)}.")
         if problem.head_dim > 256 or problem.value_dim != problem.head_dim:
             reasons.append("needs head_dim <= 256 and equal query/value head dims.")
         if problem.mask_kind != "none":

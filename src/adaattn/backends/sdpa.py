@@ -66,10 +66,10 @@ class SdpaRunner(Runner):
             names = ", ".join(str(d).replace("torch.", "") for d in self.dtypes)
             reasons.append(f"dtype {str(problem.dtype).replace('torch.', '')} not supported (takes {names}).")
         if self.device_type == "cuda" and self.min_capability > (0, 0):
-            cap = hardware.capability(problem.device_index)
-            if cap < self.min_capability:
+            if not hardware.capability_at_least(problem.device_index, *self.min_capability):
                 need = "sm{}{}".format(*self.min_capability)
-                reasons.append(f"needs compute capability {need} or newer, this GPU is sm{cap[0]}{cap[1]}.")
+                reasons.append(f"needs compute capability {need} or newer, this GPU is "
+                               f"{hardware.arch('cuda', problem.device_index)}.")
         if self.max_head_dim is not None and max(problem.head_dim, problem.value_dim) > self.max_head_dim:
             reasons.append(f"head_dim {max(problem.head_dim, problem.value_dim)} exceeds its limit {self.max_head_dim}.")
         if not self.value_dim_differs and problem.value_dim != problem.head_dim:

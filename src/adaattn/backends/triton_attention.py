@@ -46,9 +46,8 @@ def triton_reasons(device_type: str, device_index: Optional[int], dtype: torch.d
     if head_dim == 0 or value_dim == 0:
         reasons.append("head_dim 0 is not implemented.")
     if device_type == "cuda" and not interpreting():
-        cap = hardware.capability(device_index)
-        if cap < (8, 0):
-            reasons.append(f"needs compute capability sm80 or newer, this GPU is sm{cap[0]}{cap[1]}.")
+        if not hardware.capability_at_least(device_index, 8, 0):
+            reasons.append(f"needs compute capability sm80 or newer, this GPU is {hardware.arch('cuda', device_index)}.")
     return reasons
 
 
@@ -100,7 +99,7 @@ class TritonRunner(Runner):
         if self.variant == "ws":
             if not hardware.warp_specialisation_available():
                 reasons.append("this triton has no warp specialisation (3.6 or newer).")
-            if problem.device_type == "cuda" and not interpreting() and hardware.capability(problem.device_index)[0] != 9:
+            if problem.device_type == "cuda" and not interpreting() and hardware.arch("cuda", problem.device_index) != "sm90":
                 reasons.append("warp specialisation of these kernels runs on Hopper (sm90) only.")
             if problem.window_left >= 0 or problem.window_right >= 0:
                 reasons.append("has no sliding window (causal is fine).")

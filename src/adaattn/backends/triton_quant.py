@@ -115,7 +115,7 @@ def ws_device_ok(device: torch.device) -> bool:
     if not hardware.warp_specialisation_available():
         return False
     if device.type == "cuda":
-        return hardware.capability(device.index)[0] == 9
+        return hardware.arch("cuda", device.index) == "sm90"
     return interpreting()
 
 
@@ -123,13 +123,13 @@ def fp8_supported(device: torch.device) -> bool:
     """FP8 tensor cores: sm89 (Ada) and newer. Under the CPU interpreter the math is emulated."""
     if device.type == "cpu":
         return interpreting()
-    return hardware.capability(device.index) >= (8, 9)
+    return hardware.capability_at_least(device.index, 8, 9)
 
 
 def int8_supported(device: torch.device) -> bool:
     if device.type == "cpu":
         return interpreting()
-    return hardware.capability(device.index) >= (8, 0)
+    return hardware.capability_at_least(device.index, 8, 0)
 
 
 def _smem(cfg: KernelConfig, d: int, elem: int) -> int:
