@@ -134,10 +134,11 @@ def test_a_measured_time_at_the_site_takes_the_place_of_the_prediction(inject):
     inject(validate(q, k, v), exact_ms=1e-3, level_ms={"exact": 1e-3, "qk8": 1e-4, "fp8": 1e-4})
     policy = adaattn.Policy(mode="auto", precisions=("native", "int8"), tolerance=3e-2, verify=1.0)
     _call(q, k, v, policy, "measured")  # warm-up
-    _, rec = _call(q, k, v, policy, "measured")  # verified, timed
-    assert rec["decisions"]["option"] == "qk8:4" and rec["decisions"]["measured_ms"] is None
     ctl = controller.find("measured")
-    ctl.poll(wait=True)
+    for _ in range(controller.MEASURED_CALLS):  # verified, timed; the median of them then decides
+        _, rec = _call(q, k, v, policy, "measured")
+        assert rec["decisions"]["option"] == "qk8:4" and rec["decisions"]["measured_ms"] is None
+        ctl.poll(wait=True)
     _, rec = _call(q, k, v, policy, "measured")
     d = rec["decisions"]
     assert d["measured_ms"] is not None and d["measured_ms"] > 1e-3

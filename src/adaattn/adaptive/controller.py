@@ -25,6 +25,7 @@ custom op whose body runs this logic eagerly.
 from __future__ import annotations
 
 import random
+import statistics
 import threading
 import time
 import zlib
@@ -44,6 +45,8 @@ DOWN_MARGIN = 0.4  # a head measuring below tolerance * this ...
 DOWN_AFTER = 8  # ... on this many verified calls in a row retries the next cheaper level once
 SAMPLE_ROWS = 64
 EMA = 0.3
+MEASURED_CALLS = 3  # verified calls timed before their median replaces a size's predicted time
+MEASURED_KEEP = 8
 
 _lock = threading.Lock()
 _controllers: dict[str, "PrecisionController"] = {}
@@ -99,6 +102,7 @@ class PrecisionController:
         # measurements of its own option (verified calls) and of both (first call, without data).
         self._choices: dict[tuple, choice_mod.Choice] = {}
         self._measured: dict[tuple, float] = {}
+        self._samples: dict[tuple, deque] = {}
         self._exact_measured: dict[tuple, float] = {}
         self._ratio: float | None = None  # quantized / exact, measured at the site's first size
         self.last_choice: choice_mod.Choice | None = None
@@ -142,6 +146,7 @@ class PrecisionController:
                     self.levels[h] = min(self.levels[h], levels[h])
                     self._choices.clear()  # the site's option changed: its times are predicted again
                     self._measured.clear()
+                    self._samples.clear()
                     self.ema[h] = errors[h]
                     self._calm[h] = 0
                 elif levels[h] == self.levels[h]:
@@ -169,6 +174,7 @@ class PrecisionController:
         self.step_downs += 1
         self._choices.clear()
         self._measured.clear()
+        self._samples.clear()
 
     def _generator(self, device: torch.device) -> torch.Generator:
         key = str(device)
@@ -305,12 +311,14 @@ class PrecisionController:
         return u.ms(), t.ms()
 
     def _apply_time(self, timer: "_Timer", key: tuple) -> None:
-        """A verified call's measured time of the site's option: an EMA per size, which takes the
-        place of the prediction for that size from then on."""
-        ms = timer.ms()
-        prev = self._measured.get(key)
-        self._measured[key] = ms if prev is None else (1 - EMA) * prev + EMA * ms
-        self._choices = {k: c for k, c in self._choices.items() if k[0] != key}
+        """A verified call's measured time of the site's option. Once MEASURED_CALLS of them are
+        in, the median of the last MEASURED_KEEP takes the place of the prediction for that size
+        (one slow sample, a clock dip say, does not flip the choice)."""
+        times = self._samples.setdefault(key, deque(maxlen=MEASURED_KEEP))
+        times.append(timer.ms())
+        if len(times) >= MEASURED_CALLS:
+            self._measured[key] = statistics.median(times)
+            self._choices = {k: c for k, c in self._choices.items() if k[0] != key}
 
     def _sample_rows(self, q_len: int, device: torch.device) -> torch.Tensor:
         """SAMPLE_ROWS distinct query rows (all when q_len <= SAMPLE_ROWS), sorted, int32 on

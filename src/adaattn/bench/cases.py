@@ -143,7 +143,7 @@ def measure(peer: Peer, case: Case, check, settings: Settings) -> dict:
 
 
 ROUNDS = 3  # at least; one more per ROUND_MS of --rep-ms beyond
-ROUND_MS = 100.0
+ROUND_MS = 50.0
 
 
 def rounds(rep_ms: float) -> int:
