@@ -142,34 +142,23 @@ def measure(peer: Peer, case: Case, check, settings: Settings) -> dict:
     return with_warnings(row, caught)
 
 
-ROUNDS = 3  # at least; one more per ROUND_MS of --rep-ms beyond
-ROUND_MS = 50.0
-
-
-def rounds(rep_ms: float) -> int:
-    return max(ROUNDS, int(rep_ms // ROUND_MS))
-
-
 def time_interleaved(timed: list, case: Case, settings: Settings) -> None:
-    """Time every peer of a case in rounds (rounds(rep_ms) of them, each round every peer once for
-    rep_ms / rounds, the order rotated by one each round), so a slow drift of clocks or
-    temperature falls on all rows alike rather than on the ones timed last or right after a
-    heavy one; a row's spread is over the samples of all its rounds."""
+    """Time every peer of a case call by call in turn (timing.interleaved_samples): each round
+    times every peer once, the order rotated every round, so a drift of clocks or temperature,
+    large on a GPU held at full load, falls on all rows alike; a row's spread is over its
+    samples."""
     samples: dict[int, list[float]] = {id(row): [] for _, row in timed}
-    n = rounds(settings.rep_ms)
-    for i in range(n):
-        for peer, row in timed[i % len(timed):] + timed[:i % len(timed)] if timed else []:
-            if row["error"] is not None:
-                continue
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                try:
-                    with peer.context():
-                        samples[id(row)] += timing.samples_ms(peer.timed or peer.forward, settings.device,
-                                                              settings.warmup_ms, settings.rep_ms / n)
-                except Exception as e:
-                    failed(row, e, settings.device)
+    live = [(peer, row) for peer, row in timed if row["error"] is None]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = timing.interleaved_samples([(peer.timed or peer.forward, peer.context) for peer, _ in live],
+                                         settings.device, settings.warmup_ms, settings.rep_ms)
+    for (peer, row), times in zip(live, got):
+        if isinstance(times, BaseException):
+            failed(row, times, settings.device)
             with_warnings(row, caught)
+        else:
+            samples[id(row)] = times
     for peer, row in timed:
         if row["error"] is not None or not samples[id(row)]:
             continue

@@ -60,7 +60,7 @@ def main_suite(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"adaattn bench: --suite {suite.name}: {e}", file=sys.stderr)
         return 2
-    env, started = report.start(device, args.commit, f"adaattn bench --suite {suite.name}", timing.method(device))
+    env, started = report.start(device, args.commit, f"adaattn bench --suite {suite.name}", timing.interleaved_method(device))
     t0 = time.perf_counter()
     settings = Settings(device, args.warmup_ms, args.rep_ms, progress=not args.no_progress)
     rows = run_cases(cases, settings)
@@ -75,7 +75,7 @@ def main_suite(args: argparse.Namespace) -> int:
             "schema": SCHEMA, "suite": suite.name, "date": started.isoformat(timespec="seconds"), **env,
             "config": {"suite": suite.name, "device": str(device), "argv": sys.argv[1:], "rep_ms": args.rep_ms,
                        "warmup_ms": args.warmup_ms, "error_rows": args.error_rows, "seed": args.seed},
-            "method": {"timing": timing.method(device), **METHOD,
+            "method": {"timing": timing.interleaved_method(device), **METHOD,
                        **({"overhead": overhead_mod.HOW} if ov_rows else {})},
             "not_run": settings.not_run, "rows": rows, "overhead": ov_rows, "wall_s": round(wall_s, 2),
         }

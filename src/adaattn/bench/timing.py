@@ -27,6 +27,15 @@ def method(device: torch.device) -> str:
     return "time.perf_counter around each call after one warm-up call, median"
 
 
+def interleaved_method(device: torch.device) -> str:
+    """What `interleaved_samples` does on this device, for the record."""
+    if device.type == "cuda":
+        return ("the peers of a case timed call by call in turn, the order rotated every round "
+                "(timing.interleaved_samples): CUDA events around each call after zeroing 256 MiB (L2), as "
+                "triton.testing.do_bench does; about --rep-ms of samples per peer; median")
+    return "time.perf_counter around each synchronised call, the peers of a case in turn; median"
+
+
 @dataclass(frozen=True)
 class Spread:
     """Milliseconds per call over `samples` timed repetitions."""
@@ -71,6 +80,77 @@ def samples_ms(fn: Callable[[], object], device: torch.device, warmup_ms: float 
     while len(times) < min_samples:
         times.append(_synced_call_ms(fn, device))
     return times
+
+
+L2_FLUSH_BYTES = 256 * 2**20  # what triton.testing.do_bench zeroes between calls
+
+
+def interleaved_samples(calls: list, device: torch.device, warmup_ms: float = 25, rep_ms: float = 100,
+                        min_samples: int = 3) -> list:
+    """Samples (ms) of several calls taken call by call in turn: round r times call 0, 1, ...
+    once each (the order rotated every round), so every call sees the same clocks and
+    temperature; a GPU that throttles under a long run slows them all alike. Each call gets
+    about rep_ms of samples (at least min_samples), after about warmup_ms of warm-up.
+
+    calls: [(fn, context)] where context() is entered around each call (timing included).
+    Returns one list per call, or an exception where that call raised (it is then dropped).
+    CUDA: events around each call after zeroing L2_FLUSH_BYTES, as do_bench does; CPU: the wall
+    clock around each synchronised call.
+    """
+    out: list = [[] for _ in calls]
+    live = list(range(len(calls)))
+
+    def once(i, timed):
+        fn, context = calls[i]
+        with context():
+            if timed is None:
+                fn()
+            else:
+                start, end = timed
+                start.record()
+                fn()
+                end.record()
+
+    estimate = {}
+    for i in list(live):  # warm-up and an estimate of each call's time
+        try:
+            t0 = time.perf_counter()
+            synchronize(device)
+            once(i, None)
+            synchronize(device)
+            first = max((time.perf_counter() - t0) * 1e3, 1e-3)
+            for _ in range(max(0, min(100, int(warmup_ms / first)))):
+                once(i, None)
+            synchronize(device)
+            estimate[i] = _synced_call_ms(lambda i=i: once(i, None), device)
+        except Exception as e:
+            out[i] = e
+            live.remove(i)
+    counts = {i: max(min_samples, min(10000, int(rep_ms / max(estimate[i], 1e-3)))) for i in live}
+    cuda = device.type == "cuda"
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device=device) if cuda else None
+    pending: list = []
+    rounds = max(counts.values(), default=0)
+    for r in range(rounds):
+        order = live[r % len(live):] + live[:r % len(live)] if live else []
+        for i in order:
+            if r >= counts[i] or isinstance(out[i], BaseException):
+                continue
+            try:
+                if cuda:
+                    flush.zero_()
+                    ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                    once(i, ev)
+                    pending.append((i, ev))
+                else:
+                    out[i].append(_synced_call_ms(lambda i=i: once(i, None), device))
+            except Exception as e:
+                out[i] = e
+    synchronize(device)
+    for i, (start, end) in pending:
+        if not isinstance(out[i], BaseException):
+            out[i].append(start.elapsed_time(end))
+    return out
 
 
 def _synced_call_ms(fn: Callable[[], object], device: torch.device) -> float:
