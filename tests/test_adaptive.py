@@ -386,9 +386,11 @@ def test_gpu_steady_state_makes_no_host_sync_and_replays_from_a_cuda_graph():
 @needs_cuda
 def test_gpu_compiled_auto_call_matches_eager():
     q, k, v = structured.make("random", 1, 8, 4096, 128, torch.bfloat16, "cuda", seed=7)
-    # Pinned to the quantized runners (eagerly the cost data would pick cuDNN at this size; under
-    # torch.compile costs are not read).
-    policy = adaattn.Policy(mode="auto", precisions=ALL, tolerance=3e-2, verify=0.0, backends=("triton.quant",))
+    # Pinned to the general quantized runner: eagerly the cost data would pick cuDNN at this size
+    # (under torch.compile costs are not read), and triton.quant.ws needs 16-byte aligned data
+    # pointers, which tracing cannot see (so it declines there and runs eagerly).
+    policy = adaattn.Policy(mode="auto", precisions=ALL, tolerance=3e-2, verify=0.0,
+                            backends=("triton.quant.general",))
 
     def f(q, k, v):
         return adaattn.attention(q, k, v, policy=policy, label="compiled-gpu")

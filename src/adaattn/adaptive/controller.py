@@ -103,6 +103,7 @@ class PrecisionController:
         self._choices: dict[tuple, choice_mod.Choice] = {}
         self._measured: dict[tuple, float] = {}
         self._samples: dict[tuple, deque] = {}
+        self._exact_samples: dict[tuple, list] = {}
         self._exact_measured: dict[tuple, float] = {}
         self._ratio: float | None = None  # quantized / exact, measured at the site's first size
         self.last_choice: choice_mod.Choice | None = None
@@ -252,8 +253,15 @@ class PrecisionController:
         timer = _Timer(q.device) if verify and picked is not None else None
         out = tq.quant_attention(q, k, v, attn_mask, levels=present,
                                  head_levels=levels_dev if len(present) > 1 else None, prepared=prepared, **kw)
+        exact_timer = None
         if timer is not None:
             timer.stop()
+            if len(self._exact_samples.get(_size(problem), ())) < MEASURED_CALLS:
+                # The exact runner timed beside it on the first few verified calls: the two
+                # figures then come from the same clocks (its output is discarded).
+                exact_timer = _Timer(q.device)
+                exact.run(q, k, v, attn_mask, problem)
+                exact_timer.stop()
         info = {"levels": [tq.LEVELS[x] for x in levels], "verified": verify,
                 "errors": list(self.errors), "errors_measured_on": "an earlier call"}
         if picked is not None:
@@ -262,7 +270,7 @@ class PrecisionController:
             return out, info
         self.verified_calls += 1
         errors, final, first = self._verify(q, k, v, attn_mask, out, levels_dev, present, prepared, kw)
-        self._queue(levels, errors, final, first, None if timer is None else (timer, _size(problem)))
+        self._queue(levels, errors, final, first, None if timer is None else (timer, _size(problem), exact_timer))
         info.update(verified=True, errors=errors, levels_after=final, errors_measured_on="this call")
         return out, info
 
@@ -282,7 +290,7 @@ class PrecisionController:
             return picked
         arch = hardware.arch(problem.device_type, problem.device_index)
         predicted = choice_mod.predict_levels(self.runner, arch, problem, levels)
-        exact_ms = exact.predicted_ms if exact.predicted_ms is not None else self._exact_measured.get(key)
+        exact_ms = self._exact_measured.get(key, exact.predicted_ms)  # measured here, else predicted
         measured = self._measured.get(key)
         needs = (measured is None and predicted is None) or exact_ms is None
         if needs and inputs is not None and problem.device_type == "cuda" and self._ratio is None \
@@ -310,12 +318,17 @@ class PrecisionController:
         u.stop()
         return u.ms(), t.ms()
 
-    def _apply_time(self, timer: "_Timer", key: tuple) -> None:
-        """A verified call's measured time of the site's option. Once MEASURED_CALLS of them are
-        in, the median of the last MEASURED_KEEP takes the place of the prediction for that size
-        (one slow sample, a clock dip say, does not flip the choice)."""
+    def _apply_time(self, timer: "_Timer", key: tuple, exact_timer: "_Timer | None" = None) -> None:
+        """A verified call's measured time of the site's option (and, on the first few, of the
+        exact runner beside it). Once MEASURED_CALLS of each are in, the median of the last
+        MEASURED_KEEP takes the place of the prediction for that size (one slow sample, a clock
+        dip say, does not flip the choice)."""
         times = self._samples.setdefault(key, deque(maxlen=MEASURED_KEEP))
         times.append(timer.ms())
+        if exact_timer is not None:
+            self._exact_samples.setdefault(key, []).append(exact_timer.ms())
+            if len(self._exact_samples[key]) >= MEASURED_CALLS:
+                self._exact_measured[key] = statistics.median(self._exact_samples[key])
         if len(times) >= MEASURED_CALLS:
             self._measured[key] = statistics.median(times)
             self._choices = {k: c for k, c in self._choices.items() if k[0] != key}

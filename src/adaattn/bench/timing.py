@@ -122,7 +122,9 @@ def interleaved_samples(calls: list, device: torch.device, warmup_ms: float = 25
             for _ in range(max(0, min(100, int(warmup_ms / first)))):
                 once(i, None)
             synchronize(device)
-            estimate[i] = _synced_call_ms(lambda i=i: once(i, None), device)
+            # The median of three synchronised calls: one slow call (a kernel compiled on first
+            # use, say) must not cut a peer's samples to the minimum.
+            estimate[i] = statistics.median(_synced_call_ms(lambda i=i: once(i, None), device) for _ in range(3))
         except Exception as e:
             out[i] = e
             live.remove(i)

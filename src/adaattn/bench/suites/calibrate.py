@@ -20,7 +20,7 @@ HELP = ("every exact runner alone (planner.bind), and each quantized runner with
         "B=16 Hq=32 Hkv=8 KV 1k-32k (CPU: float32 B=1 H=4 D=64 N 128-1k): the cost data the planner reads; "
         "--install writes it to the user cache (adaattn.costs.user_path()); x the runner adaattn picks")
 # Never the fastest on a GPU, and a memory hog at long lengths: not calibrated there.
-SKIP_CUDA = ("sdpa.math",)
+SKIP_CUDA = ("sdpa.math", "reference")
 NEEDS_CUDA = False
 PREFILL_CUDA = dict(batch=2, heads=16, kv_heads=16, head_dims=(64, 128), lens=(512, 1024, 2048, 4096, 8192, 16384),
                     dtypes=(torch.bfloat16,))
