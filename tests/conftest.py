@@ -15,3 +15,23 @@ def _fresh_planner():
     planner.reset()
     yield
     planner.reset()
+
+
+@pytest.fixture
+def cost_file(tmp_path, monkeypatch):
+    """write(entries): a user cost file of our own (adaattn.costs entries), read at once; the
+    package's own costs come back afterwards."""
+    from adaattn import costs, planner
+
+    path = tmp_path / "costs.json"
+    monkeypatch.setenv("ADAATTN_COSTS", str(path))
+
+    def write(entries):
+        costs.write(path, entries, merge=False)
+        costs.load(force=True)
+        planner.reset()
+
+    yield write
+    monkeypatch.delenv("ADAATTN_COSTS")
+    costs.load(force=True)
+    planner.reset()

@@ -34,23 +34,16 @@ def _fresh(monkeypatch):
 
 
 @pytest.fixture
-def inject(tmp_path, monkeypatch):
+def inject(cost_file):
     """Cost data of our own: every exact runner at `exact_ms`, each quantized level at its figure."""
-    path = tmp_path / "costs.json"
-    monkeypatch.setenv("ADAATTN_COSTS", str(path))
 
     def write(problem, exact_ms: float, level_ms: dict):
         arch = hardware.arch(problem.device_type, problem.device_index)
         entries = [costs.entry(n, arch, problem, exact_ms) for n, r in planner.REGISTRY.items() if r.exact]
         entries += [costs.entry(f"{n}:{lv}", arch, problem, ms) for n in QUANT for lv, ms in level_ms.items()]
-        costs.write(path, entries, merge=False)
-        costs.load(force=True)
-        planner.reset()
+        cost_file(entries)
 
-    yield write
-    monkeypatch.delenv("ADAATTN_COSTS")
-    costs.load(force=True)
-    planner.reset()
+    return write
 
 
 def _inputs():

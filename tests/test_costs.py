@@ -14,22 +14,6 @@ from adaattn.problem import validate
 from helpers import DEVICE, NEEDS_CUDA_OR_INTERPRETER
 
 
-@pytest.fixture
-def cost_file(tmp_path, monkeypatch):
-    """A user cost file of our own (the package ships none for the CPU): written, then read."""
-    path = tmp_path / "costs.json"
-    monkeypatch.setenv("ADAATTN_COSTS", str(path))
-
-    def write(entries):
-        costs.write(path, entries, merge=False)
-        costs.load(force=True)
-        planner.reset()
-
-    yield write
-    monkeypatch.delenv("ADAATTN_COSTS")
-    costs.load(force=True)
-
-
 def _problem(n, d=64, dtype=torch.float16, causal=False, q_len=None, policy_grad=False):
     q = torch.empty(1, 2, n if q_len is None else q_len, d, dtype=dtype, device=DEVICE)
     k = torch.empty(1, 2, n, d, dtype=dtype, device=DEVICE)
