@@ -74,6 +74,9 @@ def test_the_planner_chooses_exact_when_the_cost_data_says_the_quantized_level_i
         assert any("cheapest option measures 2 ms against" in r for r in dict(exp.plan.reasons)[name])
     out, rec = _call(q, k, v, policy, "slower")
     assert rec["backend"] == exp.chosen
+    d = rec["decisions"]  # what the stats say of the plan's choice
+    assert d["option"] == f"exact ({exp.chosen})" and all(n in d["rejected"] for n in QUANT)
+    assert "cheapest option measures 2 ms against" in d["why"] and d["exact_ms"] == pytest.approx(1.0)
     torch.testing.assert_close(out, adaattn.attention(q, k, v), rtol=0, atol=0)  # the exact runner's result
 
 

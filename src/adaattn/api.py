@@ -173,6 +173,8 @@ def _run_recorded(q, k, v, attn_mask, problem, plan, policy, label):
 def _record(problem, plan, policy, label, failed, decisions, wall) -> None:
     decisions = dict(decisions or {})
     ran = decisions.pop("ran", None) or next(n for n in plan.candidates if n not in failed)
+    if policy.mode == "auto" and "option" not in decisions:
+        _plan_choice(plan, ran, decisions)
     notes = list(plan.notes)
     note = decisions.pop("note", None)
     if note:
@@ -192,6 +194,22 @@ def _record(problem, plan, policy, label, failed, decisions, wall) -> None:
             wall_ms=wall,
         )
     )
+
+
+def _plan_choice(plan: Plan, ran: str, decisions: dict) -> None:
+    """An auto call the plan sent to an exact runner: the option that ran, the approximate runners
+    it rejected and why (their predicted times against the exact runner's, where the cost data
+    decided), and the prediction of the one that ran (its measured time is the record's wall_ms
+    under stats timing)."""
+    predicted = dict(plan.costs)
+    approximate = [n for n in plan.order if not planner.REGISTRY[n].exact]
+    why = {n: r for n, r in plan.reasons if n in approximate and r}
+    decisions["option"] = f"exact ({ran})"
+    decisions["rejected"] = ", ".join(approximate) if approximate else None
+    decisions["predicted_ms"] = None
+    decisions["exact_ms"] = predicted.get(ran)
+    decisions["measured_ms"] = None
+    decisions["why"] = " ".join(f"{n}: {r[-1]}" for n, r in why.items()) or None
 
 
 class Explanation:
