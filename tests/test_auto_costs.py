@@ -151,3 +151,18 @@ def test_decide_keeps_a_margin_and_names_the_figures():
     c = choice.decide([2, 2, 1, 0], None, None, "sdpa.cudnn", None, ratio=0.6)
     assert c.quantized and "0.6x" in c.reason
     assert choice.option_name([2, 2, 1, 0]) == "fp8:2 qk8:1 exact:1"
+
+
+def test_warmup_compiles_every_level_and_the_exact_runner_without_touching_a_call_site():
+    q, k, v = _inputs()
+    policy = adaattn.Policy(mode="auto", precisions=ALL, tolerance=3e-2)
+    done = adaattn.warmup(q, k, v, policy=policy)
+    runner = done["plan"]
+    assert runner in QUANT
+    assert {f"{runner}:{lv}" for lv in LEVELS} <= set(done["warmed"])
+    assert any(planner.REGISTRY[n].exact for n in done["warmed"] if n in planner.REGISTRY)  # the exact runner too
+    assert controller.controllers() == {}  # no site's levels were set
+    _, rec = _call(q, k, v, policy, "after-warmup")  # the site still analyses its own first call
+    assert rec["decisions"]["head_levels"] == ["qk8"] * SHAPE[1] and rec["decisions"]["verified"]
+    exact = adaattn.warmup(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, layout="bshd")
+    assert planner.REGISTRY[exact["plan"]].exact and exact["warmed"] == [exact["plan"]]

@@ -1,7 +1,7 @@
 """adaattn: attention as fast as the hardware allows, and adaptive where the caller permits."""
 
 from . import stats
-from .api import Explanation, attention, explain, info, varlen_attention
+from .api import Explanation, attention, explain, info, varlen_attention, warmup
 from .nn import AdaAttention
 from .planner import NoBackendError
 from .policy import Policy
@@ -17,5 +17,6 @@ __all__ = [
     "info",
     "stats",
     "varlen_attention",
+    "warmup",
     "__version__",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
@@ -295,6 +296,50 @@ def explain(
     problem = validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout, window)
     return explain_problem(problem, policy)
 
+
+
+def warmup(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    layout: str = "bhsd",
+    window: tuple[int | None, int | None] | None = None,
+    policy: Policy | None = None,
+) -> dict:
+    """Pay a call's one-time costs now (for a server, at start-up): plan it and compile the
+    kernels every runner it may run launches, for each shape class a server will see.
+
+    Takes the same arguments as `attention`, with example tensors of the sizes and dtype to come
+    (their values do not matter). Under Policy(mode="auto") that is each allowed quantized level
+    of the approximate runners, as a verified call launches them, and the exact runner they would
+    hand a call to; no call site's levels or measurements are touched (each site still analyses
+    its own first call). Returns {"plan": the chosen runner, "warmed": what was compiled, "ms":
+    wall time}.
+    """
+    t0 = time.perf_counter()
+    problem = validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout, window)
+    pol = _check_policy(policy)
+    plan = planner.get_plan(problem, pol)
+    if problem.layout == "bshd":
+        query, key, value = query.transpose(-3, -2), key.transpose(-3, -2), value.transpose(-3, -2)
+    if problem.out_lead is not None:
+        query, key, value, attn_mask = to_internal(problem, query, key, value, attn_mask)
+    warmed: list[str] = []
+    with torch.no_grad():
+        for name, launch in zip(plan.candidates, plan.launches):
+            runner = planner.REGISTRY[name]
+            warmed += runner.warm(query, key, value, attn_mask, problem, launch)
+            if runner.exact:  # the runner a call lands on: slower fallbacks stay cold
+                break
+    if query.is_cuda:
+        torch.cuda.synchronize(query.device)
+    return {"plan": plan.backend, "warmed": warmed, "ms": (time.perf_counter() - t0) * 1e3}
 
 
 def varlen_attention(

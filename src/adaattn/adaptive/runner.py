@@ -224,6 +224,24 @@ class QuantizedRunner(Runner):
     def run(self, query, key, value, attn_mask, problem, launch, label=None):
         return self._run(query, key, value, attn_mask, problem, launch, label)[0]
 
+    def warm(self, query, key, value, attn_mask, problem, launch: QuantLaunch) -> list[str]:
+        """Each allowed level's kernels, as a first call and as a verified call would launch them
+        (pre-pass, kernel, sampled exact rows, verification steps), on a throwaway controller per
+        level: no call site's levels or measurements are touched."""
+        warmed = []
+        fp8_qk = tq.fp8_level_uses_fp8_qk(query, attn_mask, problem.causal, problem.window_left, problem.window_right)
+        for level in (tq.LEVEL_EXACT, *launch.levels):
+            site = f"adaattn.warmup|{self.name}|{tq.LEVELS[level]}|{problem.shape_class}"
+            ctl = controller.PrecisionController(site, launch.tolerance, 1.0, (level,), query.shape[1], fp8_qk=fp8_qk,
+                                                 allow_ws=launch.allow_ws, runner=self.name)
+            ctl.levels = [level] * query.shape[1]
+            args = (query, key, value, attn_mask, problem.scale, problem.causal, False, problem.window_left,
+                    problem.window_right)
+            ctl.run(*args)  # a verified steady-state call: every kernel such a call launches
+            ctl.poll(wait=True)
+            warmed.append(f"{self.name}:{tq.LEVELS[level]}")
+        return warmed
+
     def run_recorded(self, query, key, value, attn_mask, problem, launch, label=None):
         out, info = self._run(query, key, value, attn_mask, problem, launch, label)
         decisions = {"precision": "per head", "approximation": "none", "tolerance": launch.tolerance,

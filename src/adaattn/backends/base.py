@@ -57,6 +57,13 @@ class Runner:
         """Attention on (B, H, N, D) tensors; returns (B, Hq, Nq, Dv) in the input dtype."""
         raise NotImplementedError
 
+    def warm(self, query, key, value, attn_mask, problem: Problem, launch: Any) -> list[str]:
+        """Compile and initialise what a call of this problem class runs (adaattn.warmup), leaving
+        no state a later call reads besides caches of compiled kernels and plans. Returns what
+        it warmed, e.g. the runner's name."""
+        self.run(query, key, value, attn_mask, problem, launch)
+        return [self.name]
+
     def run_recorded(self, query, key, value, attn_mask, problem, launch, label=None) -> tuple[torch.Tensor, dict]:
         """(out, decisions): `run` and what it decided, for adaattn.stats."""
         out = self.run(query, key, value, attn_mask, problem, launch, label)
