@@ -2,6 +2,7 @@
 
 from . import stats
 from .api import Explanation, attention, explain, info, varlen_attention, warmup
+from .kv import KVCache, PagedKVCache, decode_attention
 from .nn import AdaAttention
 from .planner import NoBackendError
 from .policy import Policy
@@ -10,9 +11,12 @@ from .version import __version__
 __all__ = [
     "AdaAttention",
     "Explanation",
+    "KVCache",
     "NoBackendError",
+    "PagedKVCache",
     "Policy",
     "attention",
+    "decode_attention",
     "explain",
     "info",
     "stats",

@@ -1,0 +1,277 @@
+"""KV caches: pages of tokens per layer, a block table per sequence, stored in the model dtype or
+quantized once at append (FP8 E4M3 or INT8, one scale per (page, KV head)).
+
+Layout per layer: keys and values are pools of shape (num_pages, page_size, Hkv, D) (token-major
+pages, so a contiguous cache's pages of one sequence read as one (N, Hkv, D) tensor). A sequence
+owns the pages its block-table row lists, in order; token t of a sequence sits in page
+block_table[seq, t // page_size] at slot t % page_size. Lengths are per layer (each layer appends
+its own keys and values during a step) and live on the device, with a host mirror for page
+allocation, which is host work by nature.
+
+`PagedKVCache` adds, extends and frees sequences independently (continuous batching);
+`KVCache` is the contiguous case: a fixed batch whose sequences own consecutive pages from the
+start, so its keys and values are also plain (B, Hkv, max_len, D) views.
+
+Quantized pages: a page's scale is amax / QMAX over its tokens so far (per KV head). An append
+that brings a larger value into a partly filled page rescales the page's stored values to the
+new scale first (their error grows by at most one more rounding), so no value is ever clipped.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+STORAGES = ("native", "fp8", "int8")
+QMAX = {"fp8": 448.0, "int8": 127.0}
+
+
+def _quantize(x: torch.Tensor, scale: torch.Tensor, storage: str) -> torch.Tensor:
+    """x (float) / scale, to the storage dtype (scale broadcast against x)."""
+    y = x.float() / scale
+    if storage == "fp8":
+        return y.clamp(-QMAX["fp8"], QMAX["fp8"]).to(torch.float8_e4m3fn)
+    return y.round().clamp(-QMAX["int8"], QMAX["int8"]).to(torch.int8)
+
+
+class PagedKVCache:
+    """Keys and values of many sequences for `layers` layers, in pages of `page_size` tokens.
+
+    storage: "native" (the model dtype `dtype`), "fp8" (E4M3) or "int8", quantized at append.
+    num_pages: pages per layer in the pool; max_seqs: sequences at once; max_pages_per_seq: the
+    block table's width (default: every page).
+    """
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, num_pages: int, page_size: int = 64, *,
+                 value_dim: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cpu", storage: str = "native", max_seqs: int = 256,
+                 max_pages_per_seq: Optional[int] = None):
+        for name, val in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim),
+                          ("num_pages", num_pages), ("page_size", page_size), ("max_seqs", max_seqs)):
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        if storage not in STORAGES:
+            raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
+        if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise TypeError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
+        self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
+        self.value_dim = head_dim if value_dim is None else value_dim
+        self.page_size, self.num_pages, self.max_seqs = page_size, num_pages, max_seqs
+        self.max_pages_per_seq = num_pages if max_pages_per_seq is None else max_pages_per_seq
+        self.dtype, self.storage, self.device = dtype, storage, torch.device(device)
+        store = {"native": dtype, "fp8": torch.float8_e4m3fn, "int8": torch.int8}[storage]
+        shape = (num_pages, page_size, kv_heads)
+        self.k = [torch.zeros(*shape, head_dim, dtype=store, device=self.device) for _ in range(layers)]
+        self.v = [torch.zeros(*shape, self.value_dim, dtype=store, device=self.device) for _ in range(layers)]
+        if storage != "native":
+            self.k_scale = [torch.zeros(num_pages, kv_heads, device=self.device) for _ in range(layers)]
+            self.v_scale = [torch.zeros(num_pages, kv_heads, device=self.device) for _ in range(layers)]
+        self.block_table = torch.zeros(max_seqs, self.max_pages_per_seq, dtype=torch.int32, device=self.device)
+        self.lengths = torch.zeros(layers, max_seqs, dtype=torch.int32, device=self.device)
+        self._free_pages = list(range(num_pages - 1, -1, -1))
+        self._free_seqs = list(range(max_seqs - 1, -1, -1))
+        self._pages: dict[int, list[int]] = {}  # sequence -> its pages, in order (host mirror)
+        self._lengths = [[0] * max_seqs for _ in range(layers)]  # host mirror of self.lengths
+
+    # ---- sequences -------------------------------------------------------------------------
+
+    def add(self, reserve: int = 0) -> int:
+        """A new empty sequence (its id), with pages reserved for `reserve` tokens."""
+        if not self._free_seqs:
+            raise RuntimeError(f"PagedKVCache holds max_seqs={self.max_seqs} sequences already; free one first")
+        seq = self._free_seqs.pop()
+        self._pages[seq] = []
+        for layer in range(self.layers):
+            self._lengths[layer][seq] = 0
+        self.lengths[:, seq] = 0
+        self.reserve(seq, reserve)
+        return seq
+
+    def reserve(self, seq: int, tokens: int) -> None:
+        """Make room for `tokens` more tokens of `seq` (beyond its longest layer)."""
+        self._check_seq(seq)
+        longest = max(self._lengths[layer][seq] for layer in range(self.layers))
+        self._ensure(seq, longest + tokens)
+
+    def free(self, seq: int) -> None:
+        """Give a sequence's pages back; its id may be reused by a later add()."""
+        self._check_seq(seq)
+        pages = self._pages.pop(seq)
+        if self.storage != "native" and pages:  # a reused page starts from a fresh scale
+            for sc in (*self.k_scale, *self.v_scale):
+                sc[pages] = 0
+        self._free_pages.extend(reversed(pages))
+        self._free_seqs.append(seq)
+        for layer in range(self.layers):
+            self._lengths[layer][seq] = 0
+        self.lengths[:, seq] = 0
+
+    def length(self, seq: int, layer: int = 0) -> int:
+        """Tokens of `seq` cached in `layer` (host mirror)."""
+        self._check_seq(seq)
+        return self._lengths[layer][seq]
+
+    def pages_of(self, seq: int) -> list[int]:
+        self._check_seq(seq)
+        return list(self._pages[seq])
+
+    def _check_seq(self, seq: int) -> None:
+        if seq not in self._pages:
+            raise ValueError(f"sequence {seq!r} is not in this cache (add() returns the ids in use)")
+
+    def _ensure(self, seq: int, tokens: int) -> None:
+        pages = self._pages[seq]
+        need = -(-tokens // self.page_size)
+        if need > self.max_pages_per_seq:
+            raise ValueError(f"sequence {seq} would need {need} pages of {self.page_size} tokens, over "
+                             f"max_pages_per_seq={self.max_pages_per_seq}")
+        if need - len(pages) > len(self._free_pages):
+            raise RuntimeError(f"PagedKVCache is out of pages: {need - len(pages)} more needed, "
+                               f"{len(self._free_pages)} free of {self.num_pages}")
+        new = [self._free_pages.pop() for _ in range(need - len(pages))]
+        if new:
+            first = len(pages)
+            pages.extend(new)
+            self.block_table[seq, first:first + len(new)] = torch.tensor(new, dtype=torch.int32)
+
+    # ---- append ----------------------------------------------------------------------------
+
+    def append(self, layer: int, seqs: Sequence[int], key: torch.Tensor, value: torch.Tensor) -> None:
+        """Write `key` (S, Hkv, T, D) and `value` (S, Hkv, T, Dv) after what `layer` holds for
+        each of the S sequences `seqs` (pages allocated as needed; quantized pages rescaled)."""
+        seqs = [int(s) for s in seqs]
+        if not 0 <= layer < self.layers:
+            raise ValueError(f"layer must be in [0, {self.layers}), got {layer}")
+        want = (len(seqs), self.kv_heads)
+        if key.dim() != 4 or tuple(key.shape[:2]) != want or key.shape[3] != self.head_dim:
+            raise ValueError(f"key must be (S={len(seqs)}, Hkv={self.kv_heads}, T, D={self.head_dim}), got "
+                             f"{tuple(key.shape)}")
+        if value.dim() != 4 or tuple(value.shape[:3]) != tuple(key.shape[:3]) or value.shape[3] != self.value_dim:
+            raise ValueError(f"value must be (S, Hkv, T, Dv={self.value_dim}) like key {tuple(key.shape)}, got "
+                             f"{tuple(value.shape)}")
+        if len(set(seqs)) != len(seqs):
+            raise ValueError("seqs must not repeat a sequence")
+        t = key.shape[2]
+        if t == 0:
+            return
+        for s in seqs:
+            self._check_seq(s)
+            self._ensure(s, self._lengths[layer][s] + t)
+        start = torch.tensor([self._lengths[layer][s] for s in seqs], dtype=torch.long, device=self.device)
+        sid = torch.tensor(seqs, dtype=torch.long, device=self.device)
+        pos = start[:, None] + torch.arange(t, device=self.device)  # (S, T) token positions
+        page = self.block_table[sid[:, None], pos // self.page_size].long()  # (S, T)
+        slot = pos % self.page_size
+        k = key.to(self.device).transpose(1, 2)  # (S, T, Hkv, D)
+        v = value.to(self.device).transpose(1, 2)
+        if self.storage == "native":
+            self.k[layer][page, slot] = k.to(self.dtype)
+            self.v[layer][page, slot] = v.to(self.dtype)
+        else:
+            self._append_quantized(self.k[layer], self.k_scale[layer], page, slot, k)
+            self._append_quantized(self.v[layer], self.v_scale[layer], page, slot, v)
+        for s in seqs:
+            self._lengths[layer][s] += t
+        self.lengths[layer, sid] += t
+
+    def _append_quantized(self, pool, scales, page, slot, x) -> None:
+        """Quantize x (S, T, Hkv, D) into (page, slot); a touched page whose scale must grow is
+        rescaled first."""
+        amax = x.float().abs().amax(-1)  # (S, T, Hkv)
+        touched = page.reshape(-1)
+        src = amax.reshape(-1, amax.shape[-1]) / QMAX[self.storage]  # (S*T, Hkv): each token's scale need
+        need = torch.zeros_like(scales).scatter_reduce_(0, touched[:, None].expand_as(src), src, "amax")
+        new_scale = torch.maximum(scales, need)
+        grow = new_scale > scales  # (pages, Hkv)
+        pages = torch.unique(touched)
+        old = scales[pages]
+        ratio = torch.where(grow[pages] & (old > 0), old / new_scale[pages], torch.ones_like(old))
+        stored = pool[pages].float() * ratio[:, None, :, None]  # (P, page, Hkv, D) in the new scale's units
+        if self.storage == "fp8":
+            pool[pages] = stored.to(torch.float8_e4m3fn)
+        else:
+            pool[pages] = stored.round().clamp(-QMAX["int8"], QMAX["int8"]).to(torch.int8)
+        scales.copy_(new_scale)
+        safe = torch.where(new_scale > 0, new_scale, torch.ones_like(new_scale))
+        pool[page, slot] = _quantize(x, safe[page][..., None], self.storage)
+
+    # ---- reading -----------------------------------------------------------------------------
+
+    def gather(self, layer: int, seqs: Sequence[int] | torch.Tensor, length: int, dtype: Optional[torch.dtype] = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of `seqs` as (S, Hkv, length, D) tensors in `dtype` (default the
+        model dtype; quantized pages dequantized), padded past each sequence's own length."""
+        dtype = self.dtype if dtype is None else dtype
+        sid = torch.as_tensor(seqs, dtype=torch.long, device=self.device)
+        pages = -(-length // self.page_size)
+        table = self.block_table[sid, :pages].long()  # (S, P)
+        out = []
+        quantized = self.storage != "native"
+        for pool, scales in ((self.k[layer], self.k_scale[layer] if quantized else None),
+                             (self.v[layer], self.v_scale[layer] if quantized else None)):
+            x = pool[table]  # (S, P, page, Hkv, D)
+            if scales is None:
+                x = x.to(dtype)
+            else:
+                x = (x.float() * scales[table][:, :, None, :, None]).to(dtype)
+            x = x.reshape(len(sid), pages * self.page_size, self.kv_heads, -1)[:, :length]
+            out.append(x.transpose(1, 2))
+        return out[0], out[1]
+
+
+class KVCache(PagedKVCache):
+    """A contiguous cache for a fixed batch: sequence b owns pages b*P .. b*P+P-1 from the start
+    (P pages of `page_size` for `max_len` tokens), so keys(layer) and values(layer) are plain
+    (B, Hkv, max_len, D) views of the pools (native storage)."""
+
+    def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, *,
+                 value_dim: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cpu", storage: str = "native", page_size: int = 64):
+        for name, val in (("batch", batch), ("max_len", max_len), ("page_size", page_size)):
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                raise ValueError(f"{name} must be a positive int, got {val!r}")
+        per_seq = -(-max_len // page_size)
+        super().__init__(layers, kv_heads, head_dim, batch * per_seq, page_size, value_dim=value_dim, dtype=dtype,
+                         device=device, storage=storage, max_seqs=batch, max_pages_per_seq=per_seq)
+        self.batch, self.max_len = batch, max_len
+        self._free_pages = []  # every page belongs to its sequence from the start
+        for b in range(batch):
+            seq = self._free_seqs.pop()
+            assert seq == b
+            self._pages[b] = list(range(b * per_seq, (b + 1) * per_seq))
+        self.block_table.copy_(torch.arange(batch * per_seq, dtype=torch.int32, device=self.device)
+                               .view(batch, per_seq))
+
+    def append(self, layer: int, key: torch.Tensor, value: torch.Tensor, seqs: Optional[Sequence[int]] = None) -> None:
+        """Write `key` (B, Hkv, T, D) and `value` after what `layer` holds (every sequence of the
+        batch by default)."""
+        super().append(layer, range(self.batch) if seqs is None else seqs, key, value)
+
+    def free(self, seq: int) -> None:
+        raise TypeError("KVCache holds a fixed batch; use reset(seq) to empty a sequence, or PagedKVCache")
+
+    def reset(self, seq: Optional[int] = None) -> None:
+        """Empty one sequence (or all): its length goes to 0, its pages stay its own."""
+        for s in (range(self.batch) if seq is None else (seq,)):
+            self._check_seq(s)
+            for layer in range(self.layers):
+                self._lengths[layer][s] = 0
+            self.lengths[:, s] = 0
+            if self.storage != "native":
+                for sc in (*self.k_scale, *self.v_scale):
+                    sc[self._pages[s]] = 0
+
+    def keys(self, layer: int) -> torch.Tensor:
+        """(B, Hkv, max_len, D) view of the keys (native storage only)."""
+        return self._view(self.k[layer])
+
+    def values(self, layer: int) -> torch.Tensor:
+        return self._view(self.v[layer])
+
+    def _view(self, pool: torch.Tensor) -> torch.Tensor:
+        if self.storage != "native":
+            raise TypeError(f"a {self.storage} cache has no model-dtype view; use gather(...)")
+        per_seq = self.max_pages_per_seq
+        x = pool.view(self.batch, per_seq * self.page_size, self.kv_heads, pool.shape[-1])[:, :self.max_len]
+        return x.transpose(1, 2)

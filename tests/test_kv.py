@@ -1,0 +1,150 @@
+"""KV caches (adaattn.kv): contiguous and paged, native and quantized at append, and decode
+against them, checked against float64 attention over each sequence's full history."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from adaattn.kv import KVCache, PagedKVCache, decode_attention
+from adaattn.kv.cache import QMAX
+
+
+def _reference(q, k, v):
+    """float64 attention of q (Hq, T, D) against k/v (Hkv, N, D), bottom-right causal."""
+    hq, t, d = q.shape
+    g = hq // k.shape[0]
+    k, v = k.double().repeat_interleave(g, 0), v.double().repeat_interleave(g, 0)
+    s = q.double() @ k.transpose(-1, -2) / math.sqrt(d)
+    n = k.shape[1]
+    visible = torch.arange(n)[None, :] <= (n - t + torch.arange(t))[:, None]
+    s = s.masked_fill(~visible, float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+def _rel(a, b):
+    return ((a.double() - b).norm() / b.norm()).item()
+
+
+def _torch_error(q, k, v):
+    """err(torch): SDPA in the inputs' dtype against float64 (MEASURING.md's yardstick)."""
+    g = q.shape[0] // k.shape[0]
+    t, n = q.shape[1], k.shape[1]
+    mask = torch.arange(n)[None, :] <= (n - t + torch.arange(t))[:, None]
+    out = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(g, 0), v.repeat_interleave(g, 0),
+                                                           attn_mask=mask)
+    return _rel(out, _reference(q, k, v))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])
+def test_contiguous_cache_decode_matches_float64(dtype, hq, hkv):
+    torch.manual_seed(0)
+    b, d, layers = 3, 64, 2
+    cache = KVCache(layers, b, hkv, 300, d, dtype=dtype, page_size=32)
+    hist_k = torch.randn(b, hkv, 0, d, dtype=dtype)
+    hist_v = hist_k.clone()
+    for step, t in enumerate((130, 1, 1, 3, 1)):  # a prompt, decode steps, a 3-token speculative step
+        k, v = torch.randn(b, hkv, t, d, dtype=dtype), torch.randn(b, hkv, t, d, dtype=dtype)
+        for layer in range(layers):
+            cache.append(layer, k, v)
+        hist_k, hist_v = torch.cat([hist_k, k], 2), torch.cat([hist_v, v], 2)
+        q = torch.randn(b, hq, t, d, dtype=dtype)
+        out = decode_attention(q, cache, layers - 1)
+        assert out.shape == (b, hq, t, d) and out.dtype == dtype
+        for i in range(b):
+            ref = _reference(q[i], hist_k[i], hist_v[i])
+            assert _rel(out[i], ref) <= 2 * _torch_error(q[i], hist_k[i], hist_v[i]) + 1e-6, (step, i)
+    assert cache.length(0) == 136 and cache.lengths[1].tolist() == [136] * b
+    torch.testing.assert_close(cache.keys(0)[:, :, :136], hist_k, rtol=0, atol=0)  # the contiguous view
+
+
+def test_paged_cache_ragged_lengths_add_extend_free_and_reuse():
+    torch.manual_seed(1)
+    hkv, d, dtype = 2, 64, torch.bfloat16
+    cache = PagedKVCache(1, hkv, d, num_pages=12, page_size=16, dtype=dtype, max_seqs=4)
+    hist = {}
+    seqs = [cache.add() for _ in range(3)]
+    for s, n in zip(seqs, (5, 40, 17)):  # ragged prompts, appended one sequence at a time
+        k, v = torch.randn(1, hkv, n, d, dtype=dtype), torch.randn(1, hkv, n, d, dtype=dtype)
+        cache.append(0, [s], k, v)
+        hist[s] = (k[0], v[0])
+    assert [len(cache.pages_of(s)) for s in seqs] == [1, 3, 2]
+    cache.free(seqs[1])  # three pages back
+    new = cache.add(reserve=33)
+    assert len(cache.pages_of(new)) == 3 and new == seqs[1]  # the freed id and pages reused
+    k, v = torch.randn(1, hkv, 33, d, dtype=dtype), torch.randn(1, hkv, 33, d, dtype=dtype)
+    cache.append(0, [new], k, v)
+    hist[new] = (k[0], v[0])
+    live = [seqs[0], new, seqs[2]]
+    for _ in range(3):  # decode steps for the whole ragged batch
+        k, v = torch.randn(3, hkv, 1, d, dtype=dtype), torch.randn(3, hkv, 1, d, dtype=dtype)
+        cache.append(0, live, k, v)
+        for i, s in enumerate(live):
+            hist[s] = (torch.cat([hist[s][0], k[i]], 1), torch.cat([hist[s][1], v[i]], 1))
+        q = torch.randn(3, 4, 1, d, dtype=dtype)
+        out = decode_attention(q, cache, 0, live)
+        for i, s in enumerate(live):
+            ref = _reference(q[i], *hist[s])
+            assert _rel(out[i], ref) <= 2 * _torch_error(q[i], *hist[s]) + 1e-6
+    assert [cache.length(s) for s in live] == [8, 36, 20]
+    with pytest.raises(RuntimeError, match="out of pages"):
+        cache.append(0, [seqs[0]], torch.randn(1, hkv, 120, d, dtype=dtype), torch.randn(1, hkv, 120, d, dtype=dtype))
+    with pytest.raises(ValueError, match="not in this cache"):
+        cache.free(3)
+
+
+def _simulated(x, page_size, storage):
+    """float64 simulation of one append of x (Hkv, N, D) into empty pages: per (page, head) scale
+    amax / QMAX, values rounded to the storage format, dequantized."""
+    hkv, n, d = x.shape
+    out = torch.empty(hkv, n, d, dtype=torch.float64)
+    for p0 in range(0, n, page_size):
+        blk = x[:, p0:p0 + page_size].double()
+        scale = blk.abs().amax((1, 2), keepdim=True) / QMAX[storage]
+        y = (blk / scale).float()
+        y = y.to(torch.float8_e4m3fn).double() if storage == "fp8" else y.round().double()
+        out[:, p0:p0 + page_size] = y * scale
+    return out
+
+
+@pytest.mark.parametrize("storage", ["fp8", "int8"])
+def test_quantized_pages_match_a_float64_simulation_and_decode_within_tolerance(storage):
+    torch.manual_seed(2)
+    hkv, d, n, page = 2, 64, 100, 32
+    cache = PagedKVCache(1, hkv, d, num_pages=16, page_size=page, dtype=torch.float32, storage=storage)
+    s = cache.add()
+    k, v = torch.randn(1, hkv, n, d), torch.randn(1, hkv, n, d)
+    cache.append(0, [s], k, v)
+    got_k, got_v = cache.gather(0, [s], n, torch.float64)
+    sim_k, sim_v = _simulated(k[0], page, storage), _simulated(v[0], page, storage)
+    torch.testing.assert_close(got_k[0], sim_k, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_v[0], sim_v, rtol=1e-6, atol=1e-6)
+    # Decode-time appends grow a partly filled page's scale: values are rescaled, never clipped.
+    big = torch.randn(1, hkv, 1, d) * 8
+    cache.append(0, [s], big, big)
+    got_k, _ = cache.gather(0, [s], n + 1, torch.float64)
+    full = torch.cat([k, big], 2)[0].double()
+    scale = cache.k_scale[0][cache.pages_of(s)[-1]]  # the last page's (grown) scale per head
+    step = scale.max().item() * (QMAX[storage] / 16 if storage == "fp8" else 1.0)  # e4m3: 3 mantissa bits
+    assert (got_k[0] - full).abs().max().item() <= step
+    q = torch.randn(1, 4, 1, d)
+    out = decode_attention(q, cache, 0, [s])
+    assert _rel(out[0], _reference(q[0], full, torch.cat([v, big], 2)[0])) <= 3e-2
+
+
+def test_bad_arguments_name_what_they_got():
+    cache = PagedKVCache(2, 2, 16, 4, 8)
+    s = cache.add()
+    with pytest.raises(ValueError, match="key must be"):
+        cache.append(0, [s], torch.randn(1, 3, 1, 16), torch.randn(1, 3, 1, 16))
+    with pytest.raises(ValueError, match="layer must be"):
+        cache.append(2, [s], torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16))
+    with pytest.raises(ValueError, match="storage must be"):
+        PagedKVCache(1, 2, 16, 4, storage="fp4")
+    with pytest.raises(ValueError, match="seqs is required"):
+        decode_attention(torch.randn(1, 2, 1, 16), cache, 0)
+    with pytest.raises(ValueError, match="at least the query's"):
+        decode_attention(torch.randn(1, 2, 1, 16), cache, 0, [s])
