@@ -80,10 +80,7 @@ def attention(
             planner.remember_call(signature, (problem, pol, plan))
     else:
         problem, pol, plan = hit
-    if problem.layout == "bshd":
-        query, key, value = query.transpose(-3, -2), key.transpose(-3, -2), value.transpose(-3, -2)
-    if problem.out_lead is not None:
-        query, key, value, attn_mask = to_internal(problem, query, key, value, attn_mask)
+    query, key, value, attn_mask = _runner_form(problem, query, key, value, attn_mask)
     if compiling:
         out = plan.runner.run(query, key, value, attn_mask, problem, plan.launch, label)
     elif stats.enabled:
@@ -95,6 +92,15 @@ def attention(
     if problem.layout == "bshd":
         return out.transpose(-3, -2)
     return out
+
+
+def _runner_form(problem: Problem, query, key, value, attn_mask):
+    """The tensors as runners take them: (B, H, N, D), leading dims broadcast and flattened."""
+    if problem.layout == "bshd":
+        query, key, value = query.transpose(-3, -2), key.transpose(-3, -2), value.transpose(-3, -2)
+    if problem.out_lead is not None:
+        query, key, value, attn_mask = to_internal(problem, query, key, value, attn_mask)
+    return query, key, value, attn_mask
 
 
 def _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout, window, policy):
@@ -326,10 +332,7 @@ def warmup(
     problem = validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout, window)
     pol = _check_policy(policy)
     plan = planner.get_plan(problem, pol)
-    if problem.layout == "bshd":
-        query, key, value = query.transpose(-3, -2), key.transpose(-3, -2), value.transpose(-3, -2)
-    if problem.out_lead is not None:
-        query, key, value, attn_mask = to_internal(problem, query, key, value, attn_mask)
+    query, key, value, attn_mask = _runner_form(problem, query, key, value, attn_mask)
     warmed: list[str] = []
     with torch.no_grad():
         for name, launch in zip(plan.candidates, plan.launches):
