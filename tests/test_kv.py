@@ -148,3 +148,45 @@ def test_bad_arguments_name_what_they_got():
         decode_attention(torch.randn(1, 2, 1, 16), cache, 0)
     with pytest.raises(ValueError, match="at least the query's"):
         decode_attention(torch.randn(1, 2, 1, 16), cache, 0, [s])
+
+
+triton = pytest.importorskip("triton")
+
+
+@pytest.mark.parametrize("storage", ["native", "fp8", "int8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_split_kv_kernel_matches_float64_on_ragged_paged_batches(storage, dtype):
+    """The triton runner (kernels/decode.py) against float64 attention over the values the cache
+    holds (dequantized in float64): ragged lengths, GQA 4:1, one and three query rows, several
+    splits (some of them past a short sequence's end)."""
+    from helpers import NEEDS_CUDA_OR_INTERPRETER  # noqa: F401  (the interpreter runs it on the CPU)
+
+    torch.manual_seed(3)
+    hkv, d = 2, 64
+    cache = PagedKVCache(1, hkv, d, num_pages=40, page_size=16, dtype=dtype, storage=storage, max_seqs=4)
+    seqs = [cache.add() for _ in range(3)]
+    for s, n in zip(seqs, (5, 70, 33)):
+        k = torch.randn(1, hkv, n, d, dtype=dtype)
+        cache.append(0, [s], k, torch.randn_like(k))
+    for t in (1, 3):
+        q = torch.randn(3, 8, t, d, dtype=dtype)
+        out = decode_attention(q, cache, 0, seqs, runner="triton", splits=3)
+        assert out.shape == (3, 8, t, d) and out.dtype == dtype
+        for i, s in enumerate(seqs):
+            k64, v64 = cache.gather(0, [s], cache.length(s), torch.float64)
+            ref = _reference(q[i], k64[0], v64[0])
+            bar = 2 * _torch_error(q[i], k64[0].to(dtype), v64[0].to(dtype)) + 1e-6
+            assert _rel(out[i], ref) <= bar, (storage, t, s, _rel(out[i], ref), bar)
+
+
+def test_split_kv_kernel_refuses_what_it_cannot_take():
+    cache = PagedKVCache(1, 2, 64, 8, page_size=8, dtype=torch.bfloat16)
+    s = cache.add()
+    cache.append(0, [s], torch.randn(1, 2, 4, 64, dtype=torch.bfloat16), torch.randn(1, 2, 4, 64, dtype=torch.bfloat16))
+    q = torch.randn(1, 2, 1, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="page_size that is a power of two"):
+        decode_attention(q, cache, 0, [s], runner="triton")
+    with pytest.raises(TypeError, match="must be the cache's dtype"):
+        decode_attention(q.half(), cache, 0, [s], runner="triton")
+    with pytest.raises(ValueError, match="runner must be one of"):
+        decode_attention(q, cache, 0, [s], runner="flash")
