@@ -145,9 +145,7 @@ class PrecisionController:
                         self._no_probe[h] = True  # the cheaper level was tried again and failed
                     self._probing[h] = None
                     self.levels[h] = min(self.levels[h], levels[h])
-                    self._choices.clear()  # the site's option changed: its times are predicted again
-                    self._measured.clear()
-                    self._samples.clear()
+                    self._forget_times()  # the site's option changed: its times are measured again
                     self.ema[h] = errors[h]
                     self._calm[h] = 0
                 elif levels[h] == self.levels[h]:
@@ -173,7 +171,11 @@ class PrecisionController:
         self._probing[h] = level
         self._calm[h] = 0
         self.step_downs += 1
-        self._choices.clear()
+        self._forget_times()
+
+    def _forget_times(self) -> None:
+        """The levels changed: the option's measured times no longer hold (the exact runner's
+        do; choices are keyed by the levels, so the new ones are decided afresh)."""
         self._measured.clear()
         self._samples.clear()
 
@@ -225,8 +227,6 @@ class PrecisionController:
         # The pre-pass and the kernels read rows with unit stride along the head dimension.
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-        if exact is not None and problem is None:
-            exact = None
         if capturing:
             return self._run_captured(q, k, v, attn_mask, kw, exact, problem)
         self.poll()
@@ -242,10 +242,7 @@ class PrecisionController:
             return out, info
         picked = self.choose(problem, exact) if exact is not None else None
         if picked is not None and not picked.quantized:
-            out = exact.run(q, k, v, attn_mask, problem)
-            return out, {"levels": [tq.LEVELS[x] for x in self.levels], "verified": False,
-                         "errors": list(self.errors), "errors_measured_on": "an earlier call", **picked.as_dict(),
-                         "ran": exact.name}
+            return exact.run(q, k, v, attn_mask, problem), self.exact_info(picked, exact, "an earlier call")
         verify = self.verify > 0 and self._rng.random() < self.verify and q.numel() > 0 and k.shape[2] > 0
         prepared = tq.Prepared(k, v)
         levels, levels_dev = self._snapshot(q.device)
@@ -276,14 +273,18 @@ class PrecisionController:
 
     # ---- time: the site's option against the exact runner ---------------------------------
 
+    def exact_info(self, picked: choice_mod.Choice, exact, measured_on: str) -> dict:
+        """What stats record of a call the site handed to the exact runner."""
+        return {"levels": [tq.LEVELS[x] for x in self.levels], "verified": False, "errors": list(self.errors),
+                "errors_measured_on": measured_on, **picked.as_dict(), "ran": exact.name}
+
     def choose(self, problem, exact, inputs=None) -> choice_mod.Choice:
         """The site's choice for this problem size (cached until its levels or measurements
         change). With `inputs` (the first call, which synchronises anyway) and no figure to
         compare, both options are timed once here on a CUDA device."""
         key = _size(problem)
-        with self._lock:
-            levels = list(self.levels)
-        ckey = (key, tuple(levels))
+        levels = tuple(self.levels)
+        ckey = (key, levels)
         picked = self._choices.get(ckey)
         if picked is not None:
             self.last_choice = picked
@@ -430,10 +431,8 @@ class PrecisionController:
                          "note": "captured before warm-up: every head exact"}
         picked = self._choices.get((_size(problem), tuple(self.levels))) if exact is not None else None
         if picked is not None and not picked.quantized:  # the choice made eagerly holds in the graph
-            out = exact.run(q, k, v, attn_mask, problem)
-            return out, {"levels": [tq.LEVELS[x] for x in self.levels], "verified": False,
-                         "errors": list(self.errors), "errors_measured_on": "an earlier call (graph capture)",
-                         **picked.as_dict(), "ran": exact.name}
+            return (exact.run(q, k, v, attn_mask, problem),
+                    self.exact_info(picked, exact, "an earlier call (graph capture)"))
         levels, levels_dev = self._snapshot(q.device)
         present = sorted(set(levels))
         self._captured.append(levels_dev)  # the graph reads it on every replay
@@ -493,6 +492,16 @@ def _step(out, rows, ref, levels, up, work, err, limit: float, stage: int) -> No
         still = (redo > tq.LEVEL_EXACT) & (e > limit)
         work[1].copy_(torch.where(still, torch.zeros_like(none), none))
         work[2].copy_(torch.where(still, torch.zeros_like(none), torch.where(redo >= 0, redo, levels)))
+
+
+def held_at(site: str, level: int, q_heads: int, *, tolerance: float = 1.0, verify: float = 0.0,
+            fp8_qk: bool = False, allow_ws: bool = True, runner: str = choice_mod.GENERAL) -> PrecisionController:
+    """A controller of no call site (not registered) with every head held at `level`: what a
+    site settled there runs, for calibration and warm-up."""
+    ctl = PrecisionController(site, tolerance, verify, (level,), q_heads, fp8_qk=fp8_qk, allow_ws=allow_ws,
+                              runner=runner)
+    ctl.levels = [level] * q_heads
+    return ctl
 
 
 def get(site: str, factory) -> PrecisionController:

@@ -240,10 +240,9 @@ class QuantizedRunner(Runner):
                                        runner=self.name).run(*args)
         warmed.append(f"{self.name}:first call")
         for level in (tq.LEVEL_EXACT, *launch.levels):
-            site = f"adaattn.warmup|{self.name}|{tq.LEVELS[level]}|{problem.shape_class}"
-            ctl = controller.PrecisionController(site, launch.tolerance, 1.0, (level,), query.shape[1], fp8_qk=fp8_qk,
-                                                 allow_ws=launch.allow_ws, runner=self.name)
-            ctl.levels = [level] * query.shape[1]
+            ctl = controller.held_at(f"adaattn.warmup|{self.name}|{tq.LEVELS[level]}|{problem.shape_class}", level,
+                                     query.shape[1], tolerance=launch.tolerance, verify=1.0, fp8_qk=fp8_qk,
+                                     allow_ws=launch.allow_ws, runner=self.name)
             ctl.run(*args)  # a verified steady-state call: every kernel such a call launches
             ctl.poll(wait=True)
             warmed.append(f"{self.name}:{tq.LEVELS[level]}")
@@ -278,9 +277,8 @@ class QuantizedRunner(Runner):
             # the quantized forward with an exact backward (the custom op's autograd).
             picked = ctl.choose(problem, launch.exact) if ctl.levels is not None and launch.exact else None
             if picked is not None and not picked.quantized:
-                out = launch.exact.run(q, k, v, attn_mask, problem, label)
-                return out, {"levels": ctl.describe()["levels"], "errors": list(ctl.errors), **picked.as_dict(),
-                             "ran": launch.exact.name}
+                return (launch.exact.run(q, k, v, attn_mask, problem, label),
+                        ctl.exact_info(picked, launch.exact, "an earlier call"))
             out = adaptive_fwd(q, k, v, attn_mask, scale, problem.causal, left, right, site, launch.tolerance,
                                launch.verify, list(launch.levels), launch.deterministic, launch.allow_ws)
             info = {"levels": ctl.describe()["levels"], "errors": list(ctl.errors),

@@ -216,6 +216,16 @@ def apply_masks(s, q_idx, k_idx, q_len, k_len, diag, window_left, window_right,
 
 
 @triton.jit
+def masked_softmax_step(s, m_i):
+    """A tile's scores s (log2 domain, -inf where masked) against the running row max m_i:
+    (p = exp2(s - new max), alpha = the rescale of what came before, the new max). A row that
+    has seen only masked keys keeps m = -inf; subtracting 0 keeps p = 0, not NaN."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    return tl.math.exp2(s - m_shift[:, None]), tl.math.exp2(m_i - m_shift), m_new
+
+
+@triton.jit
 def fwd_tile(acc, l_i, m_i, q, k_base, v_base, mask_base, start_n,
              offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
              stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
@@ -239,11 +249,7 @@ def fwd_tile(acc, l_i, m_i, q, k_base, v_base, mask_base, start_n,
         s = apply_masks(qk * scale_log2, offs_m[:, None], cols[None, :], q_len, k_len, diag,
                         window_left, window_right, mask_base, stride_mm, stride_mn, EDGE,
                         HAS_LEFT, HAS_RIGHT, MASK_KIND)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen only masked keys keeps m = -inf; subtracting 0 keeps p = 0, not NaN.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.math.exp2(m_i - m_shift)
-        p = tl.math.exp2(s - m_shift[:, None])
+        p, alpha, m_new = masked_softmax_step(s, m_i)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = load_rows(v_base + cols[:, None] * stride_vn + offs_dv[None, :], cols, k_len, offs_dv,
                   HEAD_DIM_V, BLOCK_DV, EDGE)

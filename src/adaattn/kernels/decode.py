@@ -16,7 +16,7 @@ Pool layout per layer: (num_pages, PAGE, Hkv, D), token-major pages (adaattn.kv.
 import triton
 import triton.language as tl
 
-from .attention_fwd import dot, round_to
+from .attention_fwd import dot, masked_softmax_step, round_to
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -78,10 +78,7 @@ def decode_split_kernel(
             qk = dot(q, tl.trans(k), tl.zeros([BLOCK_M, PAGE], tl.float32), DOT_PRECISION) * qk_scale
         visible = (keys[None, :] <= pos[:, None]) & (keys[None, :] < length)
         qk = tl.where(visible, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        pexp = tl.exp2(qk - m_safe[:, None])
+        pexp, alpha, m_new = masked_softmax_step(qk, m_i)
         l_i = l_i * alpha + tl.sum(pexp, 1)
         acc = acc * alpha[:, None]
         # P stays in fp32 for P.V (decode is bound by reading K and V, so the fp32 product costs no

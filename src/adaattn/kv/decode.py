@@ -67,6 +67,8 @@ def decode_attention(query: torch.Tensor, cache: PagedKVCache, layer: int, seqs:
 
 
 def _split_kv(query, cache, layer, seqs, longest, scale, splits):
+    from triton import next_power_of_2
+
     from ..kernels.decode import decode_merge_kernel, decode_split_kernel
 
     s, hq, t, d = query.shape
@@ -94,7 +96,7 @@ def _split_kv(query, cache, layer, seqs, longest, scale, splits):
     ks = cache.k_scale[layer] if quantized else l_part  # a placeholder pointer when not read
     vs = cache.v_scale[layer] if quantized else l_part
     scale = d ** -0.5 if scale is None else float(scale)
-    block_m = max(16, triton_next_pow2(g * t))
+    block_m = max(16, next_power_of_2(g * t))
     from ..backends.triton_launch import dot_precision
 
     decode_split_kernel[(splits, s * hkv)](
@@ -103,18 +105,14 @@ def _split_kv(query, cache, layer, seqs, longest, scale, splits):
         *(ks.stride() if quantized else (0, 0)), *cache.block_table.stride(),
         *o_part.stride(), *l_part.stride(),
         hkv, splits, per_split,
-        G=g, T=t, D=d, DV=dv, BLOCK_M=block_m, BLOCK_D=max(16, triton_next_pow2(d)),
-        BLOCK_DV=max(16, triton_next_pow2(dv)), PAGE=page, QUANTIZED=quantized,
+        G=g, T=t, D=d, DV=dv, BLOCK_M=block_m, BLOCK_D=max(16, next_power_of_2(d)),
+        BLOCK_DV=max(16, next_power_of_2(dv)), PAGE=page, QUANTIZED=quantized,
         DOT_PRECISION=dot_precision(query.dtype),
     )
     out = torch.empty(s, hq, t, dv, dtype=query.dtype, device=dev)
     decode_merge_kernel[(s * hq * t,)](
         o_part, l_part, out, *o_part.stride(), *l_part.stride(), *out.stride(), hq, t, splits,
-        DV=dv, BLOCK_DV=max(16, triton_next_pow2(dv)), BLOCK_S=max(2, triton_next_pow2(splits)),
+        DV=dv, BLOCK_DV=max(16, next_power_of_2(dv)), BLOCK_S=max(2, next_power_of_2(splits)),
         DOT_PRECISION=dot_precision(query.dtype),
     )
     return out
-
-
-def triton_next_pow2(n: int) -> int:
-    return 1 << max(0, (int(n) - 1).bit_length())

@@ -93,12 +93,10 @@ def _level_peers(problem, q, k, v, arch) -> list:
         if runner.exact or runner.supports(problem, policy):
             continue
         launch = runner.prepare(problem, policy)
-        ws = name == "triton.quant.ws"
         fp8_qk = tq.fp8_level_uses_fp8_qk(q, None, problem.causal, -1, -1)
         for level in (tq.LEVEL_EXACT, *launch.levels):
-            ctl = controller.PrecisionController(f"calibrate {name} {level}", 1.0, 0.0, (level,), problem.q_heads,
-                                                 fp8_qk=fp8_qk, allow_ws=ws, runner=name)
-            ctl.levels = [level] * problem.q_heads
+            ctl = controller.held_at(f"calibrate {name} {level}", level, problem.q_heads, fp8_qk=fp8_qk,
+                                     allow_ws=launch.allow_ws, runner=name)
             entry = choice.level_entry(name, level)
 
             def forward(ctl=ctl):
