@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from adaattn.kv import KVCache, PagedKVCache, decode_attention
+from adaattn.kv import KVCache, PagedKVCache, decode_attention, plan_decode
 from adaattn.kv.cache import QMAX
 
 
@@ -184,9 +184,13 @@ def test_split_kv_kernel_refuses_what_it_cannot_take():
     s = cache.add()
     cache.append(0, [s], torch.randn(1, 2, 4, 64, dtype=torch.bfloat16), torch.randn(1, 2, 4, 64, dtype=torch.bfloat16))
     q = torch.randn(1, 2, 1, 64, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="page_size that is a power of two"):
-        decode_attention(q, cache, 0, [s], runner="triton")
-    with pytest.raises(TypeError, match="must be the cache's dtype"):
+    with pytest.raises(ValueError, match="runner='triton' cannot take this call: the query's dtype"):
         decode_attention(q.half(), cache, 0, [s], runner="triton")
     with pytest.raises(ValueError, match="runner must be one of"):
         decode_attention(q, cache, 0, [s], runner="flash")
+    plan = plan_decode(cache, [s], heads=2, runner="triton", max_len=4)
+    cache.append(0, [s], torch.randn(1, 2, 1, 64, dtype=torch.bfloat16), torch.randn(1, 2, 1, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="the plan covers 4 tokens"):
+        decode_attention(q, cache, 0, plan=plan)
+    with pytest.raises(ValueError, match="as planned"):
+        decode_attention(torch.randn(1, 4, 1, 64, dtype=torch.bfloat16), cache, 0, plan=plan_decode(cache, [s], heads=2))

@@ -35,6 +35,12 @@ HOW = {
     "auto T": "adaattn.attention(..., policy=Policy(mode='auto', precisions=('native', 'int8', 'fp8'), "
     "tolerance=T)), warmed 5 calls before timing, verification at the policy's rate included",
     "auto int8 T": "the same with precisions=('native', 'int8')",
+    "kv <storage> [paged]": "adaattn.kv.decode_attention(q, cache, 0, plan=plan) on a KVCache (or a PagedKVCache "
+    "with page 64) filled before timing; the plan (plan_decode) made once before timing, as a serving loop makes it "
+    "once per step for all layers",
+    "... graph": "the same call captured in a torch.cuda.CUDAGraph and replayed",
+    "efficient (padded, mask)": "SDPA's efficient kernel on the ragged batch padded to its longest, with a length "
+    "mask",
 }
 
 

@@ -2,9 +2,9 @@
 
 One program owns one (sequence, KV head, split): the query rows of the whole GQA group of that
 KV head (G query heads x T rows, packed into one BLOCK_M tile, row r = g * T + t) against the
-keys of its split, page by page (BLOCK_N = the page size), through the sequence's block-table
-row. Pages in FP8 or INT8 are dequantized in registers with their (page, KV head) scale. Each
-program writes its split's normalised output and natural-log log-sum-exp; a second kernel merges
+keys of its split, BLOCK_N keys at a time, each key's page read from the sequence's block-table
+row. Pages in FP8 or INT8 convert exactly to fp16 in registers, and their (page, KV head) scales
+multiply the scores and P. Each program writes its split's normalised output and natural-log log-sum-exp; a second kernel merges
 the splits by log-sum-exp.
 
 Positions are bottom-right aligned: query row t of T sits at position len - T + t and sees keys
@@ -23,6 +23,17 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
+def as_operand(x, dtype: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Page values (the model dtype, FP8 or INT8) as a tensor-core operand of `dtype`: exact for
+    every storage. The interpreter's integer -> bf16 conversion is wrong (triton 3.6/3.9), and its
+    dot upcasts bf16 to fp32 anyway (attention_fwd.dot), so there the values go to fp32."""
+    if DOT_PRECISION == "interpreter_bf16":
+        return x.to(tl.float32)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
 def decode_split_kernel(
     Q, K, V, KS, VS, TABLE, LENS, SEQS, O_PART, L_PART,
     sm_scale,
@@ -33,11 +44,18 @@ def decode_split_kernel(
     stride_ts, stride_tp,
     stride_os, stride_oh, stride_ot, stride_osp, stride_od,
     stride_ls, stride_lh, stride_lt, stride_lsp,
-    HKV, SPLITS, PAGES_PER_SPLIT,
+    HKV, TILES_PER_SPLIT,
     G: tl.constexpr, T: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, PAGE: tl.constexpr,
-    QUANTIZED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PAGE: tl.constexpr, QUANTIZED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    """Program (split, sequence x KV head): tiles [split * TILES_PER_SPLIT, ...) of BLOCK_N keys
+    of its sequence (a tile may span pages, or a page several tiles: each key's page comes from
+    the block table). A split past the sequence's end writes lse = -inf and zeros. Quantized
+    pages: the raw FP8/INT8 values convert exactly to fp16 and go to the tensor cores as they are
+    (fp16, not bf16: the conversion to bf16 costs a detour through fp32, measured 1.13x slower at
+    32k in benchmarks/NOTES.md); the query is scaled by a power of two into fp16's range; the
+    (page, KV head) scales multiply the scores, and P over the tile's largest V scale."""
     pid_sh = tl.program_id(1)
     split = tl.program_id(0)
     s = pid_sh // HKV
@@ -59,31 +77,47 @@ def decode_split_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     qk_scale = sm_scale * LOG2E
-    n_pages = tl.cdiv(length, PAGE)
-    first = split * PAGES_PER_SPLIT
-    last = tl.minimum(first + PAGES_PER_SPLIT, n_pages)
-    cols = tl.arange(0, PAGE)
-    for p in range(first, last):
-        page = tl.load(TABLE + seq * stride_ts + p * stride_tp).to(tl.int64)
-        keys = p * PAGE + cols
-        k_ptr = K + page * stride_kp + cols[:, None] * stride_kn + h * stride_kh + dq[None, :] * stride_kd
-        k = tl.load(k_ptr, mask=dq[None, :] < D, other=0.0)
-        v_ptr = V + page * stride_vp + cols[:, None] * stride_vn + h * stride_vh + dv[None, :] * stride_vd
-        v = tl.load(v_ptr, mask=dv[None, :] < DV, other=0.0)
-        if QUANTIZED:  # dequantized in fp32 and multiplied in fp32: no rounding beyond the pages' own
-            k = k.to(tl.float32) * tl.load(KS + page * stride_sp + h * stride_sh)
-            v = v.to(tl.float32) * tl.load(VS + page * stride_sp + h * stride_sh)
-            qk = tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee") * qk_scale
+    n_tiles = tl.cdiv(length, BLOCK_N)
+    first = split * TILES_PER_SPLIT
+    last = tl.minimum(first + TILES_PER_SPLIT, n_tiles)
+    cols = tl.arange(0, BLOCK_N)
+    table = TABLE + seq * stride_ts
+    if QUANTIZED:  # fp16 operands (FP8/INT8 convert to fp16 natively; to bf16 through fp32): q scaled into range
+        qf = q.to(tl.float32)
+        qmax = tl.max(tl.max(tl.abs(qf), 1), 0)
+        e = tl.maximum(tl.ceil(tl.log2(tl.maximum(qmax, 1e-30))) - 14.0, 0.0)
+        q = as_operand(qf * tl.exp2(-e), tl.float16, DOT_PRECISION)
+        qk_scale = qk_scale * tl.exp2(e)
+    for i in range(first, last):
+        keys = i * BLOCK_N + cols
+        live = keys < length
+        page = tl.load(table + (keys // PAGE) * stride_tp, mask=live, other=0).to(tl.int64)
+        slot = keys % PAGE
+        k = tl.load(K + page[:, None] * stride_kp + slot[:, None] * stride_kn + h * stride_kh
+                    + dq[None, :] * stride_kd, mask=live[:, None] & (dq[None, :] < D), other=0.0)
+        kt = tl.trans(as_operand(k, q.dtype, DOT_PRECISION))
+        v = tl.load(V + page[:, None] * stride_vp + slot[:, None] * stride_vn + h * stride_vh
+                    + dv[None, :] * stride_vd, mask=live[:, None] & (dv[None, :] < DV), other=0.0)
+        v = as_operand(v, q.dtype, DOT_PRECISION)
+        qk = dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_PRECISION)
+        if QUANTIZED:
+            qk = qk * (tl.load(KS + page * stride_sp + h * stride_sh, mask=live, other=0.0) * qk_scale)[None, :]
         else:
-            qk = dot(q, tl.trans(k), tl.zeros([BLOCK_M, PAGE], tl.float32), DOT_PRECISION) * qk_scale
-        visible = (keys[None, :] <= pos[:, None]) & (keys[None, :] < length)
+            qk = qk * qk_scale
+        visible = (keys[None, :] <= pos[:, None]) & live[None, :]
         qk = tl.where(visible, qk, float("-inf"))
         pexp, alpha, m_new = masked_softmax_step(qk, m_i)
         l_i = l_i * alpha + tl.sum(pexp, 1)
-        acc = acc * alpha[:, None]
-        # P stays in fp32 for P.V (decode is bound by reading K and V, so the fp32 product costs no
-        # time there): the output's error is then the inputs' rounding alone.
-        acc = tl.dot(pexp, v.to(tl.float32), acc, input_precision="ieee")
+        if QUANTIZED:  # P times each key's V scale over the tile's largest (<= 1: no fp16 overflow), rounded to fp16
+            vsc = tl.load(VS + page * stride_sp + h * stride_sh, mask=live, other=0.0)
+            vmax = tl.max(vsc, 0)
+            pv = pexp * (vsc / tl.where(vmax > 0, vmax, 1.0))[None, :]
+            pv = dot(round_to(pv, tl.float16, "tf32"), v, tl.zeros([BLOCK_M, BLOCK_DV], tl.float32), DOT_PRECISION)
+            acc = acc * alpha[:, None] + pv * vmax
+        else:
+            # P rounded to the query's dtype (to nearest, as the tensor cores take it; SDPA's kernels
+            # do the same) against V's values, exact in that dtype.
+            acc = dot(round_to(pexp, q.dtype, DOT_PRECISION), v, acc * alpha[:, None], DOT_PRECISION)
         m_i = m_new
 
     seen = l_i > 0

@@ -2,6 +2,6 @@
 attention against them (decode)."""
 
 from .cache import KVCache, PagedKVCache
-from .decode import decode_attention
+from .decode import DecodePlan, decode_attention, plan_decode
 
-__all__ = ["KVCache", "PagedKVCache", "decode_attention"]
+__all__ = ["DecodePlan", "KVCache", "PagedKVCache", "decode_attention", "plan_decode"]

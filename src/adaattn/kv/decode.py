@@ -2,117 +2,266 @@
 chunked prefill against the cache), bottom-right causal: query row i of T sees keys up to
 length - T + i.
 
+    plan = plan_decode(cache, seqs, heads=32)        # once per step: host work, buffers, the runner
+    for layer in range(layers):
+        cache.append(layer, seqs, k, v)               # one launch on CUDA
+        out = decode_attention(q, cache, layer, plan=plan)
+
+Without `plan`, decode_attention makes one per call (the same result, more host work per layer).
+
 Two runners:
-    "sdpa"    the sequences' pages gathered into (S, Hkv, L, D) tensors (quantized pages
-              dequantized) and torch's SDPA with a length mask: every cache, dtype and device.
     "triton"  the split-KV kernel (kernels/decode.py): a GQA group's query rows in one tile, the
-              keys of each sequence split across programs by occupancy, pages read through the
-              block table (FP8/INT8 dequantized in registers), splits merged by log-sum-exp.
-              Page sizes 16-256 (powers of two), head dims up to 256; CUDA or the interpreter.
-Both read the longest length on the host (to size the gather or the splits). The default is
-"sdpa" until the kernel is measured on a GPU (benchmarks/NOTES.md).
+              keys of each sequence split across programs so that every program reads about the
+              same number of keys (ragged batches balance), each key's page read from the block
+              table (FP8/INT8 converted in registers), splits merged by log-sum-exp. The default
+              on CUDA; any page size, head dims up to 256.
+    "sdpa"    torch's SDPA: a contiguous native KVCache whose sequences have equal lengths is read
+              through its (B, Hkv, N, D) views without a copy; otherwise the sequences' pages are
+              gathered (quantized pages dequantized) and masked by length. The default on the
+              CPU, and wherever the kernel declines (the plan says why).
+
+Static shapes for CUDA graphs: a plan made with `max_len` fixes the launch grid, and the kernel
+reads lengths and block tables on the device, so one captured step replays as sequences grow up to
+max_len (pages reserved beforehand; PagedKVCache.reserve). Nothing recompiles as lengths grow:
+lengths are not kernel constants.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from .cache import PagedKVCache
-
+from .. import stats
+from .cache import KVCache, PagedKVCache
 
 RUNNERS = ("sdpa", "triton")
+# The triton runner's tiles and launch, from a sweep on an H100 (benchmarks/NOTES.md, decode): 128 keys
+# per tile; 8 warps for pages in the model dtype, 4 for quantized pages (their fp16 operands sit in
+# registers); the split count aims at 8 programs per SM.
+BLOCK_N = 128
+PROGRAMS_PER_SM = 8
+WARPS = {"native": 8, "fp8": 4, "int8": 4}
+STAGES = 2
+
+
+@dataclass
+class DecodePlan:
+    """What decode_attention needs beyond the tensors, computed once per step and shared by the
+    layers: the sequences (as a device tensor), the runner and why, the triton runner's split of
+    the keys, and its scratch buffers."""
+
+    runner: str
+    why: str
+    seqs: tuple[int, ...]
+    seq_ids: torch.Tensor
+    heads: int
+    query_len: int
+    max_len: int
+    splits: int = 1
+    tiles_per_split: int = 1
+    block_n: int = BLOCK_N
+    num_warps: int = 4
+    num_stages: int = STAGES
+    _scratch: dict = field(default_factory=dict, repr=False)
+
+    def explain(self) -> str:
+        split = (f"; {self.splits} split(s) of up to {self.tiles_per_split * self.block_n} keys"
+                 if self.runner == "triton" else "")
+        return (f"decode runner kv.{self.runner} for {len(self.seqs)} sequence(s), {self.query_len} query row(s) "
+                f"each, up to {self.max_len} keys{split}: {self.why}")
+
+    def scratch(self, dv: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The split outputs and log-sum-exps (fp32), allocated once and reused by every layer."""
+        key = (dv, str(device))
+        if key not in self._scratch:
+            s, t = len(self.seqs), self.query_len
+            self._scratch[key] = (torch.empty(s, self.heads, t, self.splits, dv, dtype=torch.float32, device=device),
+                                  torch.empty(s, self.heads, t, self.splits, dtype=torch.float32, device=device))
+        return self._scratch[key]
+
+
+def _triton_declines(cache: PagedKVCache, dtype: torch.dtype, device: torch.device) -> str:
+    """Why the triton runner cannot take this call ('' when it can)."""
+    if device.type != "cuda":
+        from ..backends.triton_launch import interpreting
+
+        if not interpreting():
+            return "the split-KV kernel runs on CUDA (or under TRITON_INTERPRET=1)"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    if dtype != cache.dtype:
+        return f"the query's dtype {dtype} is not the cache's {cache.dtype}"
+    if max(cache.head_dim, cache.value_dim) > 256:
+        return f"head dims up to 256 (got {max(cache.head_dim, cache.value_dim)})"
+    return ""
+
+
+def plan_decode(cache: PagedKVCache, seqs: Optional[Sequence[int]] = None, *, heads: int, query_len: int = 1,
+                dtype: Optional[torch.dtype] = None, runner: Optional[str] = None, splits: Optional[int] = None,
+                max_len: Optional[int] = None) -> DecodePlan:
+    """A plan for decode_attention over `seqs` (default: a KVCache's whole batch) with `heads`
+    query heads and `query_len` rows each.
+
+    max_len: the longest sequence the plan covers (default: the longest now in any layer plus
+    query_len, so it holds after this step's appends); a plan for CUDA-graph capture passes the
+    longest it will replay to. runner: "triton", "sdpa" or None (the fastest that takes the call);
+    splits: the triton runner's splits of the longest sequence (default: from the keys of the
+    whole batch against the GPU's SMs)."""
+    if runner is not None and runner not in RUNNERS:
+        raise ValueError(f"runner must be one of {RUNNERS} or None, got {runner!r}")
+    if seqs is None:
+        if not isinstance(cache, KVCache):
+            raise ValueError("seqs is required for a PagedKVCache (the sequence ids the query rows belong to)")
+        seqs = range(cache.batch)
+    seqs = tuple(int(s) for s in seqs)
+    if not seqs:
+        raise ValueError("seqs must name at least one sequence")
+    for s in seqs:
+        cache._check_seq(s)
+    if not isinstance(heads, int) or heads < 1 or heads % cache.kv_heads:
+        raise ValueError(f"heads must be a positive multiple of the cache's kv_heads ({cache.kv_heads}), got {heads!r}")
+    if not isinstance(query_len, int) or query_len < 1:
+        raise ValueError(f"query_len must be a positive int, got {query_len!r}")
+    dtype = cache.dtype if dtype is None else dtype
+    now = [max(cache._lengths[layer][s] for layer in range(cache.layers)) for s in seqs]
+    if max_len is None:
+        max_len = max(now) + query_len
+    elif max_len < max(now):
+        raise ValueError(f"max_len={max_len} is shorter than a sequence the cache already holds ({max(now)} tokens)")
+    declines = _triton_declines(cache, dtype, cache.device)
+    if runner == "triton" and declines:
+        raise ValueError(f"runner='triton' cannot take this call: {declines}")
+    if runner is None:
+        if declines:
+            runner, why = "sdpa", f"the split-KV kernel declines: {declines}"
+        elif cache.device.type != "cuda":
+            runner, why = "sdpa", "on the CPU, torch's SDPA (the kernel runs here only in the interpreter)"
+        else:
+            runner, why = "triton", ("the split-KV kernel reads the cache where it lies (paged, any storage); SDPA "
+                                     "needs the pages gathered or a contiguous view (benchmarks/NOTES.md, decode)")
+    else:
+        why = "asked for"
+    seq_ids = torch.tensor(seqs, dtype=torch.int32, device=cache.device)
+    plan = DecodePlan(runner, why, seqs, seq_ids, heads, query_len, int(max_len))
+    if runner == "triton":
+        tiles = -(-plan.max_len // BLOCK_N)
+        if splits is None:
+            if cache.device.type == "cuda":
+                sms = torch.cuda.get_device_properties(cache.device).multi_processor_count
+            else:
+                sms = 4
+            work = cache.kv_heads * sum(-(-min(n + query_len, plan.max_len) // BLOCK_N) for n in now)
+            per = max(1, -(-work // (PROGRAMS_PER_SM * sms)))
+        else:
+            if not isinstance(splits, int) or splits < 1:
+                raise ValueError(f"splits must be a positive int, got {splits!r}")
+            per = -(-tiles // splits)
+        plan.block_n, plan.tiles_per_split, plan.splits = BLOCK_N, per, -(-tiles // per)
+        plan.num_warps = WARPS[cache.storage]
+    return plan
 
 
 def decode_attention(query: torch.Tensor, cache: PagedKVCache, layer: int, seqs: Optional[Sequence[int]] = None,
-                     scale: Optional[float] = None, runner: str = "sdpa", splits: Optional[int] = None
-                     ) -> torch.Tensor:
+                     scale: Optional[float] = None, runner: Optional[str] = None, splits: Optional[int] = None,
+                     plan: Optional[DecodePlan] = None) -> torch.Tensor:
     """query (S, Hq, T, D) of the S sequences `seqs` (default: every sequence of a KVCache's
-    batch) against what `layer` of the cache holds for them, the last T cached tokens of each
-    being the queries' own (bottom-right causal). Returns (S, Hq, T, Dv) in the query's dtype.
+    batch, or the plan's) against what `layer` of the cache holds for them, the last T cached
+    tokens of each being the queries' own (bottom-right causal). Returns (S, Hq, T, Dv) in the
+    query's dtype.
 
-    runner: "sdpa" or "triton" (see the module docstring); splits: the triton runner's key
-    splits per sequence (default: from the batch, heads and lengths against the GPU's SMs)."""
-    if runner not in RUNNERS:
-        raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
-    if seqs is None:
-        if not hasattr(cache, "batch"):
-            raise ValueError("seqs is required for a PagedKVCache (the sequence ids the query rows belong to)")
-        seqs = range(cache.batch)
-    seqs = [int(s) for s in seqs]
-    if query.dim() != 4 or query.shape[0] != len(seqs):
-        raise ValueError(f"query must be (S={len(seqs)}, Hq, T, D), got {tuple(query.shape)}")
+    plan: from plan_decode, made once per step and shared by the layers (default: one per call,
+    from runner and splits)."""
+    if query.dim() != 4:
+        raise ValueError(f"query must be (S, Hq, T, D), got {tuple(query.shape)}")
+    if not 0 <= layer < cache.layers:
+        raise ValueError(f"layer must be in [0, {cache.layers}), got {layer}")
     s, hq, t, d = query.shape
+    if plan is None:
+        plan = plan_decode(cache, seqs, heads=hq, query_len=t, dtype=query.dtype, runner=runner, splits=splits)
+    elif seqs is not None and tuple(int(x) for x in seqs) != plan.seqs:
+        raise ValueError(f"seqs {list(seqs)} differ from the plan's {list(plan.seqs)}")
+    if s != len(plan.seqs) or hq != plan.heads or t != plan.query_len:
+        raise ValueError(f"query must be (S={len(plan.seqs)}, Hq={plan.heads}, T={plan.query_len}, D) as planned, "
+                         f"got {tuple(query.shape)}")
     if d != cache.head_dim:
         raise ValueError(f"query head_dim {d} must equal the cache's head_dim {cache.head_dim}")
-    if hq % cache.kv_heads:
-        raise ValueError(f"query heads ({hq}) must be a multiple of the cache's kv_heads ({cache.kv_heads})")
-    lengths = [cache.length(x, layer) for x in seqs]
-    if any(n < t for n in lengths):
+    lengths = [cache._lengths[layer][x] for x in plan.seqs]
+    if min(lengths) < t:
         raise ValueError(f"each sequence must hold at least the query's {t} tokens in layer {layer}; lengths "
                          f"{lengths}")
+    if max(lengths) > plan.max_len:
+        raise ValueError(f"the plan covers {plan.max_len} tokens per sequence but layer {layer} holds up to "
+                         f"{max(lengths)}: make a new plan (plan_decode(..., max_len=...))")
+    if plan.runner == "triton":
+        if query.dtype != cache.dtype:
+            raise TypeError(f"query dtype {query.dtype} must be the cache's dtype {cache.dtype} for runner='triton'")
+        out = _split_kv(query, cache, layer, plan, scale)
+    else:
+        out = _sdpa(query, cache, layer, plan, lengths, scale)
+    if stats.enabled:
+        stats.add(stats.CallRecord(
+            backend=f"kv.{plan.runner}",
+            shape=f"S={s} Hq={hq} Hkv={cache.kv_heads} T={t} Nk<={max(lengths)} D={d}",
+            dtype=str(query.dtype).replace("torch.", ""), device=str(query.device.type), mode="decode",
+            decisions={"why": plan.why, "storage": cache.storage, "page_size": cache.page_size,
+                       "splits": plan.splits if plan.runner == "triton" else None, "layer": layer}))
+    return out
+
+
+def _sdpa(query, cache, layer, plan, lengths, scale):
+    s, hq, t, d = query.shape
+    gqa = hq != cache.kv_heads
     longest = max(lengths)
-    if runner == "triton":
-        return _split_kv(query, cache, layer, seqs, longest, scale, splits)
-    k, v = cache.gather(layer, seqs, longest, dtype=query.dtype)
+    if (isinstance(cache, KVCache) and cache.storage == "native" and min(lengths) == longest
+            and query.dtype == cache.dtype and plan.seqs == tuple(range(cache.batch))):
+        k, v = cache.keys(layer)[:, :, :longest], cache.values(layer)[:, :, :longest]  # views, no copy
+        if t == 1:
+            return F.scaled_dot_product_attention(query, k, v, scale=scale, enable_gqa=gqa)
+        visible = torch.ones(t, longest, dtype=torch.bool, device=query.device).tril(longest - t)
+        return F.scaled_dot_product_attention(query, k, v, attn_mask=visible, scale=scale, enable_gqa=gqa)
+    k, v = cache.gather(layer, plan.seqs, longest, dtype=query.dtype)
     n = torch.tensor(lengths, device=query.device)
     keys = torch.arange(longest, device=query.device)
     rows = torch.arange(t, device=query.device)
     visible = keys[None, None, :] <= (n[:, None, None] - t + rows[None, :, None])  # (S, T, L)
-    out = F.scaled_dot_product_attention(query, k, v, attn_mask=visible[:, None], scale=scale,
-                                         enable_gqa=hq != cache.kv_heads)
-    return out
+    return F.scaled_dot_product_attention(query, k, v, attn_mask=visible[:, None], scale=scale, enable_gqa=gqa)
 
 
-def _split_kv(query, cache, layer, seqs, longest, scale, splits):
+def _split_kv(query, cache, layer, plan, scale):
     from triton import next_power_of_2
 
+    from ..backends.triton_launch import dot_precision
     from ..kernels.decode import decode_merge_kernel, decode_split_kernel
 
     s, hq, t, d = query.shape
-    hkv, dv, page = cache.kv_heads, cache.value_dim, cache.page_size
-    if query.dtype != cache.dtype:
-        raise TypeError(f"query dtype {query.dtype} must be the cache's dtype {cache.dtype} for runner='triton'")
-    if page < 16 or page > 256 or page & (page - 1):
-        raise ValueError(f"runner='triton' needs a page_size that is a power of two in [16, 256], got {page}")
-    if max(d, dv) > 256:
-        raise ValueError(f"runner='triton' takes head dims up to 256, got {max(d, dv)}")
+    hkv, dv = cache.kv_heads, cache.value_dim
     g = hq // hkv
-    pages = -(-longest // page)
-    if splits is None:
-        sms = torch.cuda.get_device_properties(query.device).multi_processor_count if query.is_cuda else 4
-        splits = -(-2 * sms // (s * hkv))  # about two programs per SM
-    splits = max(1, min(int(splits), pages))
-    per_split = -(-pages // splits)
-    splits = -(-pages // per_split)
-    dev = query.device
-    seq_t = torch.tensor(seqs, dtype=torch.int32, device=dev)
-    o_part = torch.empty(s, hq, t, splits, dv, dtype=torch.float32, device=dev)
-    l_part = torch.empty(s, hq, t, splits, dtype=torch.float32, device=dev)
+    o_part, l_part = plan.scratch(dv, query.device)
     k_pool, v_pool = cache.k[layer], cache.v[layer]
     quantized = cache.storage != "native"
     ks = cache.k_scale[layer] if quantized else l_part  # a placeholder pointer when not read
     vs = cache.v_scale[layer] if quantized else l_part
     scale = d ** -0.5 if scale is None else float(scale)
-    block_m = max(16, next_power_of_2(g * t))
-    from ..backends.triton_launch import dot_precision
-
-    decode_split_kernel[(splits, s * hkv)](
-        query, k_pool, v_pool, ks, vs, cache.block_table, cache.lengths[layer], seq_t, o_part, l_part, scale,
+    precision = dot_precision(query.dtype)
+    decode_split_kernel[(plan.splits, s * hkv)](
+        query, k_pool, v_pool, ks, vs, cache.block_table, cache.lengths[layer], plan.seq_ids, o_part, l_part, scale,
         *query.stride(), *k_pool.stride(), *v_pool.stride(),
         *(ks.stride() if quantized else (0, 0)), *cache.block_table.stride(),
         *o_part.stride(), *l_part.stride(),
-        hkv, splits, per_split,
-        G=g, T=t, D=d, DV=dv, BLOCK_M=block_m, BLOCK_D=max(16, next_power_of_2(d)),
-        BLOCK_DV=max(16, next_power_of_2(dv)), PAGE=page, QUANTIZED=quantized,
-        DOT_PRECISION=dot_precision(query.dtype),
+        hkv, plan.tiles_per_split,
+        G=g, T=t, D=d, DV=dv, BLOCK_M=max(16, next_power_of_2(g * t)), BLOCK_N=plan.block_n,
+        BLOCK_D=max(16, next_power_of_2(d)), BLOCK_DV=max(16, next_power_of_2(dv)), PAGE=cache.page_size,
+        QUANTIZED=quantized, DOT_PRECISION=precision, num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
-    out = torch.empty(s, hq, t, dv, dtype=query.dtype, device=dev)
+    out = torch.empty(s, hq, t, dv, dtype=query.dtype, device=query.device)
     decode_merge_kernel[(s * hq * t,)](
-        o_part, l_part, out, *o_part.stride(), *l_part.stride(), *out.stride(), hq, t, splits,
-        DV=dv, BLOCK_DV=max(16, next_power_of_2(dv)), BLOCK_S=max(2, next_power_of_2(splits)),
-        DOT_PRECISION=dot_precision(query.dtype),
+        o_part, l_part, out, *o_part.stride(), *l_part.stride(), *out.stride(), hq, t, plan.splits,
+        DV=dv, BLOCK_DV=max(16, next_power_of_2(dv)), BLOCK_S=max(2, next_power_of_2(plan.splits)),
+        DOT_PRECISION=precision,
     )
     return out
