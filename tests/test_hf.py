@@ -268,3 +268,52 @@ def test_position_bias_matches_transformers_sdpa(mask):
     ours, _ = hf.attention_forward(module, q, k, v, m, scaling=1.0, position_bias=bias)
     ref, _ = _sdpa_forward()(module, q, k, v, m, scaling=1.0, position_bias=bias)
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+def _tiny_llama():
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                                   pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+
+
+@pytest.mark.parametrize("storage,paged,runner", [("native", False, None), ("native", True, "triton"),
+                                                  ("fp8", False, "triton"), ("int8", True, None)])
+def test_generate_with_the_adaattn_cache_gives_sdpa_tokens(storage, paged, runner):
+    """Greedy generate() through adaattn's Cache: decode steps read the cache (stats name the
+    kv runner), and the tokens are those of "sdpa" with transformers' own cache (float32 model:
+    quantized caches too, on this small model)."""
+    if runner == "triton":
+        from helpers import NEEDS_CUDA_OR_INTERPRETER
+
+        if NEEDS_CUDA_OR_INTERPRETER.args[0]:
+            pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    model = _tiny_llama()
+    ids = torch.randint(3, 512, (2, 40), generator=torch.Generator().manual_seed(1))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=10, min_new_tokens=10, do_sample=False,
+              pad_token_id=0)
+    want = model.generate(ids, **kw)
+    model.set_attn_implementation("adaattn")
+    cache = hf.Cache(64, storage=storage, paged=paged, page_size=16, decode_runner=runner)
+    with adaattn.stats.collect() as records:
+        got = model.generate(ids, past_key_values=cache, **kw)
+    ran = {r.backend for r in records}
+    assert f"kv.{runner or 'sdpa'}" in ran, ran
+    assert "kv." + (runner or "sdpa") in cache.explain()
+    if storage == "native":
+        assert torch.equal(got, want)
+    else:
+        assert (got == want).float().mean().item() >= 0.9
+    assert cache.get_seq_length() == 49  # the last token generated is never fed back
+    with pytest.raises(ValueError, match="max_cache_len=45 is too short"):
+        model.generate(ids, past_key_values=hf.Cache(45), **kw)
+
+
+def test_cache_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="storage must be one of"):
+        hf.Cache(64, storage="fp4")
+    cache = hf.Cache(64)
+    cache.update(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), 0)
+    with pytest.raises(NotImplementedError, match="beam search"):
+        cache.layers[0].reorder_cache(torch.tensor([0]))

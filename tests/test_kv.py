@@ -194,3 +194,37 @@ def test_split_kv_kernel_refuses_what_it_cannot_take():
         decode_attention(q, cache, 0, plan=plan)
     with pytest.raises(ValueError, match="as planned"):
         decode_attention(torch.randn(1, 4, 1, 64, dtype=torch.bfloat16), cache, 0, plan=plan_decode(cache, [s], heads=2))
+
+
+@pytest.mark.parametrize("storage", ["native", "fp8", "int8"])
+def test_append_kernel_writes_what_the_torch_append_writes(storage):
+    """The one-launch append (kernels/kv_append.py) against the torch path, on ragged appends that
+    start mid-page, cross pages and grow quantized pages' scales; device lengths advance once per
+    sequence."""
+    from helpers import NEEDS_CUDA_OR_INTERPRETER  # noqa: F401
+
+    torch.manual_seed(5)
+    hkv, d, dtype = 2, 32, torch.bfloat16
+    caches = [PagedKVCache(2, hkv, d, num_pages=24, page_size=8, dtype=dtype, storage=storage, max_seqs=3,
+                           append=a) for a in ("torch", "triton")]
+    seqs = [[c.add() for _ in range(3)] for c in caches][0]
+    for t, who, gain in ((5, [0, 1, 2], 1.0), (1, [0, 2], 4.0), (11, [1], 0.5), (3, [2, 0], 9.0), (1, [0, 1, 2], 1.0)):
+        k = torch.randn(len(who), hkv, t, d, dtype=dtype) * gain
+        v = torch.randn(len(who), hkv, t, d, dtype=dtype).transpose(2, 3).contiguous().transpose(2, 3)  # strided
+        for layer in (0, 1):
+            for c in caches:
+                c.append(layer, [seqs[i] for i in who], k, v)
+    torch_c, kern_c = caches
+    assert kern_c.lengths.tolist() == torch_c.lengths.tolist() == [[10, 17, 10]] * 2
+    for layer in (0, 1):
+        for s in seqs:
+            n = torch_c.length(s, layer)
+            a, b = torch_c.gather(layer, [s], n, torch.float64), kern_c.gather(layer, [s], n, torch.float64)
+            torch.testing.assert_close(b[0], a[0], rtol=0, atol=0)
+            torch.testing.assert_close(b[1], a[1], rtol=0, atol=0)
+        if storage != "native":
+            torch.testing.assert_close(kern_c.k_scale[layer], torch_c.k_scale[layer], rtol=0, atol=0)
+    assert int(kern_c._count.abs().sum()) == 0
+    kern_c._lengths[0][0] = -1
+    kern_c.sync()  # the host mirror read back from the device
+    assert kern_c.length(seqs[0], 0) == 10

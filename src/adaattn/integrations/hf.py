@@ -13,6 +13,16 @@ of them in transformers 5; in 4.x the decoders such as Llama and GPT-2, not BERT
 Not supported, with a ValueError saying so: attention weights (`output_attentions=True`),
 logit soft-capping (`softcap`), attention sinks (`s_aux`) and the paged cache of continuous
 batching. `sliding_window` needs nothing here: the mask transformers builds carries it.
+
+adaattn's own KV cache for generate():
+
+    cache = adaattn.integrations.hf.Cache(max_cache_len=4096, storage="fp8")   # or "native", "int8"; paged=True
+    model.generate(ids, past_key_values=cache, max_new_tokens=64)
+
+With attn_implementation="adaattn", decode steps (a few query rows, no padding mask) run
+adaattn.kv.decode_attention over the cache (the split-KV kernel on CUDA), with one plan shared by
+all layers of a step; prompts run the usual attention on their own keys. `cache.explain()` and
+adaattn.stats say which decode runner ran and why.
 """
 
 from __future__ import annotations
@@ -55,6 +65,12 @@ def attention_forward(
     Raises ValueError for what adaattn cannot honour: output_attentions, softcap, s_aux, a paged cache.
     """
     _check_unsupported(kwargs)
+    handle = getattr(key, "_adaattn_kv", None)
+    if handle is not None:  # keys and values of an adaattn Cache (see Cache below)
+        out = handle.decode(query, attention_mask, dropout, scaling)
+        if out is not None:
+            return out.transpose(1, 2).contiguous(), None
+        key, value = handle.dense()
     q_len, kv_len = query.shape[2], key.shape[2]
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
@@ -208,4 +224,202 @@ def register(name: str = NAME) -> None:
 
 register()
 
-__all__ = ["NAME", "attention_forward", "register", "set_policy"]
+
+class _Handle:
+    """What an adaattn Cache layer's update() hands the attention function, attached to the key
+    tensor it returns: the cache, the layer, the length before this update and the new states."""
+
+    __slots__ = ("cache", "layer", "before", "key_states", "value_states")
+
+    def __init__(self, cache, layer, before, key_states, value_states):
+        self.cache, self.layer, self.before = cache, layer, before
+        self.key_states, self.value_states = key_states, value_states
+
+    def decode(self, query, mask, dropout, scaling):
+        """decode_attention over the cache for a decode step (a few rows, no padding mask); None
+        for anything else."""
+        t, g = query.shape[2], query.shape[1] // self.key_states.shape[1]
+        if self.before == 0 or mask is not None or dropout or t * g > DECODE_ROWS:
+            return None
+        from ..kv import decode_attention
+
+        plan = self.cache._plan(query, self.layer)
+        return decode_attention(query, self.cache.kvs[self.layer], 0, scale=scaling, plan=plan)
+
+    def dense(self):
+        """Keys and values for the usual attention: a prompt's own states, else the whole history
+        (views of a contiguous native cache; gathered and dequantized otherwise)."""
+        if self.before == 0:
+            return self.key_states, self.value_states
+        kv = self.cache.kvs[self.layer]
+        n = kv.length(self.cache.seqs[0])
+        return kv.gather(0, self.cache.seqs, n, dtype=self.key_states.dtype)
+
+
+DECODE_ROWS = 64  # a step whose query rows (T x GQA group) fit one tile of the decode kernel
+
+
+def _cache_base():
+    from transformers.cache_utils import Cache as HFCache, CacheLayerMixin
+
+    return HFCache, CacheLayerMixin
+
+
+def Cache(max_cache_len: int, storage: str = "native", paged: bool = False, page_size: int = 64,
+          decode_runner: str | None = None):
+    """A transformers Cache backed by adaattn.kv: pass it as `past_key_values` to generate() or
+    forward() of a model loaded with attn_implementation="adaattn".
+
+    max_cache_len: tokens per sequence it holds (prompt + new tokens); storage: "native" (the
+    model dtype), "fp8" or "int8" (quantized once at append, per (page, KV head) scales); paged:
+    a PagedKVCache whose pages are taken as sequences grow (else a contiguous KVCache); page_size:
+    tokens per page; decode_runner: "triton", "sdpa" or None (the plan's choice).
+
+    Keys and values go to the cache at each layer's update; the attention function reads them from
+    there. With another attn_implementation, a native contiguous cache still works (update returns
+    views of it); a quantized or paged one returns NaN placeholders, so that a model that bypasses
+    adaattn's attention fails loudly instead of reading wrong keys. Beam search (reorder_cache) and
+    crop are refused."""
+    HFCache, CacheLayerMixin = _cache_base()
+
+    class _Layer(CacheLayerMixin):
+        def __init__(self, owner, idx):
+            super().__init__()
+            self.owner, self.idx = owner, idx
+
+        def lazy_initialization(self, key_states, value_states):
+            pass
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            return self.owner._update(self.idx, key_states, value_states)
+
+        def get_mask_sizes(self, query_length):
+            return self.get_seq_length() + query_length, 0
+
+        def get_seq_length(self):
+            return self.owner.get_seq_length(self.idx)
+
+        def get_max_length(self):
+            return self.owner.max_cache_len
+
+        def reset(self):
+            self.owner.reset()
+
+        def reorder_cache(self, beam_idx):
+            raise NotImplementedError("adaattn's Cache does not reorder for beam search; use transformers' "
+                                      "DynamicCache with num_beams > 1")
+
+        def crop(self, max_length):
+            raise NotImplementedError("adaattn's Cache does not crop; use transformers' DynamicCache for assisted "
+                                      "generation")
+
+    class AdaattnCache(HFCache):
+        is_compileable = False
+
+        def __init__(self):
+            super().__init__(layers=[])
+            self.max_cache_len, self.storage, self.paged, self.page_size = max_cache_len, storage, paged, page_size
+            self.decode_runner = decode_runner
+            self.kvs: list = []  # one single-layer adaattn.kv cache per model layer, made at its first update
+            self.seqs: tuple[int, ...] = ()
+            self._plans: dict = {}
+
+        def _update(self, layer, key_states, value_states):
+            from ..kv import KVCache, PagedKVCache
+
+            b, hkv, t, d = key_states.shape
+            if self.kvs and b != len(self.seqs):
+                raise ValueError(f"this Cache holds a batch of {len(self.seqs)}, got {b}")
+            while len(self.kvs) <= layer:
+                self.kvs.append(None)
+            kv = self.kvs[layer]
+            if kv is None:
+                if self.paged:
+                    pages = b * -(-self.max_cache_len // self.page_size)
+                    kv = PagedKVCache(1, hkv, d, pages, self.page_size, value_dim=value_states.shape[3],
+                                      dtype=key_states.dtype, device=key_states.device, storage=self.storage,
+                                      max_seqs=b)
+                    seqs = tuple(kv.add() for _ in range(b))
+                else:
+                    kv = KVCache(1, b, hkv, self.max_cache_len, d, value_dim=value_states.shape[3],
+                                 dtype=key_states.dtype, device=key_states.device, storage=self.storage,
+                                 page_size=self.page_size)
+                    seqs = tuple(range(b))
+                self.kvs[layer], self.seqs = kv, seqs
+            before = kv.length(self.seqs[0])
+            if before + t > self.max_cache_len:
+                raise ValueError(f"max_cache_len={self.max_cache_len} is too short: layer {layer} would hold "
+                                 f"{before + t} tokens")
+            PagedKVCache.append(kv, 0, self.seqs, key_states, value_states)  # KVCache's own takes no seqs first
+            n = before + t
+            if isinstance(kv, KVCache) and self.storage == "native":
+                keys, values = kv.keys(0)[:, :, :n], kv.values(0)[:, :, :n]
+            else:
+                nan = torch.full((1, 1, 1, 1), float("nan"), dtype=key_states.dtype, device=key_states.device)
+                keys, values = nan.expand(b, hkv, n, d), nan.expand(b, hkv, n, value_states.shape[3])
+            keys = keys.view_as(keys)  # a tensor object of its own, to carry the handle
+            keys._adaattn_kv = _Handle(self, layer, before, key_states, value_states)
+            return keys, values
+
+        def _plan(self, query, layer):
+            """One plan per step shape and length bucket (a power of two), shared by every layer and
+            reused across steps until the sequences outgrow the bucket."""
+            from ..kv import plan_decode
+
+            t, hq = query.shape[2], query.shape[1]
+            n = self.kvs[layer].length(self.seqs[0])
+            bucket = min(self.max_cache_len, 1 << max(n - 1, 1).bit_length())
+            key = (t, hq, bucket, query.dtype)
+            plan = self._plans.get(key)
+            if plan is None:
+                if len(self._plans) > 32:
+                    self._plans.clear()
+                plan = self._plans[key] = plan_decode(self.kvs[layer], self.seqs, heads=hq, query_len=t, dtype=query.dtype,
+                                                      runner=self.decode_runner, max_len=bucket)
+            self._last_plan = plan
+            return plan
+
+        def explain(self) -> str:
+            plan = getattr(self, "_last_plan", None)
+            return "no decode step has run yet" if plan is None else plan.explain()
+
+        def reset(self):
+            for kv in self.kvs:
+                if kv is None:
+                    continue
+                if self.paged:
+                    for s in reversed(self.seqs):
+                        kv.free(s)
+                    assert tuple(kv.add() for _ in self.seqs) == self.seqs  # freed ids come back in order
+                else:
+                    kv.reset()
+            self._plans.clear()
+
+        def get_seq_length(self, layer_idx: int = 0) -> int:
+            if layer_idx >= len(self.kvs) or self.kvs[layer_idx] is None:
+                return 0
+            return self.kvs[layer_idx].length(self.seqs[0])
+
+        def get_mask_sizes(self, query_length: int, layer_idx: int = 0):
+            return self.get_seq_length(layer_idx) + query_length, 0
+
+        def get_max_length(self, layer_idx=None) -> int:
+            return self.max_cache_len
+
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            while len(self.layers) <= layer_idx:
+                self.layers.append(_Layer(self, len(self.layers)))
+            return self._update(layer_idx, key_states, value_states)
+
+    for name, value in (("storage", storage), ("max_cache_len", max_cache_len), ("page_size", page_size)):
+        if name == "storage":
+            from ..kv.cache import STORAGES
+
+            if value not in STORAGES:
+                raise ValueError(f"storage must be one of {STORAGES}, got {value!r}")
+        elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return AdaattnCache()
+
+
+__all__ = ["NAME", "Cache", "attention_forward", "register", "set_policy"]

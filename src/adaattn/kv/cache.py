@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 import torch
 
 STORAGES = ("native", "fp8", "int8")
+APPENDS = ("auto", "triton", "torch")  # append: one Triton launch per layer (CUDA's default), or torch indexing
 QMAX = {"fp8": 448.0, "int8": 127.0}
 
 
@@ -46,13 +47,15 @@ class PagedKVCache:
     def __init__(self, layers: int, kv_heads: int, head_dim: int, num_pages: int, page_size: int = 64, *,
                  value_dim: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu", storage: str = "native", max_seqs: int = 256,
-                 max_pages_per_seq: Optional[int] = None):
+                 max_pages_per_seq: Optional[int] = None, append: str = "auto"):
         for name, val in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim),
                           ("num_pages", num_pages), ("page_size", page_size), ("max_seqs", max_seqs)):
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
         if storage not in STORAGES:
             raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
+        if append not in APPENDS:
+            raise ValueError(f"append must be one of {APPENDS}, got {append!r}")
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise TypeError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
@@ -73,6 +76,11 @@ class PagedKVCache:
         self._free_seqs = list(range(max_seqs - 1, -1, -1))
         self._pages: dict[int, list[int]] = {}  # sequence -> its pages, in order (host mirror)
         self._lengths = [[0] * max_seqs for _ in range(layers)]  # host mirror of self.lengths
+        self._count = torch.zeros(max_seqs, dtype=torch.int32, device=self.device)  # append kernel's counters
+        self._seq_ids: dict[tuple[int, ...], torch.Tensor] = {}
+        if append == "auto":
+            append = "triton" if self.device.type == "cuda" else "torch"
+        self.append_runner = append
 
     # ---- sequences -------------------------------------------------------------------------
 
@@ -158,21 +166,70 @@ class PagedKVCache:
         for s in seqs:
             self._check_seq(s)
             self._ensure(s, self._lengths[layer][s] + t)
+        key, value = key.to(self.device), value.to(self.device)
+        if self.append_runner == "triton":
+            self._append_kernel(layer, seqs, key, value)
+        else:
+            self._append_torch(layer, seqs, key, value)
+        for s in seqs:
+            self._lengths[layer][s] += t
+
+    def seq_ids(self, seqs: Sequence[int]) -> torch.Tensor:
+        """`seqs` as an int32 device tensor, made once per distinct list (so that a step replayed in
+        a CUDA graph copies nothing from the host)."""
+        key = tuple(seqs)
+        ids = self._seq_ids.get(key)
+        if ids is None:
+            if len(self._seq_ids) >= 64:
+                self._seq_ids.clear()
+            ids = self._seq_ids[key] = torch.tensor(key, dtype=torch.int32, device=self.device)
+        return ids
+
+    def sync(self) -> None:
+        """Read the device lengths into the host mirror (after replaying captured appends, which
+        advance only the device lengths)."""
+        host = self.lengths.tolist()
+        for layer in range(self.layers):
+            self._lengths[layer] = list(host[layer])
+
+    def _append_kernel(self, layer, seqs, key, value) -> None:
+        from triton import next_power_of_2
+
+        from ..backends.triton_launch import interpreting
+        from ..kernels.kv_append import append_kernel
+
+        s, hkv, t, d = key.shape
+        quantized = self.storage != "native"
+        k_pool, v_pool = self.k[layer], self.v[layer]
+        ks = self.k_scale[layer] if quantized else self._count  # placeholder pointers when not read
+        vs = self.v_scale[layer] if quantized else self._count
+        chunks = -(-(t - 1) // self.page_size) + 1  # pages T tokens from any slot can touch
+        append_kernel[(s * hkv, chunks)](
+            key, value, k_pool, v_pool, ks, vs, self.block_table, self.lengths[layer], self.seq_ids(seqs), self._count,
+            *key.stride(), *value.stride(), *k_pool.stride(), *v_pool.stride(),
+            *(ks.stride() if quantized else (0, 0)), *self.block_table.stride(),
+            t, hkv, chunks,
+            D=d, DV=value.shape[3], BLOCK_D=next_power_of_2(d), BLOCK_DV=next_power_of_2(value.shape[3]),
+            PAGE=self.page_size, BLOCK_P=next_power_of_2(self.page_size),
+            STORAGE=STORAGES.index(self.storage), QMAX=QMAX.get(self.storage, 1.0), INTERPRET=interpreting(),
+            num_warps=4 if self.page_size <= 64 else 8,
+        )
+
+    def _append_torch(self, layer, seqs, key, value) -> None:
+        t = key.shape[2]
         start = torch.tensor([self._lengths[layer][s] for s in seqs], dtype=torch.long, device=self.device)
         sid = torch.tensor(seqs, dtype=torch.long, device=self.device)
         pos = start[:, None] + torch.arange(t, device=self.device)  # (S, T) token positions
         page = self.block_table[sid[:, None], pos // self.page_size].long()  # (S, T)
         slot = pos % self.page_size
-        k = key.to(self.device).transpose(1, 2)  # (S, T, Hkv, D)
-        v = value.to(self.device).transpose(1, 2)
+        k = key.transpose(1, 2)  # (S, T, Hkv, D)
+        v = value.transpose(1, 2)
         if self.storage == "native":
             self.k[layer][page, slot] = k.to(self.dtype)
             self.v[layer][page, slot] = v.to(self.dtype)
         else:
             self._append_quantized(self.k[layer], self.k_scale[layer], page, slot, k)
             self._append_quantized(self.v[layer], self.v_scale[layer], page, slot, v)
-        for s in seqs:
-            self._lengths[layer][s] += t
         self.lengths[layer, sid] += t
 
     def _append_quantized(self, pool, scales, page, slot, x) -> None:
@@ -227,13 +284,14 @@ class KVCache(PagedKVCache):
 
     def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, *,
                  value_dim: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
-                 device: torch.device | str = "cpu", storage: str = "native", page_size: int = 64):
+                 device: torch.device | str = "cpu", storage: str = "native", page_size: int = 64,
+                 append: str = "auto"):
         for name, val in (("batch", batch), ("max_len", max_len), ("page_size", page_size)):
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
         per_seq = -(-max_len // page_size)
         super().__init__(layers, kv_heads, head_dim, batch * per_seq, page_size, value_dim=value_dim, dtype=dtype,
-                         device=device, storage=storage, max_seqs=batch, max_pages_per_seq=per_seq)
+                         device=device, storage=storage, max_seqs=batch, max_pages_per_seq=per_seq, append=append)
         self.batch, self.max_len = batch, max_len
         self._free_pages = []  # every page belongs to its sequence from the start
         for b in range(batch):

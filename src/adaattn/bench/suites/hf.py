@@ -12,14 +12,16 @@ from ..peers import optional_module
 
 NAME = "hf"
 HELP = ("a Llama-shaped transformers model from a config (GQA; no download), attn_implementation adaattn vs sdpa "
-        "vs eager: prefill tokens/s and generate() tokens/s (--prompt-len, --new-tokens); x sdpa. Runs on the CPU "
-        "too, with a tiny model")
+        "vs eager: prefill tokens/s and generate() tokens/s (--prompt-len, --new-tokens), generate also with adaattn's "
+        "Cache (bf16 and fp8) and the fraction of new tokens equal to eager's; x sdpa. Runs on the CPU too, with a "
+        "tiny model")
 NEEDS_CUDA = False
 IMPLEMENTATIONS = ("sdpa", "eager", "adaattn")
-# Llama-shaped sizes: ~0.2B parameters on CUDA (bf16), a toy on the CPU (float32).
+# Llama-shaped sizes: issue 16's model on CUDA (16 layers, d=2048, 32 query and 8 KV heads, ~0.9B
+# parameters, bf16), a toy on the CPU (float32).
 SIZES = {
-    "cuda": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                 num_attention_heads=16, num_key_value_heads=4, batch=4, prompt_len=2048, new_tokens=64),
+    "cuda": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                 num_attention_heads=32, num_key_value_heads=8, batch=8, prompt_len=2048, new_tokens=64),
     "cpu": dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, batch=1, prompt_len=128, new_tokens=8),
 }
@@ -70,12 +72,32 @@ def _maker(phase, size, batch, prompt, new, dtype, device, cache):
         model = _model(size, dtype, device, cache)
         gen = torch.Generator(device="cpu").manual_seed(0)
         ids = torch.randint(3, size["vocab_size"], (batch, prompt), generator=gen).to(device)
-        return [_peer(model, impl, phase, ids, new) for impl in IMPLEMENTATIONS], None
+        peers = [_peer(model, impl, phase, ids, new) for impl in IMPLEMENTATIONS]
+        if phase == "prefill":
+            return peers, None
+        peers += [_peer(model, "adaattn", phase, ids, new, cache=storage) for storage in ("native", "fp8")]
+        model.set_attn_implementation("eager")
+        eager = _generate(model, ids, new)[:, prompt:]
+
+        def agreement(out):
+            same = (out[:, prompt:] == eager).double().mean().item()
+            return 1.0 - same, {"tokens_equal_to_eager": same}
+
+        return peers, agreement
 
     return make
 
 
-def _peer(model, impl, phase, ids, new) -> Peer:
+@torch.no_grad()
+def _generate(model, ids, new, cache=None):
+    kw = {} if cache is None else {"past_key_values": cache}
+    return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                          do_sample=False, pad_token_id=0, **kw)
+
+
+def _peer(model, impl, phase, ids, new, cache: str | None = None) -> Peer:
+    """`impl` on the model; with `cache` ("native", "fp8"), generate() with a fresh adaattn Cache of
+    that storage per call (made inside the timed call: a server makes one per request)."""
     @contextlib.contextmanager
     def switched():  # once around the peer's calls: switching is not what is timed
         model.set_attn_implementation(impl)
@@ -85,9 +107,12 @@ def _peer(model, impl, phase, ids, new) -> Peer:
     def prefill():
         return model(ids, use_cache=False).logits
 
-    @torch.no_grad()
     def generate():
-        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                              do_sample=False, pad_token_id=0)
+        if cache is None:
+            return _generate(model, ids, new)
+        from ...integrations.hf import Cache
 
-    return Peer(impl, prefill if phase == "prefill" else generate, context=switched)
+        return _generate(model, ids, new, Cache(ids.shape[1] + new, storage=cache))
+
+    name = impl if cache is None else f"{impl} + Cache{'' if cache == 'native' else ' ' + cache}"
+    return Peer(name, prefill if phase == "prefill" else generate, context=switched)

@@ -1,0 +1,118 @@
+"""Append keys and values to a paged KV cache in one launch per layer, positions read on the device.
+
+Program (sequence x KV head, chunk): chunk c covers the c-th page the new tokens touch, from the
+sequence's length in this layer (read from LENS on the device) onwards. It writes the new rows of
+that page for both K and V, in the model dtype or quantized (FP8 E4M3 / INT8) with the page's
+scale for this KV head: amax / QMAX over every token the page holds. When the new rows raise the
+scale, the rows already there are requantized to it first (never clipped).
+
+The sequence's length advances by T once every program of that sequence has read it: each
+program counts itself in COUNT[seq] (an atomic add, acquire-release), and the last one writes
+LENS[seq] += T and zeroes the counter. So a CUDA graph can replay the append as sequences grow.
+
+Pool layout per layer: (num_pages, PAGE, Hkv, D); scales (num_pages, Hkv) fp32.
+"""
+
+import triton
+import triton.language as tl
+
+NATIVE: tl.constexpr = tl.constexpr(0)
+FP8: tl.constexpr = tl.constexpr(1)
+INT8: tl.constexpr = tl.constexpr(2)
+
+
+@triton.jit
+def _round_half_even(y):
+    r = tl.floor(y + 0.5)
+    odd = (r - 2.0 * tl.floor(r * 0.5)) != 0.0
+    return tl.where(((r - y) == 0.5) & odd, r - 1.0, r)
+
+
+@triton.jit
+def _e4m3_grid(y):
+    """y rounded to nearest even on the E4M3 grid (3 mantissa bits, subnormals below 2^-6), in fp32.
+    For the interpreter, whose fp32 -> fp8 cast drops the carry of a mantissa that rounds up into
+    the next binade (127.0 -> 64.0, triton 3.6/3.9); the GPU's cast rounds correctly."""
+    e = tl.maximum(tl.floor(tl.log2(tl.maximum(tl.abs(y), 1e-30))), -6.0)
+    ulp = tl.exp2(e - 3.0)
+    return _round_half_even(y / ulp) * ulp
+
+
+@triton.jit
+def _encode(y, STORAGE: tl.constexpr, QMAX: tl.constexpr, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """y (fp32, already divided by the scale) in the pool's dtype."""
+    if STORAGE == INT8:
+        return tl.minimum(tl.maximum(_round_half_even(y), -QMAX), QMAX).to(dtype)
+    else:
+        y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+        if INTERPRET:
+            y = _e4m3_grid(y)
+        return y.to(dtype)
+
+
+@triton.jit
+def _write_page(X, stride_xt, stride_xd, P, S, page, h, stride_pp, stride_pn, stride_ph, stride_pd,
+                stride_sp, stride_sh, slots, tok, new, old_rows, cols, DIM: tl.constexpr,
+                STORAGE: tl.constexpr, QMAX: tl.constexpr, INTERPRET: tl.constexpr):
+    """The new rows (slots where `new`, token index `tok` of X) of one page and KV head; the rows
+    already there (`old_rows`) requantized when the page's scale grows."""
+    dmask = cols[None, :] < DIM
+    x = tl.load(X + tok[:, None] * stride_xt + cols[None, :] * stride_xd, mask=new[:, None] & dmask,
+                other=0.0).to(tl.float32)
+    dst = P + page * stride_pp + slots[:, None] * stride_pn + h * stride_ph + cols[None, :] * stride_pd
+    if STORAGE == NATIVE:
+        tl.store(dst, x.to(P.dtype.element_ty), mask=new[:, None] & dmask)
+    else:
+        s_ptr = S + page * stride_sp + h * stride_sh
+        old = tl.load(s_ptr)
+        scale = tl.maximum(old, tl.max(tl.max(tl.abs(x), 1), 0) / QMAX)
+        if (scale > old) & (old > 0):
+            keep = old_rows[:, None] & dmask
+            y = tl.load(dst, mask=keep).to(tl.float32) * (old / scale)  # masked lanes are never stored
+            tl.store(dst, _encode(y, STORAGE, QMAX, P.dtype.element_ty, INTERPRET), mask=keep)
+        safe = tl.where(scale > 0, scale, 1.0)
+        tl.store(dst, _encode(x / safe, STORAGE, QMAX, P.dtype.element_ty, INTERPRET), mask=new[:, None] & dmask)
+        tl.store(s_ptr, scale)
+
+
+@triton.jit
+def append_kernel(
+    KEY, VALUE, K, V, KS, VS, TABLE, LENS, SEQS, COUNT,
+    stride_ks, stride_kh, stride_kt, stride_kd,
+    stride_vs, stride_vh, stride_vt, stride_vd,
+    stride_kp, stride_kn, stride_kph, stride_kpd,
+    stride_vp, stride_vn, stride_vph, stride_vpd,
+    stride_sp, stride_sh,
+    stride_ts, stride_tp,
+    T, HKV, CHUNKS,
+    D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_P: tl.constexpr, STORAGE: tl.constexpr, QMAX: tl.constexpr,
+    INTERPRET: tl.constexpr = False,
+):
+    pid_sh = tl.program_id(0)
+    c = tl.program_id(1)
+    s = pid_sh // HKV
+    h = pid_sh % HKV
+    seq = tl.load(SEQS + s)
+    start = tl.load(LENS + seq)
+    index = start // PAGE + c  # the page (within the sequence) this program writes
+    first = index * PAGE
+    lo = tl.maximum(first, start)
+    hi = tl.minimum(first + PAGE, start + T)
+    if lo < hi:
+        page = tl.load(TABLE + seq * stride_ts + index * stride_tp).to(tl.int64)
+        slots = tl.arange(0, BLOCK_P)
+        pos = first + slots
+        new = (pos >= lo) & (pos < hi)
+        old_rows = pos < start
+        tok = pos - start
+        _write_page(KEY + s * stride_ks + h * stride_kh, stride_kt, stride_kd, K, KS, page, h,
+                    stride_kp, stride_kn, stride_kph, stride_kpd, stride_sp, stride_sh, slots, tok, new, old_rows,
+                    tl.arange(0, BLOCK_D), D, STORAGE, QMAX, INTERPRET)
+        _write_page(VALUE + s * stride_vs + h * stride_vh, stride_vt, stride_vd, V, VS, page, h,
+                    stride_vp, stride_vn, stride_vph, stride_vpd, stride_sp, stride_sh, slots, tok, new, old_rows,
+                    tl.arange(0, BLOCK_DV), DV, STORAGE, QMAX, INTERPRET)
+    done = tl.atomic_add(COUNT + seq, 1)  # every program of this sequence has read LENS[seq] before it counts
+    if done == HKV * CHUNKS - 1:
+        tl.store(LENS + seq, start + T)
+        tl.store(COUNT + seq, 0)
