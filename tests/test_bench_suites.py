@@ -74,9 +74,13 @@ def test_train_counts_three_and_a_half_forward_flops_of_causal_attention():
 
 def test_decode_figure_is_the_bytes_of_k_and_v():
     cases = _cases(["--suite", "decode"])
-    assert [c.x for c in cases] == [8192, 32768] and all(c.figure == "TB/s" for c in cases)
+    assert [c.x for c in cases] == [8192, 32768, 32768] and all(c.figure == "TB/s" for c in cases)
     assert cases[0].work == 2 * 16 * 8 * 8192 * 128 * 2
     assert cases[0].fields["heads"] == 32 and cases[0].fields["q_len"] == 1
+    ragged = cases[2]  # 16 lengths spread over 1k..32k: the figure counts each sequence's own keys
+    lens = ragged.fields["kv_lens"]
+    assert len(lens) == 16 and min(lens) == 1024 and max(lens) == 32768 and len(set(lens)) == 16
+    assert ragged.work == 2 * 8 * sum(lens) * 128 * 2 and ragged.baseline == "kv bf16"
 
 
 def test_window_sizes_follow_the_length_and_the_option():
