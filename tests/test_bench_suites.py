@@ -124,7 +124,10 @@ def test_hf_suite_runs_a_tiny_llama_on_the_cpu(tmp_path):
     assert rc == 0
     rows = json.loads(next(tmp_path.glob("hf-bench-*.json")).read_text())["rows"]
     assert {(r["phase"], r["peer"]) for r in rows if r["error"] is None} == {
-        (p, i) for p in ("prefill", "generate") for i in ("sdpa", "eager", "adaattn")}
+        *((p, i) for p in ("prefill", "generate") for i in ("sdpa", "eager", "adaattn")),
+        ("generate", "adaattn + Cache"), ("generate", "adaattn + Cache fp8")}
+    same = {r["peer"]: r.get("tokens_equal_to_eager") for r in rows if r["phase"] == "generate"}
+    assert same["sdpa"] == same["adaattn"] == same["adaattn + Cache"] == 1.0, same
 
 
 @pytest.mark.gpu
