@@ -99,5 +99,5 @@ def test_decode_step_replays_in_a_cuda_graph_as_sequences_grow(storage):
             torch.testing.assert_close(outs[layer], eager, rtol=0, atol=0)
             for s in range(b):
                 ref = _reference(static_q[s], hist[layer][0][s], hist[layer][1][s])
-                bar = 1e-2 if storage == "native" else 6e-2
+                bar = 1e-2 if storage == "native" else 1e-1  # fp8: E4M3 rounding of K and V, ~4e-2 typical
                 assert _rel(outs[layer][s], ref) <= bar

@@ -318,11 +318,15 @@ def Cache(max_cache_len: int, storage: str = "native", paged: bool = False, page
 
         def __init__(self):
             super().__init__(layers=[])
-            self.max_cache_len, self.storage, self.paged, self.page_size = max_cache_len, storage, paged, page_size
+            self._capacity, self.storage, self.paged, self.page_size = max_cache_len, storage, paged, page_size
             self.decode_runner = decode_runner
             self.kvs: list = []  # one single-layer adaattn.kv cache per model layer, made at its first update
             self.seqs: tuple[int, ...] = ()
             self._plans: dict = {}
+
+        @property
+        def max_cache_len(self) -> int:  # a read-only property of transformers' Cache in some versions
+            return self._capacity
 
         def _update(self, layer, key_states, value_states):
             from ..kv import KVCache, PagedKVCache

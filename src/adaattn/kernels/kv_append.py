@@ -10,6 +10,9 @@ The sequence's length advances by T once every program of that sequence has read
 program counts itself in COUNT[seq] (an atomic add, acquire-release), and the last one writes
 LENS[seq] += T and zeroes the counter. So a CUDA graph can replay the append as sequences grow.
 
+Divisions round to nearest (div_rn), as torch's do: the values written are the torch append's,
+bit for bit.
+
 Pool layout per layer: (num_pages, PAGE, Hkv, D); scales (num_pages, Hkv) fp32.
 """
 
@@ -65,13 +68,13 @@ def _write_page(X, stride_xt, stride_xd, P, S, page, h, stride_pp, stride_pn, st
     else:
         s_ptr = S + page * stride_sp + h * stride_sh
         old = tl.load(s_ptr)
-        scale = tl.maximum(old, tl.max(tl.max(tl.abs(x), 1), 0) / QMAX)
+        scale = tl.maximum(old, tl.div_rn(tl.max(tl.max(tl.abs(x), 1), 0), QMAX))
         if (scale > old) & (old > 0):
             keep = old_rows[:, None] & dmask
-            y = tl.load(dst, mask=keep).to(tl.float32) * (old / scale)  # masked lanes are never stored
+            y = tl.load(dst, mask=keep).to(tl.float32) * tl.div_rn(old, scale)  # masked lanes are never stored
             tl.store(dst, _encode(y, STORAGE, QMAX, P.dtype.element_ty, INTERPRET), mask=keep)
         safe = tl.where(scale > 0, scale, 1.0)
-        tl.store(dst, _encode(x / safe, STORAGE, QMAX, P.dtype.element_ty, INTERPRET), mask=new[:, None] & dmask)
+        tl.store(dst, _encode(tl.div_rn(x, safe), STORAGE, QMAX, P.dtype.element_ty, INTERPRET), mask=new[:, None] & dmask)
         tl.store(s_ptr, scale)
 
 
