@@ -44,10 +44,18 @@ def test_append_kernel_matches_torch_append_on_cuda(storage):
             c.append(0, range(4), k, v)
     a, b = caches
     assert a.lengths.tolist() == b.lengths.tolist()
+    if storage != "native":  # torch divides by a scalar through its reciprocal on CUDA: scales may differ by an ulp
+        torch.testing.assert_close(b.k_scale[0], a.k_scale[0], rtol=1e-6, atol=0)
     for s in range(4):
         n = a.length(s)
         for x, y in zip(a.gather(0, [s], n, torch.float64), b.gather(0, [s], n, torch.float64)):
-            torch.testing.assert_close(y, x, rtol=0, atol=0)
+            if storage == "native":
+                torch.testing.assert_close(y, x, rtol=0, atol=0)
+            else:  # at most one step of the storage format apart, and rarely
+                unit = 1.01 * max(a.k_scale[0].max().item(), a.v_scale[0].max().item())  # one int8 step at most
+                step = x.abs() / 8 + unit / 64 if storage == "fp8" else torch.full_like(x, unit)
+                assert ((y - x).abs() <= step).all()
+                assert (y != x).double().mean().item() < 0.01
 
 
 @pytest.mark.parametrize("storage", ["native", "fp8"])
