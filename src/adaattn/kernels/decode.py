@@ -35,7 +35,7 @@ def as_operand(x, dtype: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 @triton.jit
 def decode_split_kernel(
-    Q, K, V, KS, VS, TABLE, LENS, SEQS, O_PART, L_PART, OUT, COUNT,
+    Q, K, V, KS, VS, TABLE, LENS, SEQS, O_PART, L_PART,
     sm_scale,
     stride_qs, stride_qh, stride_qt, stride_qd,
     stride_kp, stride_kn, stride_kh, stride_kd,
@@ -44,11 +44,10 @@ def decode_split_kernel(
     stride_ts, stride_tp,
     stride_os, stride_oh, stride_ot, stride_osp, stride_od,
     stride_ls, stride_lh, stride_lt, stride_lsp,
-    stride_out_s, stride_out_h, stride_out_t, stride_out_d,
-    HKV, TILES_PER_SPLIT, SPLITS,
+    HKV, TILES_PER_SPLIT,
     G: tl.constexpr, T: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PAGE: tl.constexpr, QUANTIZED: tl.constexpr, DOT_PRECISION: tl.constexpr, MERGE: tl.constexpr = True,
+    PAGE: tl.constexpr, QUANTIZED: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Program (split, sequence x KV head): tiles [split * TILES_PER_SPLIT, ...) of BLOCK_N keys
     of its sequence (a tile may span pages, or a page several tiles: each key's page comes from
@@ -129,32 +128,6 @@ def decode_split_kernel(
     tl.store(o_ptr, out, mask=row_ok[:, None] & (dv[None, :] < DV))
     l_ptr = L_PART + s * stride_ls + (h * G + g) * stride_lh + t * stride_lt + split * stride_lsp
     tl.store(l_ptr, lse, mask=row_ok)
-    if MERGE:  # the last split program of this (sequence, KV head) merges all splits (no second launch)
-        done = tl.atomic_add(COUNT + pid_sh, 1)  # acquire-release: the other splits' stores are visible
-        if done == SPLITS - 1:
-            l_base = L_PART + s * stride_ls + (h * G + g) * stride_lh + t * stride_lt
-            o_base = (O_PART + s * stride_os + (h * G + g)[:, None] * stride_oh + t[:, None] * stride_ot
-                      + dv[None, :] * stride_od)
-            m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-            for sp in range(0, SPLITS):
-                m = tl.maximum(m, tl.load(l_base + sp * stride_lsp, mask=row_ok, other=float("-inf"),
-                                          cache_modifier=".cg"))
-            m_safe = tl.where(m == float("-inf"), 0.0, m)
-            total = tl.zeros([BLOCK_M], tl.float32)
-            merged = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-            for sp in range(0, SPLITS):
-                w = tl.exp(tl.load(l_base + sp * stride_lsp, mask=row_ok, other=float("-inf"),
-                                   cache_modifier=".cg") - m_safe)
-                part = tl.load(o_base + sp * stride_osp, mask=row_ok[:, None] & (dv[None, :] < DV), other=0.0,
-                               cache_modifier=".cg")
-                merged += part * w[:, None]
-                total += w
-            merged = merged / tl.where(total > 0, total, 1.0)[:, None]
-            out_ptr = (OUT + s * stride_out_s + (h * G + g)[:, None] * stride_out_h + t[:, None] * stride_out_t
-                       + dv[None, :] * stride_out_d)
-            tl.store(out_ptr, round_to(merged, OUT.dtype.element_ty, DOT_PRECISION),
-                     mask=row_ok[:, None] & (dv[None, :] < DV))
-            tl.store(COUNT + pid_sh, 0)
 
 
 @triton.jit

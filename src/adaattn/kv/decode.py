@@ -65,7 +65,6 @@ class DecodePlan:
     block_n: int = BLOCK_N
     num_warps: int = 4
     num_stages: int = STAGES
-    merge_in_kernel: bool = True  # the last split program merges (else a second launch, decode_merge_kernel)
     _scratch: dict = field(default_factory=dict, repr=False)
 
     def explain(self) -> str:
@@ -74,15 +73,13 @@ class DecodePlan:
         return (f"decode runner kv.{self.runner} for {len(self.seqs)} sequence(s), {self.query_len} query row(s) "
                 f"each, up to {self.max_len} keys{split}: {self.why}")
 
-    def scratch(self, dv: int, kv_heads: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The split outputs and log-sum-exps (fp32) and the merge counters (zero between calls),
-        allocated once and reused by every layer."""
-        key = (dv, kv_heads, str(device))
+    def scratch(self, dv: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The split outputs and log-sum-exps (fp32), allocated once and reused by every layer."""
+        key = (dv, str(device))
         if key not in self._scratch:
             s, t = len(self.seqs), self.query_len
             self._scratch[key] = (torch.empty(s, self.heads, t, self.splits, dv, dtype=torch.float32, device=device),
-                                  torch.empty(s, self.heads, t, self.splits, dtype=torch.float32, device=device),
-                                  torch.zeros(s * kv_heads, dtype=torch.int32, device=device))
+                                  torch.empty(s, self.heads, t, self.splits, dtype=torch.float32, device=device))
         return self._scratch[key]
 
 
@@ -244,30 +241,27 @@ def _split_kv(query, cache, layer, plan, scale):
     s, hq, t, d = query.shape
     hkv, dv = cache.kv_heads, cache.value_dim
     g = hq // hkv
-    o_part, l_part, count = plan.scratch(dv, hkv, query.device)
+    o_part, l_part = plan.scratch(dv, query.device)
     k_pool, v_pool = cache.k[layer], cache.v[layer]
     quantized = cache.storage != "native"
     ks = cache.k_scale[layer] if quantized else l_part  # a placeholder pointer when not read
     vs = cache.v_scale[layer] if quantized else l_part
     scale = d ** -0.5 if scale is None else float(scale)
     precision = dot_precision(query.dtype)
-    out = torch.empty(s, hq, t, dv, dtype=query.dtype, device=query.device)
     decode_split_kernel[(plan.splits, s * hkv)](
-        query, k_pool, v_pool, ks, vs, cache.block_table, cache.lengths[layer], plan.seq_ids, o_part, l_part, out,
-        count, scale,
+        query, k_pool, v_pool, ks, vs, cache.block_table, cache.lengths[layer], plan.seq_ids, o_part, l_part, scale,
         *query.stride(), *k_pool.stride(), *v_pool.stride(),
         *(ks.stride() if quantized else (0, 0)), *cache.block_table.stride(),
-        *o_part.stride(), *l_part.stride(), *out.stride(),
-        hkv, plan.tiles_per_split, plan.splits,
+        *o_part.stride(), *l_part.stride(),
+        hkv, plan.tiles_per_split,
         G=g, T=t, D=d, DV=dv, BLOCK_M=max(16, next_power_of_2(g * t)), BLOCK_N=plan.block_n,
         BLOCK_D=max(16, next_power_of_2(d)), BLOCK_DV=max(16, next_power_of_2(dv)), PAGE=cache.page_size,
-        QUANTIZED=quantized, DOT_PRECISION=precision, MERGE=plan.merge_in_kernel,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
+        QUANTIZED=quantized, DOT_PRECISION=precision, num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
-    if not plan.merge_in_kernel:
-        decode_merge_kernel[(s * hq * t,)](
-            o_part, l_part, out, *o_part.stride(), *l_part.stride(), *out.stride(), hq, t, plan.splits,
-            DV=dv, BLOCK_DV=max(16, next_power_of_2(dv)), BLOCK_S=max(2, next_power_of_2(plan.splits)),
-            DOT_PRECISION=precision,
-        )
+    out = torch.empty(s, hq, t, dv, dtype=query.dtype, device=query.device)
+    decode_merge_kernel[(s * hq * t,)](
+        o_part, l_part, out, *o_part.stride(), *l_part.stride(), *out.stride(), hq, t, plan.splits,
+        DV=dv, BLOCK_DV=max(16, next_power_of_2(dv)), BLOCK_S=max(2, next_power_of_2(plan.splits)),
+        DOT_PRECISION=precision,
+    )
     return out
