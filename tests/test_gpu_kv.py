@@ -51,11 +51,12 @@ def test_append_kernel_matches_torch_append_on_cuda(storage):
         for x, y in zip(a.gather(0, [s], n, torch.float64), b.gather(0, [s], n, torch.float64)):
             if storage == "native":
                 torch.testing.assert_close(y, x, rtol=0, atol=0)
-            else:  # at most one step of the storage format apart, and rarely
+            else:  # at most one step of the storage format apart (a page whose scale differs by an ulp differs
+                # in every value by that ulp, so equality is not the test)
                 unit = 1.01 * max(a.k_scale[0].max().item(), a.v_scale[0].max().item())  # one int8 step at most
                 step = x.abs() / 8 + unit / 64 if storage == "fp8" else torch.full_like(x, unit)
                 assert ((y - x).abs() <= step).all()
-                assert (y != x).double().mean().item() < 0.01
+                assert ((y - x).abs() > x.abs() * 1e-6).double().mean().item() < 0.01  # whole steps: rare
 
 
 @pytest.mark.parametrize("storage", ["native", "fp8"])
