@@ -2,7 +2,7 @@
 
 from . import stats
 from .api import Explanation, attention, explain, info, varlen_attention, warmup
-from .kv import KVCache, PagedKVCache, decode_attention
+from .kv import KVCache, PagedKVCache, decode_attention, plan_decode
 from .nn import AdaAttention
 from .planner import NoBackendError
 from .policy import Policy
@@ -19,6 +19,7 @@ __all__ = [
     "decode_attention",
     "explain",
     "info",
+    "plan_decode",
     "stats",
     "varlen_attention",
     "warmup",
