@@ -63,3 +63,15 @@ def assert_within_standard(ours, ref64, torch_out, what="output"):
     """MEASURING.md: err(ours) <= 2 * err(torch) + 1e-6 against the float64 reference."""
     e_ours, e_torch = rel_err(ours, ref64), rel_err(torch_out, ref64)
     assert e_ours <= 2 * e_torch + 1e-6, f"{what}: err(ours)={e_ours:.3e} > 2*err(torch)={2 * e_torch:.3e} + 1e-6"
+
+
+def decode_reference(q, k, v):
+    """float64 attention of q (Hq, T, D) against k/v (Hkv, N, D), GQA, bottom-right causal (query
+    row i of T sits at position N - T + i), as a KV cache's decode computes it."""
+    hq, t, d = q.shape
+    g = hq // k.shape[0]
+    k, v = k.double().repeat_interleave(g, 0), v.double().repeat_interleave(g, 0)
+    s = q.double() @ k.transpose(-1, -2) / d ** 0.5
+    n = k.shape[1]
+    visible = torch.arange(n, device=q.device)[None, :] <= (n - t + torch.arange(t, device=q.device))[:, None]
+    return torch.softmax(s.masked_fill(~visible, float("-inf")), -1) @ v

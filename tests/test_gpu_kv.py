@@ -4,25 +4,17 @@ a CUDA graph and replayed as the sequences grow."""
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
+from helpers import decode_reference
 
 from adaattn.kv import KVCache, PagedKVCache, decode_attention, plan_decode
 
 pytestmark = pytest.mark.gpu
 
 
-def _reference(q, k, v):
-    """float64 attention of q (Hq, T, D) against k/v (Hkv, N, D), bottom-right causal."""
-    hq, t, d = q.shape
-    g = hq // k.shape[0]
-    k, v = k.double().repeat_interleave(g, 0), v.double().repeat_interleave(g, 0)
-    s = q.double() @ k.transpose(-1, -2) / math.sqrt(d)
-    n = k.shape[1]
-    visible = torch.arange(n, device=q.device)[None, :] <= (n - t + torch.arange(t, device=q.device))[:, None]
-    return torch.softmax(s.masked_fill(~visible, float("-inf")), -1) @ v
+_reference = decode_reference
 
 
 def _rel(a, b):
