@@ -313,7 +313,11 @@ def test_generate_with_the_adaattn_cache_gives_sdpa_tokens(storage, paged, runne
 def test_cache_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="storage must be one of"):
         hf.Cache(64, storage="fp4")
+    with pytest.raises(ValueError, match="decode_runner must be one of"):
+        hf.Cache(64, decode_runner="flash")
     cache = hf.Cache(64)
+    assert type(cache) is type(hf.Cache(16))  # one class, made once
+    assert isinstance(cache, transformers.cache_utils.Cache)
     cache.update(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), 0)
     with pytest.raises(NotImplementedError, match="beam search"):
         cache.layers[0].reorder_cache(torch.tensor([0]))

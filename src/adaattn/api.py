@@ -303,7 +303,6 @@ def explain(
     return explain_problem(problem, policy)
 
 
-
 def warmup(
     query: torch.Tensor,
     key: torch.Tensor,

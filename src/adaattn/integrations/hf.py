@@ -27,6 +27,7 @@ adaattn.stats say which decode runner ran and why.
 
 from __future__ import annotations
 
+import functools
 from typing import Iterable
 
 import torch
@@ -259,12 +260,6 @@ class _Handle:
 DECODE_ROWS = 64  # a step whose query rows (T x GQA group) fit one tile of the decode kernel
 
 
-def _cache_base():
-    from transformers.cache_utils import Cache as HFCache, CacheLayerMixin
-
-    return HFCache, CacheLayerMixin
-
-
 def Cache(max_cache_len: int, storage: str = "native", paged: bool = False, page_size: int = 64,
           decode_runner: str | None = None):
     """A transformers Cache backed by adaattn.kv: pass it as `past_key_values` to generate() or
@@ -280,7 +275,23 @@ def Cache(max_cache_len: int, storage: str = "native", paged: bool = False, page
     views of it); a quantized or paged one returns NaN placeholders, so that a model that bypasses
     adaattn's attention fails loudly instead of reading wrong keys. Beam search (reorder_cache) and
     crop are refused."""
-    HFCache, CacheLayerMixin = _cache_base()
+    from ..kv.cache import STORAGES
+    from ..kv.decode import RUNNERS
+
+    if storage not in STORAGES:
+        raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
+    if decode_runner is not None and decode_runner not in RUNNERS:
+        raise ValueError(f"decode_runner must be one of {RUNNERS} or None, got {decode_runner!r}")
+    for name, value in (("max_cache_len", max_cache_len), ("page_size", page_size)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return _cache_class()(max_cache_len, storage, bool(paged), page_size, decode_runner)
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_class():
+    """The Cache class, made once (transformers is imported only when a Cache is asked for)."""
+    from transformers.cache_utils import Cache as HFCache, CacheLayerMixin
 
     class _Layer(CacheLayerMixin):
         def __init__(self, owner, idx):
@@ -316,7 +327,7 @@ def Cache(max_cache_len: int, storage: str = "native", paged: bool = False, page
     class AdaattnCache(HFCache):
         is_compileable = False
 
-        def __init__(self):
+        def __init__(self, max_cache_len, storage, paged, page_size, decode_runner):
             super().__init__(layers=[])
             self._capacity, self.storage, self.paged, self.page_size = max_cache_len, storage, paged, page_size
             self.decode_runner = decode_runner
@@ -415,15 +426,7 @@ def Cache(max_cache_len: int, storage: str = "native", paged: bool = False, page
                 self.layers.append(_Layer(self, len(self.layers)))
             return self._update(layer_idx, key_states, value_states)
 
-    for name, value in (("storage", storage), ("max_cache_len", max_cache_len), ("page_size", page_size)):
-        if name == "storage":
-            from ..kv.cache import STORAGES
-
-            if value not in STORAGES:
-                raise ValueError(f"storage must be one of {STORAGES}, got {value!r}")
-        elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return AdaattnCache()
+    return AdaattnCache
 
 
 __all__ = ["NAME", "Cache", "attention_forward", "register", "set_policy"]

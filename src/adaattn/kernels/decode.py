@@ -4,8 +4,8 @@ One program owns one (sequence, KV head, split): the query rows of the whole GQA
 KV head (G query heads x T rows, packed into one BLOCK_M tile, row r = g * T + t) against the
 keys of its split, BLOCK_N keys at a time, each key's page read from the sequence's block-table
 row. Pages in FP8 or INT8 convert exactly to fp16 in registers, and their (page, KV head) scales
-multiply the scores and P. Each program writes its split's normalised output and natural-log log-sum-exp; a second kernel merges
-the splits by log-sum-exp.
+multiply the scores and P. Each program writes its split's normalised output and natural-log
+log-sum-exp; a second kernel merges the splits by log-sum-exp.
 
 Positions are bottom-right aligned: query row t of T sits at position len - T + t and sees keys
 j <= that (len: the sequence's length in this layer, read on the device).
