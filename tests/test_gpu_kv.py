@@ -102,3 +102,26 @@ def test_decode_step_replays_in_a_cuda_graph_as_sequences_grow(storage):
                 ref = _reference(static_q[s], hist[layer][0][s], hist[layer][1][s])
                 bar = 1e-2 if storage == "native" else 1e-1  # fp8: E4M3 rounding of K and V, ~4e-2 typical
                 assert _rel(outs[layer][s], ref) <= bar
+
+
+def test_shipped_gpt_greedy_tokens_through_the_cache_equal_sdpa_and_fp8_bits_per_byte_stay_within_a_tenth_percent():
+    from adaattn.models import DEFAULT_WEIGHTS, load
+    from adaattn.models.evaluate import heldout_windows, score_windows, score_windows_cached
+
+    if not DEFAULT_WEIGHTS.is_file():
+        pytest.skip(f"no shipped weights at {DEFAULT_WEIGHTS}")
+    model = load(None, "cuda")
+    prompts = heldout_windows(512, 8)[:, :512].cuda()
+    model.set_attention("sdpa")
+    want = model.generate(prompts, 64, use_cache=False)  # torch SDPA, the whole sequence every step
+    model.set_attention("adaattn")
+    got = model.generate(prompts, 64)  # bf16 cache, the split-KV decode kernel
+    assert torch.equal(got, want), f"{(got != want).sum().item()} of {got[:, 512:].numel()} tokens differ"
+    wins = heldout_windows(8192, 8)
+    exact = score_windows(model, wins)["bits_per_byte"]
+    fp8 = score_windows_cached(model, wins, "fp8")["bits_per_byte"]
+    native = score_windows_cached(model, wins, "native")["bits_per_byte"]
+    print(f"bits per byte at 8192: forward {exact:.5f}, bf16 cache {native:.5f}, fp8 cache {fp8:.5f} "
+          f"({100 * (fp8 / exact - 1):+.3f}%)")
+    assert abs(native / exact - 1) < 1e-3
+    assert abs(fp8 / exact - 1) <= 1e-3

@@ -228,6 +228,57 @@ def test_capture_on_heldout_text_picks_layers_and_restores_the_model():
         capture(model, torch.zeros(1, 8, dtype=torch.int32))
 
 
+# ---- decoding over a KV cache -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_cached_forward_continues_a_sequence_as_the_full_forward_computes_it(kv_heads):
+    model = tiny_model(GPTConfig(n_layer=2, n_head=4, n_kv_head=kv_heads, d_model=64))
+    model.eval()
+    x = tokens(2, 40, seed=3)
+    full, _ = model(x)
+    cache = model.make_cache(2, 48)
+    logits = [model(x[:, :17], cache=cache)[0]]  # the prompt
+    for a, b in ((17, 18), (18, 23), (23, 40)):  # one token, then chunks against the cache
+        logits.append(model(x[:, a:b], cache=cache)[0])
+    torch.testing.assert_close(torch.cat(logits, 1), full, rtol=1e-4, atol=1e-4)
+    assert [cache.length(s, layer) for s in range(2) for layer in range(2)] == [40] * 4
+    with pytest.raises(ValueError, match="do not fit"):
+        model(x[:, :9], cache=cache)
+    with pytest.raises(ValueError, match="batch is 2"):
+        model(x[:1, :1], cache=cache)
+
+
+def test_greedy_generate_with_a_cache_gives_the_tokens_of_recomputing_and_of_sdpa():
+    model, peer = tiny_model(), tiny_model(attention="sdpa")
+    prompt = tokens(3, 21, seed=4)
+    want = peer.generate(prompt, 12, use_cache=False)
+    assert want.shape == (3, 33) and torch.equal(want[:, :21], prompt)
+    assert torch.equal(model.generate(prompt, 12), want)
+    assert torch.equal(model.generate(prompt, 12, use_cache=False), want)
+    assert torch.equal(peer.generate(prompt, 12), want)  # sdpa over the cache (decode runner "sdpa")
+    cache = model.make_cache(3, 40, storage="int8")
+    assert (model.generate(prompt, 12, cache=cache) == want).float().mean() > 0.8  # quantized: near-ties may flip
+    with pytest.raises(ValueError, match="must be empty"):
+        model.generate(prompt, 2, cache=cache)
+    g = torch.Generator().manual_seed(0)
+    sampled = model.generate(prompt, 12, temperature=1.0, top_k=5, generator=g)
+    assert sampled.shape == (3, 33) and not torch.equal(sampled, want)
+    with pytest.raises(ValueError, match="temperature"):
+        model.generate(prompt, 2, temperature=-1.0)
+
+
+@pytest.mark.parametrize("storage", ["native", "fp8", "int8"])
+def test_bits_per_byte_through_the_cache_match_the_forward_within_the_storage_error(storage):
+    model = tiny_model()
+    wins = ev.heldout_windows(48, max_windows=2)
+    exact = ev.score_windows(model, wins, batch=2)["bits_per_byte"]
+    got = ev.score_windows_cached(model, wins, storage, chunk=7, batch=2)
+    assert got["bytes"] == 2 * 48 and got["storage"] == storage
+    tol = {"native": 1e-5, "fp8": 2e-2, "int8": 5e-3}[storage]
+    assert got["bits_per_byte"] == pytest.approx(exact, rel=tol)
+
+
 # ---- evaluation -------------------------------------------------------------------------
 
 
@@ -267,7 +318,7 @@ def test_eval_command_reports_bits_per_byte_errors_and_entropy(tmp_path, capsys)
     path = save(tiny_model(), tmp_path / "w.pt", "int8", meta={"corpus": {"python": "3.x"}})
     out = tmp_path / "eval.json"
     rc = ev.cli(["--weights", str(path), "--context", "64", "--device", "cpu", "--max-windows", "3",
-                 "--error-rows", "8", "--json", str(out)])
+                 "--error-rows", "8", "--kv-cache", "native,int8", "--kv-chunk", "9", "--json", str(out)])
     assert rc == 0
     text = capsys.readouterr().out
     assert "held-out bits per byte at context 64" in text and "attention entropy" in text
@@ -275,6 +326,9 @@ def test_eval_command_reports_bits_per_byte_errors_and_entropy(tmp_path, capsys)
     assert result["heldout"]["windows"] == 3 and len(result["errors"]) == 2
     assert len(result["structure"]["entropy_bits"]) == 2 and len(result["structure"]["entropy_bits"][0]) == 4
     assert 4 < result["unigram_bits_per_byte"] < 6
+    assert "through an adaattn KV cache (int8, 9 bytes a step)" in text
+    assert abs(result["kv_cache"]["native"]["relative_to_forward"]) < 1e-5
+    assert result["kv_cache"]["int8"]["chunk"] == 9 and abs(result["kv_cache"]["int8"]["relative_to_forward"]) < 1e-2
     assert ev.cli(["--weights", str(tmp_path / "none.pt"), "--device", "cpu"]) == 2
 
 

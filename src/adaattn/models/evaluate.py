@@ -3,11 +3,14 @@
     adaattn eval                                   # shipped weights, context 8192, exact policy
     adaattn eval --context 1024 --device cpu       # a quick look on the CPU
     adaattn eval --mode auto --precisions int8,fp8 --approximations lowrank,skip --tolerance 1e-2
+    adaattn eval --kv-cache fp8,int8 --no-structure # also through adaattn KV caches, 16 bytes a step
 
 Prints, for this machine's held-out stdlib bytes: the unigram baseline and the model's bits per
 byte at the context length with the policy; per layer, the relative L2 error of the policy's
 attention output against float64 exact attention on captured Q/K/V (torch SDPA's error in the
-same dtype beside it); and per layer and head the attention entropy in bits (with what a
+same dtype beside it); with --kv-cache, the bits per byte again with every byte after the first
+predicted through an adaattn KV cache of that storage (decode_attention, --kv-chunk bytes per
+step); and per layer and head the attention entropy in bits (with what a
 uniform causal head would have) and the mean attention distance. `--json` and `--plot` write
 the same as data and a picture of a few heads.
 """
@@ -60,6 +63,40 @@ def score_windows(model: GPT, wins: torch.Tensor, batch: int = 8, dtype: torch.d
         model.train(was_training)
     return {"bits_per_byte": float(total) / max(count, 1) / math.log(2), "windows": len(wins),
             "bytes": count, "seq_len": wins.shape[1] - 1}
+
+
+@torch.no_grad()
+def score_windows_cached(model: GPT, wins: torch.Tensor, storage: str = "native", *, chunk: int = 16, batch: int = 8,
+                         dtype: torch.dtype | None = None) -> dict:
+    """score_windows, but every byte after the first is predicted through an adaattn KV cache of
+    `storage` ("native", "fp8", "int8"): each window goes in `chunk` bytes at a time, each chunk
+    appended to the cache (quantized there) and attending over all the cache holds (decode_attention,
+    bottom-right causal). The first byte of each window is the cache's prompt."""
+    if not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    device = next(model.parameters()).device
+    dtype = dtype or default_dtype(device)
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    count = 0
+    n = wins.shape[1] - 1
+    try:
+        for i in range(0, len(wins), batch):
+            chunk_wins = wins[i:i + batch].to(device)
+            inputs, targets = chunk_wins[:, :-1], chunk_wins[:, 1:]
+            cache = model.make_cache(len(chunk_wins), n, storage=storage, dtype=dtype, device=device)
+            with _autocast(device, dtype):
+                for j0 in [0, *range(1, n, chunk)]:
+                    j1 = 1 if j0 == 0 else min(n, j0 + chunk)
+                    logits, _ = model(inputs[:, j0:j1], cache=cache)
+                    total += F.cross_entropy(logits.float().flatten(0, 1), targets[:, j0:j1].flatten(),
+                                             reduction="sum").double()
+            count += targets.numel()
+    finally:
+        model.train(was_training)
+    return {"bits_per_byte": float(total) / max(count, 1) / math.log(2), "windows": len(wins),
+            "bytes": count, "seq_len": n, "storage": storage, "chunk": chunk}
 
 
 def heldout_windows(seq_len: int, max_windows: int | None = None, data: torch.Tensor | None = None) -> torch.Tensor:
@@ -267,6 +304,8 @@ def evaluate(
     structure: bool = True,
     error_rows: int = 512,
     plot: Path | None = None,
+    kv_caches: tuple[str, ...] = (),
+    kv_chunk: int = 16,
     log=print,
 ) -> dict:
     """Everything `adaattn eval` reports, as a dict (see the module docstring)."""
@@ -279,6 +318,14 @@ def evaluate(
     log(f"held-out bits per byte at context {context}: {result['heldout']['bits_per_byte']:.4f} "
         f"({result['heldout']['windows']} windows, {result['heldout']['bytes']} bytes, "
         f"{time.perf_counter() - t0:.1f} s); unigram baseline {result['unigram_bits_per_byte']:.4f}")
+    exact = result["heldout"]["bits_per_byte"]
+    for storage in kv_caches:
+        t0 = time.perf_counter()
+        r = score_windows_cached(model, heldout_windows(context, max_windows), storage, chunk=kv_chunk, batch=batch)
+        r["relative_to_forward"] = r["bits_per_byte"] / exact - 1
+        result.setdefault("kv_cache", {})[storage] = r
+        log(f"through an adaattn KV cache ({storage}, {kv_chunk} bytes a step): {r['bits_per_byte']:.4f} bits per byte "
+            f"({100 * r['relative_to_forward']:+.3f}% against the forward; {time.perf_counter() - t0:.1f} s)")
     cap = capture(model, seq_len=context, batch=1)
     model.set_attention("adaattn", policy)
     result["errors"] = policy_errors(cap, policy, error_rows)
@@ -323,6 +370,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precisions", type=_names(PRECISIONS), default=("native",), metavar="NAME,...")
     parser.add_argument("--approximations", type=_names(APPROXIMATIONS), default=(), metavar="NAME,...")
     parser.add_argument("--backends", default=None, metavar="NAME,...", help="Policy.backends restriction")
+    parser.add_argument("--kv-cache", type=_names(("native", "fp8", "int8")), default=(), metavar="STORAGE,...",
+                        help="also score through adaattn KV caches of these storages (native, fp8, int8)")
+    parser.add_argument("--kv-chunk", type=int, default=16, help="bytes per step through the KV cache (default 16)")
     parser.add_argument("--error-rows", type=int, default=512, help="query rows sampled for the float64 error")
     parser.add_argument("--no-structure", action="store_true", help="skip the entropy table")
     parser.add_argument("--plot", type=Path, default=None, metavar="PNG", help="write a picture of a few heads")
@@ -338,6 +388,9 @@ def main(args: argparse.Namespace) -> int:
         return 2
     if args.context < 2:
         print(f"adaattn eval: --context must be at least 2, got {args.context}", file=sys.stderr)
+        return 2
+    if args.kv_chunk < 1:
+        print(f"adaattn eval: --kv-chunk must be at least 1, got {args.kv_chunk}", file=sys.stderr)
         return 2
     try:
         policy = Policy(mode=args.mode, tolerance=args.tolerance, precisions=args.precisions,
@@ -359,7 +412,8 @@ def main(args: argparse.Namespace) -> int:
           f"stored {meta.get('storage')}, trained on Python {meta.get('corpus', {}).get('python', '?')} stdlib) "
           f"on {device}, policy {policy}")
     result = evaluate(model, args.context, policy, batch=args.batch, max_windows=max_windows,
-                      structure=not args.no_structure, error_rows=args.error_rows, plot=args.plot)
+                      structure=not args.no_structure, error_rows=args.error_rows, plot=args.plot,
+                      kv_caches=args.kv_cache, kv_chunk=args.kv_chunk)
     result["weights"] = str(args.weights or DEFAULT_WEIGHTS)
     result["weights_meta"] = meta
     if args.json is not None:

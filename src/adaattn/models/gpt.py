@@ -4,6 +4,18 @@ Pre-norm (RMSNorm), rotary position embeddings, optional grouped-query attention
 MLP, byte vocabulary by default. `GPT(config, policy=...)` passes the policy to every
 attention call; `attention="sdpa"` calls torch's SDPA instead (the peer in comparisons).
 Runs on the CPU in float32 and on CUDA under bf16 autocast.
+
+Incremental decoding over an adaattn KV cache:
+
+    cache = model.make_cache(batch=4, max_len=4096, storage="fp8")   # or "native", "int8"
+    logits, _ = model(prompt, cache=cache)       # the prompt: its keys go to the cache
+    logits, _ = model(next_tokens, cache=cache)  # one (or a few) tokens per sequence against it
+    out = model.generate(prompt, 64, cache=cache)                    # greedy; temperature= samples
+
+With a cache, a prompt (the cache empty, more than one token) attends over its own fresh keys as
+without one (with the policy); every later call attends over what the cache holds (quantized
+pages included) through adaattn.decode_attention, bottom-right causal, with one plan per call
+shared by the layers.
 """
 
 from __future__ import annotations
@@ -18,6 +30,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..api import attention as ada_attention
+from ..kv import DecodePlan, KVCache, decode_attention, plan_decode
 from ..policy import Policy
 
 ATTENTION_KINDS = ("adaattn", "sdpa")
@@ -106,7 +119,8 @@ class Attention(nn.Module):
         self.policy: Policy | None = None
         self.recorder: Recorder | None = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None = None,
+                plan: DecodePlan | None = None) -> torch.Tensor:
         b, n, d = x.shape
         h, hk, hd = self.n_head, self.n_kv_head, self.head_dim
         q, k, v = self.qkv(x).split([h * hd, hk * hd, hk * hd], dim=-1)
@@ -114,7 +128,11 @@ class Attention(nn.Module):
         k = apply_rope(k.view(b, n, hk, hd), cos, sin)
         v = v.view(b, n, hk, hd)
         gqa = hk != h
-        if self.kind == "sdpa":
+        if cache is not None:
+            cache.append(self.layer, k.transpose(1, 2), v.transpose(1, 2))
+        if plan is not None:  # against the cache, which now holds this call's keys too
+            out = decode_attention(q.transpose(1, 2), cache, self.layer, plan=plan).transpose(1, 2)
+        elif self.kind == "sdpa":
             out = F.scaled_dot_product_attention(
                 q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, enable_gqa=gqa
             ).transpose(1, 2)
@@ -148,8 +166,8 @@ class Block(nn.Module):
         self.norm2 = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin):
-        x = x + self.attn(self.norm1(x), cos, sin)
+    def forward(self, x, cos, sin, cache=None, plan=None):
+        x = x + self.attn(self.norm1(x), cos, sin, cache, plan)
         return x + self.mlp(self.norm2(x))
 
 
@@ -159,8 +177,9 @@ class GPT(nn.Module):
     attention: "adaattn" (adaattn.attention with `policy`; None is exact) or "sdpa"
         (torch.nn.functional.scaled_dot_product_attention), both causal.
     checkpoint: recompute each block in the backward (activation checkpointing) when training.
-    forward(tokens (B, N) int64, targets (B, N) int64 or None) -> (logits (B, N, vocab) in the
-    compute dtype, mean cross-entropy in nats as float32, or None without targets).
+    forward(tokens (B, N) int64, targets (B, N) int64 or None, cache=None) -> (logits (B, N, vocab)
+    in the compute dtype, mean cross-entropy in nats as float32, or None without targets). With
+    `cache` (from make_cache), the tokens continue what the cache holds (see the module docstring).
     """
 
     def __init__(self, config: GPTConfig, *, policy: Policy | None = None, attention: str = "adaattn",
@@ -213,14 +232,22 @@ class GPT(nn.Module):
             self._rope[key] = rope_tables(seq_len, self.config.head_dim, self.config.rope_base, device, dtype)
         return self._rope[key]
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None):
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None):
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be (batch, seq_len) int64, got shape {tuple(tokens.shape)}")
         x = self.embed(tokens)
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        cos, sin = self.rope(tokens.shape[1], x.device, dtype)
+        plan = None
+        if cache is None:
+            cos, sin = self.rope(tokens.shape[1], x.device, dtype)
+        else:
+            start, plan = self._plan(tokens, cache, dtype)
+            cos, sin = self.rope(cache.max_len, x.device, dtype)
+            cos, sin = cos[start:start + tokens.shape[1]], sin[start:start + tokens.shape[1]]
         for block in self.blocks:
-            if self.checkpoint and self.training and torch.is_grad_enabled():
+            if cache is not None:
+                x = block(x, cos, sin, cache, plan)
+            elif self.checkpoint and self.training and torch.is_grad_enabled():
                 x = checkpoint(block, x, cos, sin, use_reentrant=False)
             else:
                 x = block(x, cos, sin)
@@ -229,6 +256,103 @@ class GPT(nn.Module):
             return logits, None
         loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
         return logits, loss
+
+    def make_cache(self, batch: int, max_len: int, *, storage: str = "native", dtype: torch.dtype | None = None,
+                   device=None, page_size: int = 64) -> KVCache:
+        """An empty adaattn KVCache for `batch` sequences of up to `max_len` tokens, shaped for this
+        model. storage: "native" (in `dtype`), "fp8" or "int8" (quantized at append). dtype: the
+        compute dtype the forward will run in (default: bfloat16 on CUDA, as under the autocast of
+        evaluation, else the parameters' dtype)."""
+        p = next(self.parameters())
+        device = p.device if device is None else torch.device(device)
+        if dtype is None:
+            dtype = torch.bfloat16 if device.type == "cuda" else p.dtype
+        c = self.config
+        return KVCache(c.n_layer, batch, c.n_kv_head, max_len, c.head_dim, dtype=dtype, device=device,
+                       storage=storage, page_size=page_size)
+
+    def _plan(self, tokens: torch.Tensor, cache: KVCache, dtype: torch.dtype) -> tuple[int, DecodePlan | None]:
+        """Where `tokens` start in `cache`, and the decode plan (None for a prompt into an empty cache)."""
+        c = self.config
+        if not isinstance(cache, KVCache):
+            raise TypeError(f"cache must be an adaattn.KVCache (model.make_cache), got {type(cache).__name__}")
+        if (cache.layers, cache.kv_heads, cache.head_dim) != (c.n_layer, c.n_kv_head, c.head_dim):
+            raise ValueError(f"cache holds {cache.layers} layers x {cache.kv_heads} KV heads x {cache.head_dim} dims; "
+                             f"this model needs {c.n_layer} x {c.n_kv_head} x {c.head_dim}")
+        b, n = tokens.shape
+        if b != cache.batch:
+            raise ValueError(f"tokens hold {b} sequences but the cache's batch is {cache.batch}")
+        lengths = {cache.length(s, layer) for s in range(b) for layer in range(c.n_layer)}
+        if len(lengths) != 1:
+            raise ValueError(f"the cache's sequences and layers hold different lengths {sorted(lengths)}; "
+                             "GPT continues a batch that advances together")
+        start = lengths.pop()
+        if start + n > cache.max_len:
+            raise ValueError(f"the cache holds {start} tokens of at most max_len={cache.max_len}; {n} more do not fit")
+        if cache.dtype != dtype:
+            raise TypeError(f"the cache's dtype {cache.dtype} is not the forward's compute dtype {dtype}")
+        if start == 0 and n > 1:
+            return 0, None
+        runner = "sdpa" if self.attention == "sdpa" else None
+        return start, plan_decode(cache, heads=c.n_head, query_len=n, dtype=dtype, runner=runner)
+
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, *, cache: KVCache | None = None,
+                 use_cache: bool = True, temperature: float = 0.0, top_k: int | None = None, generator: torch.Generator | None = None,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
+        """prompt (B, N) int64 followed by `max_new_tokens` generated tokens, (B, N + max_new_tokens).
+
+        Greedy when temperature is 0, else sampled from softmax(logits / temperature) (over the
+        top_k most likely when given). cache: an empty KVCache from make_cache, with room for
+        N + max_new_tokens (default: one in the model dtype is made). use_cache=False recomputes
+        the whole sequence every step instead (the reference; cache must then be None). dtype: the compute dtype (default: bfloat16
+        autocast on CUDA, the parameters' dtype elsewhere)."""
+        if prompt.dim() != 2 or prompt.shape[1] < 1 or prompt.dtype != torch.long:
+            raise ValueError(f"prompt must be (batch, seq_len >= 1) int64, got {tuple(prompt.shape)} {prompt.dtype}")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be a non-negative int, got {max_new_tokens!r}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if top_k is not None and (not isinstance(top_k, int) or top_k < 1):
+            raise ValueError(f"top_k must be a positive int or None, got {top_k!r}")
+        p = next(self.parameters())
+        prompt = prompt.to(p.device)
+        if dtype is None:
+            dtype = torch.bfloat16 if p.device.type == "cuda" else p.dtype
+        b, n = prompt.shape
+        if not use_cache:
+            if cache is not None:
+                raise ValueError("use_cache=False recomputes every step; it takes no cache")
+        elif cache is None:
+            cache = self.make_cache(b, n + max_new_tokens, dtype=dtype)
+        elif any(cache.length(s) for s in range(cache.batch)):
+            raise ValueError("cache must be empty (cache.reset() empties it)")
+        autocast = (torch.autocast(p.device.type, dtype=dtype) if dtype != p.dtype
+                    else torch.autocast(p.device.type, enabled=False))
+        was_training = self.training
+        self.eval()
+        out = [prompt]
+        try:
+            with autocast:
+                step = prompt
+                for _ in range(max_new_tokens):
+                    if not use_cache:
+                        logits, _ = self(torch.cat(out, dim=1))
+                    else:
+                        logits, _ = self(step, cache=cache)
+                    logits = logits[:, -1].float()
+                    if temperature == 0:
+                        step = logits.argmax(-1, keepdim=True)
+                    else:
+                        logits = logits / temperature
+                        if top_k is not None and top_k < logits.shape[-1]:
+                            kth = logits.topk(top_k, dim=-1).values[:, -1:]
+                            logits = logits.masked_fill(logits < kth, float("-inf"))
+                        step = torch.multinomial(logits.softmax(-1), 1, generator=generator)
+                    out.append(step)
+        finally:
+            self.train(was_training)
+        return torch.cat(out, dim=1)
 
     def optimizer(self, lr: float, weight_decay: float, betas=(0.9, 0.95), fused: bool | None = None):
         """AdamW with weight decay on the matrices only (not norms, not the embedding)."""
