@@ -170,6 +170,29 @@ def test_split_kv_kernel_matches_float64_on_ragged_paged_batches(storage, dtype)
             assert _rel(out[i], ref) <= bar, (storage, t, s, _rel(out[i], ref), bar)
 
 
+@pytest.mark.parametrize("storage", ["native", "fp8"])
+def test_split_kv_kernel_on_a_contiguous_cache_computes_pages_and_matches_reading_the_block_table(storage):
+    """A KVCache's plan computes each key's page (CONTIG): the same output as reading the block
+    table, bit for bit, and within float64's bar."""
+    from helpers import NEEDS_CUDA_OR_INTERPRETER  # noqa: F401
+
+    torch.manual_seed(4)
+    b, hkv, d, dtype = 2, 2, 32, torch.bfloat16
+    cache = KVCache(1, b, hkv, 100, d, dtype=dtype, page_size=16, storage=storage)
+    k = torch.randn(b, hkv, 75, d, dtype=dtype)
+    cache.append(0, k, torch.randn_like(k))
+    q = torch.randn(b, 4, 2, d, dtype=dtype)
+    plan = plan_decode(cache, heads=4, query_len=2, runner="triton", splits=2)
+    assert plan.contiguous
+    out = decode_attention(q, cache, 0, plan=plan)
+    plan.contiguous = False
+    torch.testing.assert_close(decode_attention(q, cache, 0, plan=plan), out, rtol=0, atol=0)
+    for i in range(b):
+        k64, v64 = cache.gather(0, [i], 75, torch.float64)
+        bar = 2 * _torch_error(q[i], k64[0].to(dtype), v64[0].to(dtype)) + 1e-6
+        assert _rel(out[i], _reference(q[i], k64[0], v64[0])) <= bar
+
+
 def test_split_kv_kernel_refuses_what_it_cannot_take():
     cache = PagedKVCache(1, 2, 64, 8, page_size=8, dtype=torch.bfloat16)
     s = cache.add()

@@ -47,7 +47,7 @@ def decode_split_kernel(
     HKV, TILES_PER_SPLIT,
     G: tl.constexpr, T: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PAGE: tl.constexpr, QUANTIZED: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PAGE: tl.constexpr, QUANTIZED: tl.constexpr, DOT_PRECISION: tl.constexpr, CONTIG: tl.constexpr = False,
 ):
     """Program (split, sequence x KV head): tiles [split * TILES_PER_SPLIT, ...) of BLOCK_N keys
     of its sequence (a tile may span pages, or a page several tiles: each key's page comes from
@@ -55,7 +55,9 @@ def decode_split_kernel(
     pages: the raw FP8/INT8 values convert exactly to fp16 and go to the tensor cores as they are
     (fp16, not bf16: the conversion to bf16 costs a detour through fp32, measured 1.13x slower at
     32k in benchmarks/NOTES.md); the query is scaled by a power of two into fp16's range; the
-    (page, KV head) scales multiply the scores, and P over the tile's largest V scale."""
+    (page, KV head) scales multiply the scores, and P over the tile's largest V scale.
+    CONTIG: the sequence's pages follow each other in the pool from its first (a contiguous
+    KVCache), so a key's page is computed, not read: no dependent load in the loop."""
     pid_sh = tl.program_id(1)
     split = tl.program_id(0)
     s = pid_sh // HKV
@@ -82,6 +84,7 @@ def decode_split_kernel(
     last = tl.minimum(first + TILES_PER_SPLIT, n_tiles)
     cols = tl.arange(0, BLOCK_N)
     table = TABLE + seq * stride_ts
+    base = tl.load(table).to(tl.int64)
     if QUANTIZED:  # fp16 operands (FP8/INT8 convert to fp16 natively; to bf16 through fp32): q scaled into range
         qf = q.to(tl.float32)
         qmax = tl.max(tl.max(tl.abs(qf), 1), 0)
@@ -91,7 +94,10 @@ def decode_split_kernel(
     for i in range(first, last):
         keys = i * BLOCK_N + cols
         live = keys < length
-        page = tl.load(table + (keys // PAGE) * stride_tp, mask=live, other=0).to(tl.int64)
+        if CONTIG:
+            page = base + keys // PAGE
+        else:
+            page = tl.load(table + (keys // PAGE) * stride_tp, mask=live, other=0).to(tl.int64)
         slot = keys % PAGE
         k = tl.load(K + page[:, None] * stride_kp + slot[:, None] * stride_kn + h * stride_kh
                     + dq[None, :] * stride_kd, mask=live[:, None] & (dq[None, :] < D), other=0.0)

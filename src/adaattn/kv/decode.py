@@ -65,6 +65,7 @@ class DecodePlan:
     block_n: int = BLOCK_N
     num_warps: int = 4
     num_stages: int = STAGES
+    contiguous: bool = False
     _scratch: dict = field(default_factory=dict, repr=False)
 
     def explain(self) -> str:
@@ -163,6 +164,8 @@ def plan_decode(cache: PagedKVCache, seqs: Optional[Sequence[int]] = None, *, he
             per = -(-tiles // splits)
         plan.block_n, plan.tiles_per_split, plan.splits = BLOCK_N, per, -(-tiles // per)
         plan.num_warps = WARPS[cache.storage]
+        # A KVCache's sequence b owns pages b*P.. b*P+P-1 in order: keys' pages are computed, not read.
+        plan.contiguous = isinstance(cache, KVCache)
     return plan
 
 
@@ -256,7 +259,8 @@ def _split_kv(query, cache, layer, plan, scale):
         hkv, plan.tiles_per_split,
         G=g, T=t, D=d, DV=dv, BLOCK_M=max(16, next_power_of_2(g * t)), BLOCK_N=plan.block_n,
         BLOCK_D=max(16, next_power_of_2(d)), BLOCK_DV=max(16, next_power_of_2(dv)), PAGE=cache.page_size,
-        QUANTIZED=quantized, DOT_PRECISION=precision, num_warps=plan.num_warps, num_stages=plan.num_stages,
+        QUANTIZED=quantized, DOT_PRECISION=precision, CONTIG=plan.contiguous, num_warps=plan.num_warps,
+        num_stages=plan.num_stages,
     )
     out = torch.empty(s, hq, t, dv, dtype=query.dtype, device=query.device)
     decode_merge_kernel[(s * hq * t,)](
