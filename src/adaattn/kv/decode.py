@@ -38,13 +38,14 @@ from .. import stats
 from .cache import KVCache, PagedKVCache
 
 RUNNERS = ("sdpa", "triton")
-# The triton runner's tiles and launch, from a sweep on an H100 (benchmarks/NOTES.md, decode): 128 keys
+# The triton runner's tiles and launch, from sweeps on an H100 (benchmarks/NOTES.md, decode): 128 keys
 # per tile; 8 warps for pages in the model dtype, 4 for quantized pages (their fp16 operands sit in
-# registers); the split count aims at 8 programs per SM.
+# registers); the split count aims at 4 programs per SM for native pages and 8 for quantized ones;
+# 3 stages where the keys' pages are computed (a contiguous KVCache: the loads pipeline), else 2.
 BLOCK_N = 128
-PROGRAMS_PER_SM = 8
+PROGRAMS_PER_SM = {"native": 4, "fp8": 8, "int8": 8}
 WARPS = {"native": 8, "fp8": 4, "int8": 4}
-STAGES = 2
+STAGES = {True: 3, False: 2}  # by contiguity
 
 
 @dataclass
@@ -64,7 +65,7 @@ class DecodePlan:
     tiles_per_split: int = 1
     block_n: int = BLOCK_N
     num_warps: int = 4
-    num_stages: int = STAGES
+    num_stages: int = 2
     contiguous: bool = False
     _scratch: dict = field(default_factory=dict, repr=False)
 
@@ -157,7 +158,7 @@ def plan_decode(cache: PagedKVCache, seqs: Optional[Sequence[int]] = None, *, he
             else:
                 sms = 4
             work = cache.kv_heads * sum(-(-min(n + query_len, plan.max_len) // BLOCK_N) for n in now)
-            per = max(1, -(-work // (PROGRAMS_PER_SM * sms)))
+            per = max(1, -(-work // (PROGRAMS_PER_SM[cache.storage] * sms)))
         else:
             if not isinstance(splits, int) or splits < 1:
                 raise ValueError(f"splits must be a positive int, got {splits!r}")
@@ -166,6 +167,7 @@ def plan_decode(cache: PagedKVCache, seqs: Optional[Sequence[int]] = None, *, he
         plan.num_warps = WARPS[cache.storage]
         # A KVCache's sequence b owns pages b*P.. b*P+P-1 in order: keys' pages are computed, not read.
         plan.contiguous = isinstance(cache, KVCache)
+        plan.num_stages = STAGES[plan.contiguous]
     return plan
 
 
