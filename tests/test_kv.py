@@ -87,18 +87,21 @@ def test_paged_cache_ragged_lengths_add_extend_free_and_reuse():
         cache.free(3)
 
 
-def _simulated(x, page_size, storage):
+def _simulated(x, page_size, storage, center=False):
     """float64 simulation of one append of x (Hkv, N, D) into empty pages: per (page, head) scale
-    amax / QMAX, values rounded to the storage format, dequantized."""
+    amax / QMAX, values rounded to the storage format, dequantized. center: keys, stored less their
+    mean over this (first) append, taken in fp32 as the cache does, and given back after."""
     hkv, n, d = x.shape
+    c = x.float().mean(1, keepdim=True) if center else torch.zeros(hkv, 1, d)
+    r = x.float() - c
     out = torch.empty(hkv, n, d, dtype=torch.float64)
     for p0 in range(0, n, page_size):
-        blk = x[:, p0:p0 + page_size].double()
+        blk = r[:, p0:p0 + page_size].double()
         scale = blk.abs().amax((1, 2), keepdim=True) / QMAX[storage]
         y = (blk / scale).float()
         y = y.to(torch.float8_e4m3fn).double() if storage == "fp8" else y.round().double()
         out[:, p0:p0 + page_size] = y * scale
-    return out
+    return (out.float() + c).double() if center else out
 
 
 @pytest.mark.parametrize("storage", ["fp8", "int8"])
@@ -110,7 +113,7 @@ def test_quantized_pages_match_a_float64_simulation_and_decode_within_tolerance(
     k, v = torch.randn(1, hkv, n, d), torch.randn(1, hkv, n, d)
     cache.append(0, [s], k, v)
     got_k, got_v = cache.gather(0, [s], n, torch.float64)
-    sim_k, sim_v = _simulated(k[0], page, storage), _simulated(v[0], page, storage)
+    sim_k, sim_v = _simulated(k[0], page, storage, center=True), _simulated(v[0], page, storage)
     torch.testing.assert_close(got_k[0], sim_k, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got_v[0], sim_v, rtol=1e-6, atol=1e-6)
     # Decode-time appends grow a partly filled page's scale: values are rescaled, never clipped.
@@ -124,6 +127,28 @@ def test_quantized_pages_match_a_float64_simulation_and_decode_within_tolerance(
     q = torch.randn(1, 4, 1, d)
     out = decode_attention(q, cache, 0, [s])
     assert _rel(out[0], _reference(q[0], full, torch.cat([v, big], 2)[0])) <= 3e-2
+
+
+@pytest.mark.parametrize("storage", ["fp8", "int8"])
+def test_keys_sharing_an_offset_are_stored_less_their_center_and_decode_is_unchanged(storage):
+    """Keys = a common offset + small residuals: the cache quantizes the residuals (less the first
+    append's mean), so the keys come back to within the residuals' rounding, not the offset's; a
+    later sequence's first append sets its own center."""
+    torch.manual_seed(6)
+    hkv, d, n = 2, 32, 40
+    cache = PagedKVCache(1, hkv, d, num_pages=8, page_size=16, dtype=torch.float32, storage=storage, max_seqs=2)
+    s = cache.add()
+    offset = 40.0 * torch.randn(1, hkv, 1, d)
+    k = offset + torch.randn(1, hkv, n, d)
+    v = torch.randn(1, hkv, n, d)
+    cache.append(0, [s], k, v)
+    got_k, _ = cache.gather(0, [s], n, torch.float64)
+    rel = ((got_k - k.double()).norm() / (k - k.mean(2, keepdim=True)).double().norm()).item()
+    assert rel <= (4e-2 if storage == "fp8" else 1.2e-2)  # the residuals' own rounding
+    torch.testing.assert_close(cache.k_center[0][s], k[0].mean(1), rtol=1e-6, atol=1e-5)
+    q = torch.randn(1, 4, 1, d) * 0.05
+    out = decode_attention(q, cache, 0, [s])
+    assert _rel(out[0], _reference(q[0], k[0], v[0])) <= 3e-2
 
 
 def test_bad_arguments_name_what_they_got():

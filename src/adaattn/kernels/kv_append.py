@@ -13,7 +13,11 @@ LENS[seq] += T and zeroes the counter. So a CUDA graph can replay the append as 
 Divisions round to nearest (div_rn), as torch's do: the values written are the torch append's,
 bit for bit.
 
-Pool layout per layer: (num_pages, PAGE, Hkv, D); scales (num_pages, Hkv) fp32.
+Quantized keys are stored less their sequence's center KC[seq, h] (fp32, set by the cache at the
+sequence's first append): attention over them is unchanged, their residuals quantize finer.
+
+Pool layout per layer: (num_pages, PAGE, Hkv, D); scales (num_pages, Hkv) fp32; centers
+(max_seqs, Hkv, D) fp32.
 """
 
 import triton
@@ -56,12 +60,15 @@ def _encode(y, STORAGE: tl.constexpr, QMAX: tl.constexpr, dtype: tl.constexpr, I
 @triton.jit
 def _write_page(X, stride_xt, stride_xd, P, S, page, h, stride_pp, stride_pn, stride_ph, stride_pd,
                 stride_sp, stride_sh, slots, tok, new, old_rows, cols, DIM: tl.constexpr,
-                STORAGE: tl.constexpr, QMAX: tl.constexpr, INTERPRET: tl.constexpr):
-    """The new rows (slots where `new`, token index `tok` of X) of one page and KV head; the rows
-    already there (`old_rows`) requantized when the page's scale grows."""
+                STORAGE: tl.constexpr, QMAX: tl.constexpr, INTERPRET: tl.constexpr, C=None, stride_cd=0,
+                CENTER: tl.constexpr = False):
+    """The new rows (slots where `new`, token index `tok` of X) of one page and KV head, less the
+    center C (CENTER); the rows already there (`old_rows`) requantized when the page's scale grows."""
     dmask = cols[None, :] < DIM
     x = tl.load(X + tok[:, None] * stride_xt + cols[None, :] * stride_xd, mask=new[:, None] & dmask,
                 other=0.0).to(tl.float32)
+    if CENTER:
+        x = tl.where(new[:, None] & dmask, x - tl.load(C + cols * stride_cd, mask=cols < DIM, other=0.0)[None, :], 0.0)
     dst = P + page * stride_pp + slots[:, None] * stride_pn + h * stride_ph + cols[None, :] * stride_pd
     if STORAGE == NATIVE:
         tl.store(dst, x.to(P.dtype.element_ty), mask=new[:, None] & dmask)
@@ -80,12 +87,13 @@ def _write_page(X, stride_xt, stride_xd, P, S, page, h, stride_pp, stride_pn, st
 
 @triton.jit
 def append_kernel(
-    KEY, VALUE, K, V, KS, VS, TABLE, LENS, SEQS, COUNT,
+    KEY, VALUE, K, V, KS, VS, KC, TABLE, LENS, SEQS, COUNT,
     stride_ks, stride_kh, stride_kt, stride_kd,
     stride_vs, stride_vh, stride_vt, stride_vd,
     stride_kp, stride_kn, stride_kph, stride_kpd,
     stride_vp, stride_vn, stride_vph, stride_vpd,
     stride_sp, stride_sh,
+    stride_cs, stride_ch, stride_cd,
     stride_ts, stride_tp,
     T, HKV, CHUNKS,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -111,7 +119,8 @@ def append_kernel(
         tok = pos - start
         _write_page(KEY + s * stride_ks + h * stride_kh, stride_kt, stride_kd, K, KS, page, h,
                     stride_kp, stride_kn, stride_kph, stride_kpd, stride_sp, stride_sh, slots, tok, new, old_rows,
-                    tl.arange(0, BLOCK_D), D, STORAGE, QMAX, INTERPRET)
+                    tl.arange(0, BLOCK_D), D, STORAGE, QMAX, INTERPRET, KC + seq * stride_cs + h * stride_ch, stride_cd,
+                    STORAGE != NATIVE)
         _write_page(VALUE + s * stride_vs + h * stride_vh, stride_vt, stride_vd, V, VS, page, h,
                     stride_vp, stride_vn, stride_vph, stride_vpd, stride_sp, stride_sh, slots, tok, new, old_rows,
                     tl.arange(0, BLOCK_DV), DV, STORAGE, QMAX, INTERPRET)

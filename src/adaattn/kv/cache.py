@@ -70,6 +70,10 @@ class PagedKVCache:
         if storage != "native":
             self.k_scale = [torch.zeros(num_pages, kv_heads, device=self.device) for _ in range(layers)]
             self.v_scale = [torch.zeros(num_pages, kv_heads, device=self.device) for _ in range(layers)]
+            # Each sequence's keys are stored less their mean over its first append (per layer and KV
+            # head): attention is unchanged (q.c is the same for every key of a query's row), and
+            # the quantized residuals are smaller than the keys where keys share an offset.
+            self.k_center = [torch.zeros(max_seqs, kv_heads, head_dim, device=self.device) for _ in range(layers)]
         self.block_table = torch.zeros(max_seqs, self.max_pages_per_seq, dtype=torch.int32, device=self.device)
         self.lengths = torch.zeros(layers, max_seqs, dtype=torch.int32, device=self.device)
         self._free_pages = list(range(num_pages - 1, -1, -1))
@@ -167,6 +171,12 @@ class PagedKVCache:
             self._check_seq(s)
             self._ensure(s, self._lengths[layer][s] + t)
         key, value = key.to(self.device), value.to(self.device)
+        if self.storage != "native":
+            first = [i for i, s in enumerate(seqs) if self._lengths[layer][s] == 0]
+            if first:  # a sequence's first append sets its keys' center
+                rows = torch.tensor(first, device=self.device)
+                ids = torch.tensor([seqs[i] for i in first], device=self.device)
+                self.k_center[layer][ids] = key.index_select(0, rows).float().mean(2)
         if self.append_runner == "triton":
             self._append_kernel(layer, seqs, key, value)
         else:
@@ -203,11 +213,13 @@ class PagedKVCache:
         k_pool, v_pool = self.k[layer], self.v[layer]
         ks = self.k_scale[layer] if quantized else self._count  # placeholder pointers when not read
         vs = self.v_scale[layer] if quantized else self._count
+        kc = self.k_center[layer] if quantized else self._count
         chunks = -(-(t - 1) // self.page_size) + 1  # pages T tokens from any slot can touch
         append_kernel[(s * hkv, chunks)](
-            key, value, k_pool, v_pool, ks, vs, self.block_table, self.lengths[layer], self.seq_ids(seqs), self._count,
-            *key.stride(), *value.stride(), *k_pool.stride(), *v_pool.stride(),
-            *(ks.stride() if quantized else (0, 0)), *self.block_table.stride(),
+            key, value, k_pool, v_pool, ks, vs, kc, self.block_table, self.lengths[layer], self.seq_ids(seqs),
+            self._count, *key.stride(), *value.stride(), *k_pool.stride(), *v_pool.stride(),
+            *(ks.stride() if quantized else (0, 0)), *(kc.stride() if quantized else (0, 0, 0)),
+            *self.block_table.stride(),
             t, hkv, chunks,
             D=d, DV=value.shape[3], BLOCK_D=next_power_of_2(d), BLOCK_DV=next_power_of_2(value.shape[3]),
             PAGE=self.page_size, BLOCK_P=next_power_of_2(self.page_size),
@@ -228,6 +240,7 @@ class PagedKVCache:
             self.k[layer][page, slot] = k.to(self.dtype)
             self.v[layer][page, slot] = v.to(self.dtype)
         else:
+            k = k.float() - self.k_center[layer][sid][:, None]
             self._append_quantized(self.k[layer], self.k_scale[layer], page, slot, k)
             self._append_quantized(self.v[layer], self.v_scale[layer], page, slot, v)
         self.lengths[layer, sid] += t
@@ -265,13 +278,15 @@ class PagedKVCache:
         table = self.block_table[sid, :pages].long()  # (S, P)
         out = []
         quantized = self.storage != "native"
-        for pool, scales in ((self.k[layer], self.k_scale[layer] if quantized else None),
-                             (self.v[layer], self.v_scale[layer] if quantized else None)):
+        for pool, scales, center in ((self.k[layer], self.k_scale[layer] if quantized else None,
+                                      self.k_center[layer][sid][:, None, None] if quantized else None),
+                                     (self.v[layer], self.v_scale[layer] if quantized else None, None)):
             x = pool[table]  # (S, P, page, Hkv, D)
             if scales is None:
                 x = x.to(dtype)
             else:
-                x = (x.float() * scales[table][:, :, None, :, None]).to(dtype)
+                x = x.float() * scales[table][:, :, None, :, None]
+                x = (x if center is None else x + center).to(dtype)
             x = x.reshape(len(sid), pages * self.page_size, self.kv_heads, -1)[:, :length]
             out.append(x.transpose(1, 2))
         return out[0], out[1]
