@@ -8,7 +8,7 @@
 Prints, for this machine's held-out stdlib bytes: the unigram baseline and the model's bits per
 byte at the context length with the policy; per layer, the relative L2 error of the policy's
 attention output against float64 exact attention on captured Q/K/V (torch SDPA's error in the
-same dtype beside it); with --kv-cache, the bits per byte again with every byte after the first
+same dtype beside it); with --kv-cache, the bits per byte again with every byte
 predicted through an adaattn KV cache of that storage (decode_attention, --kv-chunk bytes per
 step); and per layer and head the attention entropy in bits (with what a
 uniform causal head would have) and the mean attention distance. `--json` and `--plot` write
@@ -68,10 +68,10 @@ def score_windows(model: GPT, wins: torch.Tensor, batch: int = 8, dtype: torch.d
 @torch.no_grad()
 def score_windows_cached(model: GPT, wins: torch.Tensor, storage: str = "native", *, chunk: int = 16, batch: int = 8,
                          dtype: torch.dtype | None = None) -> dict:
-    """score_windows, but every byte after the first is predicted through an adaattn KV cache of
-    `storage` ("native", "fp8", "int8"): each window goes in `chunk` bytes at a time, each chunk
-    appended to the cache (quantized there) and attending over all the cache holds (decode_attention,
-    bottom-right causal). The first byte of each window is the cache's prompt."""
+    """score_windows, but every byte is predicted through an adaattn KV cache of `storage`
+    ("native", "fp8", "int8"): each window goes in `chunk` bytes at a time, each chunk appended to
+    the cache (quantized there; the first chunk sets the keys' center) and attending over all the
+    cache holds (decode_attention, bottom-right causal)."""
     if not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
     device = next(model.parameters()).device
@@ -87,9 +87,9 @@ def score_windows_cached(model: GPT, wins: torch.Tensor, storage: str = "native"
             inputs, targets = chunk_wins[:, :-1], chunk_wins[:, 1:]
             cache = model.make_cache(len(chunk_wins), n, storage=storage, dtype=dtype, device=device)
             with _autocast(device, dtype):
-                for j0 in [0, *range(1, n, chunk)]:
-                    j1 = 1 if j0 == 0 else min(n, j0 + chunk)
-                    logits, _ = model(inputs[:, j0:j1], cache=cache)
+                for j0 in range(0, n, chunk):
+                    j1 = min(n, j0 + chunk)
+                    logits, _ = model(inputs[:, j0:j1], cache=cache, through_cache=True)
                     total += F.cross_entropy(logits.float().flatten(0, 1), targets[:, j0:j1].flatten(),
                                              reduction="sum").double()
             count += targets.numel()

@@ -179,7 +179,9 @@ class GPT(nn.Module):
     checkpoint: recompute each block in the backward (activation checkpointing) when training.
     forward(tokens (B, N) int64, targets (B, N) int64 or None, cache=None) -> (logits (B, N, vocab)
     in the compute dtype, mean cross-entropy in nats as float32, or None without targets). With
-    `cache` (from make_cache), the tokens continue what the cache holds (see the module docstring).
+    `cache` (from make_cache), the tokens continue what the cache holds (see the module docstring);
+    through_cache: a prompt into an empty cache attends over what the cache stores of it (quantized
+    pages included) rather than its fresh keys.
     """
 
     def __init__(self, config: GPTConfig, *, policy: Policy | None = None, attention: str = "adaattn",
@@ -232,7 +234,8 @@ class GPT(nn.Module):
             self._rope[key] = rope_tables(seq_len, self.config.head_dim, self.config.rope_base, device, dtype)
         return self._rope[key]
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None):
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None, cache: KVCache | None = None,
+                through_cache: bool = False):
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be (batch, seq_len) int64, got shape {tuple(tokens.shape)}")
         x = self.embed(tokens)
@@ -241,7 +244,7 @@ class GPT(nn.Module):
         if cache is None:
             cos, sin = self.rope(tokens.shape[1], x.device, dtype)
         else:
-            start, plan = self._plan(tokens, cache, dtype)
+            start, plan = self._plan(tokens, cache, dtype, through_cache)
             cos, sin = self.rope(cache.max_len, x.device, dtype)
             cos, sin = cos[start:start + tokens.shape[1]], sin[start:start + tokens.shape[1]]
         for block in self.blocks:
@@ -271,8 +274,10 @@ class GPT(nn.Module):
         return KVCache(c.n_layer, batch, c.n_kv_head, max_len, c.head_dim, dtype=dtype, device=device,
                        storage=storage, page_size=page_size)
 
-    def _plan(self, tokens: torch.Tensor, cache: KVCache, dtype: torch.dtype) -> tuple[int, DecodePlan | None]:
-        """Where `tokens` start in `cache`, and the decode plan (None for a prompt into an empty cache)."""
+    def _plan(self, tokens: torch.Tensor, cache: KVCache, dtype: torch.dtype, through_cache: bool = False
+              ) -> tuple[int, DecodePlan | None]:
+        """Where `tokens` start in `cache`, and the decode plan (None for a prompt into an empty
+        cache, unless through_cache)."""
         c = self.config
         if not isinstance(cache, KVCache):
             raise TypeError(f"cache must be an adaattn.KVCache (model.make_cache), got {type(cache).__name__}")
@@ -291,7 +296,7 @@ class GPT(nn.Module):
             raise ValueError(f"the cache holds {start} tokens of at most max_len={cache.max_len}; {n} more do not fit")
         if cache.dtype != dtype:
             raise TypeError(f"the cache's dtype {cache.dtype} is not the forward's compute dtype {dtype}")
-        if start == 0 and n > 1:
+        if start == 0 and n > 1 and not through_cache:
             return 0, None
         runner = "sdpa" if self.attention == "sdpa" else None
         return start, plan_decode(cache, heads=c.n_head, query_len=n, dtype=dtype, runner=runner)
