@@ -104,10 +104,10 @@ def test_decode_step_replays_in_a_cuda_graph_as_sequences_grow(storage):
                 assert _rel(outs[layer][s], ref) <= bar
 
 
-def _first_divergences_are_near_ties(model, got, want):
+def _first_divergences_are_near_ties(model, got, want, prompt_len):
     """Where `got` first differs from `want` in each row, the full forward's logits on `want`'s
     prefix (bf16) must put the top two within two bf16 ulps: a tie that two correct kernels may
-    round either way. Returns the fraction of generated tokens that are equal."""
+    round either way. Returns the fraction of generated tokens (after prompt_len) that are equal."""
     for r in range(len(want)):
         bad = (got[r] != want[r]).nonzero()
         if len(bad):
@@ -115,7 +115,7 @@ def _first_divergences_are_near_ties(model, got, want):
             with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
                 top = model(want[r:r + 1, :p])[0][0, -1].float().topk(2).values
             assert top[0] - top[1] <= 2 * 2.0 ** (torch.floor(torch.log2(top[0].abs())) - 7), (r, p, top)
-    return (got == want).float().mean().item()
+    return (got[:, prompt_len:] == want[:, prompt_len:]).float().mean().item()
 
 
 def test_shipped_gpt_greedy_tokens_through_the_cache_equal_sdpa_and_fp8_bits_per_byte_stay_within_a_tenth_percent():
@@ -133,10 +133,10 @@ def test_shipped_gpt_greedy_tokens_through_the_cache_equal_sdpa_and_fp8_bits_per
     got = model.generate(prompts, 64)  # the split-KV decode kernel
     # Greedy bf16 decoding meets near-ties (top two logits an ulp apart) in these prompts; two
     # correct kernels may round one either way, and the rows go different ways from there.
-    equal = _first_divergences_are_near_ties(model, got, want)
-    equal_recomputed = _first_divergences_are_near_ties(model, got, recomputed)
+    equal = _first_divergences_are_near_ties(model, got, want, 512)
+    equal_recomputed = _first_divergences_are_near_ties(model, got, recomputed, 512)
     print(f"greedy tokens equal: adaattn Cache vs SDPA over the cache {equal:.4f}, vs SDPA recomputing {equal_recomputed:.4f}")
-    assert equal >= 0.95
+    assert equal >= 0.9
     wins = heldout_windows(8192, 8)
     exact = score_windows(model, wins)["bits_per_byte"]
     fp8 = score_windows_cached(model, wins, "fp8")["bits_per_byte"]
