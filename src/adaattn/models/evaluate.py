@@ -40,38 +40,16 @@ ENTROPY_CHUNK_BYTES = 128 * 2**20
 
 
 @torch.no_grad()
-def score_windows(model: GPT, wins: torch.Tensor, batch: int = 8, dtype: torch.dtype | None = None) -> dict:
+def score_windows(model: GPT, wins: torch.Tensor, batch: int = 8, dtype: torch.dtype | None = None, *,
+                  kv_cache: str | None = None, chunk: int = 16) -> dict:
     """Mean next-byte cross-entropy in bits of `model` on (W, N + 1) int64 windows.
 
-    Each window's bytes 1..N are predicted from the bytes before them in that window.
-    Returns {"bits_per_byte", "windows", "bytes", "seq_len"}.
+    Each window's bytes 1..N are predicted from the bytes before them in that window: in one
+    forward, or with kv_cache ("native", "fp8", "int8") through an adaattn KV cache of that storage,
+    `chunk` bytes at a time, each chunk appended to the cache (quantized there; the first chunk sets
+    the keys' center) and attending over all the cache holds (decode_attention, bottom-right causal).
+    Returns {"bits_per_byte", "windows", "bytes", "seq_len"} (and "storage", "chunk" with kv_cache).
     """
-    device = next(model.parameters()).device
-    dtype = dtype or default_dtype(device)
-    was_training = model.training
-    model.eval()
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    count = 0
-    try:
-        for i in range(0, len(wins), batch):
-            chunk = wins[i:i + batch].to(device)
-            with _autocast(device, dtype):
-                logits, _ = model(chunk[:, :-1])
-            total += F.cross_entropy(logits.float().flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum").double()
-            count += chunk[:, 1:].numel()
-    finally:
-        model.train(was_training)
-    return {"bits_per_byte": float(total) / max(count, 1) / math.log(2), "windows": len(wins),
-            "bytes": count, "seq_len": wins.shape[1] - 1}
-
-
-@torch.no_grad()
-def score_windows_cached(model: GPT, wins: torch.Tensor, storage: str = "native", *, chunk: int = 16, batch: int = 8,
-                         dtype: torch.dtype | None = None) -> dict:
-    """score_windows, but every byte is predicted through an adaattn KV cache of `storage`
-    ("native", "fp8", "int8"): each window goes in `chunk` bytes at a time, each chunk appended to
-    the cache (quantized there; the first chunk sets the keys' center) and attending over all the
-    cache holds (decode_attention, bottom-right causal)."""
     if not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be a positive int, got {chunk!r}")
     device = next(model.parameters()).device
@@ -83,20 +61,28 @@ def score_windows_cached(model: GPT, wins: torch.Tensor, storage: str = "native"
     n = wins.shape[1] - 1
     try:
         for i in range(0, len(wins), batch):
-            chunk_wins = wins[i:i + batch].to(device)
-            inputs, targets = chunk_wins[:, :-1], chunk_wins[:, 1:]
-            cache = model.make_cache(len(chunk_wins), n, storage=storage, dtype=dtype, device=device)
+            part = wins[i:i + batch].to(device)
+            inputs, targets = part[:, :-1], part[:, 1:]
+            cache = None if kv_cache is None else model.make_cache(len(part), n, storage=kv_cache, dtype=dtype,
+                                                                      device=device)
             with _autocast(device, dtype):
-                for j0 in range(0, n, chunk):
-                    j1 = min(n, j0 + chunk)
-                    logits, _ = model(inputs[:, j0:j1], cache=cache, through_cache=True)
+                for j0 in range(0, n, n if cache is None else chunk):
+                    j1 = n if cache is None else min(n, j0 + chunk)
+                    logits, _ = model(inputs[:, j0:j1], cache=cache, through_cache=cache is not None)
                     total += F.cross_entropy(logits.float().flatten(0, 1), targets[:, j0:j1].flatten(),
                                              reduction="sum").double()
             count += targets.numel()
     finally:
         model.train(was_training)
-    return {"bits_per_byte": float(total) / max(count, 1) / math.log(2), "windows": len(wins),
-            "bytes": count, "seq_len": n, "storage": storage, "chunk": chunk}
+    result = {"bits_per_byte": float(total) / max(count, 1) / math.log(2), "windows": len(wins),
+              "bytes": count, "seq_len": n}
+    return result if kv_cache is None else {**result, "storage": kv_cache, "chunk": chunk}
+
+
+def score_windows_cached(model: GPT, wins: torch.Tensor, storage: str = "native", *, chunk: int = 16, batch: int = 8,
+                         dtype: torch.dtype | None = None) -> dict:
+    """score_windows through an adaattn KV cache of `storage` ("native", "fp8", "int8")."""
+    return score_windows(model, wins, batch, dtype, kv_cache=storage, chunk=chunk)
 
 
 def heldout_windows(seq_len: int, max_windows: int | None = None, data: torch.Tensor | None = None) -> torch.Tensor:
