@@ -151,6 +151,19 @@ def test_keys_sharing_an_offset_are_stored_less_their_center_and_decode_is_uncha
     assert _rel(out[0], _reference(q[0], k[0], v[0])) <= 3e-2
 
 
+def test_a_long_chunk_against_the_cache_goes_to_sdpa_and_an_explicit_triton_runner_is_refused():
+    torch.manual_seed(7)
+    cache = KVCache(1, 1, 2, 400, 16, dtype=torch.float32)
+    k = torch.randn(1, 2, 300, 16)
+    cache.append(0, k, k)
+    plan = plan_decode(cache, heads=4, query_len=100)  # 2 x 100 rows per KV head: over one tile
+    assert plan.runner == "sdpa" and "fit one tile" in plan.why
+    q = torch.randn(1, 4, 100, 16)
+    assert _rel(decode_attention(q, cache, 0, plan=plan)[0], _reference(q[0], k[0], k[0])) < 1e-5
+    with pytest.raises(ValueError, match="fit one tile"):
+        plan_decode(cache, heads=4, query_len=100, runner="triton")
+
+
 def test_bad_arguments_name_what_they_got():
     cache = PagedKVCache(2, 2, 16, 4, 8)
     s = cache.add()

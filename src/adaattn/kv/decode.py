@@ -46,6 +46,7 @@ BLOCK_N = 128
 PROGRAMS_PER_SM = {"native": 4, "fp8": 8, "int8": 8}
 WARPS = {"native": 8, "fp8": 4, "int8": 4}
 STAGES = {True: 3, False: 2}  # by contiguity
+MAX_TILE_ROWS = 128  # query rows of one KV head (GQA group x query_len) the kernel packs into a tile
 
 
 @dataclass
@@ -136,6 +137,10 @@ def plan_decode(cache: PagedKVCache, seqs: Optional[Sequence[int]] = None, *, he
     elif max_len < max(now):
         raise ValueError(f"max_len={max_len} is shorter than a sequence the cache already holds ({max(now)} tokens)")
     declines = _triton_declines(cache, dtype, cache.device)
+    rows = heads // cache.kv_heads * query_len
+    if not declines and rows > MAX_TILE_ROWS:
+        declines = (f"a KV head's query rows (GQA group x query_len = {rows}) fit one tile of up to "
+                    f"{MAX_TILE_ROWS}")
     if runner == "triton" and declines:
         raise ValueError(f"runner='triton' cannot take this call: {declines}")
     if runner is None:
