@@ -120,7 +120,7 @@ def _first_divergences_are_near_ties(model, got, want, prompt_len):
 
 def test_shipped_gpt_greedy_tokens_through_the_cache_equal_sdpa_and_fp8_bits_per_byte_stay_within_a_tenth_percent():
     from adaattn.models import DEFAULT_WEIGHTS, load
-    from adaattn.models.evaluate import heldout_windows, score_windows, score_windows_cached
+    from adaattn.models.evaluate import heldout_windows, score_windows
 
     if not DEFAULT_WEIGHTS.is_file():
         pytest.skip(f"no shipped weights at {DEFAULT_WEIGHTS}")
@@ -139,8 +139,8 @@ def test_shipped_gpt_greedy_tokens_through_the_cache_equal_sdpa_and_fp8_bits_per
     assert equal >= 0.9
     wins = heldout_windows(8192, 8)
     exact = score_windows(model, wins)["bits_per_byte"]
-    fp8 = score_windows_cached(model, wins, "fp8")["bits_per_byte"]
-    native = score_windows_cached(model, wins, "native")["bits_per_byte"]
+    fp8 = score_windows(model, wins, kv_cache="fp8")["bits_per_byte"]
+    native = score_windows(model, wins, kv_cache="native")["bits_per_byte"]
     print(f"bits per byte at 8192: forward {exact:.5f}, bf16 cache {native:.5f}, fp8 cache {fp8:.5f} "
           f"({100 * (fp8 / exact - 1):+.3f}%)")
     assert abs(native / exact - 1) < 1e-3

@@ -273,7 +273,7 @@ def test_bits_per_byte_through_the_cache_match_the_forward_within_the_storage_er
     model = tiny_model()
     wins = ev.heldout_windows(48, max_windows=2)
     exact = ev.score_windows(model, wins, batch=2)["bits_per_byte"]
-    got = ev.score_windows_cached(model, wins, storage, chunk=7, batch=2)
+    got = ev.score_windows(model, wins, 2, kv_cache=storage, chunk=7)
     assert got["bytes"] == 2 * 48 and got["storage"] == storage
     tol = {"native": 1e-5, "fp8": 2e-2, "int8": 5e-3}[storage]
     assert got["bits_per_byte"] == pytest.approx(exact, rel=tol)

@@ -167,16 +167,17 @@ class PagedKVCache:
         t = key.shape[2]
         if t == 0:
             return
-        for s in seqs:
+        first = []  # rows whose sequence is empty in this layer: their append sets the keys' center
+        for i, s in enumerate(seqs):
             self._check_seq(s)
             self._ensure(s, self._lengths[layer][s] + t)
+            if self._lengths[layer][s] == 0:
+                first.append(i)
         key, value = key.to(self.device), value.to(self.device)
-        if self.storage != "native":
-            first = [i for i, s in enumerate(seqs) if self._lengths[layer][s] == 0]
-            if first:  # a sequence's first append sets its keys' center
-                rows = torch.tensor(first, device=self.device)
-                ids = torch.tensor([seqs[i] for i in first], device=self.device)
-                self.k_center[layer][ids] = key.index_select(0, rows).float().mean(2)
+        if first and self.storage != "native":
+            rows = torch.tensor(first, device=self.device)
+            ids = torch.tensor([seqs[i] for i in first], device=self.device)
+            self.k_center[layer][ids] = key.index_select(0, rows).float().mean(2)
         if self.append_runner == "triton":
             self._append_kernel(layer, seqs, key, value)
         else:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from ..api import attention
 from ..backends import reference as accuracy
+from ..kv.cache import STORAGES
 from ..policy import PRECISIONS, APPROXIMATIONS, Policy
 from .capture import Capture, _autocast, capture, default_dtype
 from .data import load_corpus, unigram_bits_per_byte, windows
@@ -66,8 +67,9 @@ def score_windows(model: GPT, wins: torch.Tensor, batch: int = 8, dtype: torch.d
             cache = None if kv_cache is None else model.make_cache(len(part), n, storage=kv_cache, dtype=dtype,
                                                                       device=device)
             with _autocast(device, dtype):
-                for j0 in range(0, n, n if cache is None else chunk):
-                    j1 = n if cache is None else min(n, j0 + chunk)
+                step = n if cache is None else chunk
+                for j0 in range(0, n, step):
+                    j1 = min(n, j0 + step)
                     logits, _ = model(inputs[:, j0:j1], cache=cache, through_cache=cache is not None)
                     total += F.cross_entropy(logits.float().flatten(0, 1), targets[:, j0:j1].flatten(),
                                              reduction="sum").double()
@@ -77,12 +79,6 @@ def score_windows(model: GPT, wins: torch.Tensor, batch: int = 8, dtype: torch.d
     result = {"bits_per_byte": float(total) / max(count, 1) / math.log(2), "windows": len(wins),
               "bytes": count, "seq_len": n}
     return result if kv_cache is None else {**result, "storage": kv_cache, "chunk": chunk}
-
-
-def score_windows_cached(model: GPT, wins: torch.Tensor, storage: str = "native", *, chunk: int = 16, batch: int = 8,
-                         dtype: torch.dtype | None = None) -> dict:
-    """score_windows through an adaattn KV cache of `storage` ("native", "fp8", "int8")."""
-    return score_windows(model, wins, batch, dtype, kv_cache=storage, chunk=chunk)
 
 
 def heldout_windows(seq_len: int, max_windows: int | None = None, data: torch.Tensor | None = None) -> torch.Tensor:
@@ -305,9 +301,10 @@ def evaluate(
         f"({result['heldout']['windows']} windows, {result['heldout']['bytes']} bytes, "
         f"{time.perf_counter() - t0:.1f} s); unigram baseline {result['unigram_bits_per_byte']:.4f}")
     exact = result["heldout"]["bits_per_byte"]
+    wins = heldout_windows(context, max_windows) if kv_caches else None
     for storage in kv_caches:
         t0 = time.perf_counter()
-        r = score_windows_cached(model, heldout_windows(context, max_windows), storage, chunk=kv_chunk, batch=batch)
+        r = score_windows(model, wins, batch, kv_cache=storage, chunk=kv_chunk)
         r["relative_to_forward"] = r["bits_per_byte"] / exact - 1
         result.setdefault("kv_cache", {})[storage] = r
         log(f"through an adaattn KV cache ({storage}, {kv_chunk} bytes a step): {r['bits_per_byte']:.4f} bits per byte "
@@ -356,7 +353,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precisions", type=_names(PRECISIONS), default=("native",), metavar="NAME,...")
     parser.add_argument("--approximations", type=_names(APPROXIMATIONS), default=(), metavar="NAME,...")
     parser.add_argument("--backends", default=None, metavar="NAME,...", help="Policy.backends restriction")
-    parser.add_argument("--kv-cache", type=_names(("native", "fp8", "int8")), default=(), metavar="STORAGE,...",
+    parser.add_argument("--kv-cache", type=_names(STORAGES), default=(), metavar="STORAGE,...",
                         help="also score through adaattn KV caches of these storages (native, fp8, int8)")
     parser.add_argument("--kv-chunk", type=int, default=16, help="bytes per step through the KV cache (default 16)")
     parser.add_argument("--error-rows", type=int, default=512, help="query rows sampled for the float64 error")
