@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from . import hardware, policy as policy_mod, settings
+from .adaptive.rank import rank_runners
 from .adaptive.runner import adaptive_runners
 from .backends import ExactAlternative, Runner, exact_runners
 from .policy import Policy
@@ -138,9 +139,9 @@ def make_plan(problem: Problem, policy: Policy) -> Plan:
     if policy.mode == "auto" and not approximate:
         notes.append("mode='auto': no approximate runner can take this call (their reasons are listed); it runs "
                      "exact.")
-    if policy.approximations:
-        notes.append(f"approximations {policy.approximations}: no runner implements them in this version; no "
-                     "tile is approximated.")
+    if policy.approximations and reasons.get("triton.rank"):
+        notes.append(f"approximations {policy.approximations}: triton.rank declines this call "
+                     f"({' '.join(reasons['triton.rank'])}); no tile is approximated.")
     if not candidates:
         lines = [f"no runner can run {problem.describe()} under {policy}:"]
         lines += [f"  {n}: {' '.join(reasons[n])}" for n in names]
@@ -311,5 +312,5 @@ def runner_table() -> dict:
     return out
 
 
-for _runner in (*exact_runners(), *adaptive_runners()):
+for _runner in (*exact_runners(), *rank_runners(), *adaptive_runners()):
     register(_runner)

@@ -14,6 +14,7 @@ from .gpt import GPT, GPTConfig
 FORMAT = "adaattn-gpt/1"
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 DEFAULT_WEIGHTS = WEIGHTS_DIR / "gpt_stdlib.pt"
+LONG_WEIGHTS = WEIGHTS_DIR / "gpt_stdlib_32k.pt"  # trained at context 32768 (weights/README.md)
 STORAGE = ("int8", "bf16", "fp32")
 
 

@@ -1,0 +1,349 @@
+"""Block analysis and tile plans for adaptive rank (torch on the inputs' device; no host sync).
+
+A query block of QUERY_BLOCK rows meets each key block of `key_block` keys in one of three ways
+(kernels/attention_rank.py): exact, summarised (the block's mean key with a log-count bias and
+its mean value; with `spread`, a second-order term for the keys' per-channel variance), or
+skipped. This module computes, all on the device:
+
+- `summarize`: per key block the mean key, mean value and per-channel key variance;
+- `estimate`: the attention mass of every (query block, key block), from a few sampled rows of
+  each query block scored against the key summaries (a softmax over key blocks, averaged over
+  the rows), and each head's block entropy;
+- `make_plan`: per query block, key blocks exact in descending estimated mass until the mass
+  left is at most the head's threshold; the first key block (attention sinks) and the local
+  blocks are always exact; the rest summarised where allowed, otherwise skipped;
+- `plan_reference`: the output of a plan in float64 (what the kernel must match), and
+  `true_block_mass` / `oracle_density`: the exact attention's own block masses and the fewest
+  exact tiles that meet a tolerance with summaries for the rest (the oracle of MEASURING.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+QUERY_BLOCK = 128
+KEY_BLOCK = 64
+ROWS_PER_BLOCK = 8  # sampled query rows per query block for the mass estimate
+LOCAL_BLOCKS = 1  # key blocks just before a causal query block's own, kept exact
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class Summaries:
+    """Per key block (B, Hkv, n_kb, .): mean key and value in the inputs' dtype, the keys'
+    per-channel variance in float32, and each block's key count (n_kb,) float32."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    variance: torch.Tensor
+    counts: torch.Tensor
+    key_block: int
+
+
+def block_counts(n: int, key_block: int, device) -> torch.Tensor:
+    nkb = cdiv(n, key_block)
+    return (n - torch.arange(nkb, device=device) * key_block).clamp(max=key_block).float()
+
+
+def _block_sums(x: torch.Tensor, key_block: int, square: bool = False) -> torch.Tensor:
+    """(B, H, n_kb, D) float32 sums of x (B, H, N, D) (or of x^2) over each key block, one head
+    at a time so that no float32 copy of x is made whole."""
+    b, h, n, d = x.shape
+    nkb = cdiv(n, key_block)
+    full = n // key_block
+    out = torch.empty((b, h, nkb, d), dtype=torch.float32, device=x.device)
+    for i in range(h):
+        xi = x[:, i].float()
+        if square:
+            xi = xi * xi
+        if full:
+            out[:, i, :full] = xi[:, : full * key_block].reshape(b, full, key_block, d).sum(2)
+        if nkb > full:
+            out[:, i, full] = xi[:, full * key_block:].sum(1)
+    return out
+
+
+def summarize(k: torch.Tensor, v: torch.Tensor, key_block: int = KEY_BLOCK) -> Summaries:
+    counts = block_counts(k.shape[2], key_block, k.device)
+    c = counts[:, None]
+    mean_k = _block_sums(k, key_block) / c
+    var = (_block_sums(k, key_block, square=True) / c - mean_k * mean_k).clamp_min_(0.0)
+    mean_v = _block_sums(v, key_block) / c
+    return Summaries(mean_k.to(k.dtype).contiguous(), mean_v.to(v.dtype).contiguous(), var.contiguous(), counts,
+                     key_block)
+
+
+def sampled_rows(n: int, query_block: int = QUERY_BLOCK, per_block: int = ROWS_PER_BLOCK, device=None) -> torch.Tensor:
+    """(n_qb, r) query rows per query block: the last row of each of r equal parts (clamped to
+    the sequence), so the block's last row, which sees the most keys, is always one."""
+    nqb = cdiv(n, query_block)
+    r = max(1, min(per_block, query_block))
+    step = query_block // r
+    offs = torch.arange(r, device=device) * step + (step - 1)
+    offs[-1] = query_block - 1
+    rows = torch.arange(nqb, device=device)[:, None] * query_block + offs[None, :]
+    return rows.clamp_(max=n - 1)
+
+
+@dataclass
+class Estimate:
+    """mass (B, Hq, n_qb, n_kb) float32: estimated share of each query block's attention in each
+    key block (rows sum to 1 over visible blocks); entropy (Hq,) float32: mean over sampled rows
+    of the block distribution's entropy plus log2 of the keys per block, in bits."""
+
+    mass: torch.Tensor
+    entropy: torch.Tensor
+    rows: torch.Tensor = field(repr=False)
+    cost: torch.Tensor | None = None  # (B, Hq, n_qb, n_kb): mass * min(1, logit spread) (summarise_cost)
+
+
+def _visible_counts(rows: torch.Tensor, counts: torch.Tensor, key_block: int, causal: bool) -> torch.Tensor:
+    """(R, n_kb) float32: how many keys of each block a row sees (0: none)."""
+    if not causal:
+        return counts[None, :].expand(rows.numel(), -1)
+    start = torch.arange(counts.numel(), device=rows.device) * key_block
+    seen = (rows.reshape(-1, 1) - start[None, :] + 1).clamp(min=0).float()
+    return torch.minimum(seen, counts[None, :])
+
+
+def _exact_keys(n: int, causal: bool, query_block: int, key_block: int, local: int, device):
+    """(n_qb, W) key positions each query block's estimate scores exactly (the blocks it keeps
+    exact whatever the plan: the first block, and the local and own blocks), -1 where none, and
+    (n_qb, n_kb) bool: the blocks they cover."""
+    nqb, nkb = cdiv(n, query_block), cdiv(n, key_block)
+    qb = torch.arange(nqb, device=device)[:, None]
+    if causal:
+        start = (qb * query_block - local * key_block).clamp(min=key_block)
+        width = query_block + local * key_block
+    else:
+        start = (qb * query_block).clamp(min=key_block)
+        width = query_block
+    near = start + torch.arange(width, device=device)[None, :]
+    near = torch.where((near < n) & (near < (qb + 1) * query_block), near, -1)
+    first = torch.arange(min(key_block, n), device=device)[None, :].expand(nqb, -1)
+    keys = torch.cat([first, near], 1)
+    covered = torch.zeros((nqb, nkb), dtype=torch.bool, device=device)
+    covered.scatter_(1, (keys.clamp(min=0) // key_block), True)
+    return keys, covered
+
+
+def estimate(q: torch.Tensor, k: torch.Tensor, s: Summaries, scale: float, causal: bool, *,
+             query_block: int = QUERY_BLOCK, per_block: int = ROWS_PER_BLOCK, spread: bool = True,
+             local: int = LOCAL_BLOCKS) -> Estimate:
+    """Sampled rows of each query block score the keys it always keeps exact (first, local and
+    own blocks) exactly, and every other key block through its summary: the mean key with a
+    log-count bias, plus (spread=True) half the variance of the row's logits over the block's
+    keys (diagonal covariance), so a block whose keys spread is not underestimated. A softmax
+    over both gives each row's block masses; the query block's are their mean over its rows."""
+    b, hq, n, d = q.shape
+    hkv = s.keys.shape[1]
+    g = hq // hkv
+    kb_size = s.key_block
+    rows = sampled_rows(n, query_block, per_block, q.device)
+    nqb, r = rows.shape
+    nkb = s.counts.numel()
+    seen = _visible_counts(rows, s.counts, kb_size, causal)  # (nqb*r, nkb)
+    near, covered = _exact_keys(n, causal, query_block, kb_size, local, q.device)  # (nqb, W), (nqb, nkb)
+    # (every row sees the keys of its own and earlier blocks' first positions: row >= qb * QB)
+    w = near.shape[1]
+    near_ok = (near >= 0)[:, None, :].expand(nqb, r, w)
+    if causal:
+        near_ok = near_ok & (near[:, None, :] <= rows[:, :, None])
+    near_bias = torch.where(near_ok, 0.0, float("-inf")).reshape(nqb * r, w)
+    summ_ok = (seen > 0) & ~covered.repeat_interleave(r, 0)
+    log_seen = torch.where(summ_ok, seen.clamp_min(1.0).log(), float("-inf"))
+    near_block = (near.clamp(min=0) // kb_size).repeat_interleave(r, 0)  # (nqb*r, W)
+    mass = torch.empty((b, hq, nqb, nkb), dtype=torch.float32, device=q.device)
+    cost = torch.empty_like(mass)
+    entropy = torch.empty((hq,), dtype=torch.float32, device=q.device)
+    flat = rows.reshape(-1)
+    log2_keys = seen.clamp_min(1.0).log2()
+    near_flat = near.clamp(min=0).reshape(-1)
+    for h in range(hkv):
+        heads = slice(h * g, (h + 1) * g)
+        qs = q[:, heads].index_select(2, flat).float()  # (b, g, R, d)
+        logits = (qs @ s.keys[:, h].float().transpose(-1, -2)[:, None]) * scale  # (b, g, R, nkb)
+        spread_var = (scale * scale) * ((qs * qs) @ s.variance[:, h].transpose(-1, -2)[:, None])
+        if spread:
+            logits = logits + 0.5 * spread_var
+        kn = k[:, h].index_select(1, near_flat).float().reshape(b, 1, nqb, w, d)
+        exact = (qs.reshape(b, g, nqb, r, d) @ kn.transpose(-1, -2)).reshape(b, g, nqb * r, w) * scale
+        p = torch.softmax(torch.cat([logits + log_seen, exact + near_bias], -1), -1)
+        p_sum, p_near = p[..., :nkb], p[..., nkb:]
+        p_block = p_sum.scatter_add(-1, near_block.expand(b, g, -1, -1), p_near)
+        mass[:, heads] = p_block.reshape(b, g, nqb, r, nkb).mean(3)
+        cost[:, heads] = (p_sum * spread_var.sqrt().clamp(max=1.0)).reshape(b, g, nqb, r, nkb).mean(3)
+        ent = (-(p_sum * torch.where(p_sum > 0, p_sum.log2(), 0.0)).sum(-1) + (p_sum * log2_keys).sum(-1)
+               - (p_near * torch.where(p_near > 0, p_near.log2(), 0.0)).sum(-1))
+        entropy[heads] = ent.mean((0, 2))
+    return Estimate(mass, entropy, rows, cost)
+
+
+@dataclass
+class Plan:
+    """A tile plan on the device. state int8 (B, Hq, n_qb, n_kb): 1 summarised, 2 exact (listed
+    or tail), 0 skipped or not visible. eidx int32 (B, Hq, n_qb, n_kb + 1): the listed exact key
+    blocks first, ascending; ecnt int32 (B, Hq, n_qb). density (Hq,) float32: exact tiles over
+    visible tiles; summarised (Hq,) float32: summarised blocks over visible blocks."""
+
+    state: torch.Tensor
+    eidx: torch.Tensor
+    ecnt: torch.Tensor
+    density: torch.Tensor
+    summarised: torch.Tensor
+    query_block: int
+    key_block: int
+    causal: bool
+
+
+def block_layout(n: int, causal: bool, query_block: int, key_block: int, device, local: int = LOCAL_BLOCKS):
+    """(listable, forced, tail) bool (n_qb, n_kb): blocks that may be listed (whole tiles every
+    row of the query block sees, outside the tail), those of them always exact (the first block
+    and the local ones), and the tail the kernel always computes exactly."""
+    if query_block % key_block:
+        raise ValueError(f"query_block ({query_block}) must be a multiple of key_block ({key_block})")
+    nqb, nkb = cdiv(n, query_block), cdiv(n, key_block)
+    qb = torch.arange(nqb, device=device)[:, None]
+    kb = torch.arange(nkb, device=device)[None, :]
+    if causal:
+        lo = qb * (query_block // key_block)
+        listable = kb < lo
+        tail = (kb >= lo) & (kb * key_block < torch.clamp((qb + 1) * query_block, max=n))
+        forced = listable & ((kb == 0) | (kb >= lo - local))
+    else:
+        full = n // key_block
+        listable = (kb < full).expand(nqb, nkb)
+        tail = (kb >= full).expand(nqb, nkb)
+        own_lo = qb * query_block // key_block
+        own_hi = ((qb + 1) * query_block + key_block - 1) // key_block
+        forced = listable & ((kb == 0) | ((kb >= own_lo) & (kb < own_hi)))
+    return listable, forced, tail
+
+
+def make_plan(est: Estimate, thresholds: torch.Tensor, n: int, causal: bool, *, summaries: bool = True,
+              query_block: int = QUERY_BLOCK, key_block: int = KEY_BLOCK, local: int = LOCAL_BLOCKS) -> Plan:
+    """Per (batch, head, query block): listable blocks exact in descending estimated error of
+    leaving them out, while the estimated error of the blocks not exact exceeds thresholds[head]
+    ((Hq,) float32); the rest summarised (summaries=True) or skipped. A skipped block's error is
+    its mass; a summarised block's, its mass times the spread (standard deviation, capped at 1)
+    of the row's logits over its keys (est.cost): a block of near-equal logits summarises
+    almost exactly, however much mass it holds."""
+    mass = est.cost if summaries and est.cost is not None else est.mass
+    b, hq, nqb, nkb = mass.shape
+    listable, forced, tail = block_layout(n, causal, query_block, key_block, mass.device, local)
+    cand = listable & ~forced
+    m = torch.where(cand, mass, 0.0)
+    vals, order = torch.sort(m, dim=-1, descending=True)
+    total = vals.sum(-1, keepdim=True)
+    before = total - (torch.cumsum(vals, -1) - vals)  # mass not exact if kept up to (not incl.) j
+    keep_sorted = (before > thresholds.view(1, hq, 1, 1)) & (vals > 0)
+    keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+    exact = (keep & cand) | forced
+    state = torch.zeros((b, hq, nqb, nkb), dtype=torch.int8, device=mass.device)
+    if summaries:
+        state[(cand & ~keep).expand(b, hq, nqb, nkb)] = 1
+    state[(exact | tail).expand(b, hq, nqb, nkb)] = 2
+    ecnt = exact.sum(-1, dtype=torch.int32)
+    pos = torch.where(exact, torch.cumsum(exact, -1, dtype=torch.int64) - 1, nkb)
+    kb = torch.arange(nkb, device=mass.device, dtype=torch.int32).expand(b, hq, nqb, nkb)
+    eidx = torch.zeros((b, hq, nqb, nkb + 1), dtype=torch.int32, device=mass.device)
+    eidx.scatter_(-1, pos, kb)
+    visible = (listable | tail).sum()
+    tiles = (exact.sum((0, 2, 3)).float() + b * tail.sum()) / (b * visible)
+    summ = (state == 1).sum((0, 2, 3)).float() / (b * visible)
+    return Plan(state, eidx, ecnt, tiles, summ, query_block, key_block, causal)
+
+
+def dense_plan(b: int, hq: int, n: int, causal: bool, device, *, query_block: int = QUERY_BLOCK,
+               key_block: int = KEY_BLOCK) -> Plan:
+    """Every visible tile exact (threshold 0): the kernel then computes exact attention."""
+    nqb, nkb = cdiv(n, query_block), cdiv(n, key_block)
+    est = Estimate(torch.ones((b, hq, nqb, nkb), device=device), torch.zeros(hq, device=device),
+                   torch.zeros(0, device=device))
+    return make_plan(est, torch.full((hq,), -1.0, device=device), n, causal, summaries=False,
+                     query_block=query_block, key_block=key_block)
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def _row_keep(state: torch.Tensor, n: int, causal: bool, query_block: int, key_block: int):
+    """(N, N) bool of exact (query, key) pairs and (N, n_kb) bool of summarised blocks per row,
+    from one head's state (n_qb, n_kb)."""
+    exact_blocks = (state == 2).repeat_interleave(query_block, 0)[:n].repeat_interleave(key_block, 1)[:, :n]
+    if causal:
+        i = torch.arange(n, device=state.device)
+        exact_blocks = exact_blocks & (i[None, :] <= i[:, None])
+    summ = (state == 1).repeat_interleave(query_block, 0)[:n]
+    return exact_blocks, summ
+
+
+def plan_reference(q, k, v, plan: Plan, scale: float, spread: bool = True) -> torch.Tensor:
+    """The plan's output in float64 (B, Hq, N, Dv): exact tiles exact, summaries from float64
+    block means and variances of k and v."""
+    b, hq, n, d = q.shape
+    hkv = k.shape[1]
+    g = hq // hkv
+    kb = plan.key_block
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    counts = block_counts(n, kb, q.device).double()
+    s64 = _block_sums(k64, kb).double() / counts[:, None]
+    var64 = (_block_sums(k64, kb, square=True).double() / counts[:, None] - s64 * s64).clamp_min(0)
+    vs64 = _block_sums(v64, kb).double() / counts[:, None]
+    out = torch.empty((b, hq, n, v.shape[-1]), dtype=torch.float64, device=q.device)
+    for bi in range(b):
+        for h in range(hq):
+            kh = h // g
+            exact, summ = _row_keep(plan.state[bi, h], n, plan.causal, plan.query_block, kb)
+            s = (q64[bi, h] @ k64[bi, kh].T) * scale
+            s = s.masked_fill(~exact, float("-inf"))
+            ss = (q64[bi, h] @ s64[bi, kh].T) * scale + counts.log()[None, :]
+            if spread:
+                ss = ss + 0.5 * scale * scale * ((q64[bi, h] ** 2) @ var64[bi, kh].T)
+            ss = ss.masked_fill(~summ, float("-inf"))
+            p = torch.softmax(torch.cat([s, ss], 1), 1)
+            out[bi, h] = p[:, :n] @ v64[bi, kh] + p[:, n:] @ vs64[bi, kh]
+    return out
+
+
+def true_block_mass(q, k, scale: float, causal: bool, *, query_block: int = QUERY_BLOCK, key_block: int = KEY_BLOCK,
+                    rows: int = 4096) -> torch.Tensor:
+    """(B, Hq, n_qb, n_kb) float32: exact attention's mass per (query block, key block),
+    averaged over the query block's rows, computed rows at a time in float32."""
+    b, hq, n, d = q.shape
+    g = hq // k.shape[1]
+    nqb, nkb = cdiv(n, query_block), cdiv(n, key_block)
+    pad = nkb * key_block - n
+    out = torch.zeros((b, hq, nqb, nkb), dtype=torch.float32, device=q.device)
+    step = max(query_block, rows // query_block * query_block)
+    j = torch.arange(n, device=q.device)
+    for h in range(hq):
+        kh = k[:, h // g].float()
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            s = (q[:, h, r0:r1].float() @ kh.transpose(-1, -2)) * scale
+            if causal:
+                s = s.masked_fill(j[None, None, :] > torch.arange(r0, r1, device=q.device)[None, :, None],
+                                  float("-inf"))
+            p = torch.softmax(s, -1)
+            p = torch.nn.functional.pad(p, (0, pad)).view(b, r1 - r0, nkb, key_block).sum(-1)
+            qpad = (-(r1 - r0)) % query_block
+            p = torch.nn.functional.pad(p, (0, 0, 0, qpad)).view(b, -1, query_block, nkb).sum(2)
+            cnt = torch.clamp(n - torch.arange(r0, r1 + qpad, query_block, device=q.device), max=query_block)
+            out[:, h, r0 // query_block: r0 // query_block + p.shape[1]] = p / cnt[None, :, None]
+    return out
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Per head (dim 1) ||out - ref|| / ||ref|| over batch, rows and channels, float64."""
+    diff = (out.double() - ref.double()).pow(2).sum((0, 2, 3)).sqrt()
+    return diff / ref.double().pow(2).sum((0, 2, 3)).sqrt().clamp_min(1e-300)
+
+
+__all__ = ["QUERY_BLOCK", "KEY_BLOCK", "Summaries", "summarize", "Estimate", "estimate", "Plan", "make_plan",
+           "dense_plan", "plan_reference", "true_block_mass", "relative_error", "block_layout", "sampled_rows"]

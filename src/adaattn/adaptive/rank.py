@@ -1,0 +1,242 @@
+"""The adaptive-rank runner: each (query block, key block) tile exact, summarised or skipped,
+per head, under a measured tolerance (blocks.py plans, kernels/attention_rank.py computes).
+
+One call at a site:
+1. key-block summaries (mean key and value) and the estimated block masses from sampled
+   query rows against them (blocks.estimate), all on the device;
+2. a plan from each head's threshold: the mass left to summaries or skips (blocks.make_plan);
+3. the tile-plan kernel.
+On a verified call (the site's first, then a fraction `verify` of calls) the plan's density is
+read back: where it is above BREAK_EVEN the tiles saved do not pay for the analysis, and the
+site runs the fastest exact runner until its next verified call. Otherwise sampled rows are
+computed exactly and each head's error is measured; a head over VERIFY_MARGIN of the tolerance
+(sampled rows are an estimate) is recomputed
+exact for this call, and every head's threshold moves toward the error it should give
+(TARGET of the tolerance). Unverified calls make no host synchronisation.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+import torch
+
+from ..backends.base import ExactAlternative, Runner
+from ..backends.triton_configs import interpreting
+from . import analysis, blocks
+from .rank_launch import rank_forward
+
+MIN_KEYS = 8192  # below this many keys the analysis does not pay for the tiles it saves
+BREAK_EVEN = 0.7  # a plan computing more than this share of the exact tiles runs exact instead
+TARGET = 0.6  # thresholds aim at this fraction of the tolerance
+VERIFY_MARGIN = 0.8  # a head whose sampled rows measure over tolerance * this is recomputed exact
+THETA0 = 0.5  # a site's first thresholds: this fraction of the tolerance
+SAMPLE_ROWS = 64
+THETA_MIN, THETA_MAX = 1e-5, 0.5
+
+_lock = threading.Lock()
+_controllers: dict[str, "RankController"] = {}
+
+
+@dataclass(frozen=True)
+class RankLaunch:
+    tolerance: float
+    verify: float
+    summaries: bool  # "lowrank" allowed: blocks not exact are summarised; else skipped
+    policy_key: str
+    exact: Optional[ExactAlternative] = field(default=None, compare=False)
+
+
+class RankController:
+    """Per-site state: each head's threshold (a device tensor), the last measured density and
+    errors, and whether the site currently runs exact."""
+
+    def __init__(self, site: str, tolerance: float, verify: float, q_heads: int, device: torch.device):
+        self.site = site
+        self.tolerance = tolerance
+        self.verify = verify
+        self.theta = torch.full((q_heads,), THETA0 * tolerance, dtype=torch.float32, device=device)
+        self.calls = 0
+        self.verified = 0
+        self.runs_exact = False
+        self.density: Optional[list[float]] = None
+        self.errors: Optional[list[float]] = None
+        self.redone: list[int] = []
+        self._next_verify = 0
+
+    def _verify_now(self) -> bool:
+        if self.calls == 1 or self.verify >= 1.0:
+            return True
+        if self.verify <= 0.0:
+            return False
+        if self.calls >= self._next_verify:
+            self._next_verify = self.calls + max(1, round(1.0 / self.verify))
+            return True
+        return False
+
+    def run(self, q, k, v, scale: float, causal: bool, summaries: bool, exact: Optional[ExactAlternative],
+            problem, label=None) -> tuple[torch.Tensor, dict]:
+        self.calls += 1
+        verify = self._verify_now() and not (q.is_cuda and torch.cuda.is_current_stream_capturing())
+        if self.runs_exact and not verify and exact is not None:
+            return exact.run(q, k, v, None, problem, label), self._info_exact(exact, "an earlier verified call")
+        n = q.shape[2]
+        s = blocks.summarize(k, v)
+        est = blocks.estimate(q, k, s, scale, causal, spread=True)
+        plan = blocks.make_plan(est, self.theta, n, causal, summaries=summaries)
+        if verify:
+            self.verified += 1
+            self.density = plan.density.tolist()
+            self.runs_exact = exact is not None and sum(self.density) / len(self.density) > BREAK_EVEN
+            if self.runs_exact:
+                return exact.run(q, k, v, None, problem, label), self._info_exact(exact, "this call")
+        out = rank_forward(q, k, v, plan, s if summaries else None, scale, spread=False)
+        info = {"density": plan.density, "summarised": plan.summarised, "entropy_bits": est.entropy,
+                "thresholds": self.theta.clone(), "verified": verify}
+        if verify:
+            info.update(self._check(q, k, v, out, scale, causal, exact, problem, label))
+        return out, info
+
+    def _check(self, q, k, v, out, scale, causal, exact, problem, label) -> dict:
+        """Sampled exact rows: per-head errors, redo of heads over the tolerance, new thresholds."""
+        n = q.shape[2]
+        g = torch.Generator(device="cpu").manual_seed(self.verified)
+        rows = analysis.sample_rows(n, SAMPLE_ROWS, g, "cpu").to(q.device)
+        ref, _ = analysis.exact_rows(q, k, v, rows, None, scale, causal, need_p=False)
+        errors = analysis.head_errors(out.index_select(2, rows), ref)
+        self.errors = errors.tolist()
+        bad = [h for h, e in enumerate(self.errors) if not e <= VERIFY_MARGIN * self.tolerance]
+        self.redone = bad
+        if bad:
+            heads = torch.tensor(bad, device=q.device)
+            if exact is not None:
+                redo = exact.run(q, k, v, None, problem, label)
+            else:
+                dense = blocks.dense_plan(q.shape[0], q.shape[1], n, causal, q.device)
+                redo = rank_forward(q, k, v, dense, None, scale)
+            out.index_copy_(1, heads, redo.index_select(1, heads))
+        err = errors.to(self.theta.device).clamp_min(1e-12)
+        factor = (TARGET * self.tolerance / err).clamp(0.25, 2.0)
+        self.theta = (self.theta * factor).clamp(THETA_MIN, THETA_MAX)
+        return {"head_errors": list(self.errors), "heads_redone_exact": bad,
+                "errors_measured_on": f"{rows.numel()} sampled rows per head"}
+
+    def _info_exact(self, exact: ExactAlternative, when: str) -> dict:
+        mean = sum(self.density) / len(self.density) if self.density else float("nan")
+        return {"ran": exact.name, "option": f"exact ({exact.name})", "rejected": "triton.rank",
+                "density": list(self.density or []),
+                "why": f"the plan measured on {when} computes {mean:.2f} of the exact tiles, above the break-even "
+                       f"{BREAK_EVEN}: the fastest exact runner is faster"}
+
+    def describe(self) -> dict:
+        return {"site": self.site, "calls": self.calls, "verified": self.verified, "runs_exact": self.runs_exact,
+                "thresholds": self.theta.tolist(), "density": self.density, "errors": self.errors}
+
+
+def get(site: str, factory) -> RankController:
+    with _lock:
+        ctl = _controllers.get(site)
+        if ctl is None:
+            ctl = _controllers[site] = factory()
+        return ctl
+
+
+def controllers() -> dict[str, RankController]:
+    return dict(_controllers)
+
+
+def reset() -> None:
+    with _lock:
+        _controllers.clear()
+
+
+class RankRunner(Runner):
+    """Adaptive rank (exact / summarised / skipped tiles per head) for causal or bidirectional
+    self-attention at long context, forward."""
+
+    name = "triton.rank"
+    exact = False
+
+    def supports(self, problem, policy) -> list[str]:
+        reasons = []
+        if not policy.approximations:
+            reasons.append("Policy.approximations allows neither 'lowrank' nor 'skip'.")
+        if problem.device_type == "cuda":
+            from ..hardware import triton_version
+
+            if triton_version() is None:
+                reasons.append("needs triton.")
+        elif not (problem.device_type == "cpu" and interpreting()):
+            reasons.append(f"runs on CUDA GPUs (or the Triton interpreter), not {problem.device_type}.")
+        if problem.dtype not in (torch.bfloat16, torch.float16):
+            reasons.append(f"takes bfloat16 or float16, not {problem.dtype}.")
+        if problem.head_dim > 128 or problem.value_dim > 128:
+            reasons.append("head dims up to 128.")
+        if problem.varlen:
+            reasons.append("takes dense (B, H, N, D) tensors, not packed sequences.")
+        if problem.q_len != problem.kv_len:
+            reasons.append("self-attention only (query length == key length).")
+        if problem.bottom_right:
+            reasons.append("aligns causal masks top-left only.")
+        if problem.mask_kind != "none":
+            reasons.append("takes no attn_mask.")
+        if problem.window_left >= 0 or problem.window_right >= 0:
+            reasons.append("has no sliding window.")
+        if problem.dropout_p:
+            reasons.append("has no dropout.")
+        if not problem.scale > 0:
+            reasons.append("needs a positive scale.")
+        if problem.needs_grad:
+            reasons.append("forward only: inputs that require grad run exact.")
+        if problem.kv_len < MIN_KEYS:
+            reasons.append(f"{problem.kv_len} keys: under {MIN_KEYS} the block analysis does not pay for the tiles "
+                           "it saves.")
+        return reasons
+
+    def prepare(self, problem, policy) -> RankLaunch:
+        key = f"rank tolerance={policy.tolerance} approximations={policy.approximations} verify={policy.verify}"
+        return RankLaunch(policy.tolerance, policy.verify, "lowrank" in policy.approximations, key)
+
+    def cost(self, problem, launch=None) -> Optional[float]:
+        return None  # decided per call site from the measured density (BREAK_EVEN)
+
+    def attach_exact(self, launch: RankLaunch, exact: ExactAlternative) -> RankLaunch:
+        return replace(launch, exact=exact)
+
+    def notes(self, problem, launch: RankLaunch) -> list[str]:
+        rest = "summarised (mean key with a log-count bias, mean value)" if launch.summaries else "skipped"
+        return [f"mode='auto': per head and query block, key blocks run exact in descending estimated attention mass "
+                f"until the mass left is under the head's threshold; the rest are {rest}. Sampled rows check each "
+                f"head's error against tolerance {launch.tolerance:g} (first call, then a fraction {launch.verify:g}); "
+                f"a head over it is recomputed exact. A plan computing more than {BREAK_EVEN} of the tiles runs "
+                f"the fastest exact runner instead. Tiles run at the input precision."]
+
+    def _controller(self, problem, launch: RankLaunch, label, device) -> RankController:
+        who = label if label is not None else f"anonymous {problem.shape_class}"
+        site = (f"{who}|{launch.policy_key}|Hq={problem.q_heads} Hkv={problem.kv_heads} D={problem.head_dim} "
+                f"{problem.dtype} causal={problem.causal} {problem.seq_bucket} dev={device}")
+        return get(site, lambda: RankController(site, launch.tolerance, launch.verify, problem.q_heads, device))
+
+    def run_recorded(self, query, key, value, attn_mask, problem, launch: RankLaunch, label=None):
+        ctl = self._controller(problem, launch, label, query.device)
+        out, info = ctl.run(query, key, value, problem.scale, problem.causal, launch.summaries, launch.exact,
+                            problem, label)
+        decisions = {"precision": "native", "approximation": "rank", "tolerance": launch.tolerance, **info}
+        return out, decisions
+
+    def run(self, query, key, value, attn_mask, problem, launch: RankLaunch, label=None):
+        return self.run_recorded(query, key, value, attn_mask, problem, launch, label)[0]
+
+    def warm(self, query, key, value, attn_mask, problem, launch: RankLaunch) -> list[str]:
+        ctl = RankController("adaattn.warmup|rank", launch.tolerance, 1.0, problem.q_heads, query.device)
+        ctl.run(query, key, value, problem.scale, problem.causal, launch.summaries, None, problem)
+        return [self.name]
+
+
+def rank_runners() -> list[Runner]:
+    return [RankRunner()]
+
+
+__all__ = ["RankRunner", "RankController", "rank_runners", "MIN_KEYS", "BREAK_EVEN"]
