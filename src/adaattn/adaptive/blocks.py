@@ -19,6 +19,7 @@ skipped. This module computes, all on the device:
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -45,7 +46,25 @@ class Summaries:
     key_block: int
 
 
+ESTIMATE_ELEMENTS = 1 << 25  # float32 elements of one chunk of the estimate's score tensors
+
+
+def _cached(fn):
+    """fn(n, ..., device) memoised per arguments: layouts are the same for every call of a size."""
+    cached = functools.lru_cache(maxsize=64)(lambda *args: fn(*args[:-1], torch.device(args[-1])))
+
+    @functools.wraps(fn)
+    def wrapper(*args):
+        return cached(*args[:-1], str(args[-1]))
+    return wrapper
+
+
 def block_counts(n: int, key_block: int, device) -> torch.Tensor:
+    return _block_counts(n, key_block, device)
+
+
+@_cached
+def _block_counts(n: int, key_block: int, device) -> torch.Tensor:
     nkb = cdiv(n, key_block)
     return (n - torch.arange(nkb, device=device) * key_block).clamp(max=key_block).float()
 
@@ -56,6 +75,9 @@ def _block_sums(x: torch.Tensor, key_block: int, square: bool = False) -> torch.
     b, h, n, d = x.shape
     nkb = cdiv(n, key_block)
     full = n // key_block
+    if x.numel() <= ESTIMATE_ELEMENTS and n % key_block == 0:
+        xf = x.float()
+        return (xf * xf if square else xf).view(b, h, nkb, key_block, d).sum(3)
     out = torch.empty((b, h, nkb, d), dtype=torch.float32, device=x.device)
     for i in range(h):
         xi = x[:, i].float()
@@ -79,6 +101,11 @@ def summarize(k: torch.Tensor, v: torch.Tensor, key_block: int = KEY_BLOCK) -> S
 
 
 def sampled_rows(n: int, query_block: int = QUERY_BLOCK, per_block: int = ROWS_PER_BLOCK, device=None) -> torch.Tensor:
+    return _sampled_rows(n, query_block, per_block, device or "cpu")
+
+
+@_cached
+def _sampled_rows(n: int, query_block: int, per_block: int, device) -> torch.Tensor:
     """(n_qb, r) query rows per query block: the last row of each of r equal parts (clamped to
     the sequence), so the block's last row, which sees the most keys, is always one."""
     nqb = cdiv(n, query_block)
@@ -111,6 +138,7 @@ def _visible_counts(rows: torch.Tensor, counts: torch.Tensor, key_block: int, ca
     return torch.minimum(seen, counts[None, :])
 
 
+@_cached
 def _exact_keys(n: int, causal: bool, query_block: int, key_block: int, local: int, device):
     """(n_qb, W) key positions each query block's estimate scores exactly (the blocks it keeps
     exact whatever the plan: the first block, and the local and own blocks), -1 where none, and
@@ -132,6 +160,28 @@ def _exact_keys(n: int, causal: bool, query_block: int, key_block: int, local: i
     return keys, covered
 
 
+@_cached
+def _estimate_layout(n: int, causal: bool, query_block: int, key_block: int, per_block: int, local: int, device):
+    """What an estimate of a size needs besides the inputs: sampled rows (n_qb, r), the keys
+    scored exactly (n_qb, W), their bias (0 / -inf per row, (n_qb*r, W)), each summary's log key
+    count (-inf where not visible or scored exactly, (n_qb*r, n_kb)), the block of each exact
+    key (n_qb*r, W), and log2 of the keys each row sees per block."""
+    rows = sampled_rows(n, query_block, per_block, device)
+    nqb, r = rows.shape
+    counts = block_counts(n, key_block, device)
+    seen = _visible_counts(rows, counts, key_block, causal)  # (nqb*r, nkb)
+    near, covered = _exact_keys(n, causal, query_block, key_block, local, device)
+    w = near.shape[1]
+    near_ok = (near >= 0)[:, None, :].expand(nqb, r, w)
+    if causal:
+        near_ok = near_ok & (near[:, None, :] <= rows[:, :, None])
+    near_bias = torch.where(near_ok, 0.0, float("-inf")).reshape(nqb * r, w)
+    summ_ok = (seen > 0) & ~covered.repeat_interleave(r, 0)
+    log_seen = torch.where(summ_ok, seen.clamp_min(1.0).log(), float("-inf"))
+    near_block = (near.clamp(min=0) // key_block).repeat_interleave(r, 0)
+    return rows, near, near_bias, log_seen, near_block, seen.clamp_min(1.0).log2()
+
+
 def estimate(q: torch.Tensor, k: torch.Tensor, s: Summaries, scale: float, causal: bool, *,
              query_block: int = QUERY_BLOCK, per_block: int = ROWS_PER_BLOCK, spread: bool = True,
              local: int = LOCAL_BLOCKS) -> Estimate:
@@ -144,40 +194,36 @@ def estimate(q: torch.Tensor, k: torch.Tensor, s: Summaries, scale: float, causa
     hkv = s.keys.shape[1]
     g = hq // hkv
     kb_size = s.key_block
-    rows = sampled_rows(n, query_block, per_block, q.device)
+    rows, near, near_bias, log_seen, near_block, log2_keys = _estimate_layout(
+        n, causal, query_block, kb_size, per_block, local, q.device)
     nqb, r = rows.shape
     nkb = s.counts.numel()
-    seen = _visible_counts(rows, s.counts, kb_size, causal)  # (nqb*r, nkb)
-    near, covered = _exact_keys(n, causal, query_block, kb_size, local, q.device)  # (nqb, W), (nqb, nkb)
-    # (every row sees the keys of its own and earlier blocks' first positions: row >= qb * QB)
     w = near.shape[1]
-    near_ok = (near >= 0)[:, None, :].expand(nqb, r, w)
-    if causal:
-        near_ok = near_ok & (near[:, None, :] <= rows[:, :, None])
-    near_bias = torch.where(near_ok, 0.0, float("-inf")).reshape(nqb * r, w)
-    summ_ok = (seen > 0) & ~covered.repeat_interleave(r, 0)
-    log_seen = torch.where(summ_ok, seen.clamp_min(1.0).log(), float("-inf"))
-    near_block = (near.clamp(min=0) // kb_size).repeat_interleave(r, 0)  # (nqb*r, W)
     mass = torch.empty((b, hq, nqb, nkb), dtype=torch.float32, device=q.device)
     cost = torch.empty_like(mass)
     entropy = torch.empty((hq,), dtype=torch.float32, device=q.device)
     flat = rows.reshape(-1)
-    log2_keys = seen.clamp_min(1.0).log2()
     near_flat = near.clamp(min=0).reshape(-1)
-    for h in range(hkv):
-        heads = slice(h * g, (h + 1) * g)
-        qs = q[:, heads].index_select(2, flat).float()  # (b, g, R, d)
-        logits = (qs @ s.keys[:, h].float().transpose(-1, -2)[:, None]) * scale  # (b, g, R, nkb)
-        spread_var = (scale * scale) * ((qs * qs) @ s.variance[:, h].transpose(-1, -2)[:, None])
+    per_kv_head = b * g * nqb * r * (2 * nkb + w)
+    hc = max(1, min(hkv, ESTIMATE_ELEMENTS // max(1, per_kv_head)))
+    for h0 in range(0, hkv, hc):
+        h1 = min(hkv, h0 + hc)
+        c = h1 - h0
+        heads = slice(h0 * g, h1 * g)
+        qs = q[:, heads].index_select(2, flat).float().reshape(b, c, g * nqb * r, d)
+        logits = (qs @ s.keys[:, h0:h1].float().transpose(-1, -2)) * scale  # (b, c, g*R, nkb)
+        spread_var = (scale * scale) * ((qs * qs) @ s.variance[:, h0:h1].transpose(-1, -2))
         if spread:
             logits = logits + 0.5 * spread_var
-        kn = k[:, h].index_select(1, near_flat).float().reshape(b, 1, nqb, w, d)
-        exact = (qs.reshape(b, g, nqb, r, d) @ kn.transpose(-1, -2)).reshape(b, g, nqb * r, w) * scale
+        kn = k[:, h0:h1].index_select(2, near_flat).float().reshape(b, c, 1, nqb, w, d)
+        exact = (qs.reshape(b, c, g, nqb, r, d) @ kn.transpose(-1, -2)).reshape(b, c * g, nqb * r, w) * scale
+        logits = logits.reshape(b, c * g, nqb * r, nkb)
+        spread_var = spread_var.reshape(b, c * g, nqb * r, nkb)
         p = torch.softmax(torch.cat([logits + log_seen, exact + near_bias], -1), -1)
         p_sum, p_near = p[..., :nkb], p[..., nkb:]
-        p_block = p_sum.scatter_add(-1, near_block.expand(b, g, -1, -1), p_near)
-        mass[:, heads] = p_block.reshape(b, g, nqb, r, nkb).mean(3)
-        cost[:, heads] = (p_sum * spread_var.sqrt().clamp(max=1.0)).reshape(b, g, nqb, r, nkb).mean(3)
+        p_block = p_sum.scatter_add(-1, near_block.expand(b, c * g, -1, -1), p_near)
+        mass[:, heads] = p_block.reshape(b, c * g, nqb, r, nkb).mean(3)
+        cost[:, heads] = (p_sum * spread_var.sqrt().clamp(max=1.0)).reshape(b, c * g, nqb, r, nkb).mean(3)
         ent = (-(p_sum * torch.where(p_sum > 0, p_sum.log2(), 0.0)).sum(-1) + (p_sum * log2_keys).sum(-1)
                - (p_near * torch.where(p_near > 0, p_near.log2(), 0.0)).sum(-1))
         entropy[heads] = ent.mean((0, 2))
@@ -202,6 +248,11 @@ class Plan:
 
 
 def block_layout(n: int, causal: bool, query_block: int, key_block: int, device, local: int = LOCAL_BLOCKS):
+    return _block_layout(n, causal, query_block, key_block, local, device)
+
+
+@_cached
+def _block_layout(n: int, causal: bool, query_block: int, key_block: int, local: int, device):
     """(listable, forced, tail) bool (n_qb, n_kb): blocks that may be listed (whole tiles every
     row of the query block sees, outside the tail), those of them always exact (the first block
     and the local ones), and the tail the kernel always computes exactly."""

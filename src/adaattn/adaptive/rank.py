@@ -30,10 +30,23 @@ from .rank_launch import rank_forward
 
 MIN_KEYS = 8192  # below this many keys the analysis does not pay for the tiles it saves
 BREAK_EVEN = 0.7  # a plan computing more than this share of the exact tiles runs exact instead
-TARGET = 0.6  # thresholds aim at this fraction of the tolerance
-VERIFY_MARGIN = 0.8  # a head whose sampled rows measure over tolerance * this is recomputed exact
+TARGET = 0.5  # thresholds aim at this fraction of the tolerance
+VERIFY_MARGIN = 0.7  # a head whose sampled rows measure over tolerance * this is recomputed exact
 THETA0 = 0.5  # a site's first thresholds: this fraction of the tolerance
-SAMPLE_ROWS = 64
+SLOWER = 0.97  # a site whose analysis + kernel measure over this share of the exact time runs exact
+EXACT_RETIME = 8  # the exact runner is timed again every this many verified calls
+
+
+def stratified_rows(n: int, count: int, generator: torch.Generator) -> torch.Tensor:
+    """`count` query rows, one drawn in each of `count` equal strata of [0, n) (all rows when
+    n <= count): rows early and late in the sequence, where the plans differ most, are always
+    both represented."""
+    if n <= count:
+        return torch.arange(n)
+    edges = torch.linspace(0, n, count + 1).long()
+    width = (edges[1:] - edges[:-1]).clamp(min=1)
+    return (edges[:-1] + (torch.rand(count, generator=generator) * width).long().clamp(max=width - 1)).clamp(max=n - 1)
+SAMPLE_ROWS = 128  # sampled rows per verified call (the exact-rows kernel takes up to 128; 64 read errors up to 1.5x low at 32k)
 THETA_MIN, THETA_MAX = 1e-5, 0.5
 
 _lock = threading.Lock()
@@ -65,6 +78,9 @@ class RankController:
         self.errors: Optional[list[float]] = None
         self.redone: list[int] = []
         self._next_verify = 0
+        self.exact_ms: Optional[float] = None  # the exact runner's time, measured on verified calls
+        self.rank_ms: Optional[float] = None  # analysis + kernel, measured on verified calls
+        self.slower: Optional[tuple] = None
 
     def _verify_now(self) -> bool:
         if self.calls == 1 or self.verify >= 1.0:
@@ -83,6 +99,10 @@ class RankController:
         if self.runs_exact and not verify and exact is not None:
             return exact.run(q, k, v, None, problem, label), self._info_exact(exact, "an earlier verified call")
         n = q.shape[2]
+        timed = verify and q.is_cuda
+        if timed:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
         s = blocks.summarize(k, v)
         est = blocks.estimate(q, k, s, scale, causal, spread=True)
         plan = blocks.make_plan(est, self.theta, n, causal, summaries=summaries)
@@ -95,15 +115,37 @@ class RankController:
         out = rank_forward(q, k, v, plan, s if summaries else None, scale, spread=False)
         info = {"density": plan.density, "summarised": plan.summarised, "entropy_bits": est.entropy,
                 "thresholds": self.theta.clone(), "verified": verify}
+        if timed:
+            end.record()
+        redo = None
+        if timed and exact is not None and (self.exact_ms is None or self.verified % EXACT_RETIME == 0):
+            # The exact runner, timed on this call (its output serves the redo of heads over tolerance).
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            redo = exact.run(q, k, v, None, problem, label)
+            e1.record()
+            e1.synchronize()
+            self.exact_ms = e0.elapsed_time(e1)
         if verify:
-            info.update(self._check(q, k, v, out, scale, causal, exact, problem, label))
+            info.update(self._check(q, k, v, out, scale, causal, exact, problem, label, redo))
+        if timed:
+            end.synchronize()
+            self.rank_ms = start.elapsed_time(end)
+            info["measured_ms"], info["exact_ms"] = self.rank_ms, self.exact_ms
+            if self.exact_ms is not None and self.rank_ms > SLOWER * self.exact_ms:
+                # Analysis and kernel together measure no faster than exact here: exact runs
+                # until the next verified call measures again.
+                self.runs_exact = True
+                self.slower = (self.rank_ms, self.exact_ms)
+            else:
+                self.slower = None
         return out, info
 
-    def _check(self, q, k, v, out, scale, causal, exact, problem, label) -> dict:
+    def _check(self, q, k, v, out, scale, causal, exact, problem, label, redo=None) -> dict:
         """Sampled exact rows: per-head errors, redo of heads over the tolerance, new thresholds."""
         n = q.shape[2]
         g = torch.Generator(device="cpu").manual_seed(self.verified)
-        rows = analysis.sample_rows(n, SAMPLE_ROWS, g, "cpu").to(q.device)
+        rows = stratified_rows(n, SAMPLE_ROWS, g).to(q.device)
         ref, _ = analysis.exact_rows(q, k, v, rows, None, scale, causal, need_p=False)
         errors = analysis.head_errors(out.index_select(2, rows), ref)
         self.errors = errors.tolist()
@@ -111,7 +153,9 @@ class RankController:
         self.redone = bad
         if bad:
             heads = torch.tensor(bad, device=q.device)
-            if exact is not None:
+            if redo is not None:
+                pass
+            elif exact is not None:
                 redo = exact.run(q, k, v, None, problem, label)
             else:
                 dense = blocks.dense_plan(q.shape[0], q.shape[1], n, causal, q.device)
@@ -125,10 +169,15 @@ class RankController:
 
     def _info_exact(self, exact: ExactAlternative, when: str) -> dict:
         mean = sum(self.density) / len(self.density) if self.density else float("nan")
-        return {"ran": exact.name, "option": f"exact ({exact.name})", "rejected": "triton.rank",
-                "density": list(self.density or []),
-                "why": f"the plan measured on {when} computes {mean:.2f} of the exact tiles, above the break-even "
-                       f"{BREAK_EVEN}: the fastest exact runner is faster"}
+        info = {"ran": exact.name, "option": f"exact ({exact.name})", "rejected": "triton.rank",
+                "density": list(self.density or []), "measured_ms": self.rank_ms, "exact_ms": self.exact_ms}
+        if self.slower is not None and mean <= BREAK_EVEN:
+            info["why"] = (f"triton.rank's analysis and kernel measured {self.slower[0]:.3g} ms on {when} against "
+                           f"{exact.name}'s {self.slower[1]:.3g} ms (plan density {mean:.2f})")
+        else:
+            info["why"] = (f"the plan measured on {when} computes {mean:.2f} of the exact tiles, above the "
+                           f"break-even {BREAK_EVEN}: the fastest exact runner is faster")
+        return info
 
     def describe(self) -> dict:
         return {"site": self.site, "calls": self.calls, "verified": self.verified, "runs_exact": self.runs_exact,
@@ -160,9 +209,10 @@ class RankRunner(Runner):
     exact = False
 
     def supports(self, problem, policy) -> list[str]:
+        if not policy.approximations or policy.mode != "auto":
+            # Nothing below is read (no length guards under torch.compile(dynamic=True)).
+            return ["Policy.approximations allows neither 'lowrank' nor 'skip'."] if not policy.approximations else []
         reasons = []
-        if not policy.approximations:
-            reasons.append("Policy.approximations allows neither 'lowrank' nor 'skip'.")
         if problem.device_type == "cuda":
             from ..hardware import triton_version
 
