@@ -9,7 +9,7 @@ import torch
 import adaattn
 from adaattn import planner
 from adaattn.adaptive import blocks as bl
-from adaattn.adaptive import rank
+from adaattn.adaptive import controller, rank
 from adaattn.adaptive.rank_launch import rank_forward
 
 triton = pytest.importorskip("triton")
@@ -33,10 +33,10 @@ def short_ok(monkeypatch):
     """Let the runner take short sequences (the interpreter cannot run 8k keys)."""
     monkeypatch.setattr(rank, "MIN_KEYS", 0)
     planner.reset()
-    rank.reset()
+    controller.reset()
     yield
     planner.reset()
-    rank.reset()
+    controller.reset()
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -56,27 +56,14 @@ def test_kernel_matches_float64_plan(causal, n, d, hq, hkv, dtype, qb, kb):
     for summaries in (True, False):
         plan = bl.make_plan(est, thresholds, n, causal, summaries=summaries, query_block=qb, key_block=kb)
         out = torch.full((2, hq, n, d), float("nan"), dtype=dtype)
-        rank_forward(q, k, v, plan, s if summaries else None, scale, spread=False, out=out)
-        ref = bl.plan_reference(q, k, v, plan, scale, spread=False)
+        rank_forward(q, k, v, plan, s if summaries else None, scale, out=out)
+        ref = bl.plan_reference(q, k, v, plan, scale)
         err = bl.relative_error(out, ref)
         assert torch.all(err <= bound), (summaries, err, bound)
         # The plan really approximates where the threshold allows it, and not at threshold 0.
         assert float(plan.density[0]) == 1.0
         assert float(plan.density[1]) < 1.0
         assert bl.relative_error(ref, exact64(q, k, v, causal))[0] < 1e-12
-
-
-def test_spread_term_matches_float64_plan():
-    torch.manual_seed(1)
-    n, d = 200, 64
-    q, k, v = (torch.randn(1, 2, n, d, dtype=torch.bfloat16) for _ in range(3))
-    scale = d ** -0.5
-    s = bl.summarize(k, v, 16)
-    plan = bl.make_plan(bl.estimate(q, k, s, scale, True, query_block=32), torch.tensor([0.2, 0.5]), n, True,
-                        query_block=32, key_block=16)
-    out = rank_forward(q, k, v, plan, s, scale, spread=True)
-    err = bl.relative_error(out, bl.plan_reference(q, k, v, plan, scale, spread=True))
-    assert torch.all(err <= 2 * sdpa_error(q, k, v, True) + 1e-6), err
 
 
 def test_dense_plan_is_exact_attention():
@@ -144,7 +131,7 @@ def test_structured_heads_get_the_plans_they_should():
     plan = bl.make_plan(est, torch.full((4,), 0.03), n, True)
     density = plan.density.tolist()
     entropy = est.entropy.tolist()
-    err = bl.relative_error(rank_forward(q, k, v, plan, s, scale, spread=False), exact64(q, k, v, True)).tolist()
+    err = bl.relative_error(rank_forward(q, k, v, plan, s, scale), exact64(q, k, v, True)).tolist()
     print("density", density, "summarised", plan.summarised.tolist(), "entropy", entropy, "error", err)
     sink, local, diffuse, peaks = density
     assert sink < 0.5 and local < 0.5  # concentrated heads: few exact tiles
@@ -159,9 +146,11 @@ def test_runner_honours_tolerance_and_records(short_ok):
     pol = adaattn.Policy(mode="auto", approximations=("lowrank", "skip"), tolerance=tau, verify=1.0)
     assert "triton.rank" in str(adaattn.explain(q, k, v, is_causal=True, policy=pol))
     with adaattn.stats.collect() as records:
-        out = adaattn.attention(q, k, v, is_causal=True, policy=pol)
+        out = adaattn.attention(q, k, v, is_causal=True, policy=pol, label="rank-site")
     rec = records[-1].as_dict()
     assert rec["backend"] == "triton.rank"
+    # The site's controller sits in the adaptive registry: an AdaAttention module's forget drops it.
+    assert isinstance(controller.find("rank-site"), rank.RankController)
     dec = rec["decisions"]
     err = bl.relative_error(out, exact64(q, k, v, True))
     redone = set(dec["heads_redone_exact"])
@@ -170,6 +159,8 @@ def test_runner_honours_tolerance_and_records(short_ok):
             assert err[h] <= tau, (h, err, dec)
     assert len(dec["density"]) == 4 and len(dec["head_errors"]) == 4 and len(dec["entropy_bits"]) == 4
     assert min(dec["density"]) < 0.7
+    controller.forget("rank-site")
+    assert controller.find("rank-site") is None
 
 
 def test_random_inputs_run_exact(short_ok):

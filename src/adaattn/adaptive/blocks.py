@@ -2,19 +2,19 @@
 
 A query block of QUERY_BLOCK rows meets each key block of `key_block` keys in one of three ways
 (kernels/attention_rank.py): exact, summarised (the block's mean key with a log-count bias and
-its mean value; with `spread`, a second-order term for the keys' per-channel variance), or
-skipped. This module computes, all on the device:
+its mean value), or skipped. This module computes, all on the device:
 
 - `summarize`: per key block the mean key, mean value and per-channel key variance;
 - `estimate`: the attention mass of every (query block, key block), from a few sampled rows of
-  each query block scored against the key summaries (a softmax over key blocks, averaged over
-  the rows), and each head's block entropy;
-- `make_plan`: per query block, key blocks exact in descending estimated mass until the mass
-  left is at most the head's threshold; the first key block (attention sinks) and the local
-  blocks are always exact; the rest summarised where allowed, otherwise skipped;
+  each query block scored against the key summaries and the always-exact keys (a softmax,
+  averaged over the rows), each block's summary cost, and each head's entropy;
+- `make_plan`: per query block, key blocks exact in descending estimated error of leaving
+  them out until what is left is at most the head's threshold; the first key block (attention
+  sinks) and the local blocks are always exact; the rest summarised where allowed, otherwise
+  skipped;
 - `plan_reference`: the output of a plan in float64 (what the kernel must match), and
-  `true_block_mass` / `oracle_density`: the exact attention's own block masses and the fewest
-  exact tiles that meet a tolerance with summaries for the rest (the oracle of MEASURING.md).
+  `true_block_mass`: the exact attention's own block masses, from which the oracle of
+  MEASURING.md is built (exact tiles from the true mass, summaries for the rest).
 """
 
 from __future__ import annotations
@@ -24,14 +24,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..backends.triton_configs import cdiv
+
 QUERY_BLOCK = 128
 KEY_BLOCK = 64
 ROWS_PER_BLOCK = 8  # sampled query rows per query block for the mass estimate
 LOCAL_BLOCKS = 1  # key blocks just before a causal query block's own, kept exact
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclass
@@ -59,12 +57,8 @@ def _cached(fn):
     return wrapper
 
 
-def block_counts(n: int, key_block: int, device) -> torch.Tensor:
-    return _block_counts(n, key_block, device)
-
-
 @_cached
-def _block_counts(n: int, key_block: int, device) -> torch.Tensor:
+def block_counts(n: int, key_block: int, device) -> torch.Tensor:
     nkb = cdiv(n, key_block)
     return (n - torch.arange(nkb, device=device) * key_block).clamp(max=key_block).float()
 
@@ -100,12 +94,8 @@ def summarize(k: torch.Tensor, v: torch.Tensor, key_block: int = KEY_BLOCK) -> S
                      key_block)
 
 
-def sampled_rows(n: int, query_block: int = QUERY_BLOCK, per_block: int = ROWS_PER_BLOCK, device=None) -> torch.Tensor:
-    return _sampled_rows(n, query_block, per_block, device or "cpu")
-
-
 @_cached
-def _sampled_rows(n: int, query_block: int, per_block: int, device) -> torch.Tensor:
+def sampled_rows(n: int, query_block: int, per_block: int, device) -> torch.Tensor:
     """(n_qb, r) query rows per query block: the last row of each of r equal parts (clamped to
     the sequence), so the block's last row, which sees the most keys, is always one."""
     nqb = cdiv(n, query_block)
@@ -126,7 +116,7 @@ class Estimate:
     mass: torch.Tensor
     entropy: torch.Tensor
     rows: torch.Tensor = field(repr=False)
-    cost: torch.Tensor | None = None  # (B, Hq, n_qb, n_kb): mass * min(1, logit spread) (summarise_cost)
+    cost: torch.Tensor | None = None  # (B, Hq, n_qb, n_kb): mass * min(1, logit spread within the block)
 
 
 def _visible_counts(rows: torch.Tensor, counts: torch.Tensor, key_block: int, causal: bool) -> torch.Tensor:
@@ -334,9 +324,9 @@ def _row_keep(state: torch.Tensor, n: int, causal: bool, query_block: int, key_b
     return exact_blocks, summ
 
 
-def plan_reference(q, k, v, plan: Plan, scale: float, spread: bool = True) -> torch.Tensor:
+def plan_reference(q, k, v, plan: Plan, scale: float) -> torch.Tensor:
     """The plan's output in float64 (B, Hq, N, Dv): exact tiles exact, summaries from float64
-    block means and variances of k and v."""
+    block means of k and v."""
     b, hq, n, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
@@ -344,7 +334,6 @@ def plan_reference(q, k, v, plan: Plan, scale: float, spread: bool = True) -> to
     q64, k64, v64 = q.double(), k.double(), v.double()
     counts = block_counts(n, kb, q.device).double()
     s64 = _block_sums(k64, kb).double() / counts[:, None]
-    var64 = (_block_sums(k64, kb, square=True).double() / counts[:, None] - s64 * s64).clamp_min(0)
     vs64 = _block_sums(v64, kb).double() / counts[:, None]
     out = torch.empty((b, hq, n, v.shape[-1]), dtype=torch.float64, device=q.device)
     for bi in range(b):
@@ -354,8 +343,6 @@ def plan_reference(q, k, v, plan: Plan, scale: float, spread: bool = True) -> to
             s = (q64[bi, h] @ k64[bi, kh].T) * scale
             s = s.masked_fill(~exact, float("-inf"))
             ss = (q64[bi, h] @ s64[bi, kh].T) * scale + counts.log()[None, :]
-            if spread:
-                ss = ss + 0.5 * scale * scale * ((q64[bi, h] ** 2) @ var64[bi, kh].T)
             ss = ss.masked_fill(~summ, float("-inf"))
             p = torch.softmax(torch.cat([s, ss], 1), 1)
             out[bi, h] = p[:, :n] @ v64[bi, kh] + p[:, n:] @ vs64[bi, kh]

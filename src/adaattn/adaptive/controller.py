@@ -504,8 +504,10 @@ def held_at(site: str, level: int, q_heads: int, *, tolerance: float = 1.0, veri
     return ctl
 
 
-def get(site: str, factory) -> PrecisionController:
-    """The controller of `site`, made by factory() on first use."""
+def get(site: str, factory):
+    """The controller of `site`, made by factory() on first use. The registry holds every
+    adaptive runner's site controllers (precision here, rank in adaptive/rank.py), so find,
+    forget and reset cover them all."""
     c = _controllers.get(site)
     if c is None:
         with _lock:

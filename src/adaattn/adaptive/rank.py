@@ -17,7 +17,6 @@ exact for this call, and every head's threshold moves toward the error it should
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -25,7 +24,7 @@ import torch
 
 from ..backends.base import ExactAlternative, Runner
 from ..backends.triton_configs import interpreting
-from . import analysis, blocks
+from . import analysis, blocks, controller
 from .rank_launch import rank_forward
 
 MIN_KEYS = 8192  # below this many keys the analysis does not pay for the tiles it saves
@@ -35,6 +34,10 @@ VERIFY_MARGIN = 0.7  # a head whose sampled rows measure over tolerance * this i
 THETA0 = 0.5  # a site's first thresholds: this fraction of the tolerance
 SLOWER = 0.97  # a site whose analysis + kernel measure over this share of the exact time runs exact
 EXACT_RETIME = 8  # the exact runner is timed again every this many verified calls
+# Sampled rows per verified call: the exact-rows kernel takes up to 128 (64 read errors up to
+# 1.5x low at 32k).
+SAMPLE_ROWS = 128
+THETA_MIN, THETA_MAX = 1e-5, 0.5
 
 
 def stratified_rows(n: int, count: int, generator: torch.Generator) -> torch.Tensor:
@@ -46,11 +49,6 @@ def stratified_rows(n: int, count: int, generator: torch.Generator) -> torch.Ten
     edges = torch.linspace(0, n, count + 1).long()
     width = (edges[1:] - edges[:-1]).clamp(min=1)
     return (edges[:-1] + (torch.rand(count, generator=generator) * width).long().clamp(max=width - 1)).clamp(max=n - 1)
-SAMPLE_ROWS = 128  # sampled rows per verified call (the exact-rows kernel takes up to 128; 64 read errors up to 1.5x low at 32k)
-THETA_MIN, THETA_MAX = 1e-5, 0.5
-
-_lock = threading.Lock()
-_controllers: dict[str, "RankController"] = {}
 
 
 @dataclass(frozen=True)
@@ -76,21 +74,17 @@ class RankController:
         self.runs_exact = False
         self.density: Optional[list[float]] = None
         self.errors: Optional[list[float]] = None
-        self.redone: list[int] = []
-        self._next_verify = 0
+        self._next_verify = 1  # the first call is verified
         self.exact_ms: Optional[float] = None  # the exact runner's time, measured on verified calls
         self.rank_ms: Optional[float] = None  # analysis + kernel, measured on verified calls
         self.slower: Optional[tuple] = None
 
     def _verify_now(self) -> bool:
-        if self.calls == 1 or self.verify >= 1.0:
-            return True
-        if self.verify <= 0.0:
+        """The first call, then one call in round(1 / verify) (none more with verify = 0)."""
+        if self.calls < self._next_verify:
             return False
-        if self.calls >= self._next_verify:
-            self._next_verify = self.calls + max(1, round(1.0 / self.verify))
-            return True
-        return False
+        self._next_verify = self.calls + (max(1, round(1.0 / self.verify)) if self.verify > 0 else 1 << 62)
+        return True
 
     def run(self, q, k, v, scale: float, causal: bool, summaries: bool, exact: Optional[ExactAlternative],
             problem, label=None) -> tuple[torch.Tensor, dict]:
@@ -112,7 +106,7 @@ class RankController:
             self.runs_exact = exact is not None and sum(self.density) / len(self.density) > BREAK_EVEN
             if self.runs_exact:
                 return exact.run(q, k, v, None, problem, label), self._info_exact(exact, "this call")
-        out = rank_forward(q, k, v, plan, s if summaries else None, scale, spread=False)
+        out = rank_forward(q, k, v, plan, s if summaries else None, scale)
         info = {"density": plan.density, "summarised": plan.summarised, "entropy_bits": est.entropy,
                 "thresholds": self.theta.clone(), "verified": verify}
         if timed:
@@ -150,16 +144,13 @@ class RankController:
         errors = analysis.head_errors(out.index_select(2, rows), ref)
         self.errors = errors.tolist()
         bad = [h for h, e in enumerate(self.errors) if not e <= VERIFY_MARGIN * self.tolerance]
-        self.redone = bad
         if bad:
-            heads = torch.tensor(bad, device=q.device)
-            if redo is not None:
-                pass
-            elif exact is not None:
+            if redo is None and exact is not None:
                 redo = exact.run(q, k, v, None, problem, label)
-            else:
-                dense = blocks.dense_plan(q.shape[0], q.shape[1], n, causal, q.device)
-                redo = rank_forward(q, k, v, dense, None, scale)
+            elif redo is None:
+                redo = rank_forward(q, k, v, blocks.dense_plan(q.shape[0], q.shape[1], n, causal, q.device), None,
+                                    scale)
+            heads = torch.tensor(bad, device=q.device)
             out.index_copy_(1, heads, redo.index_select(1, heads))
         err = errors.to(self.theta.device).clamp_min(1e-12)
         factor = (TARGET * self.tolerance / err).clamp(0.25, 2.0)
@@ -184,23 +175,6 @@ class RankController:
                 "thresholds": self.theta.tolist(), "density": self.density, "errors": self.errors}
 
 
-def get(site: str, factory) -> RankController:
-    with _lock:
-        ctl = _controllers.get(site)
-        if ctl is None:
-            ctl = _controllers[site] = factory()
-        return ctl
-
-
-def controllers() -> dict[str, RankController]:
-    return dict(_controllers)
-
-
-def reset() -> None:
-    with _lock:
-        _controllers.clear()
-
-
 class RankRunner(Runner):
     """Adaptive rank (exact / summarised / skipped tiles per head) for causal or bidirectional
     self-attention at long context, forward."""
@@ -209,9 +183,8 @@ class RankRunner(Runner):
     exact = False
 
     def supports(self, problem, policy) -> list[str]:
-        if not policy.approximations or policy.mode != "auto":
-            # Nothing below is read (no length guards under torch.compile(dynamic=True)).
-            return ["Policy.approximations allows neither 'lowrank' nor 'skip'."] if not policy.approximations else []
+        if not policy.approximations:  # (then no length is read: no guards under torch.compile(dynamic=True))
+            return ["Policy.approximations allows neither 'lowrank' nor 'skip'."]
         reasons = []
         if problem.device_type == "cuda":
             from ..hardware import triton_version
@@ -257,17 +230,19 @@ class RankRunner(Runner):
 
     def notes(self, problem, launch: RankLaunch) -> list[str]:
         rest = "summarised (mean key with a log-count bias, mean value)" if launch.summaries else "skipped"
-        return [f"mode='auto': per head and query block, key blocks run exact in descending estimated attention mass "
-                f"until the mass left is under the head's threshold; the rest are {rest}. Sampled rows check each "
-                f"head's error against tolerance {launch.tolerance:g} (first call, then a fraction {launch.verify:g}); "
-                f"a head over it is recomputed exact. A plan computing more than {BREAK_EVEN} of the tiles runs "
-                f"the fastest exact runner instead. Tiles run at the input precision."]
+        return [f"mode='auto': per head and query block, key blocks run exact in descending estimated error of "
+                f"leaving them out, until what is left is under the head's threshold; the rest are {rest}. Sampled "
+                f"rows check each head's error against tolerance {launch.tolerance:g} (first call, then a fraction "
+                f"{launch.verify:g}); a head over {VERIFY_MARGIN} of it is recomputed exact. A site whose plan computes "
+                f"more than {BREAK_EVEN} of the tiles, or whose analysis and kernel measure over {SLOWER} of the "
+                f"exact runner's time, runs the exact runner until its next verified call. Tiles run at the input "
+                f"precision."]
 
     def _controller(self, problem, launch: RankLaunch, label, device) -> RankController:
         who = label if label is not None else f"anonymous {problem.shape_class}"
         site = (f"{who}|{launch.policy_key}|Hq={problem.q_heads} Hkv={problem.kv_heads} D={problem.head_dim} "
                 f"{problem.dtype} causal={problem.causal} {problem.seq_bucket} dev={device}")
-        return get(site, lambda: RankController(site, launch.tolerance, launch.verify, problem.q_heads, device))
+        return controller.get(site, lambda: RankController(site, launch.tolerance, launch.verify, problem.q_heads, device))
 
     def run_recorded(self, query, key, value, attn_mask, problem, launch: RankLaunch, label=None):
         ctl = self._controller(problem, launch, label, query.device)
@@ -289,4 +264,4 @@ def rank_runners() -> list[Runner]:
     return [RankRunner()]
 
 
-__all__ = ["RankRunner", "RankController", "rank_runners", "MIN_KEYS", "BREAK_EVEN"]
+__all__ = ["RankRunner", "RankController", "rank_runners", "stratified_rows", "MIN_KEYS", "BREAK_EVEN"]

@@ -9,9 +9,8 @@ block:
   partial key block (if any). Every other exact block is listed in Eidx[:Ecnt], full tiles.
 - summarised (State == 1): the block's n keys stand as one key, their mean k̄ with the log-count
   bias log n, and its value is their mean v̄: the block adds n * exp(q.k̄ * scale) to the row's sum,
-  the first-order (mean) term of log sum_i exp(q.k_i * scale). With SPREAD, the second-order term
-  0.5 * scale^2 * sum_c q_c^2 var_c (the block's per-channel key variance) is added too: exact for
-  Gaussian keys, it restores the mass a spread-out block's mean key understates.
+  the first-order (mean) term of log sum_i exp(q.k_i * scale). (A second-order term for the
+  keys' variance was measured and made outputs worse on real heads: benchmarks/NOTES.md.)
 - skipped: anything else.
 
 Scores are in the log2 domain, as in attention_fwd. Summaries are read in chunks of BLOCK_S
@@ -26,11 +25,9 @@ from .attention_fwd import dot, fwd_tile, load_rows, masked_softmax_step, round_
 
 
 @triton.jit
-def summary_chunk(acc, l_i, m_i, q, q2, ks_base, vs_base, kvar_base, st_base, s0, n_vis, k_len,
-                  offs_s, offs_d, offs_dv, scale_log2, spread_log2,
-                  HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
-                  BLOCK_N: tl.constexpr, SPREAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  F32_PRECISION: tl.constexpr):
+def summary_chunk(acc, l_i, m_i, q, ks_base, vs_base, st_base, s0, n_vis, k_len, offs_s, offs_d, offs_dv,
+                  scale_log2, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                  BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Fold summaries s0 .. s0 + BLOCK_S (those with State == 1 below n_vis) into the running
     (acc, l_i, m_i)."""
     idx = s0 + offs_s
@@ -43,10 +40,6 @@ def summary_chunk(acc, l_i, m_i, q, q2, ks_base, vs_base, kvar_base, st_base, s0
         s = dot(q, tl.trans(ks), None, DOT_PRECISION) * scale_log2
         count = tl.minimum(k_len - idx * BLOCK_N, BLOCK_N).to(tl.float32)
         s += tl.math.log2(tl.maximum(count, 1.0))[None, :]
-        if SPREAD:
-            kvar = load_rows(kvar_base + idx[:, None] * HEAD_DIM + offs_d[None, :], idx, n_vis, offs_d,
-                             HEAD_DIM, BLOCK_D, True)
-            s += dot(q2, tl.trans(kvar), None, F32_PRECISION) * spread_log2
         s = tl.where(use[None, :], s, float("-inf"))
         p, alpha, m_new = masked_softmax_step(s, m_i)
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -60,21 +53,19 @@ def summary_chunk(acc, l_i, m_i, q, q2, ks_base, vs_base, kvar_base, st_base, s0
 
 @triton.jit
 def rank_fwd_kernel(
-    Q, K, V, KS, VS, KVar, State, Eidx, Ecnt, Out,
+    Q, K, V, KS, VS, State, Eidx, Ecnt, Out,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
-    q_heads, kv_group, seq_len, n_kb, scale_log2, spread_log2,
+    q_heads, kv_group, seq_len, n_kb, scale_log2,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-    CAUSAL: tl.constexpr, HAS_SUMMARY: tl.constexpr, SPREAD: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, F32_PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_SUMMARY: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Grid (query blocks, batch * q_heads), last query blocks first. Q (B, Hq, N, D), K/V
     (B, Hkv, N, D) / (B, Hkv, N, Dv), query length = key length = seq_len.
-    KS (B, Hkv, n_kb, D) and VS (B, Hkv, n_kb, Dv) contiguous, in the input dtype; KVar
-    (B, Hkv, n_kb, D) float32 contiguous (read only with SPREAD). State int8
+    KS (B, Hkv, n_kb, D) and VS (B, Hkv, n_kb, Dv) contiguous, in the input dtype. State int8
     (B, Hq, n_qb, n_kb) contiguous; Eidx int32 (B, Hq, n_qb, n_kb + 1) contiguous; Ecnt int32
     (B, Hq, n_qb). BLOCK_M is a multiple of BLOCK_N."""
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -115,15 +106,12 @@ def rank_fwd_kernel(
         n_vis = seq_len // BLOCK_N
 
     if HAS_SUMMARY:
-        q2 = q.to(tl.float32) * q.to(tl.float32)
         offs_s = tl.arange(0, BLOCK_S)
         st_base = State + plan_row * n_kb
         for s0 in range(0, n_vis, BLOCK_S):
-            acc, l_i, m_i = summary_chunk(acc, l_i, m_i, q, q2, KS + bkv * HEAD_DIM, VS + bkv * HEAD_DIM_V,
-                                          KVar + bkv * HEAD_DIM, st_base, s0, n_vis, seq_len,
-                                          offs_s, offs_d, offs_dv, scale_log2, spread_log2,
-                                          HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, SPREAD,
-                                          DOT_PRECISION, F32_PRECISION)
+            acc, l_i, m_i = summary_chunk(acc, l_i, m_i, q, KS + bkv * HEAD_DIM, VS + bkv * HEAD_DIM_V, st_base,
+                                          s0, n_vis, seq_len, offs_s, offs_d, offs_dv, scale_log2,
+                                          HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, DOT_PRECISION)
 
     # Listed exact blocks: whole tiles every row sees.
     e_base = Eidx + plan_row * (n_kb + 1)
