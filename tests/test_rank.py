@@ -2,6 +2,7 @@
 float64 implementation of the same plan, and the triton.rank runner under Policy(mode="auto")."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -223,3 +224,131 @@ def test_long_context_checkpoint_loads():
     model = pretrained.load(pretrained.LONG_WEIGHTS)
     assert model.config.train_seq_len == 32768
     assert model.meta["heldout_context"] == 32768 and model.meta["heldout_bits_per_byte"] < 1.6
+
+
+@pytest.mark.parametrize("causal,n,d,hq,hkv,spread", [
+    (True, 520, 64, 4, 2, True), (False, 384, 32, 2, 1, False), (True, 700, 128, 2, 2, False),
+    (True, 50, 64, 1, 1, True), (False, 300, 64, 2, 1, True)])
+def test_estimate_kernel_matches_torch(causal, n, d, hq, hkv, spread):
+    """The one-launch estimate (kernels/attention_estimate.py) gives the torch passes' masses,
+    costs and entropies, across partial blocks, GQA, both masks and the spread term."""
+    g = torch.Generator().manual_seed(n + d)
+    q = torch.randn(1, hq, n, d, generator=g)
+    k = torch.randn(1, hkv, n, d, generator=g) * 1.5
+    k[:, :, 0] += 4.0  # a sink
+    v = torch.randn(1, hkv, n, d, generator=g)
+    s = bl.summarize(k, v)
+    ref = bl.estimate(q, k, s, d ** -0.5, causal, spread=spread, kernel=False)
+    got = bl.estimate(q, k, s, d ** -0.5, causal, spread=spread, kernel=True)
+    torch.testing.assert_close(got.mass, ref.mass, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got.cost, ref.cost, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got.entropy, ref.entropy, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got.mass.sum(-1), torch.ones_like(got.mass.sum(-1)), atol=1e-5, rtol=0)
+
+
+def _same_plan(a: bl.Plan, b: bl.Plan):
+    assert torch.equal(a.state, b.state)
+    assert torch.equal(a.ecnt, b.ecnt)
+    nkb = a.state.shape[-1]
+    listed = torch.arange(nkb + 1) < a.ecnt[..., None]
+    assert torch.equal(torch.where(listed, a.eidx, 0), torch.where(listed, b.eidx, 0))
+    torch.testing.assert_close(a.density, b.density)
+    torch.testing.assert_close(a.summarised, b.summarised)
+
+
+@pytest.mark.parametrize("causal,n", [(True, 1000), (False, 700), (True, 2048), (True, 100), (False, 1500)])
+def test_plan_kernel_matches_torch(causal, n):
+    """The bisection plan (kernels/rank_plan.py) keeps the blocks the sorted torch plan keeps."""
+    g = torch.Generator().manual_seed(n)
+    nqb, nkb = -(-n // bl.QUERY_BLOCK), -(-n // bl.KEY_BLOCK)
+    m = torch.rand(1, 3, nqb, nkb, generator=g) ** 4
+    m = m / m.sum(-1, keepdim=True)
+    est = bl.Estimate(m, torch.zeros(3), torch.zeros(0), m * 0.5)
+    for th in (-1.0, 0.01, 0.1, 0.5, 2.0):
+        thr = torch.tensor([th, th / 2, th * 1.5])
+        for summaries in (True, False):
+            ref = bl.make_plan(est, thr, n, causal, summaries=summaries, kernel=False)
+            got = bl.make_plan(est, thr, n, causal, summaries=summaries, kernel=True)
+            _same_plan(got, ref)
+    dense = bl.dense_plan(1, 2, n, causal, "cpu")
+    assert dense.density.tolist() == [1.0, 1.0]
+
+
+def test_plan_kernel_in_chunks():
+    """Rows longer than a program's chunk of key blocks loop over chunks: the same plan."""
+    from adaattn.adaptive.rank_launch import plan_blocks
+
+    n = 1100
+    g = torch.Generator().manual_seed(1)
+    m = torch.rand(1, 2, -(-n // bl.QUERY_BLOCK), -(-n // bl.KEY_BLOCK), generator=g) ** 4
+    m = m / m.sum(-1, keepdim=True)
+    thr = torch.tensor([0.05, 0.2])
+    ref = bl.make_plan(bl.Estimate(m, torch.zeros(2), torch.zeros(0)), thr, n, True, summaries=False, kernel=False)
+    got = plan_blocks(m, thr, n, True, summaries=True, query_block=bl.QUERY_BLOCK, key_block=bl.KEY_BLOCK,
+                      local=bl.LOCAL_BLOCKS, chunk=16)
+    assert torch.equal(got.state == 2, ref.state == 2)
+    _same_plan(replace(got, state=torch.where(got.state == 1, 0, got.state).to(torch.int8), summarised=ref.summarised),
+               ref)
+
+
+def test_rank_attention_spec():
+    from adaattn.models.gpt import parse_attention
+
+    kind, policy = parse_attention("rank:0.05")
+    assert kind == "adaattn" and policy.mode == "auto" and policy.tolerance == 0.05
+    assert set(policy.approximations) == {"lowrank", "skip"}
+    with pytest.raises(ValueError, match="rank:TAU"):
+        parse_attention("rank:x")
+
+
+def test_bench_rank_baselines():
+    """The rank suite's baselines: a window's tile density, the window for a density, and the
+    fixed top-k plan (forced blocks kept, the density it was asked for)."""
+    from adaattn.bench.suites import rank as suite
+
+    n = 4096
+    assert suite.window_density(n, n) == pytest.approx(1.0)
+    # a window of one key touches each query block's own tiles only: 2 of them per 128 rows
+    own = sum(2 for _ in range(n // 128))
+    visible = sum((a + 127) // 64 + 1 for a in range(0, n, 128))
+    assert suite.window_density(n, 1) == pytest.approx(own / visible)
+    for target in (0.1, 0.3, 0.7):
+        w = suite.window_for(n, target)
+        assert suite.window_density(n, w) >= target > suite.window_density(n, w - bl.KEY_BLOCK)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 32, generator=g) for _ in range(3))
+    plan = suite.topk_plan(q, k, bl.summarize(k, v), 32 ** -0.5, 0.4)
+    assert all(abs(x - 0.4) < 0.03 for x in plan.density.tolist())
+    listable, forced, tail = bl.block_layout(n, True, bl.QUERY_BLOCK, bl.KEY_BLOCK, "cpu")
+    assert bool((plan.state[..., forced] == 2).all()) and bool((plan.state[..., tail] == 2).all())
+    assert not bool((plan.state == 1).any())  # no summaries: the rest is skipped
+    out = rank_forward(q, k, v, plan, None, 32 ** -0.5)
+    ref = bl.plan_reference(q, k, v, plan, 32 ** -0.5)
+    assert bl.relative_error(out, ref).max() < 1e-4
+
+
+def test_bench_rank_summary():
+    """Whole-model figures are sums over layers; the oracle bound takes min(cuDNN, oracle) per layer."""
+    from adaattn.bench.suites import rank as suite
+
+    rows = []
+    for layer, (cudnn, auto, oracle, dens, od) in enumerate([(10.0, 5.0, 2.0, 0.3, 0.2), (10.0, 10.0, 12.0, 1.0, 0.9)]):
+        base = {"seq_len": 65536, "heads": 6, "layer": layer}
+        rows += [{**base, "peer": "cuDNN", "ms": cudnn}, {**base, "peer": "dense kernel", "ms": 12.0},
+                 {**base, "peer": "auto 0.05", "ms": auto, "density": [dens] * 2, "runs_exact": dens > 0.7,
+                  "max_head_error": 0.04, "rel_error": 0.03},
+                 {**base, "peer": "oracle 0.05", "ms": oracle, "density": [od] * 2},
+                 {**base, "peer": "flex 0.05", "ms": 1.0, "rel_error": 0.1},
+                 {**base, "peer": "top-k 0.05", "ms": 1.0, "rel_error": 0.2}]
+    rows.append({"peer": "sdpa", "ms": 1.0, "bits_per_byte": 1.5})
+    rows.append({"peer": "rank:0.05", "ms": 1.0, "bits_per_byte": 1.503})
+    summary, text = suite.summarize(rows)
+    whole = summary["whole_model"][0]
+    assert whole["x_cudnn"] == pytest.approx(20 / 15)
+    assert whole["oracle_bound_x_cudnn"] == pytest.approx(20 / 12)
+    first = summary["layers"][0]
+    assert first["x_oracle_density"] == pytest.approx(1.5) and first["meets_tolerance"]
+    assert first["of_inverse_density"] == pytest.approx(12 * 0.3 / 5)
+    assert summary["layers"][1]["of_inverse_density"] is None  # ran exact
+    assert summary["heldout"][1]["vs_exact"] == pytest.approx(0.002)
+    assert "oracle bound 1.67x" in text

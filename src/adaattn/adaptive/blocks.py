@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..backends.triton_configs import cdiv
+from ..backends.triton_configs import cdiv, interpreting
 
 QUERY_BLOCK = 128
 KEY_BLOCK = 64
@@ -71,7 +71,7 @@ def _block_sums(x: torch.Tensor, key_block: int, square: bool = False) -> torch.
     full = n // key_block
     if x.numel() <= ESTIMATE_ELEMENTS and n % key_block == 0:
         xf = x.float()
-        return (xf * xf if square else xf).view(b, h, nkb, key_block, d).sum(3)
+        return (xf * xf if square else xf).reshape(b, h, nkb, key_block, d).sum(3)
     out = torch.empty((b, h, nkb, d), dtype=torch.float32, device=x.device)
     for i in range(h):
         xi = x[:, i].float()
@@ -174,12 +174,22 @@ def _estimate_layout(n: int, causal: bool, query_block: int, key_block: int, per
 
 def estimate(q: torch.Tensor, k: torch.Tensor, s: Summaries, scale: float, causal: bool, *,
              query_block: int = QUERY_BLOCK, per_block: int = ROWS_PER_BLOCK, spread: bool = True,
-             local: int = LOCAL_BLOCKS) -> Estimate:
+             local: int = LOCAL_BLOCKS, kernel: bool | None = None) -> Estimate:
     """Sampled rows of each query block score the keys it always keeps exact (first, local and
     own blocks) exactly, and every other key block through its summary: the mean key with a
     log-count bias, plus (spread=True) half the variance of the row's logits over the block's
     keys (diagonal covariance), so a block whose keys spread is not underestimated. A softmax
-    over both gives each row's block masses; the query block's are their mean over its rows."""
+    over both gives each row's block masses; the query block's are their mean over its rows.
+
+    kernel: True runs the one-launch Triton version (kernels/attention_estimate.py), False these
+    torch passes (the reference), None the kernel wherever Triton runs (CUDA, or the interpreter)."""
+    if kernel is None:
+        kernel = q.is_cuda or interpreting()
+    if kernel:
+        from .rank_launch import estimate_blocks
+
+        return estimate_blocks(q, k, s, scale, causal, query_block=query_block, per_block=per_block,
+                               spread=spread, local=local)
     b, hq, n, d = q.shape
     hkv = s.keys.shape[1]
     g = hq // hkv
@@ -267,14 +277,26 @@ def _block_layout(n: int, causal: bool, query_block: int, key_block: int, local:
 
 
 def make_plan(est: Estimate, thresholds: torch.Tensor, n: int, causal: bool, *, summaries: bool = True,
-              query_block: int = QUERY_BLOCK, key_block: int = KEY_BLOCK, local: int = LOCAL_BLOCKS) -> Plan:
+              query_block: int = QUERY_BLOCK, key_block: int = KEY_BLOCK, local: int = LOCAL_BLOCKS,
+              kernel: bool | None = None) -> Plan:
     """Per (batch, head, query block): listable blocks exact in descending estimated error of
     leaving them out, while the estimated error of the blocks not exact exceeds thresholds[head]
     ((Hq,) float32); the rest summarised (summaries=True) or skipped. A skipped block's error is
     its mass; a summarised block's, its mass times the spread (standard deviation, capped at 1)
     of the row's logits over its keys (est.cost): a block of near-equal logits summarises
-    almost exactly, however much mass it holds."""
+    almost exactly, however much mass it holds.
+
+    kernel: True one Triton launch (kernels/rank_plan.py: the same cut, found by bisection; equal
+    values are kept together), False these torch passes (the reference), None the kernel wherever
+    Triton runs."""
     mass = est.cost if summaries and est.cost is not None else est.mass
+    if kernel is None:
+        kernel = mass.is_cuda or interpreting()
+    if kernel:
+        from .rank_launch import plan_blocks
+
+        return plan_blocks(mass, thresholds, n, causal, summaries=summaries, query_block=query_block,
+                           key_block=key_block, local=local)
     b, hq, nqb, nkb = mass.shape
     listable, forced, tail = block_layout(n, causal, query_block, key_block, mass.device, local)
     cand = listable & ~forced
@@ -285,19 +307,28 @@ def make_plan(est: Estimate, thresholds: torch.Tensor, n: int, causal: bool, *, 
     keep_sorted = (before > thresholds.view(1, hq, 1, 1)) & (vals > 0)
     keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
     exact = (keep & cand) | forced
-    state = torch.zeros((b, hq, nqb, nkb), dtype=torch.int8, device=mass.device)
-    if summaries:
-        state[(cand & ~keep).expand(b, hq, nqb, nkb)] = 1
-    state[(exact | tail).expand(b, hq, nqb, nkb)] = 2
+    return plan_from_masks(exact, (cand & ~keep) if summaries else None, n, causal, query_block=query_block,
+                           key_block=key_block, local=local)
+
+
+def plan_from_masks(exact: torch.Tensor, summarised: torch.Tensor | None, n: int, causal: bool, *,
+                    query_block: int = QUERY_BLOCK, key_block: int = KEY_BLOCK, local: int = LOCAL_BLOCKS) -> Plan:
+    """A plan from bool (B, Hq, n_qb, n_kb) masks of the listable blocks to run exact and to
+    summarise (None: none); the tail is always exact, blocks outside both are skipped."""
+    b, hq, nqb, nkb = exact.shape
+    listable, _, tail = block_layout(n, causal, query_block, key_block, exact.device, local)
+    exact = exact & listable
+    summ = torch.zeros_like(exact) if summarised is None else (summarised & listable & ~exact)
+    state = torch.where(exact | tail, 2, torch.where(summ, 1, 0)).to(torch.int8)
     ecnt = exact.sum(-1, dtype=torch.int32)
     pos = torch.where(exact, torch.cumsum(exact, -1, dtype=torch.int64) - 1, nkb)
-    kb = torch.arange(nkb, device=mass.device, dtype=torch.int32).expand(b, hq, nqb, nkb)
-    eidx = torch.zeros((b, hq, nqb, nkb + 1), dtype=torch.int32, device=mass.device)
+    kb = torch.arange(nkb, device=exact.device, dtype=torch.int32).expand(b, hq, nqb, nkb)
+    eidx = torch.zeros((b, hq, nqb, nkb + 1), dtype=torch.int32, device=exact.device)
     eidx.scatter_(-1, pos, kb)
     visible = (listable | tail).sum()
     tiles = (exact.sum((0, 2, 3)).float() + b * tail.sum()) / (b * visible)
-    summ = (state == 1).sum((0, 2, 3)).float() / (b * visible)
-    return Plan(state, eidx, ecnt, tiles, summ, query_block, key_block, causal)
+    summ_share = summ.sum((0, 2, 3)).float() / (b * visible)
+    return Plan(state, eidx, ecnt, tiles, summ_share, query_block, key_block, causal)
 
 
 def dense_plan(b: int, hq: int, n: int, causal: bool, device, *, query_block: int = QUERY_BLOCK,
@@ -384,4 +415,4 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = ["QUERY_BLOCK", "KEY_BLOCK", "Summaries", "summarize", "Estimate", "estimate", "Plan", "make_plan",
-           "dense_plan", "plan_reference", "true_block_mass", "relative_error", "block_layout", "sampled_rows"]
+           "dense_plan", "plan_from_masks", "plan_reference", "true_block_mass", "relative_error", "block_layout", "sampled_rows"]

@@ -6,13 +6,74 @@ import torch
 
 from ..backends.triton_configs import interpreting, next_pow2
 from ..backends.triton_launch import LOG2E, dot_precision
-from .blocks import Plan, Summaries
+from .blocks import Estimate, Plan, Summaries, sampled_rows
 
 
 def _kernel():
     from ..kernels.attention_rank import rank_fwd_kernel
 
     return rank_fwd_kernel
+
+
+PLAN_CHUNK = 4096  # key blocks a plan program holds at once (more: it loops over chunks)
+
+
+def plan_blocks(values: torch.Tensor, thresholds: torch.Tensor, n: int, causal: bool, *, summaries: bool,
+                query_block: int, key_block: int, local: int, chunk: int = PLAN_CHUNK) -> Plan:
+    """blocks.make_plan in one Triton launch (kernels/rank_plan.py) on the values it orders by."""
+    from ..kernels.rank_plan import plan_kernel
+    from .blocks import block_layout
+
+    b, hq, nqb, nkb = values.shape
+    dev = values.device
+    state = torch.empty((b, hq, nqb, nkb), dtype=torch.int8, device=dev)
+    eidx = torch.zeros((b, hq, nqb, nkb + 1), dtype=torch.int32, device=dev)
+    ecnt = torch.empty((b, hq, nqb), dtype=torch.int32, device=dev)
+    scnt = torch.empty_like(ecnt)
+    if values.numel():
+        plan_kernel[(nqb, b * hq)](
+            values.contiguous(), thresholds.float().contiguous(), state, eidx, ecnt, scnt, hq, nkb, n,
+            QUERY_BLOCK=query_block, KEY_BLOCK=key_block, LOCAL=local,
+            CHUNK=min(max(16, next_pow2(nkb)), chunk), CAUSAL=causal, SUMMARIES=summaries,
+            num_warps=4,
+        )
+    listable, _, tail = block_layout(n, causal, query_block, key_block, dev, local)
+    visible = b * (listable | tail).sum()
+    density = (ecnt.sum((0, 2)).float() + b * tail.sum()) / visible
+    summarised = scnt.sum((0, 2)).float() / visible
+    return Plan(state, eidx, ecnt, density, summarised, query_block, key_block, causal)
+
+
+ESTIMATE_GROUP = 8  # query blocks per program of the estimate: the summaries are read once for all
+
+
+def estimate_blocks(q: torch.Tensor, k: torch.Tensor, s: Summaries, scale: float, causal: bool, *,
+                    query_block: int, per_block: int, spread: bool, local: int) -> Estimate:
+    """blocks.estimate in one Triton launch (kernels/attention_estimate.py); q, k with unit last
+    strides, query length = key length."""
+    from ..kernels.attention_estimate import estimate_kernel
+
+    b, hq, n, d = q.shape
+    hkv = k.shape[1]
+    nkb = s.counts.numel()
+    nqb = -(-n // query_block)
+    r = max(1, min(per_block, query_block))
+    mass = torch.zeros((b, hq, nqb, nkb), dtype=torch.float32, device=q.device)
+    cost = torch.zeros_like(mass)
+    ent = torch.empty((b, hq, nqb), dtype=torch.float32, device=q.device)
+    group = 2 if interpreting() else ESTIMATE_GROUP
+    if n:
+        estimate_kernel[(-(-nqb // group), b * hq)](
+            q, k, s.keys, s.variance, mass, cost, ent,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            hq, hq // hkv, n, nqb, nkb, float(scale),
+            HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), QUERY_BLOCK=query_block, KEY_BLOCK=s.key_block,
+            ROWS=r, ROWS_P=max(next_pow2(r), 16 // group), GROUP=group, BLOCK_S=16 if interpreting() else 64, LOCAL=local,
+            CAUSAL=causal, SPREAD=spread, DOT_PRECISION="ieee" if interpreting() else "tf32",
+            num_warps=4, num_stages=1 if interpreting() else 2,
+        )
+    rows = sampled_rows(n, query_block, per_block, q.device)
+    return Estimate(mass, ent.mean((0, 2)), rows, cost)
 
 
 def config(head_dim: int, key_block: int) -> dict:
@@ -52,4 +113,4 @@ def rank_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, 
     return out
 
 
-__all__ = ["rank_forward", "config"]
+__all__ = ["rank_forward", "estimate_blocks", "plan_blocks", "config"]

@@ -1,7 +1,7 @@
 """`adaattn bench`: time adaattn against its peers, on this machine, in one run.
 
     adaattn bench                      # --quick: on a CPU the cpu suite, on a GPU the quick grid
-    adaattn bench --suite prefill      # one suite: prefill train decode quant window varlen hf gpt cpu
+    adaattn bench --suite prefill      # one suite: prefill train decode quant window varlen hf gpt rank cpu
     adaattn bench --full --out DIR     # the grid of every backend at the prefill yardstick
     adaattn bench --seq-lens 1k,4k --causal yes --backends sdpa.cudnn,torch,adaattn
     adaattn bench --workload gpt       # the grid on q, k, v captured from the shipped GPT
@@ -90,12 +90,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="random: torch.randn inputs (default); gpt: each layer's q, k, v captured from the "
                    "shipped byte-level GPT on held-out stdlib text (heads, kv heads and head dim are the "
                    "model's; causal defaults to yes)")
-    w.add_argument("--weights", type=Path, default=None, help="GPT weights for --workload gpt (default: shipped)")
-    w.add_argument("--gpt-layers", default="ends", metavar="ends|all|I,J",
-                   help="layers to take q, k, v from (default ends: first, middle, last)")
+    w.add_argument("--weights", type=Path, default=None,
+                   help="GPT weights for --workload gpt and --suite gpt (default: shipped) and --suite rank (default: "
+                   "the 32k checkpoint)")
+    w.add_argument("--gpt-layers", default=None, metavar="ends|all|I,J",
+                   help="layers to take q, k, v from (default ends: first, middle, last; --suite rank: all)")
     s = parser.add_argument_group("suites (each applies where the suite says)")
     s.add_argument("--tolerances", type=_floats, default=None, metavar="T,T,T",
-                   help="mode=auto tolerances of prefill and quant (default 1e-2,3e-2,8e-2)")
+                   help="mode=auto tolerances of prefill and quant (default 1e-2,3e-2,8e-2) and rank (1e-2,5e-2)")
     s.add_argument("--window-size", type=_positive, default=None,
                    help="window: keys to the left (default 1024 up to N=16k, 4096 above)")
     s.add_argument("--documents", type=_positive, default=None, help="varlen: documents packed (default 8)")

@@ -65,6 +65,7 @@ def main_suite(args: argparse.Namespace) -> int:
     settings = Settings(device, args.warmup_ms, args.rep_ms, progress=not args.no_progress)
     rows = run_cases(cases, settings)
     written = suite.finish(args, rows) if suite.finish is not None else []
+    summary, summary_text = suite.summarize(rows) if suite.summarize is not None else (None, "")
     ov_rows = []
     if suite.dispatch_overhead and args.overhead != "no":
         ov_rows = overhead_mod.run_overhead(overhead_mod.default_shapes(device.type), device)
@@ -77,12 +78,15 @@ def main_suite(args: argparse.Namespace) -> int:
                        "warmup_ms": args.warmup_ms, "error_rows": args.error_rows, "seed": args.seed},
             "method": {"timing": timing.interleaved_method(device), **METHOD,
                        **({"overhead": overhead_mod.HOW} if ov_rows else {})},
-            "not_run": settings.not_run, "rows": rows, "overhead": ov_rows, "wall_s": round(wall_s, 2),
+            "not_run": settings.not_run, **({"summary": summary} if summary is not None else {}), "rows": rows, "overhead": ov_rows, "wall_s": round(wall_s, 2),
         }
         stem = f"{suite.name}-{report.output_stem(env, started)}"
         print(f"wrote {report.write_json(args.out / f'{stem}.json', record)}")
-        png = write_suite_plot(args.out / f"{stem}.png", rows,
-                               f"adaattn bench --suite {suite.name}, {env['device_name']}, torch {env['torch']}")
+        title = f"adaattn bench --suite {suite.name}, {env['device_name']}, torch {env['torch']}"
+        if suite.plot is not None and summary is not None:
+            png = suite.plot(args.out / f"{stem}.png", summary, title)
+        else:
+            png = write_suite_plot(args.out / f"{stem}.png", rows, title)
         if png is not None:
             print(f"wrote {png}")
 
@@ -95,4 +99,6 @@ def main_suite(args: argparse.Namespace) -> int:
         print(report.format_overhead(ov_rows))
     print(f"\n--suite {suite.name}: {len(rows)} rows in {wall_s:.1f} s\n")
     print(format_suite_table(rows))
+    if summary_text:
+        print(f"\n{summary_text}")
     return 0

@@ -53,7 +53,7 @@ def _gpt_cases(grid: Grid, device: torch.device, args: argparse.Namespace):
 
     if getattr(args, "no_progress", False) is False:
         print("bench: capturing q, k, v from the GPT", file=sys.stderr, flush=True)
-    return gpt_cases(grid, device, args.weights, args.gpt_layers)
+    return gpt_cases(grid, device, args.weights, args.gpt_layers or "ends")
 
 
 def main_grid(args: argparse.Namespace) -> int:

@@ -370,18 +370,22 @@ class GPT(nn.Module):
 
 def parse_attention(spec: str) -> tuple[str, Policy | None]:
     """'sdpa' -> torch SDPA; 'adaattn' -> adaattn's dispatch; 'adaattn:NAME' -> pinned to a backend;
-    'auto:TAU' -> adaattn with Policy(mode="auto", precisions native/int8/fp8, tolerance TAU).
+    'auto:TAU' -> adaattn with Policy(mode="auto", precisions native/int8/fp8, tolerance TAU);
+    'rank:TAU' -> adaattn with Policy(mode="auto", approximations lowrank/skip, tolerance TAU).
 
     Returns (attention, policy) for GPT(..., attention=..., policy=...). Raises ValueError otherwise.
     """
     if spec in ("sdpa", "adaattn"):
         return spec, None
-    if spec.startswith("auto:"):
-        try:
-            tau = float(spec.split(":", 1)[1])
-        except ValueError:
-            raise ValueError(f"attention spec auto:TAU needs a number, got {spec!r}") from None
-        return "adaattn", Policy(mode="auto", precisions=("native", "int8", "fp8"), tolerance=tau)
+    for prefix in ("auto:", "rank:"):
+        if spec.startswith(prefix):
+            try:
+                tau = float(spec.split(":", 1)[1])
+            except ValueError:
+                raise ValueError(f"attention spec {prefix}TAU needs a number, got {spec!r}") from None
+            if prefix == "rank:":
+                return "adaattn", Policy(mode="auto", approximations=("lowrank", "skip"), tolerance=tau)
+            return "adaattn", Policy(mode="auto", precisions=("native", "int8", "fp8"), tolerance=tau)
     if spec.startswith("adaattn:") and spec.split(":", 1)[1]:
         return "adaattn", Policy(backends=(spec.split(":", 1)[1],))
-    raise ValueError(f"attention spec must be sdpa, adaattn, adaattn:BACKEND or auto:TAU, got {spec!r}")
+    raise ValueError(f"attention spec must be sdpa, adaattn, adaattn:BACKEND, auto:TAU or rank:TAU, got {spec!r}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import calibrate, cpu, decode, gpt, hf, prefill, quant, train, varlen, window
+from . import calibrate, cpu, decode, gpt, hf, prefill, quant, rank, train, varlen, window
 
 
 @dataclass(frozen=True)
@@ -20,12 +20,15 @@ class Suite:
     cases: Callable
     dispatch_overhead: bool = False
     finish: Callable | None = None  # (args, rows) -> paths written, after the rows are timed
+    summarize: Callable | None = None  # rows -> (dict for the JSON's "summary", text printed after the table)
+    plot: Callable | None = None  # (path, summary, title) -> path written or None: the PNG in place of the default
 
 
 SUITES = {
     m.NAME: Suite(m.NAME, m.HELP, m.NEEDS_CUDA, m.cases, getattr(m, "DISPATCH_OVERHEAD", False),
-                  getattr(m, "finish", None))
-    for m in (prefill, train, decode, quant, window, varlen, hf, gpt, cpu, calibrate)
+                  getattr(m, "finish", None), getattr(m, "summarize", None),
+                  getattr(m, "plot", None))
+    for m in (prefill, train, decode, quant, window, varlen, hf, gpt, rank, cpu, calibrate)
 }
 
 __all__ = ["SUITES", "Suite"]
