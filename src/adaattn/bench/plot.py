@@ -30,7 +30,13 @@ def size_ticks(ax, xs: list[int]) -> None:
 
 
 def save_figure(plt, fig, path: Path, title: str) -> Path:
-    return save_figure(plt, fig, path, title)
+    """Title, tight layout, write `path` (its folder made), close; returns path."""
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def write_suite_plot(path: Path, rows: list[dict], title: str) -> Path | None:
@@ -66,9 +72,4 @@ def write_suite_plot(path: Path, rows: list[dict], title: str) -> Path | None:
             ax.set_xlabel("size")
             ax.grid(True, alpha=0.3)
             ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path, title)

@@ -418,7 +418,7 @@ def plot(path, summary: dict, title: str):
     """Three panels: whole-model speed-up over cuDNN against N (ours, and the oracle's bound),
     our density over the oracle's per layer, and the error of ours, FlexAttention's window and
     top-k at equal density per layer (the largest N). None where matplotlib does not import."""
-    from ..plot import pyplot, size_ticks
+    from ..plot import pyplot, save_figure, size_ticks
 
     plt = pyplot()
     if plt is None or not summary["whole_model"]:
@@ -460,9 +460,4 @@ def plot(path, summary: dict, title: str):
     for ax in axes:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=6)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(plt, fig, path, title)
