@@ -84,12 +84,18 @@ def _block_sums(x: torch.Tensor, key_block: int, square: bool = False) -> torch.
     return out
 
 
+def block_means(x: torch.Tensor, block: int) -> torch.Tensor:
+    """(B, H, cdiv(N, block), D) float32 means of x (B, H, N, D) over each block of rows (the
+    last one partial)."""
+    return _block_sums(x, block) / block_counts(x.shape[2], block, x.device)[:, None]
+
+
 def summarize(k: torch.Tensor, v: torch.Tensor, key_block: int = KEY_BLOCK) -> Summaries:
     counts = block_counts(k.shape[2], key_block, k.device)
     c = counts[:, None]
-    mean_k = _block_sums(k, key_block) / c
+    mean_k = block_means(k, key_block)
     var = (_block_sums(k, key_block, square=True) / c - mean_k * mean_k).clamp_min_(0.0)
-    mean_v = _block_sums(v, key_block) / c
+    mean_v = block_means(v, key_block)
     return Summaries(mean_k.to(k.dtype).contiguous(), mean_v.to(v.dtype).contiguous(), var.contiguous(), counts,
                      key_block)
 
@@ -276,6 +282,18 @@ def _block_layout(n: int, causal: bool, query_block: int, key_block: int, local:
     return listable, forced, tail
 
 
+@_cached
+def _layout_counts(n: int, causal: bool, query_block: int, key_block: int, local: int, device):
+    """(visible tiles, tail tiles) of one (batch, head) as ints: the denominators of a plan's
+    density, read once per size."""
+    listable, _, tail = _block_layout(n, causal, query_block, key_block, local, device)
+    return int((listable | tail).sum()), int(tail.sum())
+
+
+def layout_counts(n: int, causal: bool, query_block: int, key_block: int, device, local: int = LOCAL_BLOCKS):
+    return _layout_counts(n, causal, query_block, key_block, local, device)
+
+
 def make_plan(est: Estimate, thresholds: torch.Tensor, n: int, causal: bool, *, summaries: bool = True,
               query_block: int = QUERY_BLOCK, key_block: int = KEY_BLOCK, local: int = LOCAL_BLOCKS,
               kernel: bool | None = None) -> Plan:
@@ -325,8 +343,8 @@ def plan_from_masks(exact: torch.Tensor, summarised: torch.Tensor | None, n: int
     kb = torch.arange(nkb, device=exact.device, dtype=torch.int32).expand(b, hq, nqb, nkb)
     eidx = torch.zeros((b, hq, nqb, nkb + 1), dtype=torch.int32, device=exact.device)
     eidx.scatter_(-1, pos, kb)
-    visible = (listable | tail).sum()
-    tiles = (exact.sum((0, 2, 3)).float() + b * tail.sum()) / (b * visible)
+    visible, tails = layout_counts(n, causal, query_block, key_block, exact.device, local)
+    tiles = (exact.sum((0, 2, 3)).float() + b * tails) / (b * visible)
     summ_share = summ.sum((0, 2, 3)).float() / (b * visible)
     return Plan(state, eidx, ecnt, tiles, summ_share, query_block, key_block, causal)
 
@@ -414,5 +432,5 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return diff / ref.double().pow(2).sum((0, 2, 3)).sqrt().clamp_min(1e-300)
 
 
-__all__ = ["QUERY_BLOCK", "KEY_BLOCK", "Summaries", "summarize", "Estimate", "estimate", "Plan", "make_plan",
+__all__ = ["QUERY_BLOCK", "KEY_BLOCK", "Summaries", "block_means", "summarize", "Estimate", "estimate", "Plan", "make_plan",
            "dense_plan", "plan_from_masks", "plan_reference", "true_block_mass", "relative_error", "block_layout", "sampled_rows"]

@@ -22,7 +22,7 @@ def plan_blocks(values: torch.Tensor, thresholds: torch.Tensor, n: int, causal: 
                 query_block: int, key_block: int, local: int, chunk: int = PLAN_CHUNK) -> Plan:
     """blocks.make_plan in one Triton launch (kernels/rank_plan.py) on the values it orders by."""
     from ..kernels.rank_plan import plan_kernel
-    from .blocks import block_layout
+    from .blocks import layout_counts
 
     b, hq, nqb, nkb = values.shape
     dev = values.device
@@ -37,10 +37,9 @@ def plan_blocks(values: torch.Tensor, thresholds: torch.Tensor, n: int, causal: 
             CHUNK=min(max(16, next_pow2(nkb)), chunk), CAUSAL=causal, SUMMARIES=summaries,
             num_warps=4,
         )
-    listable, _, tail = block_layout(n, causal, query_block, key_block, dev, local)
-    visible = b * (listable | tail).sum()
-    density = (ecnt.sum((0, 2)).float() + b * tail.sum()) / visible
-    summarised = scnt.sum((0, 2)).float() / visible
+    visible, tails = layout_counts(n, causal, query_block, key_block, dev, local)
+    density = (ecnt.sum((0, 2)).float() + b * tails) / (b * visible)
+    summarised = scnt.sum((0, 2)).float() / (b * visible)
     return Plan(state, eidx, ecnt, density, summarised, query_block, key_block, causal)
 
 

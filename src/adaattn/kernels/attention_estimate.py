@@ -65,6 +65,21 @@ def _exact_scores(q, k_base, stride_kn, start, offs_k, offs_d, rows, seq_len, lo
 
 
 @triton.jit
+def _near(qb, seq_len, QUERY_BLOCK: tl.constexpr, KEY_BLOCK: tl.constexpr, LOCAL: tl.constexpr,
+          CAUSAL: tl.constexpr):
+    """For query blocks qb: the keys [near_lo, near_hi) scored exactly besides the first block
+    (the local and own blocks, whole key blocks), and the key blocks [lo_cov, hi_cov) they cover."""
+    if CAUSAL:
+        near_lo = tl.maximum(qb * QUERY_BLOCK - LOCAL * KEY_BLOCK, KEY_BLOCK)
+    else:
+        near_lo = tl.maximum(qb * QUERY_BLOCK, KEY_BLOCK)
+    near_hi = tl.minimum((qb + 1) * QUERY_BLOCK, seq_len)
+    lo_cov = near_lo // KEY_BLOCK
+    hi_cov = tl.where(near_hi > near_lo, (near_hi + KEY_BLOCK - 1) // KEY_BLOCK, lo_cov)
+    return near_lo, near_hi, lo_cov, hi_cov
+
+
+@triton.jit
 def _online(m, l, s):
     m_new = tl.maximum(m, tl.max(s, 1))
     shift = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -127,22 +142,12 @@ def estimate_kernel(
     spread_log2 = 0.5 * 1.4426950408889634
 
     # Each lane's always-exact keys: the first block, and [near_lo, near_hi) (whole key blocks).
-    q_end = tl.minimum((qb + 1) * QUERY_BLOCK, seq_len)
-    if CAUSAL:
-        near_lo = tl.maximum(qb * QUERY_BLOCK - LOCAL * KEY_BLOCK, KEY_BLOCK)
-    else:
-        near_lo = tl.maximum(qb * QUERY_BLOCK, KEY_BLOCK)
-    near_hi = q_end
-    lo_cov = near_lo // KEY_BLOCK
-    hi_cov = tl.where(near_hi > near_lo, (near_hi + KEY_BLOCK - 1) // KEY_BLOCK, lo_cov)
+    near_lo, near_hi, lo_cov, hi_cov = _near(qb, seq_len, QUERY_BLOCK, KEY_BLOCK, LOCAL, CAUSAL)
     last_qb = tl.minimum(pid_g * GROUP + GROUP, n_qb) - 1
-    if CAUSAL:
-        vis_kb = (tl.minimum((last_qb + 1) * QUERY_BLOCK, seq_len) + KEY_BLOCK - 1) // KEY_BLOCK
-        span_lo = tl.maximum(pid_g * GROUP * QUERY_BLOCK - LOCAL * KEY_BLOCK, KEY_BLOCK)
-    else:
-        vis_kb = n_kb
-        span_lo = tl.maximum(pid_g * GROUP * QUERY_BLOCK, KEY_BLOCK)
-    span_hi = tl.minimum((last_qb + 1) * QUERY_BLOCK, seq_len)
+    span_lo, _, _, _ = _near(pid_g * GROUP, seq_len, QUERY_BLOCK, KEY_BLOCK, LOCAL, CAUSAL)
+    _, span_hi, _, _ = _near(last_qb, seq_len, QUERY_BLOCK, KEY_BLOCK, LOCAL, CAUSAL)
+    # key blocks any row of the group sees
+    vis_kb = (span_hi + KEY_BLOCK - 1) // KEY_BLOCK if CAUSAL else n_kb
     zero = tl.zeros_like(near_lo)
     first_hi = zero + tl.minimum(KEY_BLOCK, seq_len)
     offs_s = tl.arange(0, BLOCK_S)
@@ -170,12 +175,7 @@ def estimate_kernel(
     g = tl.arange(0, GROUP)
     qb_g = pid_g * GROUP + g
     g_ok = qb_g < n_qb
-    if CAUSAL:
-        lo_g = tl.maximum(qb_g * QUERY_BLOCK - LOCAL * KEY_BLOCK, KEY_BLOCK) // KEY_BLOCK
-    else:
-        lo_g = tl.maximum(qb_g * QUERY_BLOCK, KEY_BLOCK) // KEY_BLOCK
-    end_g = tl.minimum((qb_g + 1) * QUERY_BLOCK, seq_len)
-    hi_g = tl.where(end_g > lo_g * KEY_BLOCK, (end_g + KEY_BLOCK - 1) // KEY_BLOCK, lo_g)
+    _, _, lo_g, hi_g = _near(qb_g, seq_len, QUERY_BLOCK, KEY_BLOCK, LOCAL, CAUSAL)
     out_rows = ((b64 * q_heads + head) * n_qb + qb_g) * n_kb
     ent = tl.zeros([GROUP * ROWS_P], dtype=tl.float32)
     for j0 in range(0, vis_kb, BLOCK_S):

@@ -108,14 +108,20 @@ def _step_case(args, device):
 
 def _heldout_case(args, device):
     windows = getattr(args, "gpt_windows", None) or 16
-    n = 8192
+    return heldout_case(getattr(args, "weights", None), 8192, windows, HELDOUT_KINDS, device, "shipped", batch=8, warm=1)
+
+
+def heldout_case(weights, n: int, windows: int, kinds, device, model_name: str, batch: int, warm: int) -> Case:
+    """Held-out bits/byte and tokens/s of the model on `windows` windows of `n` bytes, one peer per
+    attention spec (models.gpt.parse_attention), x the first; `warm` passes before timing settle
+    adaptive sites."""
 
     def make():
         from ...models import load
         from ...models.evaluate import heldout_windows, score_windows
         from ...models.gpt import parse_attention
 
-        model = load(getattr(args, "weights", None), device)
+        model = load(weights, device)
         wins = heldout_windows(n, windows)
 
         def peer(kind):
@@ -123,12 +129,14 @@ def _heldout_case(args, device):
 
             def score():
                 model.set_attention(*parse_attention(kind))
-                last.update(score_windows(model, wins, batch=8))
+                with torch.no_grad():
+                    last.update(score_windows(model, wins, batch=batch))
 
-            return Peer(kind, score, info=lambda: {"bits_per_byte": last.get("bits_per_byte")})
+            return Peer(kind, score, warm=warm, info=lambda: {"bits_per_byte": last.get("bits_per_byte")})
 
-        return [peer(kind) for kind in HELDOUT_KINDS], None
+        return [peer(kind) for kind in kinds], None
 
-    fields = {"model": "shipped", "seq_len": n, "windows": windows}
-    return Case(NAME, f"GPT shipped held-out {windows} x {n} bytes", n, fields, "sdpa", "tokens/s", windows * n, make,
-                series="GPT shipped held-out")
+    fields = {"model": model_name, "seq_len": n, "windows": windows}
+    series = f"GPT {model_name} held-out"
+    return Case(NAME, f"{series} {windows} x {n} bytes", n, fields, kinds[0], "tokens/s", windows * n, make,
+                series=series)

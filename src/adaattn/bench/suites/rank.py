@@ -15,6 +15,7 @@ from ...adaptive.rank_launch import rank_forward
 from ...policy import Policy
 from .. import accuracy, peers
 from ..cases import Case, Peer
+from ..dense import head_errors
 from ..peers import Call
 from ..workload import parse_layers
 
@@ -115,13 +116,6 @@ def replicate(q, k, v, heads: int):
     kv = src // (hq // hkv)
     return (q.index_select(1, src).contiguous(), k.index_select(1, kv).contiguous(),
             v.index_select(1, kv).contiguous())
-
-
-def head_errors(out: torch.Tensor, ref: torch.Tensor, idx: torch.Tensor) -> list[float]:
-    got = out.detach().index_select(2, idx.to(out.device)).double()
-    want = ref.to(got.device, torch.float64)
-    err = (got - want).pow(2).sum((0, 2, 3)).sqrt() / want.pow(2).sum((0, 2, 3)).sqrt().clamp_min(1e-300)
-    return [float(x) for x in err.tolist()]
 
 
 def _maker(inputs, taus, label, oracles: dict, where: tuple, source):
@@ -292,14 +286,11 @@ def _flex(call: Call, density: float, tau: float) -> Peer:
 def topk_plan(q, k, summaries, scale: float, density: float) -> blocks.Plan:
     """Forced blocks (first, local, own) plus, per query block, the candidates of highest pooled
     score until the query block computes `density` of its visible tiles."""
-    b, hq, n, d = q.shape
+    hq, n = q.shape[1], q.shape[2]
     g = hq // k.shape[1]
     qb_size, kb_size = blocks.QUERY_BLOCK, blocks.KEY_BLOCK
     listable, forced, tail = blocks.block_layout(n, True, qb_size, kb_size, q.device)
-    nqb = listable.shape[0]
-    pad = nqb * qb_size - n
-    qp = torch.nn.functional.pad(q.float(), (0, 0, 0, pad)).view(b, hq, nqb, qb_size, d).sum(3)
-    qp = qp / torch.clamp(n - torch.arange(nqb, device=q.device) * qb_size, max=qb_size)[:, None].float()
+    qp = blocks.block_means(q, qb_size)
     km = summaries.keys.float().repeat_interleave(g, 1)
     score = (qp @ km.transpose(-1, -2)) * scale
     cand = listable & ~forced
@@ -320,31 +311,10 @@ def _topk(q, k, v, summaries, scale, density: float, tau: float) -> Peer:
 
 
 def _heldout_case(weights, n: int, taus, device) -> Case:
-    kinds = ("sdpa", *(f"rank:{t:g}" for t in taus))
+    from .gpt import heldout_case
 
-    def make():
-        from ...models import load
-        from ...models.evaluate import heldout_windows, score_windows
-        from ...models.gpt import parse_attention
-
-        model = load(weights, device)
-        wins = heldout_windows(n, HELDOUT_WINDOWS)
-
-        def peer(kind):
-            last: dict = {}
-
-            def score():
-                model.set_attention(*parse_attention(kind))
-                with torch.no_grad():
-                    last.update(score_windows(model, wins, batch=1))
-
-            return Peer(kind, score, warm=2, info=lambda: {"bits_per_byte": last.get("bits_per_byte")})
-
-        return [peer(kind) for kind in kinds], None
-
-    fields = {"model": "gpt32k", "seq_len": n, "windows": HELDOUT_WINDOWS}
-    return Case(NAME, f"GPT 32k held-out {HELDOUT_WINDOWS} x {n} bytes", n, fields, "sdpa", "tokens/s",
-                HELDOUT_WINDOWS * n, make, series="GPT 32k held-out")
+    return heldout_case(weights, n, HELDOUT_WINDOWS, ("sdpa", *(f"rank:{t:g}" for t in taus)), device, "32k", batch=1,
+                        warm=2)
 
 
 def summarize(rows: list[dict]) -> tuple[dict, str]:
