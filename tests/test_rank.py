@@ -352,3 +352,37 @@ def test_bench_rank_summary():
     assert summary["layers"][1]["of_inverse_density"] is None  # ran exact
     assert summary["heldout"][1]["vs_exact"] == pytest.approx(0.002)
     assert "oracle bound 1.67x" in text
+
+
+def test_thresholds_follow_errors_pooled_over_verified_calls():
+    """The first check's pooled error is its own; the next pools both calls' squared errors, the
+    earlier scaled by the threshold's move, and thresholds move by TARGET * tol / pooled."""
+    torch.manual_seed(11)
+    b, h, n, d = 1, 2, 256, 64
+    q, k, v = (torch.randn(b, h, n, d, dtype=torch.bfloat16) for _ in range(3))
+    exact = exact64(q, k, v, True).float()
+    tol = 5e-2
+    ctl = rank.RankController("pool", tol, 1.0, h, q.device)
+    rows = {}
+    for call, noise in enumerate((0.01, 0.03)):
+        ctl.verified = call + 1
+        g = torch.Generator(device="cpu").manual_seed(ctl.verified)
+        r = rank.stratified_rows(n, rank.SAMPLE_ROWS, g)
+        rows[call] = r
+        out = (exact + noise * exact.std() * torch.randn_like(exact)).to(torch.bfloat16)
+        theta0 = ctl.theta.clone()
+        info = ctl._check(q, k, v, out, d ** -0.5, True, None, None, None)
+        assert info["heads_redone_exact"] == []
+        sel, ref = out.index_select(2, r).double(), exact.index_select(2, r).double()
+        d2, r2 = (sel - ref).pow(2).sum((0, 2, 3)), ref.pow(2).sum((0, 2, 3))
+        assert torch.allclose(torch.tensor(info["head_errors"]).double(), (d2 / r2).sqrt(), rtol=1e-3)
+        if call == 0:
+            want = (d2 / r2).sqrt()
+            moved = (torch.tensor(ctl.theta.tolist()) / theta0).double()
+            prev = (d2 * moved * moved, r2)
+        else:
+            want = ((d2 + rank.POOL_DECAY * prev[0]) / (r2 + rank.POOL_DECAY * prev[1])).sqrt()
+        assert torch.allclose(torch.tensor(info["pooled_errors"]).double(), want, rtol=1e-3), (info, want)
+        step = (rank.TARGET * tol / want).clamp(0.25, 2.0)
+        assert torch.allclose(ctl.theta.double(), (theta0.double() * step).clamp(rank.THETA_MIN, rank.THETA_MAX),
+                              rtol=1e-4)

@@ -9,10 +9,9 @@ One call at a site:
 On a verified call (the site's first, then a fraction `verify` of calls) the plan's density is
 read back: where it is above BREAK_EVEN the tiles saved do not pay for the analysis, and the
 site runs the fastest exact runner until its next verified call. Otherwise sampled rows are
-computed exactly and each head's error is measured; a head over VERIFY_MARGIN of the tolerance
-(sampled rows are an estimate) is recomputed
-exact for this call, and every head's threshold moves toward the error it should give
-(TARGET of the tolerance). Unverified calls make no host synchronisation.
+computed exactly and each head's error is measured; a head over VERIFY_MARGIN of the tolerance is
+recomputed exact for this call, and every head's threshold moves toward the error it should
+give (TARGET of the tolerance). Unverified calls make no host synchronisation.
 """
 
 from __future__ import annotations
@@ -29,14 +28,15 @@ from .rank_launch import rank_forward
 
 MIN_KEYS = 8192  # below this many keys the analysis does not pay for the tiles it saves
 BREAK_EVEN = 0.7  # a plan computing more than this share of the exact tiles runs exact instead
-TARGET = 0.5  # thresholds aim at this fraction of the tolerance
-VERIFY_MARGIN = 0.7  # a head whose sampled rows measure over tolerance * this is recomputed exact
+TARGET = 0.75  # thresholds aim at this fraction of the tolerance
+VERIFY_MARGIN = 1.0  # a head whose sampled rows measure over tolerance * this is recomputed exact
 THETA0 = 0.5  # a site's first thresholds: this fraction of the tolerance
 SLOWER = 0.97  # a site whose analysis + kernel measure over this share of the exact time runs exact
 EXACT_RETIME = 8  # the exact runner is timed again every this many verified calls
-# Sampled rows per verified call: the exact-rows kernel takes up to 128 (64 read errors up to
-# 1.5x low at 32k).
-SAMPLE_ROWS = 128
+# Sampled rows per verified call. Errors of trained heads sit in few rows (at 128k, layer 7 of
+# the 32k GPT: 0.1% of rows hold 57-65% of the squared error; benchmarks/NOTES.md).
+SAMPLE_ROWS = 512
+POOL_DECAY = 0.5  # weight of a verified call's sampled errors at the next one (see _check)
 THETA_MIN, THETA_MAX = 1e-5, 0.5
 
 
@@ -78,6 +78,7 @@ class RankController:
         self.exact_ms: Optional[float] = None  # the exact runner's time, measured on verified calls
         self.rank_ms: Optional[float] = None  # analysis + kernel, measured on verified calls
         self.slower: Optional[tuple] = None
+        self._pool: Optional[tuple] = None  # per head: pooled squared error and reference norms
 
     def _verify_now(self) -> bool:
         """The first call, then one call in round(1 / verify) (none more with verify = 0)."""
@@ -98,7 +99,7 @@ class RankController:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         s = blocks.summarize(k, v)
-        est = blocks.estimate(q, k, s, scale, causal, spread=True)
+        est = blocks.estimate(q, k, s, scale, causal, per_block=blocks.rows_per_block(n), spread=True)
         plan = blocks.make_plan(est, self.theta, n, causal, summaries=summaries)
         if verify:
             self.verified += 1
@@ -145,8 +146,17 @@ class RankController:
         g = torch.Generator(device="cpu").manual_seed(self.verified)
         rows = stratified_rows(n, SAMPLE_ROWS, g).to(q.device)
         ref, _ = analysis.exact_rows(q, k, v, rows, None, scale, causal, need_p=False)
-        errors = analysis.head_errors(out.index_select(2, rows), ref)
+        d2 = (out.index_select(2, rows).float() - ref).pow(2).sum((0, 2, 3))
+        r2 = ref.pow(2).sum((0, 2, 3))
+        errors = torch.where(r2 > 0, d2 / r2.clamp_min(1e-30), d2).sqrt()
         self.errors = errors.tolist()
+        # Thresholds follow the errors pooled over verified calls (other rows each time; the
+        # error of trained heads sits in few rows), the earlier calls' scaled to the threshold
+        # now (error taken as proportional to it) and weighted POOL_DECAY per call.
+        if self._pool is not None:
+            d2 = d2 + POOL_DECAY * self._pool[0]
+            r2 = r2 + POOL_DECAY * self._pool[1]
+        pooled = torch.where(r2 > 0, d2 / r2.clamp_min(1e-30), d2).sqrt()
         bad = [h for h, e in enumerate(self.errors) if not e <= VERIFY_MARGIN * self.tolerance]
         if bad:
             if redo is None and exact is not None:
@@ -156,10 +166,12 @@ class RankController:
                                     scale)
             heads = torch.tensor(bad, device=q.device)
             out.index_copy_(1, heads, redo.index_select(1, heads))
-        err = errors.to(self.theta.device).clamp_min(1e-12)
-        factor = (TARGET * self.tolerance / err).clamp(0.25, 2.0)
-        self.theta = (self.theta * factor).clamp(THETA_MIN, THETA_MAX)
-        return {"head_errors": list(self.errors), "heads_redone_exact": bad,
+        err = pooled.to(self.theta.device).clamp_min(1e-12)
+        theta = (self.theta * (TARGET * self.tolerance / err).clamp(0.25, 2.0)).clamp(THETA_MIN, THETA_MAX)
+        moved = (theta / self.theta).to(d2.device)
+        self._pool = (d2 * moved * moved, r2)
+        self.theta = theta
+        return {"head_errors": list(self.errors), "pooled_errors": pooled.tolist(), "heads_redone_exact": bad,
                 "errors_measured_on": f"{rows.numel()} sampled rows per head"}
 
     def _info_exact(self, exact: ExactAlternative, when: str) -> dict:

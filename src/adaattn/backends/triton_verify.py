@@ -28,7 +28,7 @@ def _kernels():
 
     return exact_rows_kernel, verify_step_kernel
 
-MAX_ROWS = 128
+ROW_CHUNK = 128  # rows one exact-rows program holds (more rows: more programs)
 MAX_HEAD_DIM = 256
 _failed: dict = {}
 
@@ -58,7 +58,7 @@ def exact_rows(q, k, v, rows, attn_mask, scale: float, causal: bool, bottom_righ
     hkv, nk = k.shape[1], k.shape[2]
     r = rows.shape[0]
     if (q.dtype not in (torch.bfloat16, torch.float16) or k.dtype != q.dtype or v.dtype != q.dtype
-            or k.shape[-1] != d or v.shape[-1] != d or d > MAX_HEAD_DIM or not 0 < r <= MAX_ROWS
+            or k.shape[-1] != d or v.shape[-1] != d or d > MAX_HEAD_DIM or not 0 < r
             or not _where_ok(q) or any(t.stride(-1) != 1 for t in (q, k, v))):
         return None
     ref = torch.empty((b, hq, r, d), dtype=torch.float32, device=q.device)
@@ -66,12 +66,12 @@ def exact_rows(q, k, v, rows, attn_mask, scale: float, causal: bool, bottom_righ
         return ref.zero_()
     has_right = causal or window_right >= 0
     try:
-        exact_rows_kernel[(b * hq,)](
+        exact_rows_kernel[(b * hq, -(-r // ROW_CHUNK))](
             q, k, v, rows, ref,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
             hq, hq // hkv, r, nq, nk, float(scale), max(window_left, 0), 0 if causal else max(window_right, 0),
-            HEAD_DIM=d, BLOCK_D=_pow2(d, 16), BLOCK_R=_pow2(r, 16), BLOCK_N=16 if interpreting() else 64,
+            HEAD_DIM=d, BLOCK_D=_pow2(d, 16), BLOCK_R=min(_pow2(r, 16), ROW_CHUNK), BLOCK_N=16 if interpreting() else 64,
             HAS_LEFT=window_left >= 0, HAS_RIGHT=has_right, BOTTOM_RIGHT=bottom_right,
             DOT_PRECISION=dot_precision(q.dtype), num_warps=4, num_stages=2,
         )

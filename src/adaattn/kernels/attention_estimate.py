@@ -4,8 +4,8 @@ query head, query block). The float32 torch version (adaptive/blocks.estimate, d
 is the reference; see it for what is estimated.
 
 Per sampled row, every key block that is neither always exact nor invisible scores through its
-summary: the mean key with log(number of keys the row sees) added, plus half the variance of the
-row's logits over the block's keys (diagonal covariance). The always-exact keys (the first block,
+summary: the mean key with log(the block's key count) added (a row sees every summarised block
+whole), plus half the variance of the row's logits over the block's keys (diagonal covariance). The always-exact keys (the first block,
 and the local and own blocks) score exactly. A first pass finds each row's softmax maximum and
 sum over both; a second pass turns scores into probabilities and writes, per key block, their
 mean over the valid sampled rows (mass), the same weighted by min(1, logit spread) (cost), and
@@ -21,8 +21,10 @@ def _summary_scores(q, q2, ks_base, var_base, j0, offs_s, offs_d, rows, seq_len,
                     spread_log2, HEAD_DIM: tl.constexpr, KEY_BLOCK: tl.constexpr, CAUSAL: tl.constexpr,
                     SPREAD: tl.constexpr, WANT_SPREAD: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Scores (log2, -inf where the block is not summarised for the row), the logit spread
-    (natural units; zeros unless WANT_SPREAD) and log2 of the keys the row sees, for key blocks j0 .. j0 + BLOCK_S; and
-    which of them exist."""
+    (natural units; zeros unless WANT_SPREAD) and log2 of each block's key count (BLOCK_S,), for
+    key blocks j0 .. j0 + BLOCK_S; and which of them exist. A block summarised for a row is
+    one the row sees whole (the blocks it sees in part are its own, always exact), so the
+    log-count bias is the block's."""
     idx = j0 + offs_s
     valid = idx < n_kb
     kmask = valid[:, None] & (offs_d[None, :] < HEAD_DIM)
@@ -34,18 +36,15 @@ def _summary_scores(q, q2, ks_base, var_base, j0, offs_s, offs_d, rows, seq_len,
     else:
         spread = tl.zeros_like(logit)
     start = idx * KEY_BLOCK
-    count = tl.minimum(seq_len - start, KEY_BLOCK)
-    if CAUSAL:
-        seen = tl.minimum(tl.maximum(rows[:, None] - start[None, :] + 1, 0), count[None, :])
-    else:
-        seen = tl.zeros_like(logit).to(tl.int32) + count[None, :]
+    log2_count = tl.math.log2(tl.maximum(tl.minimum(seq_len - start, KEY_BLOCK), 1).to(tl.float32))
     covered = (idx[None, :] == 0) | ((idx[None, :] >= lo_cov[:, None]) & (idx[None, :] < hi_cov[:, None]))
-    ok = (seen > 0) & valid[None, :] & ~covered
-    log2_seen = tl.math.log2(tl.maximum(seen, 1).to(tl.float32))
-    s = logit * 1.4426950408889634
+    ok = valid[None, :] & ~covered
+    if CAUSAL:
+        ok = ok & (start[None, :] <= rows[:, None])
+    s = logit * 1.4426950408889634 + log2_count[None, :]
     if SPREAD:
         s += spread * spread_log2
-    return tl.where(ok, s + log2_seen, float("-inf")), spread, log2_seen, valid
+    return tl.where(ok, s, float("-inf")), spread, log2_count, valid
 
 
 @triton.jit
@@ -88,8 +87,9 @@ def _online(m, l, s):
 
 
 @triton.jit
-def _plogp(p):
-    return tl.where(p > 0.0, p * tl.math.log2(tl.where(p > 0.0, p, 1.0)), 0.0)
+def _plogp(p, s, shift, log2_l):
+    """p * log2(p) of p = exp2(s - shift) / l, from the scores (no logarithm per element)."""
+    return tl.where(p > 0.0, p * (s - shift[:, None] - log2_l[:, None]), 0.0)
 
 
 @triton.jit
@@ -114,7 +114,7 @@ def estimate_kernel(
     query block cannot see are not written); Ent (B, Hq, n_qb) float32. ROWS sampled rows per
     query block (the last row of each of ROWS equal parts, clamped to the sequence), in ROWS_P
     (a power of two) lanes each."""
-    pid_g = tl.program_id(0)
+    pid_g = tl.num_programs(0) - 1 - tl.program_id(0)  # the longest (last) query blocks first
     pid_bh = tl.program_id(1)
     batch = pid_bh // q_heads
     head = pid_bh % q_heads
@@ -157,7 +157,7 @@ def estimate_kernel(
     m = tl.full([GROUP * ROWS_P], float("-inf"), dtype=tl.float32)
     l = tl.zeros([GROUP * ROWS_P], dtype=tl.float32)
     for j0 in range(0, vis_kb, BLOCK_S):
-        s, spread, log2_seen, valid = _summary_scores(q, q2, ks_base, var_base, j0, offs_s, offs_d, rows, seq_len,
+        s, spread, log2_count, valid = _summary_scores(q, q2, ks_base, var_base, j0, offs_s, offs_d, rows, seq_len,
                                                       n_kb, lo_cov, hi_cov, spread_log2, HEAD_DIM, KEY_BLOCK,
                                                       CAUSAL, SPREAD, SPREAD, DOT_PRECISION)
         m, l = _online(m, l, s)
@@ -170,6 +170,7 @@ def estimate_kernel(
         m, l = _online(m, l, s)
     shift = tl.where(m == float("-inf"), 0.0, m)
     inv = tl.where(lane_ok & (l > 0.0), 1.0 / tl.where(l > 0.0, l, 1.0), 0.0)
+    log2_l = tl.math.log2(tl.where(l > 0.0, l, 1.0))
 
     # Pass 2: probabilities, their means over each query block's rows, and the entropy.
     g = tl.arange(0, GROUP)
@@ -179,11 +180,11 @@ def estimate_kernel(
     out_rows = ((b64 * q_heads + head) * n_qb + qb_g) * n_kb
     ent = tl.zeros([GROUP * ROWS_P], dtype=tl.float32)
     for j0 in range(0, vis_kb, BLOCK_S):
-        s, spread, log2_seen, valid = _summary_scores(q, q2, ks_base, var_base, j0, offs_s, offs_d, rows, seq_len,
-                                                      n_kb, lo_cov, hi_cov, spread_log2, HEAD_DIM, KEY_BLOCK,
-                                                      CAUSAL, SPREAD, True, DOT_PRECISION)
+        s, spread, log2_count, valid = _summary_scores(q, q2, ks_base, var_base, j0, offs_s, offs_d, rows,
+                                                       seq_len, n_kb, lo_cov, hi_cov, spread_log2, HEAD_DIM,
+                                                       KEY_BLOCK, CAUSAL, SPREAD, True, DOT_PRECISION)
         p = tl.math.exp2(s - shift[:, None]) * inv[:, None]
-        ent += -tl.sum(_plogp(p), 1) + tl.sum(p * log2_seen, 1)
+        ent += -tl.sum(_plogp(p, s, shift, log2_l), 1) + tl.sum(p * log2_count[None, :], 1)
         idx = j0 + offs_s
         cov = (idx[None, :] == 0) | ((idx[None, :] >= lo_g[:, None]) & (idx[None, :] < hi_g[:, None]))
         keep = valid[None, :] & g_ok[:, None] & ~cov
@@ -194,13 +195,13 @@ def estimate_kernel(
     s = _exact_scores(q, k_base, stride_kn, 0, offs_k, offs_d, rows, seq_len, zero, first_hi, HEAD_DIM, CAUSAL,
                       DOT_PRECISION)
     p = tl.math.exp2(s - shift[:, None]) * inv[:, None]
-    ent -= tl.sum(_plogp(p), 1)
+    ent -= tl.sum(_plogp(p, s, shift, log2_l), 1)
     tl.store(Mass + out_rows, tl.sum(_per_block(p, GROUP, ROWS_P, KEY_BLOCK), 1) / ROWS, mask=g_ok)
     for start in range(span_lo, span_hi, KEY_BLOCK):
         s = _exact_scores(q, k_base, stride_kn, start, offs_k, offs_d, rows, seq_len, near_lo, near_hi, HEAD_DIM,
                           CAUSAL, DOT_PRECISION)
         p = tl.math.exp2(s - shift[:, None]) * inv[:, None]
-        ent -= tl.sum(_plogp(p), 1)
+        ent -= tl.sum(_plogp(p, s, shift, log2_l), 1)
         jb = start // KEY_BLOCK
         mine = g_ok & (jb >= lo_g) & (jb < hi_g)
         tl.store(Mass + out_rows + jb, tl.sum(_per_block(p, GROUP, ROWS_P, KEY_BLOCK), 1) / ROWS, mask=mine)

@@ -33,13 +33,15 @@ def exact_rows_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """Grid (batch * q_heads,). Rows: int32/int64 (n_rows,) query positions. Ref: fp32
-    (B, Hq, n_rows, HEAD_DIM) contiguous. window_right is 0 for causal."""
+    """Grid (batch * q_heads, cdiv(n_rows, BLOCK_R)): rows BLOCK_R at a time. Rows: int32/int64
+    (n_rows,) query positions. Ref: fp32 (B, Hq, n_rows, HEAD_DIM) contiguous. window_right is 0
+    for causal; with a right bound and no left one, keys past the chunk's last visible key are not
+    read."""
     pid = tl.program_id(0)
     batch = pid // q_heads
     head = pid % q_heads
     kv_head = head // kv_group
-    offs_r = tl.arange(0, BLOCK_R)
+    offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     offs_d = tl.arange(0, BLOCK_D)
     offs_n = tl.arange(0, BLOCK_N)
     r_ok = offs_r < n_rows
@@ -53,7 +55,10 @@ def exact_rows_kernel(
     m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    for start in range(0, k_len, BLOCK_N):
+    end = k_len
+    if HAS_RIGHT and not HAS_LEFT:
+        end = tl.minimum(k_len, tl.max(tl.where(r_ok, pos + window_right + 1, 0), 0)).to(tl.int32)
+    for start in range(0, end, BLOCK_N):
         cols = start + offs_n
         c_ok = cols < k_len
         k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
