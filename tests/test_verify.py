@@ -41,7 +41,10 @@ def _float64_rows(q, k, v, rows, scale, keep):
         (1, 2, 2, 150, 150, 64, torch.float16, False, None, "top_left", 150),
     ],
 )
-def test_exact_rows_kernel_matches_float64(b, hq, hkv, nq, nk, d, dtype, causal, window, align, r):
+@pytest.mark.parametrize("split", [False, True])
+def test_exact_rows_kernel_matches_float64(monkeypatch, split, b, hq, hkv, nq, nk, d, dtype, causal, window, align, r):
+    if split:  # keys over several programs, combined after: splits of 32 keys
+        monkeypatch.setattr(triton_verify, "SPLIT_MIN_KEYS", 32)
     g = torch.Generator().manual_seed(nq * 31 + nk)
     q, k, v = ((torch.randn(b, h, n, d, generator=g) * 1.5).to(dtype).to(DEVICE)
                for h, n in ((hq, nq), (hkv, nk), (hkv, nk)))

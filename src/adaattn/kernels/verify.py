@@ -25,18 +25,21 @@ from .attention_fwd import dot
 
 @triton.jit
 def exact_rows_kernel(
-    Q, K, V, Rows, Ref,
+    Q, K, V, Rows, Ref, Part,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
-    q_heads, kv_group, n_rows, q_len, k_len, scale, window_left, window_right,
+    q_heads, kv_group, n_rows, q_len, k_len, scale, window_left, window_right, split_len,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):
-    """Grid (batch * q_heads, cdiv(n_rows, BLOCK_R)): rows BLOCK_R at a time. Rows: int32/int64
-    (n_rows,) query positions. Ref: fp32 (B, Hq, n_rows, HEAD_DIM) contiguous. window_right is 0
-    for causal; with a right bound and no left one, keys past the chunk's last visible key are not
-    read."""
+    """Grid (batch * q_heads, cdiv(n_rows, BLOCK_R), key splits): rows BLOCK_R at a time, keys
+    split_len (a multiple of BLOCK_N) at a time. Rows: int32/int64 (n_rows,) query positions.
+    Ref: fp32 (B, Hq, n_rows, HEAD_DIM) contiguous, written when not SPLIT. SPLIT: Part fp32
+    (B * Hq, splits, n_rows, HEAD_DIM + 2) gets each split's unnormalised sum, row max and row
+    sum (the caller combines them). window_right is 0 for causal; with a right bound and no left
+    one, keys past the chunk's last visible key are not read."""
     pid = tl.program_id(0)
     batch = pid // q_heads
     head = pid % q_heads
@@ -55,10 +58,11 @@ def exact_rows_kernel(
     m_i = tl.full([BLOCK_R], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_R], dtype=tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-    end = k_len
+    begin = tl.program_id(2) * split_len
+    end = tl.minimum(k_len, begin + split_len)
     if HAS_RIGHT and not HAS_LEFT:
-        end = tl.minimum(k_len, tl.max(tl.where(r_ok, pos + window_right + 1, 0), 0)).to(tl.int32)
-    for start in range(0, end, BLOCK_N):
+        end = tl.minimum(end, tl.max(tl.where(r_ok, pos + window_right + 1, 0), 0)).to(tl.int32)
+    for start in range(begin, end, BLOCK_N):
         cols = start + offs_n
         c_ok = cols < k_len
         k = tl.load(k_base + cols[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
@@ -81,9 +85,15 @@ def exact_rows_kernel(
         p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
         acc = dot(p_lo, v, dot(p_hi, v, acc * alpha[:, None], DOT_PRECISION), DOT_PRECISION)
         m_i = m_new
-    out = tl.where((l_i > 0.0)[:, None], acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None], 0.0)
-    tl.store(Ref + (pid.to(tl.int64) * n_rows + offs_r[:, None]) * HEAD_DIM + offs_d[None, :], out,
-             mask=r_ok[:, None] & d_ok[None, :])
+    if SPLIT:
+        part = Part + ((pid.to(tl.int64) * tl.num_programs(2) + tl.program_id(2)) * n_rows + offs_r) * (HEAD_DIM + 2)
+        tl.store(part[:, None] + offs_d[None, :], acc, mask=r_ok[:, None] & d_ok[None, :])
+        tl.store(part + HEAD_DIM, m_i, mask=r_ok)
+        tl.store(part + HEAD_DIM + 1, l_i, mask=r_ok)
+    else:
+        out = tl.where((l_i > 0.0)[:, None], acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None], 0.0)
+        tl.store(Ref + (pid.to(tl.int64) * n_rows + offs_r[:, None]) * HEAD_DIM + offs_d[None, :], out,
+                 mask=r_ok[:, None] & d_ok[None, :])
 
 
 @triton.jit
