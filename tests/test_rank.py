@@ -246,6 +246,28 @@ def test_estimate_kernel_matches_torch(causal, n, d, hq, hkv, spread):
     torch.testing.assert_close(got.mass.sum(-1), torch.ones_like(got.mass.sum(-1)), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("b,hkv,n,d,dv,dtype,bshd", [
+    (1, 2, 300, 64, 64, torch.bfloat16, False), (2, 1, 128, 32, 48, torch.float16, True),
+    (1, 3, 70, 128, 128, torch.float32, False)])
+def test_summary_kernel_matches_torch(b, hkv, n, d, dv, dtype, bshd):
+    """The one-launch summaries (kernels/block_summary.py) give the torch passes' mean keys,
+    variances and mean values, a partial last block and (B, N, H, D) strides included."""
+    g = torch.Generator().manual_seed(n + d)
+    k = (torch.randn(b, n, hkv, d, generator=g) * 2 + 0.5).to(dtype)
+    v = torch.randn(b, n, hkv, dv, generator=g).to(dtype)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)
+    if not bshd:
+        k, v = k.contiguous(), v.contiguous()
+    ref = bl.summarize(k, v, kernel=False)
+    got = bl.summarize(k, v, kernel=True)
+    tol = {"atol": 1e-2, "rtol": 1e-2} if dtype != torch.float32 else {"atol": 1e-5, "rtol": 1e-5}
+    torch.testing.assert_close(got.keys, ref.keys, **tol)
+    torch.testing.assert_close(got.values, ref.values, **tol)
+    torch.testing.assert_close(got.variance, ref.variance, atol=1e-4, rtol=1e-4)
+    assert got.keys.dtype == dtype and got.variance.dtype == torch.float32
+    torch.testing.assert_close(got.counts, ref.counts)
+
+
 def _same_plan(a: bl.Plan, b: bl.Plan):
     assert torch.equal(a.state, b.state)
     assert torch.equal(a.ecnt, b.ecnt)

@@ -98,7 +98,15 @@ def block_means(x: torch.Tensor, block: int) -> torch.Tensor:
     return _block_sums(x, block) / block_counts(x.shape[2], block, x.device)[:, None]
 
 
-def summarize(k: torch.Tensor, v: torch.Tensor, key_block: int = KEY_BLOCK) -> Summaries:
+def summarize(k: torch.Tensor, v: torch.Tensor, key_block: int = KEY_BLOCK, *, kernel: bool | None = None) -> Summaries:
+    """kernel: True one Triton launch (kernels/block_summary.py; unit last strides), False these
+    torch passes (the reference), None the kernel wherever Triton runs and the strides allow."""
+    if kernel is None:
+        kernel = (k.is_cuda or interpreting()) and k.stride(-1) == 1 and v.stride(-1) == 1
+    if kernel:
+        from .rank_launch import summarize_blocks
+
+        return summarize_blocks(k, v, key_block)
     counts = block_counts(k.shape[2], key_block, k.device)
     c = counts[:, None]
     mean_k = block_means(k, key_block)

@@ -43,6 +43,26 @@ def plan_blocks(values: torch.Tensor, thresholds: torch.Tensor, n: int, causal: 
     return Plan(state, eidx, ecnt, density, summarised, query_block, key_block, causal)
 
 
+def summarize_blocks(k: torch.Tensor, v: torch.Tensor, key_block: int) -> Summaries:
+    """blocks.summarize in one Triton launch (kernels/block_summary.py); unit last strides."""
+    from ..kernels.block_summary import summary_kernel
+    from .blocks import block_counts
+
+    b, hkv, n, d = k.shape
+    dv = v.shape[-1]
+    nkb = -(-n // key_block)
+    keys = torch.empty((b, hkv, nkb, d), dtype=k.dtype, device=k.device)
+    values = torch.empty((b, hkv, nkb, dv), dtype=v.dtype, device=k.device)
+    var = torch.empty((b, hkv, nkb, d), dtype=torch.float32, device=k.device)
+    if keys.numel() or values.numel():
+        summary_kernel[(nkb, b * hkv)](
+            k, v, keys, values, var, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+            hkv, n, nkb, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), HEAD_DIM_V=dv, BLOCK_DV=max(16, next_pow2(dv)),
+            KEY_BLOCK=key_block, num_warps=2,
+        )
+    return Summaries(keys, values, var, block_counts(n, key_block, k.device), key_block)
+
+
 ESTIMATE_GROUP = 8  # query blocks per program of the estimate: the summaries are read once for all
 
 
@@ -112,4 +132,4 @@ def rank_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: Plan, 
     return out
 
 
-__all__ = ["rank_forward", "estimate_blocks", "plan_blocks", "config"]
+__all__ = ["rank_forward", "estimate_blocks", "plan_blocks", "summarize_blocks", "config"]
