@@ -65,6 +65,11 @@ def _cached(fn):
     return wrapper
 
 
+def _triton_runs(t: torch.Tensor) -> bool:
+    """Whether the Triton versions of these passes run for tensors like t (CUDA, or the interpreter)."""
+    return t.is_cuda or interpreting()
+
+
 @_cached
 def block_counts(n: int, key_block: int, device) -> torch.Tensor:
     nkb = cdiv(n, key_block)
@@ -102,7 +107,7 @@ def summarize(k: torch.Tensor, v: torch.Tensor, key_block: int = KEY_BLOCK, *, k
     """kernel: True one Triton launch (kernels/block_summary.py; unit last strides), False these
     torch passes (the reference), None the kernel wherever Triton runs and the strides allow."""
     if kernel is None:
-        kernel = (k.is_cuda or interpreting()) and k.stride(-1) == 1 and v.stride(-1) == 1
+        kernel = _triton_runs(k) and k.stride(-1) == 1 and v.stride(-1) == 1
     if kernel:
         from .rank_launch import summarize_blocks
 
@@ -206,7 +211,7 @@ def estimate(q: torch.Tensor, k: torch.Tensor, s: Summaries, scale: float, causa
     kernel: True runs the one-launch Triton version (kernels/attention_estimate.py), False these
     torch passes (the reference), None the kernel wherever Triton runs (CUDA, or the interpreter)."""
     if kernel is None:
-        kernel = q.is_cuda or interpreting()
+        kernel = _triton_runs(q)
     if kernel:
         from .rank_launch import estimate_blocks
 
@@ -325,7 +330,7 @@ def make_plan(est: Estimate, thresholds: torch.Tensor, n: int, causal: bool, *, 
     Triton runs."""
     mass = est.cost if summaries and est.cost is not None else est.mass
     if kernel is None:
-        kernel = mass.is_cuda or interpreting()
+        kernel = _triton_runs(mass)
     if kernel:
         from .rank_launch import plan_blocks
 

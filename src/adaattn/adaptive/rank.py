@@ -51,6 +51,12 @@ def stratified_rows(n: int, count: int, generator: torch.Generator) -> torch.Ten
     return (edges[:-1] + (torch.rand(count, generator=generator) * width).long().clamp(max=width - 1)).clamp(max=n - 1)
 
 
+def _relative(d2: torch.Tensor, r2: torch.Tensor) -> torch.Tensor:
+    """Per head ||out - ref|| / ||ref|| from the squared sums (||out|| where the reference is 0),
+    as analysis.head_errors."""
+    return torch.where(r2 > 0, d2 / r2.clamp_min(1e-30), d2).sqrt()
+
+
 @dataclass(frozen=True)
 class RankLaunch:
     tolerance: float
@@ -152,7 +158,7 @@ class RankController:
         ref, _ = analysis.exact_rows(q, k, v, rows, None, scale, causal, need_p=False)
         d2 = (out.index_select(2, rows).float() - ref).pow(2).sum((0, 2, 3))
         r2 = ref.pow(2).sum((0, 2, 3))
-        errors = torch.where(r2 > 0, d2 / r2.clamp_min(1e-30), d2).sqrt()
+        errors = _relative(d2, r2)
         self.errors = errors.tolist()
         # Thresholds follow the errors pooled over verified calls (other rows each time; the
         # error of trained heads sits in few rows), the earlier calls' scaled to the threshold
@@ -160,7 +166,7 @@ class RankController:
         if self._pool is not None:
             d2 = d2 + POOL_DECAY * self._pool[0]
             r2 = r2 + POOL_DECAY * self._pool[1]
-        pooled = torch.where(r2 > 0, d2 / r2.clamp_min(1e-30), d2).sqrt()
+        pooled = _relative(d2, r2)
         bad = [h for h, e in enumerate(self.errors) if not e <= VERIFY_MARGIN * self.tolerance]
         if bad:
             if redo is None and exact is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backends.triton_configs import interpreting, next_pow2
+from ..backends.triton_configs import cdiv, interpreting, next_pow2
 from ..backends.triton_launch import LOG2E, dot_precision
 from .blocks import Estimate, Plan, Summaries, sampled_rows
 
@@ -50,7 +50,7 @@ def summarize_blocks(k: torch.Tensor, v: torch.Tensor, key_block: int) -> Summar
 
     b, hkv, n, d = k.shape
     dv = v.shape[-1]
-    nkb = -(-n // key_block)
+    nkb = cdiv(n, key_block)
     keys = torch.empty((b, hkv, nkb, d), dtype=k.dtype, device=k.device)
     values = torch.empty((b, hkv, nkb, dv), dtype=v.dtype, device=k.device)
     var = torch.empty((b, hkv, nkb, d), dtype=torch.float32, device=k.device)

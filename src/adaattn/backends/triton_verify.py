@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 
 from .triton_attention import TRITON_FOUND
-from .triton_configs import interpreting, next_pow2
+from .triton_configs import cdiv, interpreting, next_pow2
 from .triton_launch import dot_precision
 
 
@@ -68,12 +68,12 @@ def exact_rows(q, k, v, rows, attn_mask, scale: float, causal: bool, bottom_righ
         return ref.zero_()
     has_right = causal or window_right >= 0
     block_n = 16 if interpreting() else 64
-    chunks = -(-r // ROW_CHUNK)
+    chunks = cdiv(r, ROW_CHUNK)
     # Keys split over programs until about SPLIT_PROGRAMS run (at least SPLIT_MIN_KEYS each): one
     # program per head and row chunk read all 131k keys in 4.8 ms on an H100.
-    splits = max(1, min(-(-nk // SPLIT_MIN_KEYS), SPLIT_PROGRAMS // (b * hq * chunks)))
-    split_len = -(-(-(-nk // splits)) // block_n) * block_n
-    splits = -(-nk // split_len)
+    splits = max(1, min(cdiv(nk, SPLIT_MIN_KEYS), SPLIT_PROGRAMS // (b * hq * chunks)))
+    split_len = cdiv(cdiv(nk, splits), block_n) * block_n
+    splits = cdiv(nk, split_len)
     part = (torch.empty((b * hq, splits, r, d + 2), dtype=torch.float32, device=q.device) if splits > 1
             else ref)
     try:
