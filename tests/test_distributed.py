@@ -21,18 +21,40 @@ from adaattn.backends.reference import reference_attention
 D = 16
 HQ = 4
 
-# (name, dtype, balance, causal, hkv, window, n_global)
+# (name, dtype, balance, causal, hkv, window, docs, algorithm, kernel); docs are cu_seqlens
+# fractions of the global length (placed so that documents straddle shards and chunks).
 CASES = []
 for _dt in (torch.float64, torch.float32):
     for _bal in ("zigzag", "plain"):
-        for _causal, _hkv, _win in ((False, 4, None), (True, 4, None), (True, 2, None), (True, 4, (8, 0)),
-                                    (False, 2, (3, 5))):
-            _name = f"{str(_dt)[6:]}-{_bal}-{'causal' if _causal else 'full'}-hkv{_hkv}-win{_win}"
-            CASES.append((_name, _dt, _bal, _causal, _hkv, _win))
+        for _causal, _hkv, _win, _docs, _alg in ((False, 4, None, None, "ring"), (True, 4, None, None, "ring"),
+                                                 (True, 2, None, None, "ring"), (True, 4, (8, 0), None, "ring"),
+                                                 (False, 2, (3, 5), None, "ring"), (True, 2, None, "docs", "ring"),
+                                                 (False, 4, (4, 2), "docs", "ring"),
+                                                 (True, 2, None, None, "allgather"),
+                                                 (True, 4, (6, 0), "docs", "allgather")):
+            _name = f"{str(_dt)[6:]}-{_bal}-{'causal' if _causal else 'full'}-hkv{_hkv}-win{_win}-{_docs}-{_alg}"
+            CASES.append((_name, _dt, _bal, _causal, _hkv, _win, _docs, _alg, "torch"))
+# Our Triton block kernels (the interpreter on CPU), at world size 2 only: the interpreter is slow.
+TRITON_CASES = [
+    ("triton-float32-zigzag-causal-gqa", torch.float32, "zigzag", True, 2, None, None, "ring", "triton"),
+    ("triton-float32-plain-window", torch.float32, "plain", False, 4, (5, 3), None, "ring", "triton"),
+    ("triton-float16-zigzag-docs-causal", torch.float16, "zigzag", True, 2, None, "docs", "allgather", "triton"),
+]
 
 
 def _n_global(world: int) -> int:
     return 48 if world == 2 else 32
+
+
+def _docs(kind, n):
+    """Global cu_seqlens: boundaries at 0, n/8+1, n/2-3, n/2+5 (an empty-free but uneven split)."""
+    if kind is None:
+        return None
+    return [0, n // 8 + 1, n // 2 - 3, n // 2 + 5, n]
+
+
+def _cases(world):
+    return CASES + (TRITON_CASES if world == 2 else [])
 
 
 def _inputs(dtype, hkv, n, seed=0):
@@ -60,12 +82,12 @@ def _worker(rank: int, world: int, port: int, path: str) -> None:
     try:
         results = {}
         n = _n_global(world)
-        for name, dtype, balance, causal, hkv, window in CASES:
+        for name, dtype, balance, causal, hkv, window, docs, algorithm, kernel in _cases(world):
             q, k, v, go = _inputs(dtype, hkv, n)
             ql, kl, vl, gol = (shard(t, 2, balance=balance) for t in (q, k, v, go))
             ql, kl, vl = (t.detach().requires_grad_() for t in (ql, kl, vl))
             out = ring_attention(ql, kl, vl, is_causal=causal, window=window, enable_gqa=hkv != HQ,
-                                 balance=balance)
+                                 balance=balance, cu_seqlens=_docs(docs, n), algorithm=algorithm, kernel=kernel)
             (out * gol).sum().backward()
             full = [unshard(t.detach(), 2, balance=balance) for t in (out, ql.grad, kl.grad, vl.grad)]
             results[name] = [t.clone() for t in full]
@@ -75,6 +97,9 @@ def _worker(rank: int, world: int, port: int, path: str) -> None:
         xl = shard(x, 2).requires_grad_()
         (unshard(xl, 2) * 2).sum().backward()
         results["_unshard_roundtrip"] = [unshard(xl.detach(), 2), xl.grad.clone()]
+        from adaattn.distributed import ring
+
+        results["_triton_failed"] = ring._TritonBlocks.failed  # a fallback would hide a kernel bug
         if rank == 0:
             torch.save(results, path)
         dist.barrier()
@@ -86,30 +111,37 @@ def _rel(x, ref) -> float:
     return float(torch.linalg.vector_norm(x.double() - ref) / torch.linalg.vector_norm(ref))
 
 
-def _reference(dtype, causal, hkv, window, n):
+def _mask(n, causal, window, docs):
+    """The global bool mask (True takes part), written from the definitions."""
+    i = torch.arange(n).unsqueeze(1)
+    j = torch.arange(n).unsqueeze(0)
+    mask = torch.ones(n, n, dtype=torch.bool)
+    if causal:
+        mask &= j <= i
+    if window is not None:
+        if window[0] is not None:
+            mask &= j >= i - window[0]
+        if window[1] is not None:
+            mask &= j <= i + window[1]
+    cu = _docs(docs, n)
+    if cu is not None:
+        doc = torch.bucketize(torch.arange(n), torch.tensor(cu[1:]), right=True)
+        mask &= doc.unsqueeze(1) == doc.unsqueeze(0)
+    return mask
+
+
+def _reference(dtype, causal, hkv, window, docs, n):
     q, k, v, go = _inputs(dtype, hkv, n)
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-    out = reference_attention(qr, kr, vr, is_causal=causal, window=window)
+    out = reference_attention(qr, kr, vr, attn_mask=_mask(n, causal, window, docs))
     (out * go.double()).sum().backward()
     return [out.detach(), qr.grad, kr.grad, vr.grad]
 
 
-def _sdpa(dtype, causal, hkv, window, n):
+def _sdpa(dtype, causal, hkv, window, docs, n):
     q, k, v, go = _inputs(dtype, hkv, n)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    mask = None
-    i = torch.arange(n).unsqueeze(1)
-    j = torch.arange(n).unsqueeze(0)
-    if causal or window is not None:
-        mask = torch.ones(n, n, dtype=torch.bool)
-        if causal:
-            mask &= j <= i
-        if window is not None:
-            if window[0] is not None:
-                mask &= j >= i - window[0]
-            if window[1] is not None:
-                mask &= j <= i + window[1]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=hkv != HQ)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=_mask(n, causal, window, docs), enable_gqa=hkv != HQ)
     (out * go).sum().backward()
     return [out.detach(), q.grad, k.grad, v.grad]
 
@@ -124,10 +156,10 @@ def test_ring_attention_matches_reference(world, tmp_path):
     results = torch.load(path)
     n = _n_global(world)
     failures = []
-    for name, dtype, balance, causal, hkv, window in CASES:
+    for name, dtype, balance, causal, hkv, window, docs, algorithm, kernel in _cases(world):
         got = results[name]
-        ref = _reference(dtype, causal, hkv, window, n)
-        base = _sdpa(dtype, causal, hkv, window, n) if dtype != torch.float64 else None
+        ref = _reference(dtype, causal, hkv, window, docs, n)
+        base = _sdpa(dtype, causal, hkv, window, docs, n) if dtype != torch.float64 else None
         for what, g, r, i in zip(("out", "dq", "dk", "dv"), got, ref, range(4)):
             assert g.dtype == dtype and g.shape == r.shape, (name, what, g.dtype, g.shape)
             err = _rel(g, r)
@@ -135,6 +167,7 @@ def test_ring_attention_matches_reference(world, tmp_path):
             if not err <= bound:
                 failures.append(f"{name} {what}: err {err:.3e} > {bound:.3e}")
     assert not failures, "\n".join(failures)
+    assert results["_triton_failed"] is False
     full, grad = results["_unshard_roundtrip"]
     assert torch.equal(full, torch.arange(n, dtype=torch.float64).reshape(1, 1, n, 1))
     assert torch.equal(grad, torch.full_like(grad, 2.0 * world))
@@ -167,3 +200,193 @@ def test_import_adaattn_does_not_import_distributed():
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip().splitlines()[-1] == "False"
+
+
+def _pair_cover(q_rank, k_rank, world, n, balance, causal, window, docs):
+    """How many kernel calls cover each (local query, local key) pair of one block."""
+    from adaattn.distributed import ring
+
+    cover = torch.zeros(n, n, dtype=torch.int64)
+    for qa, qb, ka, kb, left, right in ring._pairs(q_rank, k_rank, world, n, balance, causal, window, docs):
+        band = ring._band_mask(qb - qa, kb - ka, left, right, "cpu")
+        cover[qa:qb, ka:kb] += 1 if band is None else band.long()
+    return cover
+
+
+def test_block_pairs_cover_the_global_mask_once():
+    """Every visible (query, key) pair of every block is in exactly one kernel call and no
+    invisible pair is in any, over random layouts, masks and documents."""
+    from adaattn.distributed import positions
+
+    g = torch.Generator().manual_seed(0)
+    checked = 0
+    for trial in range(300):
+        world = int(torch.randint(1, 6, (1,), generator=g))
+        balance = ("zigzag", "plain")[trial % 2]
+        n = 2 * int(torch.randint(1, 9, (1,), generator=g))
+        total = n * world
+        causal = bool(trial % 3)
+        window = None
+        if trial % 4:
+            sides = [None if torch.rand(1, generator=g) < 0.3 else int(torch.randint(0, total, (1,), generator=g))
+                     for _ in range(2)]
+            window = tuple(sides)
+        docs = None
+        if trial % 5 < 3:
+            cuts = sorted(set(torch.randint(0, total + 1, (int(torch.randint(0, 5, (1,), generator=g)),),
+                                            generator=g).tolist()) | {0, total})
+            docs = tuple(cuts)
+        qi = torch.arange(total).unsqueeze(1)
+        kj = torch.arange(total).unsqueeze(0)
+        doc_of = None if docs is None else torch.bucketize(torch.arange(total), torch.tensor(docs[1:]), right=True)
+        for r in range(world):
+            for s in range(world):
+                qp, kp = positions(r, world, n, balance), positions(s, world, n, balance)
+                want = torch.ones(n, n, dtype=torch.bool)
+                d = kp.unsqueeze(0) - qp.unsqueeze(1)
+                if causal:
+                    want &= d <= 0
+                if window is not None:
+                    if window[0] is not None:
+                        want &= d >= -window[0]
+                    if window[1] is not None:
+                        want &= d <= window[1]
+                if doc_of is not None:
+                    want &= doc_of[qp].unsqueeze(1) == doc_of[kp].unsqueeze(0)
+                cover = _pair_cover(r, s, world, n, balance, causal, window, docs)
+                assert torch.equal(cover, want.long()), (world, balance, n, causal, window, docs, r, s)
+                checked += 1
+    del qi, kj
+    assert checked > 1000
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_world_size_one_block_path_matches_float64(kernel):
+    """Without a process group, documents (or a named kernel) run the block path on the one
+    shard; it matches float64 with gradients."""
+    from adaattn.distributed import ring_attention
+
+    n = 40
+    for causal, window, docs in ((True, None, [0, 9, 30, 40]), (False, (6, 2), [0, 17, 40]), (True, (5, 0), None)):
+        q, k, v, go = _inputs(torch.float32, 2, n, seed=3)
+        qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+        cu = None if docs is None else [0] + [x * 1 for x in docs[1:]]
+        mask = torch.ones(n, n, dtype=torch.bool)
+        i, j = torch.arange(n).unsqueeze(1), torch.arange(n).unsqueeze(0)
+        if causal:
+            mask &= j <= i
+        if window is not None:
+            mask &= (j >= i - window[0]) & (j <= i + window[1])
+        if cu is not None:
+            doc = torch.bucketize(torch.arange(n), torch.tensor(cu[1:]), right=True)
+            mask &= doc.unsqueeze(1) == doc.unsqueeze(0)
+        ref = reference_attention(qr, kr, vr, attn_mask=mask)
+        (ref * go.double()).sum().backward()
+        qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
+        out = ring_attention(qs, ks, vs, is_causal=causal, window=window, enable_gqa=True, cu_seqlens=cu,
+                             kernel=kernel)
+        (out * go).sum().backward()
+        sq, sk, sv = (t.detach().requires_grad_() for t in (q, k, v))
+        base = F.scaled_dot_product_attention(sq, sk, sv, attn_mask=mask, enable_gqa=True)
+        (base * go).sum().backward()
+        for got, want, sdpa in ((out, ref, base), (qs.grad, qr.grad, sq.grad), (ks.grad, kr.grad, sk.grad),
+                                (vs.grad, vr.grad, sv.grad)):
+            assert _rel(got.detach(), want.detach()) <= 2 * _rel(sdpa.detach(), want.detach()) + 1e-6
+    from adaattn.distributed import ring
+
+    assert ring._TritonBlocks.failed is False  # the kernels ran (a fallback would hide a bug)
+
+
+def test_bad_arguments_are_refused():
+    from adaattn.distributed import ring_attention
+
+    q, k, v, _ = _inputs(torch.float32, 4, 16)
+    with pytest.raises(ValueError, match="algorithm"):
+        ring_attention(q, k, v, algorithm="tree")
+    with pytest.raises(ValueError, match="kernel"):
+        ring_attention(q, k, v, kernel="cuda")
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        ring_attention(q, k, v, cu_seqlens=[0, 5, 12])  # does not end at 16
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        ring_attention(q, k, v, cu_seqlens=[0, 9, 5, 16])
+    with pytest.raises(TypeError, match="cu_seqlens"):
+        ring_attention(q, k, v, cu_seqlens=[0.0, 16.0])
+    with pytest.raises(ValueError, match="kernel='triton'"):
+        ring_attention(q.double(), k.double(), v.double(), kernel="triton")
+
+
+def _cp_worker(rank: int, world: int, port: int, path: str) -> None:
+    """A torch context_parallel user swaps adaattn in: context_parallel shards the buffers
+    (head-tail), the model calls ring_attention on the local shards with balance="zigzag"."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+
+    from adaattn.distributed import positions, ring_attention
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        q, k, v, go = _inputs(torch.float32, 2, 32, seed=5)
+        bufs = [t.clone() for t in (q, k, v, go)]
+        with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2, 2, 2, 2], no_restore_buffers=set(bufs)):
+            ql, kl, vl, gol = bufs
+            ql, kl, vl = (t.detach().clone().requires_grad_() for t in (ql, kl, vl))
+            out = ring_attention(ql, kl, vl, mesh.get_group(), is_causal=True, enable_gqa=True, balance="zigzag")
+            (out * gol).sum().backward()
+        full = context_parallel_unshard(mesh, [out.detach(), ql.grad], [2, 2])
+        res = {"pos": positions(rank, world, 32 // world, "zigzag"), "local_q": ql.detach(), "out": full[0],
+               "dq": full[1]}
+        torch.save(res, f"{path}.{rank}")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_torch_context_parallel_user_swaps_in_ring_attention(tmp_path):
+    pytest.importorskip("torch.distributed.tensor.experimental._attention")
+    import torch.multiprocessing as mp
+
+    world, path = 2, str(tmp_path / "cp")
+    mp.start_processes(_cp_worker, args=(world, _free_port(), path), nprocs=world, join=True, start_method="spawn")
+    q, k, v, go = _inputs(torch.float32, 2, 32, seed=5)
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    ref = reference_attention(qr, kr, vr, is_causal=True)
+    (ref * go.double()).sum().backward()
+    for rank in range(world):
+        res = torch.load(f"{path}.{rank}")
+        # torch's head-tail shard is our zigzag shard
+        assert torch.equal(res["local_q"], q[:, :, res["pos"]])
+        assert _rel(res["out"], ref.detach()) < 1e-5
+        assert _rel(res["dq"], qr.grad) < 1e-5
+
+
+@pytest.mark.parametrize("block_dtype", [torch.float32, torch.float16])
+def test_triton_merge_matches_the_torch_merge(block_dtype):
+    """backends.triton_merge.merge_into (one launch) against ring._merge (torch, the reference):
+    rows unseen on either side or both, a view of rows, Dv not a power of two."""
+    from adaattn.backends.triton_merge import merge_into
+    from adaattn.distributed import ring
+
+    g = torch.Generator().manual_seed(1)
+    b, h, n, dv = 2, 3, 45, 24
+    out = torch.randn(b, h, n, dv, generator=g)
+    lse = torch.randn(b, h, n, generator=g) * 3
+    blk = torch.randn(b, h, n, dv, generator=g).to(block_dtype)
+    blk_lse = torch.randn(b, h, n, generator=g) * 3
+    lse[:, :, :5] = float("-inf")
+    out[:, :, :5] = 0
+    blk_lse[:, :, 3:9] = float("-inf")
+    blk[:, :, 3:9] = 0
+    want_out, want_lse = ring._merge(out, lse, blk.float(), blk_lse)
+    got_out, got_lse = out.clone(), lse.clone()
+    rows = slice(2, 41)  # a view of rows, as the ring merges a pair's rows
+    got_out[:, :, :2], got_lse[:, :, :2] = want_out[:, :, :2], want_lse[:, :, :2]
+    got_out[:, :, 41:], got_lse[:, :, 41:] = want_out[:, :, 41:], want_lse[:, :, 41:]
+    merge_into(got_out[:, :, rows], got_lse[:, :, rows], blk[:, :, rows], blk_lse[:, :, rows])
+    assert torch.equal(torch.isneginf(got_lse), torch.isneginf(want_lse))
+    assert torch.isneginf(got_lse[:, :, 3:5]).all() and (got_out[:, :, 3:5] == 0).all()
+    torch.testing.assert_close(got_lse, want_lse, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-6)

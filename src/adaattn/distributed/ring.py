@@ -5,34 +5,49 @@ positions of q, k and v (the sequence dimension is dim 2 of (B, H, N, D)).
 - balance="plain": rank r holds positions [r*n, (r+1)*n).
 - balance="zigzag" (head-tail): the sequence is cut into 2*world chunks of N / (2*world);
   rank r holds chunks r and 2*world-1-r, concatenated. Under a causal mask every rank then
-  does about the same work.
-Masks (causal, sliding window) are always applied in GLOBAL positions, so the result equals
-single-process attention on the global tensors, sharded the same way.
+  does about the same work. (torch's context_parallel head-tail balancer lays shards out the
+  same way.)
+Masks (causal, sliding window, documents) always apply in GLOBAL positions, so the result
+equals single-process attention on the global tensors, sharded the same way. Documents
+(`cu_seqlens`, the boundaries of packed documents in the global sequence) confine each query
+to keys of its own document, as a FlexAttention document mask or varlen attention does.
 
-Forward. At step s (0 .. world-1) rank r holds the K/V shard of rank (r - s) mod world; it
-starts sending that shard to rank r+1 (and receiving the next from r-1) before it computes the
-block, so transfer overlaps compute. Each visible block gives a partial (out, lse); partials
-merge by log-sum-exp in float32 (float64 for float64 inputs). Blocks with no visible
-(query, key) pair are skipped; rows that see no key of a block carry lse = -inf and add nothing.
+Blocks. A rank's positions form a few runs of consecutive global positions (one for plain,
+two for zigzag, split further at document boundaries). A local query run against a visiting
+key run sees a band of key offsets: the global causal/window condition shifted by the runs'
+distance. Each band is trimmed to the rows and keys that take part, which leaves a band the
+kernels take as it is (top-left causal and/or window sides, or no mask), so a block is one
+kernel call per (query run, key run) pair, and fully visible pairs next to each other merge
+into one call. Pairs that see nothing are skipped; this is decided on the host from the
+shards' positions, with no device sync.
 
-Backward (a torch.autograd.Function) runs the ring again with the saved global lse and
-output: P = exp(S*scale - lse), delta = rowsum(dout * out), dS = P * (dP - delta). dq
-accumulates locally; the dk/dv accumulators travel with their K/V shard, and one last hop
-returns each to the rank that owns the shard, so every rank ends with the gradient of its own
-k/v shard.
+Kernels. kernel="triton" runs the pairs through our Triton forward and backward (natural-log
+lse, fp32), kernel="torch" through torch math in float32 (float64 for float64 inputs), and
+"auto" takes Triton where it runs (CUDA tensors, float16/bfloat16/float32, head dims it takes)
+and torch otherwise. Partial results merge exactly by log-sum-exp in float32 (float64).
 
-GQA: Hq a multiple of Hkv; K/V are never repeated, neither in communication nor in compute
-(the query heads of a group are folded into a group axis).
+Algorithms. algorithm="ring": at step s rank r holds the K/V shard of rank (r - s) mod world;
+it starts sending that shard to rank r+1 (and receiving the next from r-1) before it computes
+the block, so transfer overlaps compute. algorithm="allgather": every rank gathers all K/V
+shards at once (asynchronously, while it attends to its own shard), which costs world x the
+K/V memory but one collective instead of world - 1 exchanges: the choice for short shards.
 
-Per-block compute is plain torch math (`_block_forward` / `_block_backward`), correct on every
-device. It is kept in those two functions so that a later change can route a block to the
-Triton kernels (adaattn.backends.triton_ops.triton_fwd returns (out, lse) with natural-log
-lse, which is what `_merge` expects); that routing is not implemented here.
+Backward (a torch.autograd.Function) visits the same pairs with the saved global lse and
+output: P = exp(S*scale - lse), delta = rowsum(dout * out), dS = P * (dP - delta); the Triton
+backward kernels take exactly those (lse, out) for a pair. dq accumulates locally. In the ring,
+the dk/dv accumulators travel with their K/V shard and one last hop returns each to the rank
+that owns the shard; in the all-gather variant every rank makes dk/dv for all shards and a
+reduce-scatter (an all-reduce on backends without one) sums them to their owners.
+
+GQA: Hq a multiple of Hkv; K/V are never repeated, neither in communication nor in compute.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
+from bisect import bisect_right
 from typing import Optional
 
 import torch
@@ -42,6 +57,8 @@ from torch import nn
 from ..api import attention
 
 BALANCES = ("zigzag", "plain")
+ALGORITHMS = ("ring", "allgather")
+KERNELS = ("auto", "triton", "torch")
 
 Window = Optional[tuple]
 
@@ -139,79 +156,302 @@ def unshard(x_local: torch.Tensor, dim: int, group=None, balance: str = "zigzag"
     return _Unshard.apply(x_local, dim, group, balance)
 
 
-# ----------------------------------------------------------------------------- block math
+# ----------------------------------------------------------------------------- runs and pairs
 
 
-def _mask(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: Window) -> torch.Tensor | None:
-    """Bool (n, m), True = the pair takes part; None when every pair does."""
-    keep = None
-    qp, kp = q_pos.unsqueeze(1), k_pos.unsqueeze(0)
+@functools.lru_cache(maxsize=4096)
+def _runs(rank: int, world: int, n: int, balance: str, docs: Optional[tuple]) -> tuple:
+    """The runs of consecutive global positions in rank's shard, split at document starts:
+    (local_start, global_start, length, document) each."""
+    if balance == "plain" or world == 1:
+        pieces = [(0, rank * n, n)]
+    else:
+        c = n // 2
+        pieces = [(0, rank * c, c), (c, (2 * world - 1 - rank) * c, c)]
+    if docs is None:
+        return tuple((lo, g, m, 0) for lo, g, m in pieces)
+    runs = []
+    for lo, g, m in pieces:
+        pos, end = g, g + m
+        while pos < end:
+            d = bisect_right(docs, pos) - 1
+            stop = min(end, docs[d + 1])
+            runs.append((lo + pos - g, pos, stop - pos, d))
+            pos = stop
+    return tuple(runs)
+
+
+def _global_band(causal: bool, window: Window) -> tuple[Optional[int], Optional[int]]:
+    """The visible key offsets (key position - query position) as (lowest, highest); None where
+    unbounded."""
+    lo = hi = None
     if causal:
-        keep = kp <= qp
+        hi = 0
     if window is not None:
         left, right = window
         if left is not None:
-            inside = kp >= qp - left
-            keep = inside if keep is None else keep & inside
+            lo = -left
         if right is not None:
-            inside = kp <= qp + right
-            keep = inside if keep is None else keep & inside
+            hi = right if hi is None else min(hi, right)
+    return lo, hi
+
+
+def _trim(nq: int, nk: int, dist_: int, lo_g: Optional[int], hi_g: Optional[int]):
+    """The part of a (query run, key run) pair that takes part, or None.
+
+    dist_ is the key run's global start less the query run's. Local key j is visible to local
+    query i iff lo_g <= j - i + dist_ <= hi_g. Returns (qs, qe, ks, ke, left, right): the rows
+    [qs, qe) that see at least one key, the keys [ks, ke) they see, and the band of the trimmed
+    block as the kernels take it, top-left: key j visible to row i iff -left <= j - i <= right,
+    with -1 for an unbounded side (right = 0 is causal).
+    """
+    lo = None if lo_g is None else lo_g - dist_
+    hi = None if hi_g is None else hi_g - dist_
+    qs = 0 if hi is None else max(0, -hi)
+    qe = nq if lo is None else min(nq, nk - lo)
+    if qs >= qe:
+        return None
+    ks = 0 if lo is None else max(0, qs + lo)
+    ke = nk if hi is None else min(nk, qe + hi)
+    if ks >= ke:
+        return None
+    # After the trim lo <= 0 <= hi in the block's own indices (a top-left band).
+    lo2 = None if lo is None else lo - ks + qs
+    hi2 = None if hi is None else hi - ks + qs
+    left = -1 if lo2 is None or lo2 <= -(qe - qs - 1) else -lo2
+    right = -1 if hi2 is None or hi2 >= ke - ks - 1 else hi2
+    return qs, qe, ks, ke, left, right
+
+
+def _merge_full(pairs: list) -> list:
+    """Merge unmasked pairs that share their keys and have adjacent rows, or share their rows
+    and have adjacent keys: one kernel call instead of several."""
+    pairs = list(pairs)
+    merged = True
+    while merged:
+        merged = False
+        for i, a in enumerate(pairs):
+            if a[4] != -1 or a[5] != -1:
+                continue
+            for j, b in enumerate(pairs):
+                if j == i or b[4] != -1 or b[5] != -1:
+                    continue
+                if a[2:4] == b[2:4] and a[1] == b[0]:
+                    pairs[i] = (a[0], b[1], a[2], a[3], -1, -1)
+                elif a[0:2] == b[0:2] and a[3] == b[2]:
+                    pairs[i] = (a[0], a[1], a[2], b[3], -1, -1)
+                else:
+                    continue
+                del pairs[j]
+                merged = True
+                break
+            if merged:
+                break
+    return pairs
+
+
+@functools.lru_cache(maxsize=4096)
+def _pairs(q_rank: int, k_rank: int, world: int, n: int, balance: str, causal: bool, window: Window,
+           docs: Optional[tuple]) -> tuple:
+    """The kernel calls of one block (local queries of q_rank against the K/V shard of k_rank):
+    (q_start, q_end, k_start, k_end, left, right) each, in local indices; empty when no query
+    sees a key of that shard."""
+    if q_rank == k_rank and window is None and docs is None:
+        # A shard against itself: global positions grow with the local index, so the global
+        # causal mask is the local one.
+        return ((0, n, 0, n, -1, 0 if causal else -1),)
+    lo_g, hi_g = _global_band(causal, window)
+    pairs = []
+    for ql, qg, qn, qd in _runs(q_rank, world, n, balance, docs):
+        for kl, kg, kn, kd in _runs(k_rank, world, n, balance, docs):
+            if qd != kd:
+                continue
+            t = _trim(qn, kn, kg - qg, lo_g, hi_g)
+            if t is not None:
+                qs, qe, ks, ke, left, right = t
+                pairs.append((ql + qs, ql + qe, kl + ks, kl + ke, left, right))
+    return tuple(_merge_full(pairs))
+
+
+# ----------------------------------------------------------------------------- block engines
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _band_mask(n: int, m: int, left: int, right: int, device) -> Optional[torch.Tensor]:
+    """Bool (n, m), True where key j is visible to row i (-left <= j - i <= right); None: all."""
+    if left < 0 and right < 0:
+        return None
+    off = torch.arange(m, device=device).unsqueeze(0) - torch.arange(n, device=device).unsqueeze(1)
+    keep = None
+    if right >= 0:
+        keep = off <= right
+    if left >= 0:
+        keep = off >= -left if keep is None else keep & (off >= -left)
     return keep
 
 
-def _scores(q, k, scale, q_pos, k_pos, causal, window):
-    """Scores (B, Hkv, G, n, m) with invisible pairs at -inf; q folded to (B, Hkv, G, n, D)."""
-    b, hq, n, d = q.shape
-    hk = k.shape[1]
-    qg = q.reshape(b, hk, hq // hk, n, d)
-    s = torch.matmul(qg, k.unsqueeze(2).transpose(-2, -1)) * scale
-    mask = _mask(q_pos, k_pos, causal, window)
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    return qg, s
+class _TorchBlocks:
+    """A block in torch math, in float32 (float64 for float64 inputs): correct on every device."""
+
+    name = "torch"
+
+    def __init__(self, dtype: torch.dtype):
+        self.cdt = _compute_dtype(dtype)
+
+    def _scores(self, q, k, scale, left, right):
+        b, hq, n, d = q.shape
+        hk = k.shape[1]
+        qg = q.to(self.cdt).reshape(b, hk, hq // hk, n, d)
+        s = torch.matmul(qg, k.to(self.cdt).unsqueeze(2).transpose(-2, -1)) * scale
+        mask = _band_mask(n, k.shape[2], left, right, q.device)
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf"))
+        return qg, s
+
+    def forward(self, q, k, v, scale, left, right):
+        """(out, lse) of q (B, Hq, n, D) against k/v (B, Hkv, m, D/Dv), lse in natural log;
+        a row that sees no key gives out 0 and lse -inf."""
+        b, hq, n, _ = q.shape
+        _, s = self._scores(q, k, scale, left, right)
+        row_max = s.amax(dim=-1, keepdim=True)
+        row_max = row_max.masked_fill(torch.isneginf(row_max), 0.0)
+        p = torch.exp(s - row_max)
+        denom = p.sum(dim=-1, keepdim=True)
+        out = torch.matmul(p, v.to(self.cdt).unsqueeze(2)) / denom.masked_fill(denom == 0, 1.0)
+        lse = (row_max + torch.log(denom)).squeeze(-1)
+        return out.reshape(b, hq, n, v.shape[-1]), lse.reshape(b, hq, n)
+
+    def merge(self, out, lse, block_out, block_lse) -> None:
+        """out/lse (views of the accumulators) become their merge with the block's, in place."""
+        new_out, new_lse = _merge(out, lse, block_out.to(self.cdt), block_lse.to(self.cdt))
+        out.copy_(new_out)
+        lse.copy_(new_lse)
+
+    def backward(self, q, k, v, dout, out, lse, delta, scale, left, right):
+        """(dq, dk, dv) of the block from the GLOBAL lse and delta = rowsum(dout * out):
+        P = exp(S*scale - lse), dS = P * (dout @ v^T - delta); dk/dv summed over each group."""
+        b, hq, n, d = q.shape
+        hk, dv_dim = k.shape[1], v.shape[-1]
+        g = hq // hk
+        qg, s = self._scores(q, k, scale, left, right)
+        lse_g = lse.to(self.cdt).reshape(b, hk, g, n, 1)
+        lse_g = lse_g.masked_fill(torch.isneginf(lse_g), float("inf"))
+        p = torch.exp(s - lse_g)
+        dog = dout.to(self.cdt).reshape(b, hk, g, n, dv_dim)
+        dv = torch.matmul(p.transpose(-2, -1), dog).sum(2)
+        dp = torch.matmul(dog, v.to(self.cdt).unsqueeze(2).transpose(-2, -1))
+        ds = p * (dp - delta.reshape(b, hk, g, n, 1))
+        dq = torch.matmul(ds, k.to(self.cdt).unsqueeze(2)).reshape(b, hq, n, d) * scale
+        dk = torch.matmul(ds.transpose(-2, -1), qg).sum(2) * scale
+        return dq, dk, dv
 
 
-def _block_forward(q, k, v, scale, q_pos, k_pos, causal, window):
-    """Partial attention of the local queries to one visiting K/V shard: (out, lse).
+class _TritonBlocks:
+    """A block through our Triton forward and backward kernels (natural-log lse, fp32); a kernel
+    that fails hands that block, and the rest of the process's blocks, to torch math with one
+    warning."""
 
-    q (B, Hq, n, D), k (B, Hkv, m, D), v (B, Hkv, m, Dv), all in the compute dtype; q_pos (n,),
-    k_pos (m,) global positions on q's device. Returns out (B, Hq, n, Dv) normalised within the
-    block and lse (B, Hq, n) in natural log; a row with no visible key gives out 0, lse -inf.
-    Plain torch math; this is the hook where a later change may call
-    adaattn.backends.triton_ops.triton_fwd (same (out, lse) contract) on GPUs.
-    """
-    b, hq, n, _ = q.shape
-    _, s = _scores(q, k, scale, q_pos, k_pos, causal, window)
-    row_max = s.amax(dim=-1, keepdim=True)
-    row_max = row_max.masked_fill(torch.isneginf(row_max), 0.0)
-    p = torch.exp(s - row_max)
-    denom = p.sum(dim=-1, keepdim=True)
-    out = torch.matmul(p, v.unsqueeze(2)) / denom.masked_fill(denom == 0, 1.0)
-    lse = (row_max + torch.log(denom)).squeeze(-1)
-    return out.reshape(b, hq, n, v.shape[-1]), lse.reshape(b, hq, n)
+    name = "triton"
+    failed = False
+
+    def __init__(self, dtype: torch.dtype, deterministic: bool):
+        self.cdt = torch.float32
+        self.deterministic = deterministic
+        self.fallback = _TorchBlocks(dtype)
+
+    def _launch(self, q, k, v, scale, left, right):
+        from ..backends.triton_launch import make_launch
+
+        variant = _variant(q, k, v, scale, left, right)
+        return make_launch(variant, scale, right == 0, left, -1 if right == 0 else right, False,
+                           self.deterministic)
+
+    def _failed(self, error: BaseException) -> None:
+        if not _TritonBlocks.failed:
+            _TritonBlocks.failed = True
+            warnings.warn(f"adaattn.distributed: the Triton block kernels failed ({type(error).__name__}: "
+                          f"{str(error).strip()[:200]}); blocks run in torch math from now on", RuntimeWarning,
+                          stacklevel=4)
+
+    def forward(self, q, k, v, scale, left, right):
+        from ..backends.triton_launch import launch_fwd
+
+        if not _TritonBlocks.failed:
+            try:
+                return launch_fwd(q, k, v, None, None, None, q.shape[2], k.shape[2],
+                                  self._launch(q, k, v, scale, left, right))
+            except Exception as e:  # a kernel failure: fall back, once, loudly
+                self._failed(e)
+        return self.fallback.forward(q, k, v, scale, left, right)
+
+    def merge(self, out, lse, block_out, block_lse) -> None:
+        from ..backends.triton_merge import merge_into
+
+        if not _TritonBlocks.failed:
+            try:
+                return merge_into(out, lse, block_out, block_lse)
+            except Exception as e:
+                self._failed(e)
+        self.fallback.merge(out, lse, block_out, block_lse)
+
+    def backward(self, q, k, v, dout, out, lse, delta, scale, left, right):
+        from ..backends.triton_launch import launch_bwd
+
+        if not _TritonBlocks.failed:
+            try:
+                return launch_bwd(dout, q, k, v, out, lse.contiguous(), None, None, None, q.shape[2], k.shape[2],
+                                  self._launch(q, k, v, scale, left, right))
+            except Exception as e:
+                self._failed(e)
+        return self.fallback.backward(q, k, v, dout, out, lse, delta, scale, left, right)
 
 
-def _block_backward(q, k, v, dout, lse, delta, scale, q_pos, k_pos, causal, window):
-    """Gradient contributions (dq, dk, dv) of one block, from the GLOBAL lse and delta.
+@functools.lru_cache(maxsize=256)
+def _variant_for(device_type, device_index, dtype, head_dim, value_dim, windowed, aligned, positive) -> str:
+    from ..backends.triton_attention import TritonRunner
+    from ..policy import Policy
+    from ..problem import Problem
 
-    q (B, Hq, n, D), k/v (B, Hkv, m, D/Dv), dout (B, Hq, n, Dv), lse/delta (B, Hq, n), all in
-    the compute dtype. P = exp(S*scale - lse) (0 where masked or lse = -inf),
-    dS = P * (dout @ v^T - delta). dk/dv are summed over the query heads of each group.
-    """
-    b, hq, n, d = q.shape
-    hk, dv_dim = k.shape[1], v.shape[-1]
-    g = hq // hk
-    qg, s = _scores(q, k, scale, q_pos, k_pos, causal, window)
-    lse_g = lse.reshape(b, hk, g, n, 1)
-    lse_g = lse_g.masked_fill(torch.isneginf(lse_g), float("inf"))
-    p = torch.exp(s - lse_g)
-    dog = dout.reshape(b, hk, g, n, dv_dim)
-    dv = torch.matmul(p.transpose(-2, -1), dog).sum(2)
-    dp = torch.matmul(dog, v.unsqueeze(2).transpose(-2, -1))
-    ds = p * (dp - delta.reshape(b, hk, g, n, 1))
-    dq = torch.matmul(ds, k.unsqueeze(2)).reshape(b, hq, n, d) * scale
-    dk = torch.matmul(ds.transpose(-2, -1), qg).sum(2) * scale
-    return dq, dk, dv
+    problem = Problem(batch=1, q_heads=1, kv_heads=1, q_len=1, kv_len=1, head_dim=head_dim, value_dim=value_dim,
+                      dtype=dtype, device_type=device_type, device_index=device_index, causal=True,
+                      window_left=0 if windowed else -1, window_right=-1, mask_kind="none", dropout_p=0.0,
+                      scale=1.0 if positive else -1.0, needs_grad=False, tma_aligned=aligned)
+    for variant in ("ws", "tma", "ptr"):
+        if not TritonRunner(variant).supports(problem, Policy()):
+            return variant
+    return "ptr"
+
+
+def _variant(q, k, v, scale, left, right) -> str:
+    """The fastest of our forward variants that takes this block (as the planner's rules say)."""
+    from ..problem import tma_aligned
+
+    return _variant_for(q.device.type, q.device.index, q.dtype, q.shape[-1], v.shape[-1], left >= 0 or right > 0,
+                        tma_aligned(q, k, v), scale > 0)
+
+
+def _triton_reasons(q, v) -> list[str]:
+    from ..backends.triton_attention import triton_reasons
+
+    return triton_reasons(q.device.type, q.device.index, q.dtype, q.shape[-1], v.shape[-1])
+
+
+def _engine(kernel: str, q, v, deterministic: bool):
+    if kernel == "torch":
+        return _TorchBlocks(q.dtype)
+    reasons = _triton_reasons(q, v)
+    if kernel == "triton":
+        if reasons:
+            raise ValueError(f"kernel='triton' cannot run these tensors: {' '.join(reasons)} Use kernel='torch' "
+                             "or 'auto'.")
+        return _TritonBlocks(q.dtype, deterministic)
+    # auto: our kernels on GPUs; CPU tensors (the interpreter included) take torch math.
+    if q.device.type == "cuda" and not reasons:
+        return _TritonBlocks(q.dtype, deterministic)
+    return _TorchBlocks(q.dtype)
 
 
 def _merge(out, lse, block_out, block_lse):
@@ -222,7 +462,7 @@ def _merge(out, lse, block_out, block_lse):
     return out, new
 
 
-# ----------------------------------------------------------------------------- the ring
+# ----------------------------------------------------------------------------- communication
 
 
 class _Ring:
@@ -250,82 +490,147 @@ class _Ring:
             r.wait()
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def _ring_shards(c: "_Call", k, v):
+    """(source rank, k, v) for every K/V shard, passed around the ring; the next exchange is
+    under way while the caller computes with the current shard."""
+    cur = [k.contiguous(), v.contiguous()]
+    ring = _Ring(c.group, c.rank, c.world) if c.world > 1 else None
+    for step in range(c.world):
+        nxt, reqs = ring.exchange(cur) if step < c.world - 1 else (None, None)
+        yield (c.rank - step) % c.world, cur[0], cur[1]
+        _Ring.wait(reqs)
+        cur = nxt
 
 
-def _visiting(q_pos_cpu, src: int, world: int, m: int, balance: str, causal: bool, window: Window, device):
-    """Global positions (on `device`) of the K/V shard of rank `src`, or None when no local query
-    sees any of its keys (the block is skipped). Decided on the CPU: no device sync."""
-    vis = _mask(q_pos_cpu, positions(src, world, m, balance), causal, window)
-    if vis is not None and not bool(vis.any()):
-        return None
-    return positions(src, world, m, balance, device)
+def _gathered_shards(c: "_Call", k, v):
+    """(source rank, k, v) for every K/V shard: an asynchronous all-gather while the caller
+    computes with the local shard, then the others."""
+    k, v = k.contiguous(), v.contiguous()
+    if c.world == 1:
+        yield c.rank, k, v
+        return
+    ks = [torch.empty_like(k) for _ in range(c.world)]
+    vs = [torch.empty_like(v) for _ in range(c.world)]
+    works = [dist.all_gather(ks, k, group=c.group, async_op=True),
+             dist.all_gather(vs, v, group=c.group, async_op=True)]
+    yield c.rank, k, v
+    for w in works:
+        w.wait()
+    for src in range(c.world):
+        if src != c.rank:
+            yield src, ks[src], vs[src]
+
+
+def _reduce_to_owners(c: "_Call", grads: torch.Tensor) -> torch.Tensor:
+    """grads (world, ...) holds this rank's contribution to every shard's gradient; returns the
+    sum over ranks of the slot of this rank's shard."""
+    if c.world == 1:
+        return grads[0]
+    if dist.get_backend(c.group) == "nccl":
+        out = torch.empty_like(grads[0])
+        dist.reduce_scatter_tensor(out, grads.flatten(0, 1), group=c.group)
+        return out
+    dist.all_reduce(grads, group=c.group)  # gloo has no reduce-scatter
+    return grads[c.rank]
+
+
+# ----------------------------------------------------------------------------- the autograd function
+
+
+class _Call:
+    """What one call decided: the group, the mask in global positions and how blocks run."""
+
+    def __init__(self, group, rank, world, n, causal, scale, window, balance, docs, algorithm, engine, value_dim):
+        self.group, self.rank, self.world, self.n, self.value_dim = group, rank, world, n, value_dim
+        self.causal, self.scale, self.window, self.balance, self.docs = causal, scale, window, balance, docs
+        self.algorithm, self.engine = algorithm, engine
+
+    def pairs(self, src: int) -> tuple:
+        return _pairs(self.rank, src, self.world, self.n, self.balance, self.causal, self.window, self.docs)
+
+    def shards(self, k, v):
+        return (_ring_shards if self.algorithm == "ring" else _gathered_shards)(self, k, v)
+
+
+def _forward_blocks(c: _Call, q, shards):
+    """(out in the compute dtype, lse) of the local queries against every (src, k, v) of
+    `shards`, merged by log-sum-exp. A first block that covers every row is taken as it is."""
+    eng = c.engine
+    out = lse = None
+    for src, ks, vs in shards:
+        for qa, qb, ka, kb, left, right in c.pairs(src):
+            bo, bl = eng.forward(q[:, :, qa:qb], ks[:, :, ka:kb], vs[:, :, ka:kb], c.scale, left, right)
+            if out is None and (qa, qb) == (0, q.shape[2]):
+                out, lse = bo.to(eng.cdt), bl.to(eng.cdt)
+                continue
+            if out is None:
+                out = q.new_zeros(*q.shape[:-1], vs.shape[-1], dtype=eng.cdt)
+                lse = q.new_full(q.shape[:-1], float("-inf"), dtype=eng.cdt)
+            eng.merge(out[:, :, qa:qb], lse[:, :, qa:qb], bo, bl)
+    if out is None:  # no key visible to any local query (a window, documents)
+        out = q.new_zeros(*q.shape[:-1], c.value_dim, dtype=eng.cdt)
+        lse = q.new_full(q.shape[:-1], float("-inf"), dtype=eng.cdt)
+    return out, lse
+
+
+def _backward_block(c: _Call, q, dout, out, lse, delta, src, ks, vs, dq, dk, dv) -> None:
+    """Add the gradients of the local queries' block against the K/V shard of `src` into dq
+    (local) and dk/dv (that shard's accumulators)."""
+    for qa, qb, ka, kb, left, right in c.pairs(src):
+        rows = slice(qa, qb)
+        bdq, bdk, bdv = c.engine.backward(
+            q[:, :, rows], ks[:, :, ka:kb], vs[:, :, ka:kb], dout[:, :, rows], out[:, :, rows], lse[:, :, rows],
+            None if delta is None else delta[:, :, rows], c.scale, left, right)
+        dq[:, :, rows] += bdq
+        dk[:, :, ka:kb] += bdk
+        dv[:, :, ka:kb] += bdv
+
+
+def _delta(c: _Call, dout, out):
+    """rowsum(dout * out) for the torch engine (the Triton backward makes its own)."""
+    eng = c.engine
+    return (dout.to(eng.cdt) * out.to(eng.cdt)).sum(-1) if isinstance(eng, _TorchBlocks) else None
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, rank, world, causal, scale, window, balance):
-        cdt = _compute_dtype(q.dtype)
-        ring = _Ring(group, rank, world)
-        n, m = q.shape[2], k.shape[2]
-        q_pos = positions(rank, world, n, balance, q.device)
-        q_pos_cpu = positions(rank, world, n, balance)
-        qc = q.to(cdt)
-        out = q.new_zeros(*q.shape[:-1], v.shape[-1], dtype=cdt)
-        lse = q.new_full(q.shape[:-1], float("-inf"), dtype=cdt)
-        cur_k, cur_v = k.contiguous(), v.contiguous()
-        for step in range(world):
-            reqs, nxt = None, None
-            if step < world - 1:
-                nxt, reqs = ring.exchange([cur_k, cur_v])
-            k_pos = _visiting(q_pos_cpu, (rank - step) % world, world, m, balance, causal, window, q.device)
-            if k_pos is not None:
-                bo, bl = _block_forward(qc, cur_k.to(cdt), cur_v.to(cdt), scale, q_pos, k_pos, causal, window)
-                out, lse = _merge(out, lse, bo, bl)
-            if reqs is not None:
-                _Ring.wait(reqs)
-                cur_k, cur_v = nxt
+    def forward(ctx, q, k, v, c: _Call):
+        out, lse = _forward_blocks(c, q, c.shards(k, v))
         result = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, result, lse)
-        ctx.args = (group, rank, world, causal, scale, window, balance)
+        ctx.call = c
         return result
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, rank, world, causal, scale, window, balance = ctx.args
-        cdt = _compute_dtype(q.dtype)
-        ring = _Ring(group, rank, world)
-        n, m = q.shape[2], k.shape[2]
-        q_pos = positions(rank, world, n, balance, q.device)
-        q_pos_cpu = positions(rank, world, n, balance)
-        qc, doc = q.to(cdt), dout.to(cdt)
-        delta = (doc * out.to(cdt)).sum(-1)
-        dq = torch.zeros_like(qc)
-        dk = torch.zeros(k.shape, dtype=cdt, device=k.device)
-        dv = torch.zeros(v.shape, dtype=cdt, device=v.device)
-        cur_k, cur_v = k.contiguous(), v.contiguous()
-        for step in range(world):
-            kv_reqs, nxt = None, None
-            if step < world - 1:
-                nxt, kv_reqs = ring.exchange([cur_k, cur_v])
-            k_pos = _visiting(q_pos_cpu, (rank - step) % world, world, m, balance, causal, window, q.device)
-            if k_pos is not None:
-                bdq, bdk, bdv = _block_backward(qc, cur_k.to(cdt), cur_v.to(cdt), doc, lse, delta, scale,
-                                                q_pos, k_pos, causal, window)
-                dq += bdq
-                dk += bdk
-                dv += bdv
-            # The accumulators follow their shard; after the last step this hop brings each
-            # back to the rank that owns the shard.
-            grads, g_reqs = ring.exchange([dk, dv], tag0=2)
-            _Ring.wait(kv_reqs)
-            _Ring.wait(g_reqs)
-            dk, dv = grads
-            if nxt is not None:
-                cur_k, cur_v = nxt
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None, None
+        c = ctx.call
+        cdt = c.engine.cdt
+        dout = dout.contiguous()
+        delta = _delta(c, dout, out)
+        dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
+        if c.algorithm == "allgather":
+            dks = torch.zeros((c.world, *k.shape), dtype=cdt, device=k.device)
+            dvs = torch.zeros((c.world, *v.shape), dtype=cdt, device=v.device)
+            for src, ks, vs in c.shards(k, v):
+                _backward_block(c, q, dout, out, lse, delta, src, ks, vs, dq, dks[src], dvs[src])
+            dk, dv = _reduce_to_owners(c, dks), _reduce_to_owners(c, dvs)
+        else:
+            dk = torch.zeros(k.shape, dtype=cdt, device=k.device)
+            dv = torch.zeros(v.shape, dtype=cdt, device=v.device)
+            ring = _Ring(c.group, c.rank, c.world) if c.world > 1 else None
+            for src, ks, vs in c.shards(k, v):
+                _backward_block(c, q, dout, out, lse, delta, src, ks, vs, dq, dk, dv)
+                if ring is not None:
+                    # The accumulators follow their shard; after the last step this hop brings
+                    # each back to the rank that owns the shard.
+                    grads, reqs = ring.exchange([dk, dv], tag0=2)
+                    _Ring.wait(reqs)
+                    dk, dv = grads
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+# ----------------------------------------------------------------------------- public entry points
 
 
 def _check(q, k, v, enable_gqa, window):
@@ -347,43 +652,84 @@ def _check(q, k, v, enable_gqa, window):
     return window
 
 
+def _check_docs(cu_seqlens, n_global: int) -> Optional[tuple]:
+    """cu_seqlens as a tuple of ints [0, ..., n_global], nondecreasing; None stays None."""
+    if cu_seqlens is None:
+        return None
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() != 1 or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
+            raise ValueError(f"cu_seqlens must be a 1-D integer tensor, got {cu_seqlens.dim()}-D {cu_seqlens.dtype}")
+        cu = tuple(int(x) for x in cu_seqlens.tolist())
+    elif isinstance(cu_seqlens, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool)
+                                                         for x in cu_seqlens):
+        cu = tuple(cu_seqlens)
+    else:
+        raise TypeError(f"cu_seqlens must be a 1-D integer tensor or a list of ints, got {type(cu_seqlens).__name__}")
+    if len(cu) < 2 or cu[0] != 0 or cu[-1] != n_global or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must start at 0, never decrease and end at the global length {n_global}, "
+                         f"got {list(cu)[:8]}{'...' if len(cu) > 8 else ''}")
+    return cu
+
+
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *,
                    is_causal: bool = False, scale: float | None = None, window: Window = None,
-                   enable_gqa: bool = False, balance: str = "zigzag") -> torch.Tensor:
+                   enable_gqa: bool = False, balance: str = "zigzag", cu_seqlens=None,
+                   algorithm: str = "ring", kernel: str = "auto") -> torch.Tensor:
     """Exact attention over a sequence sharded across `group` (default: the world group).
 
     q (B, Hq, n, D), k (B, Hkv, n, D), v (B, Hkv, n, Dv) are this rank's shards of the
     sequence (dim 2), laid out as `shard(x, 2, group, balance)` lays them out; every rank holds
     the same n. Returns this rank's output shard (B, Hq, n, Dv) in the input dtype.
     is_causal / window=(left, right) apply in global positions (None on a side: unbounded);
-    scale defaults to 1/sqrt(D); enable_gqa allows Hq a multiple of Hkv. Differentiable in
-    q, k and v. With no initialized process group, or world size 1, this is adaattn.attention.
+    scale defaults to 1/sqrt(D); enable_gqa allows Hq a multiple of Hkv.
+    cu_seqlens: packed documents, [0, end of document 0, ..., N] in global positions (a list, or
+        an integer tensor: a CUDA one costs a host sync); a query sees only keys of its own
+        document (and, with is_causal/window, only those the mask allows there).
+    algorithm: "ring" (K/V shards pass around the ring, overlapping compute) or "allgather"
+        (all K/V shards gathered at once: world x the K/V memory, one collective; for short
+        shards).
+    kernel: "auto" (our Triton kernels for CUDA tensors they take, torch math otherwise),
+        "triton" or "torch".
+    Differentiable in q, k and v. With no initialized process group, or world size 1, and no
+    documents, this is adaattn.attention.
     """
     _check_balance(balance)
     window = _check(q, k, v, enable_gqa, window)
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, not {algorithm!r}")
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, not {kernel!r}")
     group, rank, world = _group_info(group)
-    if world == 1:
+    docs = _check_docs(cu_seqlens, q.shape[2] * world)
+    if world == 1 and docs is None and kernel == "auto":
         return attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, window=window)
-    if balance == "zigzag" and q.shape[2] % 2:
+    if balance == "zigzag" and world > 1 and q.shape[2] % 2:
         raise ValueError(f"zigzag balance needs an even local length, got {q.shape[2]}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
-    return _RingAttention.apply(q, k, v, group, rank, world, bool(is_causal), float(scale), window, balance)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    c = _Call(group, rank, world, q.shape[2], bool(is_causal), scale, window, balance, docs, algorithm,
+              _engine(kernel, q, v, deterministic), v.shape[-1])
+    return _RingAttention.apply(q, k, v, c)
 
 
 class RingAttention(nn.Module):
-    """ring_attention as a module, holding its process group and balance."""
+    """ring_attention as a module, holding its process group, balance, algorithm and kernel."""
 
-    def __init__(self, group=None, balance: str = "zigzag"):
+    def __init__(self, group=None, balance: str = "zigzag", algorithm: str = "ring", kernel: str = "auto"):
         super().__init__()
         _check_balance(balance)
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, not {algorithm!r}")
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {KERNELS}, not {kernel!r}")
         self.group = group
-        self.balance = balance
+        self.balance, self.algorithm, self.kernel = balance, algorithm, kernel
 
     def forward(self, q, k, v, is_causal: bool = False, scale: float | None = None, window: Window = None,
-                enable_gqa: bool = False) -> torch.Tensor:
+                enable_gqa: bool = False, cu_seqlens=None) -> torch.Tensor:
         return ring_attention(q, k, v, self.group, is_causal=is_causal, scale=scale, window=window,
-                              enable_gqa=enable_gqa, balance=self.balance)
+                              enable_gqa=enable_gqa, balance=self.balance, cu_seqlens=cu_seqlens,
+                              algorithm=self.algorithm, kernel=self.kernel)
 
     def extra_repr(self) -> str:
-        return f"balance={self.balance!r}"
+        return f"balance={self.balance!r}, algorithm={self.algorithm!r}, kernel={self.kernel!r}"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import calibrate, cpu, decode, gpt, hf, prefill, quant, rank, train, varlen, window
+from . import calibrate, cpu, decode, distributed, gpt, hf, prefill, quant, rank, train, varlen, window
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ SUITES = {
     m.NAME: Suite(m.NAME, m.HELP, m.NEEDS_CUDA, m.cases, getattr(m, "DISPATCH_OVERHEAD", False),
                   getattr(m, "finish", None), getattr(m, "summarize", None),
                   getattr(m, "plot", None))
-    for m in (prefill, train, decode, quant, window, varlen, hf, gpt, rank, cpu, calibrate)
+    for m in (prefill, train, decode, quant, window, varlen, hf, gpt, rank, distributed, cpu, calibrate)
 }
 
 __all__ = ["SUITES", "Suite"]

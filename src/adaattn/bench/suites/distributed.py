@@ -1,0 +1,115 @@
+"""distributed: what adaattn.distributed costs on one device (world size 1), against adaattn.attention."""
+
+from __future__ import annotations
+
+import socket
+
+import torch
+import torch.distributed as dist
+
+from ... import distributed as cp
+from .. import peers
+from ..cases import Case, unavailable
+from ..dense import describe, error_check, random_qkv
+from ..grid import CAUSAL, Grid, dtype_name
+from ..peers import Call
+from . import options
+
+NAME = "distributed"
+HELP = ("world size 1 (a process group of one: NCCL on a GPU, gloo on a CPU), causal GQA bf16 Hq=32 Hkv=8 "
+        "D=128, fwd and fwd+bwd: ring_attention vs adaattn.attention (what the distributed layer adds), and its "
+        "block path (kernel='triton', the per-block code every rank runs) vs our Triton kernels pinned; x adaattn")
+NEEDS_CUDA = False
+DEFAULT = Grid((4096, 16384, 65536), batch=1, heads=32, kv_heads=8, head_dim=128, dtypes=(torch.bfloat16,),
+               causal="yes")
+CPU_DEFAULT = Grid((512, 2048), batch=1, heads=4, kv_heads=2, head_dim=64, dtypes=(torch.float32,), causal="yes")
+HOW = {
+    "ring (world 1)": "adaattn.distributed.ring_attention(q, k, v, group) with an initialized process group of "
+    "world size 1 (balance zigzag, kernel auto): the distributed entry point as a model calls it",
+    "ring blocks (world 1)": "the same with kernel='triton': the block path (pairs, our Triton forward and "
+    "backward with log-sum-exp, the merge) on the rank's own shard, as every rank runs it per visiting shard",
+}
+
+
+def _group(device: torch.device) -> None:
+    """A process group of world size 1 for the timed calls, made once per process."""
+    if dist.is_initialized():
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=0, world_size=1, **({"device_id": device} if device.type == "cuda" else {}))
+
+
+def cases(args, device):
+    grid = options.grid(args, DEFAULT if device.type == "cuda" else CPU_DEFAULT)
+    kv_heads = grid.kv_heads or grid.heads
+    out = []
+    for dtype in grid.dtypes:
+        for causal in CAUSAL[grid.causal]:
+            for i, n in enumerate(grid.seq_lens):
+                for backward in (False, True):
+                    what = "fwd+bwd" if backward else "fwd"
+                    series = (f"world 1 {describe(grid.batch, grid.heads, kv_heads, grid.head_dim, dtype)} "
+                              f"{'causal' if causal else 'full'} {what}")
+                    flops = 4.0 * grid.batch * grid.heads * n * n * grid.head_dim * (0.5 if causal else 1.0)
+                    flops *= 3.5 if backward else 1.0
+                    fields = {"seq_len": n, "batch": grid.batch, "heads": grid.heads, "kv_heads": kv_heads,
+                              "head_dim": grid.head_dim, "dtype": dtype_name(dtype), "causal": causal, "pass": what,
+                              "world_size": 1}
+                    make = _maker(grid.batch, grid.heads, kv_heads, n, grid.head_dim, dtype, causal, backward, device,
+                                  options.seed(args) + i)
+                    out.append(Case(NAME, f"{series} N={n}", n, fields, "adaattn", "TFLOP/s", flops, make,
+                                    series=series, also=("triton",)))
+    return out
+
+
+def _maker(batch, heads, kv_heads, n, head_dim, dtype, causal, backward, device, seed):
+    def make():
+        _group(device)
+        q, k, v = random_qkv(batch, heads, kv_heads, n, n, head_dim, dtype, device, seed, requires_grad=backward)
+        call = Call(q, k, v, causal=causal, backward=backward)
+        gqa = heads != kv_heads
+        rows = [peers.adaattn(call),
+                call.peer("ring (world 1)", lambda: cp.ring_attention(q, k, v, is_causal=causal, enable_gqa=gqa))]
+        if device.type == "cuda":
+            rows += [peers.triton(call),
+                     call.peer("ring blocks (world 1)",
+                               lambda: cp.ring_attention(q, k, v, is_causal=causal, enable_gqa=gqa, kernel="triton"))]
+        else:
+            reason = "our Triton kernels run on CUDA tensors"
+            rows += [unavailable("triton", reason), unavailable("ring blocks (world 1)", reason)]
+        return rows, error_check(Call(q.detach(), k.detach(), v.detach(), causal=causal))
+
+    return make
+
+
+def summarize(rows: list[dict]) -> tuple[dict, str]:
+    """What world size 1 adds: ring's median time over adaattn's, and the block path's over
+    Triton pinned, per case; the largest of each."""
+    by = {}
+    for r in rows:
+        if r.get("ms") is not None:
+            by[(r["seq_len"], r["causal"], r["pass"], r["peer"])] = r["ms"]
+    cases_ = sorted({key[:3] for key in by})
+    entries, lines = [], []
+    for n, causal, what in cases_:
+        base, ring = by.get((n, causal, what, "adaattn")), by.get((n, causal, what, "ring (world 1)"))
+        tri, blocks = by.get((n, causal, what, "triton")), by.get((n, causal, what, "ring blocks (world 1)"))
+        e = {"seq_len": n, "causal": causal, "pass": what,
+             "ring_over_adaattn": None if not (base and ring) else ring / base - 1.0,
+             "blocks_over_triton": None if not (tri and blocks) else blocks / tri - 1.0}
+        entries.append(e)
+        parts = [f"N={n} {'causal' if causal else 'full'} {what}:"]
+        if e["ring_over_adaattn"] is not None:
+            parts.append(f"ring (world 1) {100 * e['ring_over_adaattn']:+.1f}% over adaattn")
+        if e["blocks_over_triton"] is not None:
+            parts.append(f"block path {100 * e['blocks_over_triton']:+.1f}% over triton")
+        lines.append(" ".join(parts))
+    worst = [e["ring_over_adaattn"] for e in entries if e["ring_over_adaattn"] is not None]
+    summary = {"how": HOW, "cases": entries, "max_ring_over_adaattn": max(worst) if worst else None,
+               "within_2_percent": None if not worst else max(worst) <= 0.02}
+    if worst:
+        lines.append(f"largest: ring (world 1) {100 * max(worst):+.1f}% over adaattn.attention")
+    return summary, "\n".join(lines)
