@@ -140,3 +140,37 @@ def test_gpu_suite_runs_small(name, tmp_path):
     rows = json.loads(next(tmp_path.glob(f"{name}-bench-*.json")).read_text())["rows"]
     base = [r for r in rows if r["peer"] == r["baseline"]]
     assert base and all(r["error"] is None and r["ms_min"] <= r["ms"] <= r["ms_max"] for r in base)
+
+
+def test_paired_ratio_cancels_drift_between_rounds():
+    """Clocks that slow every call of a round alike leave the paired ratio at the true one; the
+    ratio of medians moves with the drift."""
+    from adaattn.bench.cases import paired_ratio
+
+    drift = [1.0, 1.0, 1.3, 1.3, 1.3]  # the last three rounds ran at lower clocks
+    base = [10.0 * d for d in drift]
+    peer = [10.0 * d * 1.01 for d in drift[:4]] + [10.0]  # 1% slower in every round but one ended before the drift
+    assert paired_ratio(base, peer[:4]) == pytest.approx(1 / 1.01)
+    assert paired_ratio(None, peer) is None
+    assert paired_ratio(base, [0.0, 10.0]) == pytest.approx(1.0)
+
+
+def test_distributed_suite_on_the_cpu_times_ring_at_world_size_one(tmp_path):
+    import torch.distributed as dist
+
+    try:
+        rc = cli.main(["bench", "--suite", "distributed", "--device", "cpu", "--seq-lens", "64", "--heads", "2",
+                       "--kv-heads", "1", "--head-dim", "16", "--dtype", "fp32", *TINY, "--out", str(tmp_path)])
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert rc == 0
+    (path,) = tmp_path.glob("distributed-bench-*.json")
+    data = json.loads(path.read_text())
+    rows = {(r["pass"], r["peer"]): r for r in data["rows"]}
+    for what in ("fwd", "fwd+bwd"):
+        for peer in ("adaattn", "ring (world 1)"):
+            r = rows[(what, peer)]
+            assert r["error"] is None and r["rel_error"] < 1e-5 and r["x_baseline_paired"] > 0, r
+    cases = data["summary"]["cases"]
+    assert len(cases) == 2 and all(c["ring_over_adaattn"] is not None for c in cases)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import statistics
 import warnings
 from dataclasses import dataclass, field
 from typing import Callable
@@ -142,6 +143,16 @@ def measure(peer: Peer, case: Case, check, settings: Settings) -> dict:
     return with_warnings(row, caught)
 
 
+def paired_ratio(base: list[float] | None, times: list[float]) -> float | None:
+    """The median over rounds of baseline time / this time, each pair taken in the same round
+    (interleaved_samples' sample j of every call is in round j): clocks that drift between
+    rounds cancel, which the ratio of two medians does not do."""
+    if not base:
+        return None
+    pairs = [b / t for b, t in zip(base, times) if t > 0]
+    return statistics.median(pairs) if pairs else None
+
+
 def time_interleaved(timed: list, case: Case, settings: Settings) -> None:
     """Time every peer of a case call by call in turn (timing.interleaved_samples): each round
     times every peer once, the order rotated every round, so a drift of clocks or temperature,
@@ -159,9 +170,11 @@ def time_interleaved(timed: list, case: Case, settings: Settings) -> None:
             with_warnings(row, caught)
         else:
             samples[id(row)] = times
+    base = next((samples[id(row)] for peer, row in timed if peer.name == case.baseline and row["error"] is None), None)
     for peer, row in timed:
         if row["error"] is not None or not samples[id(row)]:
             continue
+        row["x_baseline_paired"] = paired_ratio(base, samples[id(row)])
         spread = timing.Spread.of(samples[id(row)])
         row.update(ms=spread.median, ms_min=spread.min, ms_max=spread.max, samples=spread.samples,
                    figure=case.work / (spread.median * 1e-3) / SCALE[case.figure])

@@ -23,6 +23,8 @@ METHOD = {
     "backward; windows and documents count only the pairs they attend), TB/s (decode: bytes of K and V "
     "read), tokens/s (models)",
     "x_baseline": "the case's baseline median time / this peer's median time (> 1: faster than the baseline)",
+    "x_baseline_paired": "the median over timing rounds of baseline time / this peer's time, both taken in the same "
+    "round (clock drift between rounds cancels)",
     "rel_error": "||out - ref64|| / ||ref64|| on up to --error-rows query rows sampled evenly, float64 reference",
     "ran": "the runners adaattn.stats recorded for one call of the peer (adaattn rows)",
     "peers": HOW,
