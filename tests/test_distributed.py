@@ -100,6 +100,14 @@ def _worker(rank: int, world: int, port: int, path: str) -> None:
         from adaattn.distributed import ring
 
         results["_triton_failed"] = ring._TritonBlocks.failed  # a fallback would hide a kernel bug
+        # Each ring call records this rank's decisions; gather_records brings every rank's.
+        import adaattn
+        from adaattn.distributed import gather_records
+
+        q, k, v, _ = _inputs(torch.float32, 2, n)
+        with adaattn.stats.collect() as records:
+            ring_attention(*(shard(t, 2) for t in (q, k, v)), is_causal=True, enable_gqa=True, kernel="torch")
+        results["_records"] = gather_records(records)
         if rank == 0:
             torch.save(results, path)
         dist.barrier()
@@ -168,6 +176,12 @@ def test_ring_attention_matches_reference(world, tmp_path):
                 failures.append(f"{name} {what}: err {err:.3e} > {bound:.3e}")
     assert not failures, "\n".join(failures)
     assert results["_triton_failed"] is False
+    recs = results["_records"]
+    assert [len(r) for r in recs] == [1] * world
+    assert [r[0]["decisions"]["rank"] for r in recs] == list(range(world))
+    assert all(r[0]["backend"] == "ring.torch" and r[0]["decisions"]["world"] == world for r in recs)
+    # zigzag causal: every rank visits every shard (one kernel call each), skipping none
+    assert all(r[0]["decisions"]["kernel_calls"] == world and r[0]["decisions"]["shards_skipped"] == 0 for r in recs)
     full, grad = results["_unshard_roundtrip"]
     assert torch.equal(full, torch.arange(n, dtype=torch.float64).reshape(1, 1, n, 1))
     assert torch.equal(grad, torch.full_like(grad, 2.0 * world))

@@ -4,13 +4,14 @@
 K/V shards travel around the ring (isend/irecv) while each rank attends its local queries to
 the visiting keys, and partial results merge exactly by log-sum-exp. The same code runs on
 NCCL (GPU tensors) and gloo (CPU tensors). `shard` / `unshard` split and restore the global
-sequence in the layout ("zigzag" or "plain") that ring_attention assumes.
+sequence in the layout ("zigzag" or "plain") that ring_attention assumes. `gather_records`
+collects every rank's adaattn.stats records (each ring call records its rank's decisions).
 
 Not imported by `import adaattn`; use `import adaattn.distributed`.
 """
 
 from __future__ import annotations
 
-from .ring import RingAttention, positions, ring_attention, shard, unshard
+from .ring import RingAttention, gather_records, positions, ring_attention, shard, unshard
 
-__all__ = ["RingAttention", "positions", "ring_attention", "shard", "unshard"]
+__all__ = ["RingAttention", "gather_records", "positions", "ring_attention", "shard", "unshard"]

@@ -54,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import stats
 from ..api import attention
 
 BALANCES = ("zigzag", "plain")
@@ -709,7 +710,43 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     deterministic = torch.are_deterministic_algorithms_enabled()
     c = _Call(group, rank, world, q.shape[2], bool(is_causal), scale, window, balance, docs, algorithm,
               _engine(kernel, q, v, deterministic), v.shape[-1])
-    return _RingAttention.apply(q, k, v, c)
+    if not stats.enabled:
+        return _RingAttention.apply(q, k, v, c)
+    if stats.timing():
+        with stats.Timer(q.device) as timer:
+            out = _RingAttention.apply(q, k, v, c)
+        wall = timer.ms
+    else:
+        out, wall = _RingAttention.apply(q, k, v, c), None
+    _record(c, q, k, wall)
+    return out
+
+
+def _record(c: _Call, q, k, wall_ms) -> None:
+    """This rank's decisions for adaattn.stats: the block engine, the algorithm, how many
+    kernel calls its blocks took and how many visiting shards it skipped."""
+    calls = [len(c.pairs(src)) for src in range(c.world)]
+    engine = c.engine.name if not (c.engine.name == "triton" and _TritonBlocks.failed) else "torch"
+    stats.add(stats.CallRecord(
+        backend=f"ring.{engine}",
+        shape=f"B={q.shape[0]} H={q.shape[1]}/{k.shape[1]} n={q.shape[2]} x world {c.world} D={q.shape[3]}",
+        dtype=str(q.dtype).replace("torch.", ""), device=str(q.device), mode="exact",
+        decisions={"rank": c.rank, "world": c.world, "algorithm": c.algorithm, "balance": c.balance,
+                   "kernel_calls": sum(calls), "shards_skipped": sum(1 for n in calls if n == 0),
+                   "documents": None if c.docs is None else len(c.docs) - 1},
+        fallbacks=("ring.triton",) if engine != c.engine.name else (), wall_ms=wall_ms))
+
+
+def gather_records(records: list, group=None) -> list:
+    """Every rank's adaattn.stats records (from `with adaattn.stats.collect() as records:`),
+    gathered to every rank: one list per rank, in rank order. A collective: every rank of the
+    group calls it. Without a process group, [records]."""
+    group, _, world = _group_info(group)
+    if world == 1:
+        return [list(records)]
+    got: list = [None] * world
+    dist.all_gather_object(got, [r.as_dict() if hasattr(r, "as_dict") else r for r in records], group=group)
+    return got
 
 
 class RingAttention(nn.Module):
