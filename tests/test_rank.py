@@ -364,7 +364,13 @@ def test_bench_rank_summary():
                  {**base, "peer": "top-k 0.05", "ms": 1.0, "rel_error": 0.2}]
     rows.append({"peer": "sdpa", "ms": 1.0, "bits_per_byte": 1.5})
     rows.append({"peer": "rank:0.05", "ms": 1.0, "bits_per_byte": 1.503})
+    rand = {"workload": "random", "layer": None, "seq_len": 32768, "heads": 32}
+    rows += [{**rand, "peer": "adaattn", "ms": 10.0},
+             {**rand, "peer": "auto 0.05", "ms": 10.2, "x_baseline_paired": 1 / 1.02, "density": [1.0] * 32,
+              "runs_exact": True, "ran_last": "sdpa.cudnn"}]
     summary, text = suite.summarize(rows)
+    (r,) = summary["random"]
+    assert r["over_exact"] == pytest.approx(0.02) and r["mean_density"] == 1.0 and r["runs_exact"]
     whole = summary["whole_model"][0]
     assert whole["x_cudnn"] == pytest.approx(20 / 15)
     assert whole["oracle_bound_x_cudnn"] == pytest.approx(20 / 12)

@@ -23,6 +23,7 @@ from .grid import CAUSAL, Grid, Shape, dtype_name, parse_dtypes, parse_seq_lens
 from .suite import Settings, run_suite
 from .suites import SUITES
 from .suites.gpt import PARTS as GPT_PARTS
+from .suites.rank import PARTS as RANK_PARTS
 from .workload import WORKLOADS
 
 
@@ -59,9 +60,10 @@ def _floats(text: str) -> tuple[float, ...]:
 
 def _parts(text: str) -> tuple[str, ...]:
     parts = tuple(p.strip() for p in text.split(",") if p.strip())
-    bad = [p for p in parts if p not in GPT_PARTS]
+    allowed = GPT_PARTS + tuple(p for p in RANK_PARTS if p not in GPT_PARTS)
+    bad = [p for p in parts if p not in allowed]
     if bad or not parts:
-        raise argparse.ArgumentTypeError(f"--gpt-parts takes some of {','.join(GPT_PARTS)}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"--gpt-parts takes some of {','.join(allowed)}, got {text!r}")
     return parts
 
 
@@ -105,7 +107,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--prompt-len", type=_positive, default=None, help="hf: prompt tokens (default 2048; CPU 128)")
     s.add_argument("--new-tokens", type=_positive, default=None, help="hf: tokens generate() adds (default 64; CPU 8)")
     s.add_argument("--gpt-parts", type=_parts, default=None, metavar="PART,...",
-                   help=f"gpt: some of {','.join(GPT_PARTS)} (default all)")
+                   help=f"gpt: some of {','.join(GPT_PARTS)} (default all); rank: some of {','.join(RANK_PARTS)} "
+                   "(default kernels,heldout)")
     s.add_argument("--gpt-size", choices=("shipped", "medium"), default=None,
                    help="gpt step: the shipped config, or GPT-2 medium's size (24 layers, d=1024)")
     s.add_argument("--gpt-windows", type=_positive, default=None, help="gpt heldout: windows of 8192 bytes (default 16)")

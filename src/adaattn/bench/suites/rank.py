@@ -15,9 +15,10 @@ from ...adaptive.rank_launch import rank_forward
 from ...policy import Policy
 from .. import accuracy, peers
 from ..cases import Case, Peer
-from ..dense import head_errors
+from ..dense import head_errors, random_qkv
 from ..peers import Call
 from ..workload import parse_layers
+from . import options
 
 NAME = "rank"
 HELP = ("adaptive rank on q, k, v captured from every layer (--gpt-layers) of the 32k GPT (--weights), causal B=1, "
@@ -28,6 +29,9 @@ NEEDS_CUDA = True
 SEQ_LENS = (32768, 65536, 131072)
 TOLERANCES = (1e-2, 5e-2)
 REPLICATED_HEADS = 32
+PARTS = ("kernels", "heldout", "random")  # --gpt-parts; the default leaves out random (the full run nears 10 min)
+DEFAULT_PARTS = ("kernels", "heldout")
+RANDOM_HEADS, RANDOM_HEAD_DIM = 32, 64
 VERIFIED_TO_SETTLE = 4  # verified calls a site makes before it is timed (its thresholds settle)
 # 0, then 1e-4 .. 0.42 in steps of 10^(1/8) (x1.33): the oracle's density is the least on a fine grid
 ORACLE_THRESHOLDS = (0.0,) + tuple(10 ** (-4 + i / 8) for i in range(30))
@@ -88,8 +92,11 @@ def cases(args, device):
 
         return get
 
+    parts = getattr(args, "gpt_parts", None) or DEFAULT_PARTS
     out = []
-    for n in seq_lens:
+    for n in (seq_lens if "random" in parts else ()):
+        out.append(_random_case(n, taus, options.seed(args), device))
+    for n in (seq_lens if "kernels" in parts else ()):
         for heads in head_counts:
             for layer in layers:
                 fields = {"workload": "gpt32k", "layer": layer, "seq_len": n, "heads": heads,
@@ -103,10 +110,31 @@ def cases(args, device):
                                 _maker(inputs(n, layer, heads), taus, f"bench-rank N={n} H={heads} L{layer}",
                                        oracles, (n, layer), source),
                                 series=series))
-    if "heldout" not in (getattr(args, "gpt_parts", None) or ("heldout",)) or not seq_lens:
+    if "heldout" not in parts or not seq_lens:
         return out
     out.append(_heldout_case(weights, min(seq_lens), taus, device))
     return out
+
+
+def _random_case(n: int, taus, seed: int, device) -> Case:
+    """torch.randn q, k, v (B=1, 32 heads, D=64, causal): attention with no structure to skip, where
+    auto must decide exact and cost no more than the exact call (baseline: adaattn exact)."""
+    fields = {"workload": "random", "layer": None, "seq_len": n, "heads": RANDOM_HEADS, "kv_heads": RANDOM_HEADS,
+              "head_dim": RANDOM_HEAD_DIM, "dtype": "bf16", "causal": True, "replicated": False}
+    flops = 4.0 * RANDOM_HEADS * RANDOM_HEAD_DIM * n * (n + 1) / 2
+
+    def make():
+        q, k, v = random_qkv(1, RANDOM_HEADS, RANDOM_HEADS, n, n, RANDOM_HEAD_DIM, torch.bfloat16, device, seed)
+        call = Call(q, k, v, causal=True)
+        idx = accuracy.sample_rows(n, 512)
+        with torch.no_grad():
+            ref = accuracy.sampled_reference(q, k, v, idx, True)
+        rows = [peers.sdpa(call, "cuDNN"), peers.adaattn(call)]
+        rows += [_auto(call, tau, f"bench-rank random N={n}")[0] for tau in taus]
+        return rows, lambda out: accuracy.relative_error(out, ref, idx)
+
+    return Case(NAME, f"rank random H={RANDOM_HEADS} N={n}", n, fields, "adaattn", "TFLOP/s", flops, make,
+                series=f"rank random H={RANDOM_HEADS}", also=("cuDNN",))
 
 
 def replicate(q, k, v, heads: int):
@@ -376,6 +404,17 @@ def summarize(rows: list[dict]) -> tuple[dict, str]:
                              f"max head err {_fmt(a.get('max_head_error'))} | {lay['x_cudnn']:.2f}x cuDNN"
                              f"{'' if eff is None else f', {eff:.2f} of 1/density'} | err ours {_fmt(a.get('rel_error'))}"
                              f" flex {_fmt(lay['flex_error'])} top-k {_fmt(lay['topk_error'])}")
+    out["random"] = []
+    for r in rows:
+        if r.get("workload") == "random" and r.get("peer", "").startswith("auto ") and r.get("ms") is not None:
+            paired = r.get("x_baseline_paired")
+            dens = r.get("density")
+            e = {"seq_len": r["seq_len"], "peer": r["peer"], "runs_exact": r.get("runs_exact"),
+                 "mean_density": None if not dens else sum(dens) / len(dens),
+                 "over_exact": None if not paired else 1.0 / paired - 1.0, "ran_last": r.get("ran_last")}
+            out["random"].append(e)
+            lines.append(f"random N={e['seq_len']} {e['peer']}: {_fmt(e['over_exact'])} over exact (paired), "
+                         f"density {_fmt(e['mean_density'])}, runs exact {e['runs_exact']}, ran {e['ran_last']}")
     for r in rows:
         if r.get("bits_per_byte") is not None:
             out["heldout"].append({"peer": r["peer"], "bits_per_byte": r["bits_per_byte"]})
