@@ -173,7 +173,8 @@ def test_random_inputs_run_exact(short_ok):
     rec = records[-1].as_dict()
     dec = rec["decisions"]
     assert rec["backend"] != "triton.rank" and dec["option"].startswith("exact"), rec
-    assert min(dec["density"]) > rank.BREAK_EVEN and "break-even" in dec["why"], dec
+    assert dec["density"] == [1.0, 1.0], dec  # what ran: every tile exact
+    assert min(dec["plan_density"]) > rank.BREAK_EVEN and "break-even" in dec["why"], dec
     assert torch.all(bl.relative_error(out, exact64(q, k, v, True)) <= 2 * sdpa_error(q, k, v, True) + 1e-6)
 
 
@@ -366,11 +367,13 @@ def test_bench_rank_summary():
     rows.append({"peer": "rank:0.05", "ms": 1.0, "bits_per_byte": 1.503})
     rand = {"workload": "random", "layer": None, "seq_len": 32768, "heads": 32}
     rows += [{**rand, "peer": "adaattn", "ms": 10.0},
-             {**rand, "peer": "auto 0.05", "ms": 10.2, "x_baseline_paired": 1 / 1.02, "density": [1.0] * 32,
+             {**rand, "peer": "auto 0.05", "ms": 10.2, "x_baseline_paired": 1 / 1.02, "density": [0.97] * 32,
+              "stats_density": [1.0] * 32,
               "runs_exact": True, "ran_last": "sdpa.cudnn"}]
     summary, text = suite.summarize(rows)
     (r,) = summary["random"]
-    assert r["over_exact"] == pytest.approx(0.02) and r["mean_density"] == 1.0 and r["runs_exact"]
+    assert r["over_exact"] == pytest.approx(0.02) and r["stats_density"] == 1.0 and r["runs_exact"]
+    assert r["plan_density"] == pytest.approx(0.97)
     whole = summary["whole_model"][0]
     assert whole["x_cudnn"] == pytest.approx(20 / 15)
     assert whole["oracle_bound_x_cudnn"] == pytest.approx(20 / 12)

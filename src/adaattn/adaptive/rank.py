@@ -186,8 +186,10 @@ class RankController:
 
     def _info_exact(self, exact: ExactAlternative, when: str) -> dict:
         mean = sum(self.density) / len(self.density) if self.density else float("nan")
+        # density: what ran (every tile exact); plan_density: what the rank plan would have computed.
         info = {"ran": exact.name, "option": f"exact ({exact.name})", "rejected": "triton.rank",
-                "density": list(self.density or []), "measured_ms": self.rank_ms, "exact_ms": self.exact_ms}
+                "density": [1.0] * len(self.density or []), "plan_density": list(self.density or []),
+                "measured_ms": self.rank_ms, "exact_ms": self.exact_ms}
         if self.slower is not None and mean <= BREAK_EVEN:
             info["why"] = (f"triton.rank's analysis and kernel measured {self.slower[0]:.3g} ms on {when} against "
                            f"{exact.name}'s {self.slower[1]:.3g} ms (plan density {mean:.2f})")

@@ -229,6 +229,7 @@ def _auto(call: Call, tau: float, label: str) -> tuple[Peer, float]:
         rec = records[-1].as_dict() if records else {}
         exact = ctl is None or ctl.runs_exact
         return {"ran_last": rec.get("backend"), "runs_exact": exact, "density": density,
+                "stats_density": _floats(rec.get("decisions", {}).get("density")),
                 "computed_density": 1.0 if exact else mean,
                 "thresholds": None if ctl is None else ctl.theta.tolist(),
                 "verified_errors": None if ctl is None else ctl.errors,
@@ -409,12 +410,15 @@ def summarize(rows: list[dict]) -> tuple[dict, str]:
         if r.get("workload") == "random" and r.get("peer", "").startswith("auto ") and r.get("ms") is not None:
             paired = r.get("x_baseline_paired")
             dens = r.get("density")
+            got = r.get("stats_density")
             e = {"seq_len": r["seq_len"], "peer": r["peer"], "runs_exact": r.get("runs_exact"),
-                 "mean_density": None if not dens else sum(dens) / len(dens),
+                 "plan_density": None if not dens else sum(dens) / len(dens),
+                 "stats_density": None if not got else sum(got) / len(got),
                  "over_exact": None if not paired else 1.0 / paired - 1.0, "ran_last": r.get("ran_last")}
             out["random"].append(e)
             lines.append(f"random N={e['seq_len']} {e['peer']}: {_fmt(e['over_exact'])} over exact (paired), "
-                         f"density {_fmt(e['mean_density'])}, runs exact {e['runs_exact']}, ran {e['ran_last']}")
+                         f"stats density {_fmt(e['stats_density'])} (plan {_fmt(e['plan_density'])}), runs exact "
+                         f"{e['runs_exact']}, ran {e['ran_last']}")
     for r in rows:
         if r.get("bits_per_byte") is not None:
             out["heldout"].append({"peer": r["peer"], "bits_per_byte": r["bits_per_byte"]})
