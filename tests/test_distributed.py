@@ -404,3 +404,37 @@ def test_triton_merge_matches_the_torch_merge(block_dtype):
     assert torch.isneginf(got_lse[:, :, 3:5]).all() and (got_out[:, :, 3:5] == 0).all()
     torch.testing.assert_close(got_lse, want_lse, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(got_out, want_out, rtol=1e-5, atol=1e-6)
+
+
+def test_triton_fallback_blocks_give_float64_gradients(monkeypatch):
+    """Once the Triton blocks have failed in a process, blocks run in torch math, backward
+    included (the torch backward makes the delta the Triton one would have made)."""
+    from adaattn.distributed import ring, ring_attention
+
+    monkeypatch.setattr(ring._TritonBlocks, "failed", True)
+    q, k, v, go = _inputs(torch.float32, 2, 24, seed=7)
+    qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
+    out = ring_attention(qs, ks, vs, is_causal=True, enable_gqa=True, cu_seqlens=[0, 10, 24], kernel="triton")
+    (out * go).sum().backward()
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    ref = reference_attention(qr, kr, vr, attn_mask=_mask(24, True, None, None) & _doc_mask(24, [0, 10, 24]))
+    (ref * go.double()).sum().backward()
+    for got, want in ((out, ref), (qs.grad, qr.grad), (ks.grad, kr.grad), (vs.grad, vr.grad)):
+        assert _rel(got.detach(), want.detach()) < 1e-5
+
+
+def _doc_mask(n, cu):
+    doc = torch.bucketize(torch.arange(n), torch.tensor(cu[1:]), right=True)
+    return doc.unsqueeze(1) == doc.unsqueeze(0)
+
+
+def test_window_and_cu_seqlens_elements_are_checked():
+    import numpy as np
+
+    from adaattn.distributed import ring_attention
+
+    q, k, v, _ = _inputs(torch.float32, 4, 16)
+    with pytest.raises(ValueError, match="window"):
+        ring_attention(q, k, v, window=(True, 0))
+    with pytest.raises(TypeError, match="Python ints.*int64"):
+        ring_attention(q, k, v, cu_seqlens=[0, np.int64(8), 16])

@@ -53,6 +53,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from .. import stats
 from ..api import attention
@@ -337,6 +338,8 @@ class _TorchBlocks:
         b, hq, n, d = q.shape
         hk, dv_dim = k.shape[1], v.shape[-1]
         g = hq // hk
+        if delta is None:  # a block handed over by the Triton engine, which makes its own
+            delta = (dout.to(self.cdt) * out.to(self.cdt)).sum(-1)
         qg, s = self._scores(q, k, scale, left, right)
         lse_g = lse.to(self.cdt).reshape(b, hk, g, n, 1)
         lse_g = lse_g.masked_fill(torch.isneginf(lse_g), float("inf"))
@@ -348,6 +351,9 @@ class _TorchBlocks:
         dq = torch.matmul(ds, k.to(self.cdt).unsqueeze(2)).reshape(b, hq, n, d) * scale
         dk = torch.matmul(ds.transpose(-2, -1), qg).sum(2) * scale
         return dq, dk, dv
+
+
+_NOT_RECOVERABLE = tuple(t for t in (torch.OutOfMemoryError, getattr(torch, "AcceleratorError", None)) if t)
 
 
 class _TritonBlocks:
@@ -371,6 +377,8 @@ class _TritonBlocks:
                            self.deterministic)
 
     def _failed(self, error: BaseException) -> None:
+        if isinstance(error, _NOT_RECOVERABLE):  # torch math needs more memory; a broken context stays broken
+            raise error
         if not _TritonBlocks.failed:
             _TritonBlocks.failed = True
             warnings.warn(f"adaattn.distributed: the Triton block kernels failed ({type(error).__name__}: "
@@ -527,7 +535,7 @@ def _reduce_to_owners(c: "_Call", grads: torch.Tensor) -> torch.Tensor:
     sum over ranks of the slot of this rank's shard."""
     if c.world == 1:
         return grads[0]
-    if dist.get_backend(c.group) == "nccl":
+    if "nccl" in str(dist.get_backend(c.group)):
         out = torch.empty_like(grads[0])
         dist.reduce_scatter_tensor(out, grads.flatten(0, 1), group=c.group)
         return out
@@ -603,6 +611,7 @@ class _RingAttention(torch.autograd.Function):
         return result
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         c = ctx.call
@@ -647,7 +656,8 @@ def _check(q, k, v, enable_gqa, window):
     if q.shape[2] != k.shape[2]:
         raise ValueError("ring_attention needs equal local query and key lengths (self-attention shards)")
     if window is not None:
-        if len(window) != 2 or any(w is not None and (not isinstance(w, int) or w < 0) for w in window):
+        if len(window) != 2 or any(w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 0)
+                                   for w in window):
             raise ValueError(f"window must be (left, right) with non-negative ints or None, got {window!r}")
         window = tuple(window)
     return window
@@ -664,6 +674,9 @@ def _check_docs(cu_seqlens, n_global: int) -> Optional[tuple]:
     elif isinstance(cu_seqlens, (list, tuple)) and all(isinstance(x, int) and not isinstance(x, bool)
                                                          for x in cu_seqlens):
         cu = tuple(cu_seqlens)
+    elif isinstance(cu_seqlens, (list, tuple)):
+        bad = next(x for x in cu_seqlens if not isinstance(x, int) or isinstance(x, bool))
+        raise TypeError(f"cu_seqlens must hold Python ints, got an element of type {type(bad).__name__} ({bad!r})")
     else:
         raise TypeError(f"cu_seqlens must be a 1-D integer tensor or a list of ints, got {type(cu_seqlens).__name__}")
     if len(cu) < 2 or cu[0] != 0 or cu[-1] != n_global or any(b < a for a, b in zip(cu, cu[1:])):
