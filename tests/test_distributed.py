@@ -222,7 +222,7 @@ def _pair_cover(q_rank, k_rank, world, n, balance, causal, window, docs):
 
     cover = torch.zeros(n, n, dtype=torch.int64)
     for qa, qb, ka, kb, left, right in ring._pairs(q_rank, k_rank, world, n, balance, causal, window, docs):
-        band = ring._band_mask(qb - qa, kb - ka, left, right, "cpu")
+        band = ring._band_keep(qb - qa, kb - ka, left, right, "cpu")
         cover[qa:qb, ka:kb] += 1 if band is None else band.long()
     return cover
 

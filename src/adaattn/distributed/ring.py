@@ -45,7 +45,6 @@ GQA: Hq a multiple of Hkv; K/V are never repeated, neither in communication nor 
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 from bisect import bisect_right
 from typing import Optional
@@ -57,6 +56,8 @@ from torch.autograd.function import once_differentiable
 
 from .. import stats
 from ..api import attention
+from ..backends.masks import position_keep
+from ..problem import check_scale, check_window, default_scale
 
 BALANCES = ("zigzag", "plain")
 ALGORITHMS = ("ring", "allgather")
@@ -282,17 +283,10 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _band_mask(n: int, m: int, left: int, right: int, device) -> Optional[torch.Tensor]:
-    """Bool (n, m), True where key j is visible to row i (-left <= j - i <= right); None: all."""
-    if left < 0 and right < 0:
-        return None
-    off = torch.arange(m, device=device).unsqueeze(0) - torch.arange(n, device=device).unsqueeze(1)
-    keep = None
-    if right >= 0:
-        keep = off <= right
-    if left >= 0:
-        keep = off >= -left if keep is None else keep & (off >= -left)
-    return keep
+def _band_keep(n: int, m: int, left: int, right: int, device) -> Optional[torch.Tensor]:
+    """Bool (n, m), True where key j is visible to row i (-left <= j - i <= right, -1: unbounded);
+    None: all."""
+    return position_keep(n, m, False, (None if left < 0 else left, None if right < 0 else right), device)
 
 
 class _TorchBlocks:
@@ -308,7 +302,7 @@ class _TorchBlocks:
         hk = k.shape[1]
         qg = q.to(self.cdt).reshape(b, hk, hq // hk, n, d)
         s = torch.matmul(qg, k.to(self.cdt).unsqueeze(2).transpose(-2, -1)) * scale
-        mask = _band_mask(n, k.shape[2], left, right, q.device)
+        mask = _band_keep(n, k.shape[2], left, right, q.device)
         if mask is not None:
             s = s.masked_fill(~mask, float("-inf"))
         return qg, s
@@ -332,14 +326,14 @@ class _TorchBlocks:
         out.copy_(new_out)
         lse.copy_(new_lse)
 
-    def backward(self, q, k, v, dout, out, lse, delta, scale, left, right):
-        """(dq, dk, dv) of the block from the GLOBAL lse and delta = rowsum(dout * out):
-        P = exp(S*scale - lse), dS = P * (dout @ v^T - delta); dk/dv summed over each group."""
+    def backward(self, q, k, v, dout, out, lse, scale, left, right):
+        """(dq, dk, dv) of the block from the GLOBAL lse and out of its rows: delta =
+        rowsum(dout * out), P = exp(S*scale - lse), dS = P * (dout @ v^T - delta); dk/dv summed
+        over each group."""
         b, hq, n, d = q.shape
         hk, dv_dim = k.shape[1], v.shape[-1]
         g = hq // hk
-        if delta is None:  # a block handed over by the Triton engine, which makes its own
-            delta = (dout.to(self.cdt) * out.to(self.cdt)).sum(-1)
+        delta = (dout.to(self.cdt) * out.to(self.cdt)).sum(-1)
         qg, s = self._scores(q, k, scale, left, right)
         lse_g = lse.to(self.cdt).reshape(b, hk, g, n, 1)
         lse_g = lse_g.masked_fill(torch.isneginf(lse_g), float("inf"))
@@ -406,7 +400,7 @@ class _TritonBlocks:
                 self._failed(e)
         self.fallback.merge(out, lse, block_out, block_lse)
 
-    def backward(self, q, k, v, dout, out, lse, delta, scale, left, right):
+    def backward(self, q, k, v, dout, out, lse, scale, left, right):
         from ..backends.triton_launch import launch_bwd
 
         if not _TritonBlocks.failed:
@@ -415,7 +409,7 @@ class _TritonBlocks:
                                   self._launch(q, k, v, scale, left, right))
             except Exception as e:
                 self._failed(e)
-        return self.fallback.backward(q, k, v, dout, out, lse, delta, scale, left, right)
+        return self.fallback.backward(q, k, v, dout, out, lse, scale, left, right)
 
 
 @functools.lru_cache(maxsize=256)
@@ -582,23 +576,17 @@ def _forward_blocks(c: _Call, q, shards):
     return out, lse
 
 
-def _backward_block(c: _Call, q, dout, out, lse, delta, src, ks, vs, dq, dk, dv) -> None:
+def _backward_block(c: _Call, q, dout, out, lse, src, ks, vs, dq, dk, dv) -> None:
     """Add the gradients of the local queries' block against the K/V shard of `src` into dq
     (local) and dk/dv (that shard's accumulators)."""
     for qa, qb, ka, kb, left, right in c.pairs(src):
         rows = slice(qa, qb)
         bdq, bdk, bdv = c.engine.backward(
             q[:, :, rows], ks[:, :, ka:kb], vs[:, :, ka:kb], dout[:, :, rows], out[:, :, rows], lse[:, :, rows],
-            None if delta is None else delta[:, :, rows], c.scale, left, right)
+            c.scale, left, right)
         dq[:, :, rows] += bdq
         dk[:, :, ka:kb] += bdk
         dv[:, :, ka:kb] += bdv
-
-
-def _delta(c: _Call, dout, out):
-    """rowsum(dout * out) for the torch engine (the Triton backward makes its own)."""
-    eng = c.engine
-    return (dout.to(eng.cdt) * out.to(eng.cdt)).sum(-1) if isinstance(eng, _TorchBlocks) else None
 
 
 class _RingAttention(torch.autograd.Function):
@@ -617,20 +605,19 @@ class _RingAttention(torch.autograd.Function):
         c = ctx.call
         cdt = c.engine.cdt
         dout = dout.contiguous()
-        delta = _delta(c, dout, out)
         dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
         if c.algorithm == "allgather":
             dks = torch.zeros((c.world, *k.shape), dtype=cdt, device=k.device)
             dvs = torch.zeros((c.world, *v.shape), dtype=cdt, device=v.device)
             for src, ks, vs in c.shards(k, v):
-                _backward_block(c, q, dout, out, lse, delta, src, ks, vs, dq, dks[src], dvs[src])
+                _backward_block(c, q, dout, out, lse, src, ks, vs, dq, dks[src], dvs[src])
             dk, dv = _reduce_to_owners(c, dks), _reduce_to_owners(c, dvs)
         else:
             dk = torch.zeros(k.shape, dtype=cdt, device=k.device)
             dv = torch.zeros(v.shape, dtype=cdt, device=v.device)
             ring = _Ring(c.group, c.rank, c.world) if c.world > 1 else None
             for src, ks, vs in c.shards(k, v):
-                _backward_block(c, q, dout, out, lse, delta, src, ks, vs, dq, dk, dv)
+                _backward_block(c, q, dout, out, lse, src, ks, vs, dq, dk, dv)
                 if ring is not None:
                     # The accumulators follow their shard; after the last step this hop brings
                     # each back to the rank that owns the shard.
@@ -655,12 +642,7 @@ def _check(q, k, v, enable_gqa, window):
         raise ValueError(f"Hq={hq} and Hkv={hk} differ: pass enable_gqa=True with Hq a multiple of Hkv")
     if q.shape[2] != k.shape[2]:
         raise ValueError("ring_attention needs equal local query and key lengths (self-attention shards)")
-    if window is not None:
-        if len(window) != 2 or any(w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 0)
-                                   for w in window):
-            raise ValueError(f"window must be (left, right) with non-negative ints or None, got {window!r}")
-        window = tuple(window)
-    return window
+    return check_window(window)
 
 
 def _check_docs(cu_seqlens, n_global: int) -> Optional[tuple]:
@@ -709,6 +691,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     """
     _check_balance(balance)
     window = _check(q, k, v, enable_gqa, window)
+    scale = check_scale(scale)
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, not {algorithm!r}")
     if kernel not in KERNELS:
@@ -719,7 +702,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
         return attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, window=window)
     if balance == "zigzag" and world > 1 and q.shape[2] % 2:
         raise ValueError(f"zigzag balance needs an even local length, got {q.shape[2]}")
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = default_scale(q.shape[-1]) if scale is None else scale
     deterministic = torch.are_deterministic_algorithms_enabled()
     c = _Call(group, rank, world, q.shape[2], bool(is_causal), scale, window, balance, docs, algorithm,
               _engine(kernel, q, v, deterministic), v.shape[-1])
