@@ -15,11 +15,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import contextlib  # noqa: E402
 import math  # noqa: E402
 from dataclasses import replace  # noqa: E402
 
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 
 triton = pytest.importorskip("triton")
 
@@ -104,11 +106,13 @@ def explicit_mask(nq, nk, causal, window, attn_mask, align):
     return attn_mask.masked_fill(~keep, float("-inf"))
 
 
-def sdpa_grads(q, k, v, mask, scale, dout):
-    """torch SDPA in the inputs' dtype: output and (dq, dk, dv); NaN rows count as 0."""
+def sdpa_grads(q, k, v, mask, scale, dout, math_only=False):
+    """torch SDPA in the inputs' dtype: output and (dq, dk, dv); NaN rows count as 0.
+    math_only: torch's math backend (the precision issues name it as the peer)."""
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
     gqa = q.shape[1] != k.shape[1]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    with sdpa_kernel(SDPBackend.MATH) if math_only else contextlib.nullcontext():
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     out.backward(dout)
     return [torch.nan_to_num(t) for t in (out, q.grad, k.grad, v.grad)]
 
@@ -151,8 +155,9 @@ def run_ours(q, k, v, attn_mask, causal, scale, window, align, variant="ptr", po
 
 def check_case(b=1, hq=2, hkv=None, nq=33, nk=None, d=32, dtype=torch.bfloat16, causal=False, window=None,
                attn_mask=None, align="top_left", scale=None, grad=True, seed=0, qk_mult=1.0, v_mult=1.0,
-               variant="ptr", policy=None, ran=None):
-    """Run ours, torch SDPA and the float64 reference on one problem and hold ours to the standard."""
+               variant="ptr", policy=None, ran=None, math_peer=False):
+    """Run ours, torch SDPA (its math backend with math_peer) and the float64 reference on one
+    problem and hold ours to the standard."""
     hkv = hq if hkv is None else hkv
     nk = nq if nk is None else nk
     g = _gen(seed)
@@ -164,7 +169,7 @@ def check_case(b=1, hq=2, hkv=None, nq=33, nk=None, d=32, dtype=torch.bfloat16, 
     mask = explicit_mask(nq, nk, causal, window, attn_mask, align)
     dout = _randn(out.shape, dtype, g)
     ref = reference_grads(q, k, v, mask, scale, dout)
-    peer = sdpa_grads(q, k, v, mask, scale, dout)
+    peer = sdpa_grads(q, k, v, mask, scale, dout, math_peer)
     assert_standard(out, ref[0], peer[0], "output")
     if grad:
         out.backward(dout)
@@ -354,7 +359,7 @@ def test_log_sum_exp_is_saved_per_row():
     q, k, v = (_randn((1, 2, 37, 32), torch.float32, g) for _ in range(3))
     mask = torch.ones(37, 37, dtype=torch.bool, device=DEVICE)
     mask[3] = False
-    _, lse = triton_ops.triton_fwd(q, k, v, mask, None, None, 37, 37, launch_id(make_launch("ptr", 0.2, True)))
+    _, lse, _ = triton_ops.triton_fwd(q, k, v, mask, None, None, 37, 37, launch_id(make_launch("ptr", 0.2, True)))
     s = (q.double() @ k.double().transpose(-1, -2)) * 0.2
     s = s.masked_fill(~(mask & keep_mask(37, 37, True, None, DEVICE)), float("-inf"))
     expect = torch.logsumexp(s, -1)
@@ -607,10 +612,67 @@ def test_rows_masked_with_large_negative_biases_get_finite_exact_gradients(dq_mo
     qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
     ta.triton_attention(qq, kk, vv, attn_mask=m).backward(dout)
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    F.scaled_dot_product_attention(q64, k64, v64, attn_mask=m.double()).backward(dout.double())
+    # The float64 reference, not SDPA in float64: torch's CPU flash kernel, which SDPA picks
+    # there, has the lse bug the split row statistics fixed (p = 1 on the fully masked row).
+    reference_attention(q64, k64, v64, m.double()).backward(dout.double())
     for ours, ref in ((qq.grad, q64.grad), (kk.grad, k64.grad), (vv.grad, v64.grad)):
         assert torch.isfinite(ours).all()
         assert rel_err(ours, ref) <= 1e-5
+
+
+BIAS_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dq_mode", ["atomic", "separate"], indirect=True)
+@pytest.mark.parametrize("dtype", BIAS_DTYPES)
+def test_large_constant_bias_gradients_meet_the_standard(dq_mode, dtype):
+    # A constant -1e4 bias leaves softmax unchanged but puts every score near -1.4e4 (log2
+    # domain), where an fp32 lse keeps only ~1e-3 of log2(sum): every recomputed p of the
+    # row was scaled (gradient errors 2-3x SDPA's). Split row statistics keep them exact.
+    mask = torch.full((40, 48), -1e4, dtype=dtype, device=DEVICE)
+    check_case(hq=2, nq=40, nk=48, d=32, dtype=dtype, attn_mask=mask, causal=True, seed=51, math_peer=True)
+
+
+@pytest.mark.parametrize("dq_mode", ["atomic", "separate"], indirect=True)
+def test_float16_finfo_min_masks_meet_the_standard(dq_mode):
+    # Hugging Face's padding mask in fp16: masked keys at finfo(fp16).min (-65504), two rows
+    # masked entirely (they give the mean of V, and their gradients are those of uniform p).
+    g = _gen(51)
+    mask = torch.zeros(1, 2, 36, 44, dtype=torch.float16, device=DEVICE)
+    mask.masked_fill_(torch.rand(1, 2, 36, 44, generator=g, device=DEVICE) > 0.6, torch.finfo(torch.float16).min)
+    mask[..., [4, 30], :] = torch.finfo(torch.float16).min
+    check_case(hq=2, nq=36, nk=44, d=32, dtype=torch.float16, attn_mask=mask, seed=51, math_peer=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_query_seeing_one_key_under_a_large_bias_gets_dv_equal_to_do(dtype):
+    # Each query sees exactly one key (its own), under a constant -1e4 bias: p = 1 exactly, so
+    # dv = do. Before split row statistics p was 1 +- 7e-4 (torch's math path is exact).
+    n = 40
+    mask = torch.full((n, n), float("-inf"), device=DEVICE)
+    mask.fill_diagonal_(-1e4)
+    g = _gen(52)
+    q, k, v = (_randn((1, 2, n, 32), dtype, g).requires_grad_() for _ in range(3))
+    dout = _randn((1, 2, n, 32), dtype, g)
+    out = ta.triton_attention(q, k, v, attn_mask=mask.to(dtype))
+    out.backward(dout)
+    assert torch.equal(out, v.detach())
+    assert torch.equal(v.grad, dout)
+
+
+@pytest.mark.parametrize("dq_mode", ["atomic", "separate"], indirect=True)
+@pytest.mark.parametrize("dtype", BIAS_DTYPES)
+def test_rows_masked_entirely_with_finfo_min_get_float64_gradients(dq_mode, dtype):
+    # SDPA (and float64) give such a row the mean of V: uniform p = 1/Nk, and gradients through
+    # it. The fp32 lse of (-2.9e38 + log2 Nk) kept no trace of Nk, so the backward used p = 1.
+    nq, nk = 24, 20
+    mask = torch.zeros(1, 1, nq, nk, dtype=dtype, device=DEVICE)
+    mask[..., [3, 17], :] = torch.finfo(dtype).min
+    mask[..., 9, :5] = torch.finfo(dtype).min
+    out, q, k, v = check_case(hq=2, nq=nq, nk=nk, d=16, dtype=dtype, attn_mask=mask, seed=53, math_peer=True)
+    if dtype != torch.float16:  # -3.4e38 absorbs q . k: the row is the mean of V (fp16's -65504 does not)
+        mean_v = v.detach().double().mean(2)
+        assert torch.allclose(out[:, :, 3].double(), mean_v, atol=1e-6 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.parametrize("dq_mode", ["atomic"], indirect=True)
@@ -981,10 +1043,10 @@ def test_custom_ops_pass_opcheck():
     cu = torch.tensor([0, 10, 30], dtype=torch.int32, device=DEVICE)
     torch.library.opcheck(triton_ops.triton_fwd, (qp, kp, vp, None, cu, cu, 20, 20, causal))
     # The backward op on its own, from the forward's outputs.
-    out, lse = triton_ops.triton_fwd(q.detach(), k.detach(), v.detach(), mask, None, None, 20, 20, windowed)
+    out, lse, stats = triton_ops.triton_fwd(q.detach(), k.detach(), v.detach(), mask, None, None, 20, 20, windowed)
     dout = _randn(out.shape, torch.float32, g)
     torch.library.opcheck(triton_ops.triton_bwd, (dout, q.detach(), k.detach(), v.detach(), out, lse, mask, None,
-                                                  None, 20, 20, windowed))
+                                                  None, 20, 20, windowed, stats))
 
 
 def test_compiles_with_fullgraph_and_no_graph_break():
@@ -1133,18 +1195,18 @@ def test_gpu_compile_fullgraph_and_cuda_graph_replay():
     # atomic-free backward can be compared bitwise between replay and eager.
     args = (q.detach(), k.detach(), v.detach(), None, None, None, 1024, 1024,
             launch_id(make_launch("ptr", 128 ** -0.5, True, deterministic=True)))
-    o, lse = triton_ops.triton_fwd(*args)
+    o, lse, _ = triton_ops.triton_fwd(*args)
     dout = torch.randn_like(o)
     triton_ops.triton_bwd(dout, *args[:3], o, lse, *args[3:])
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        o_g, lse_g = triton_ops.triton_fwd(*args)
+        o_g, lse_g, _ = triton_ops.triton_fwd(*args)
         dq_g, dk_g, dv_g = triton_ops.triton_bwd(dout, *args[:3], o_g, lse_g, *args[3:])
     for _ in range(2):
         q.data.copy_(torch.randn_like(q))
         graph.replay()
-        o_e, lse_e = triton_ops.triton_fwd(*args)
+        o_e, lse_e, _ = triton_ops.triton_fwd(*args)
         dq_e, dk_e, dv_e = triton_ops.triton_bwd(dout, *args[:3], o_e, lse_e, *args[3:])
         torch.cuda.synchronize()
         for a, b in ((o_g, o_e), (dq_g, dq_e), (dk_g, dk_e), (dv_g, dv_e)):

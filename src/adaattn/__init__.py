@@ -6,10 +6,12 @@ from .kv import KVCache, PagedKVCache, decode_attention, plan_decode
 from .nn import AdaAttention
 from .planner import NoBackendError
 from .policy import Policy
+from .problem import Documents, documents
 from .version import __version__
 
 __all__ = [
     "AdaAttention",
+    "Documents",
     "Explanation",
     "KVCache",
     "NoBackendError",
@@ -17,6 +19,7 @@ __all__ = [
     "Policy",
     "attention",
     "decode_attention",
+    "documents",
     "explain",
     "info",
     "plan_decode",

@@ -11,7 +11,7 @@ from . import planner, settings, stats
 from .backends.varlen import check_varlen
 from .planner import Plan
 from .policy import EXACT, Policy
-from .problem import Problem, default_scale, from_internal, to_internal, validate, window_sides
+from .problem import Documents, Problem, default_scale, documents, from_internal, to_internal, validate, window_sides
 
 
 def _check_policy(policy: object) -> Policy:
@@ -40,6 +40,7 @@ def attention(
     window: tuple[int | None, int | None] | None = None,
     policy: Policy | None = None,
     label: str | None = None,
+    documents: Documents | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention, a drop-in for torch.nn.functional.scaled_dot_product_attention.
 
@@ -58,11 +59,19 @@ def attention(
     dropout_p: applied whenever > 0, as SDPA (pass 0.0 in eval).
     policy: what may be approximated; None means exact.
     label: a name recorded in adaattn.stats for this call (a layer name, say).
+    documents: documents packed along the sequence (FlexAttention's document mask): query i
+        attends key j only within its own document, and is_causal / window apply inside it.
+        adaattn.documents(document_ids) built once per batch (or the (N,) / (B, N) ids
+        themselves, at a host sync per call). Self-attention (Nq == Nk), 3-D or 4-D tensors, no
+        attn_mask or dropout; it runs as varlen_attention over the documents, without padding.
 
     A row with no key to attend (fully masked) gives zeros, as SDPA's math backend.
     Raises TypeError/ValueError on bad arguments, NoBackendError (a ValueError) when no
     backend can run the call under the policy.
     """
+    if documents is not None:
+        return _document_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout,
+                                   window, policy, label, documents)
     compiling = _compiling()
     signature = None if compiling else _signature_or_none(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                                           enable_gqa, layout, window, policy)
@@ -377,6 +386,12 @@ def varlen_attention(
     Raises ValueError/TypeError for inconsistent shapes, dtypes, devices or offsets, each naming
     the argument.
     """
+    return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
+                             window, causal_alignment, deterministic, check_offsets, policy, None)
+
+
+def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, window,
+                      causal_alignment, deterministic, check_offsets, policy, label):
     capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
     check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                  bool(check_offsets) and not capturing and not _compiling())
@@ -406,8 +421,60 @@ def varlen_attention(
     out, failed = _first_that_runs(problem, plan, lambda r, launch: r.run_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, problem, launch))
     if stats.enabled and not _compiling():
-        _record(problem, plan, pol, None, failed, None, None)
+        _record(problem, plan, pol, label, failed, None, None)
     return out
+
+
+def _document_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout, window,
+                        policy, label, docs):
+    """attention(..., documents=docs): the tensors packed to (B * N, H, D) (a view for B = 1,
+    or for "bshd" tensors contiguous over (B, N)), varlen_attention over the documents, and the
+    result viewed back in the call's layout."""
+    from .problem import check_dropout, check_layout
+
+    if not isinstance(docs, Documents):
+        docs = documents(docs)
+    layout = check_layout(layout)
+    if attn_mask is not None:
+        raise ValueError("attn_mask cannot be combined with documents (fold the documents into the mask, or "
+                         "drop the mask)")
+    if check_dropout(dropout_p) > 0:
+        raise ValueError(f"dropout_p must be 0 with documents, got {dropout_p}")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() not in (3, 4):
+            raise ValueError(f"{name} must be 3-D or 4-D with documents, got shape {tuple(t.shape)}")
+    if not query.dim() == key.dim() == value.dim():
+        raise ValueError(f"query, key and value must have one rank, got {query.dim()}, {key.dim()}, {value.dim()}")
+    squeeze = query.dim() == 3
+    if squeeze:
+        query, key, value = query[None], key[None], value[None]
+    if layout == "bhsd":  # (B, H, N, D) -> (B, N, H, D), a view
+        query, key, value = (t.transpose(1, 2) for t in (query, key, value))
+    b, n, hq = query.shape[:3]
+    hkv = key.shape[2]
+    if key.shape[:2] != (b, n) or value.shape[:3] != key.shape[:3]:
+        raise ValueError(f"documents take self-attention: query, key and value must share batch and length "
+                         f"({b}, {n}), got key {tuple(key.shape)} and value {tuple(value.shape)} ({layout})")
+    if n != docs.length:
+        raise ValueError(f"documents cover length {docs.length}, the tensors have length {n}")
+    if hq != hkv and not enable_gqa:
+        raise ValueError(f"query has {hq} heads and key/value {hkv}; pass enable_gqa=True for grouped-query "
+                         "attention")
+    if b * n == 0:  # no position: nothing to attend, as SDPA returns an empty result
+        out = query.new_zeros(b, n, hq, value.shape[-1])
+        out = out.transpose(1, 2) if layout == "bhsd" else out
+        return out[0] if squeeze else out
+    docs = docs.for_batch(b)
+    cu = docs.cu_seqlens if docs.cu_seqlens.device == query.device else docs.cu_seqlens.to(query.device)
+    packed = [t.reshape(b * n, t.shape[2], t.shape[3]) for t in (query, key, value)]
+    out = _varlen_attention(*packed, cu, cu, docs.max_seqlen, docs.max_seqlen, is_causal, scale, window,
+                            "top_left", False, False, policy, label)
+    out = out.view(b, n, hq, out.shape[-1])
+    if layout == "bhsd":
+        out = out.transpose(1, 2)
+    return out[0] if squeeze else out
 
 
 def info() -> dict:

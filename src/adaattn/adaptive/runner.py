@@ -146,8 +146,8 @@ def _backward(ctx, dout):
     scale, causal, left, right, deterministic = ctx.options
     launch = launch_id(make_launch("ptr", scale, causal, left, right, False,
                                    deterministic or torch.are_deterministic_algorithms_enabled()))
-    out, lse = triton_fwd(q, k, v, attn_mask, None, None, q.shape[2], k.shape[2], launch)
-    dq, dk, dv = triton_bwd(dout, q, k, v, out, lse, attn_mask, None, None, q.shape[2], k.shape[2], launch)
+    out, lse, stats = triton_fwd(q, k, v, attn_mask, None, None, q.shape[2], k.shape[2], launch)
+    dq, dk, dv = triton_bwd(dout, q, k, v, out, lse, attn_mask, None, None, q.shape[2], k.shape[2], launch, stats)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
 

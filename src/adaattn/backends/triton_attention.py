@@ -122,7 +122,7 @@ def run_dense(query, key, value, attn_mask, launch: AttentionLaunch) -> torch.Te
         return out
     from .triton_ops import triton_fwd
 
-    out, _ = triton_fwd(query, key, value, attn_mask, None, None, query.shape[2], key.shape[2], launch_id(launch))
+    out, _, _ = triton_fwd(query, key, value, attn_mask, None, None, query.shape[2], key.shape[2], launch_id(launch))
     return out
 
 

@@ -13,6 +13,7 @@ accumulation.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -263,9 +264,20 @@ def _check_variant(launch: AttentionLaunch, lay: RowLayout, q, k, v, mask_kind: 
                          "alignment); the planner should not have chosen it")
 
 
+def stats_shape(q: torch.Tensor, attn_mask, varlen: bool) -> tuple:
+    """The shape of the split row statistics a forward saves for its backward: (2, *lse shape)
+    under an additive mask (planes: row max m in the log2 domain, log2 of the row sum; see
+    kernels/attention_bwd.py), (0,) otherwise."""
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        return (2,) + lse_shape(q, varlen)
+    return (0,)
+
+
 def launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-               launch: AttentionLaunch):
-    """Run the forward kernel; returns (out (..., Dv) like q, lse fp32 (B, Hq, Nq) or (Hq, T))."""
+               launch: AttentionLaunch, stats: Optional[torch.Tensor] = None):
+    """Run the forward kernel; returns (out (..., Dv) like q, lse fp32 (B, Hq, Nq) or (Hq, T)).
+    stats: a (2, *lse shape) fp32 tensor (stats_shape) the kernel fills with the row max and
+    log2 row sum under an additive mask, for launch_bwd; ignored without one."""
     q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
     lay = row_layout(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     out = new_output(out_shape(q, v), q.dtype, q.device)
@@ -273,8 +285,12 @@ def launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     if lay.batch * lay.q_heads == 0 or lay.q_len == 0 or q.numel() == 0 or out.numel() == 0:
         return out, lse
     if lay.k_len == 0 or k.numel() == 0:  # no key: rows give 0, as SDPA's math; the lse is -inf
+        if stats is not None and stats.numel():
+            stats[0].fill_(float("-inf"))
+            stats[1].zero_()
         return out.zero_(), lse.fill_(float("-inf"))
     mask, mask_strides, mask_kind = mask_args(attn_mask, lay, q)
+    split = mask_kind == MASK_ADDITIVE and stats is not None and stats.numel() > 0
     _check_variant(launch, lay, q, k, v, mask_kind)
     if launch.variant == "ws":
         _launch_fwd_ws(q, k, v, out, lse, lay, launch)
@@ -293,9 +309,9 @@ def launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     def run(cfg: KernelConfig):
         blocks = cdiv(lay.q_len, cfg.block_m)
         grid = (lay.batch * lay.q_heads, blocks) if head_major else (blocks, lay.batch * lay.q_heads)
-        extra = {}
+        extra = dict(Stats=stats, stride_ls=stats.stride(0), STORE_STATS=True) if split else {}
         if use_tma:
-            extra = dict(KDesc=descriptor(k, list(k.shape), list(k.stride()), [1, 1, cfg.block_n, bd]),
+            extra.update(KDesc=descriptor(k, list(k.shape), list(k.stride()), [1, 1, cfg.block_n, bd]),
                          VDesc=descriptor(v, list(v.shape), list(v.stride()), [1, 1, cfg.block_n, bdv]),
                          USE_TMA=True)
         attention_fwd_kernel[grid](
@@ -325,9 +341,11 @@ def launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 
 
 def launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-               launch: AttentionLaunch):
+               launch: AttentionLaunch, stats: Optional[torch.Tensor] = None):
     """Run delta, dk/dv and dq kernels; returns (dq, dk, dv) shaped like q, k, v.
-    launch.dq_mode "separate" is the one whose bits do not depend on timing."""
+    launch.dq_mode "separate" is the one whose bits do not depend on timing. stats: what
+    launch_fwd filled under an additive mask (recomputed probabilities then keep full precision
+    under large biases); without it the backward reads lse alone."""
     from ..kernels.attention_bwd import (
         attention_bwd_delta_kernel,
         attention_bwd_dkdv_kernel,
@@ -351,6 +369,13 @@ def launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, m
     flags = dict(IS_VARLEN=lay.varlen, BOTTOM_RIGHT=launch.bottom_right, HAS_LEFT=launch.has_left,
                  HAS_RIGHT=launch.has_right, MASK_KIND=mask_kind, DOT_PRECISION=dot_precision(q.dtype))
     lse_st = lse_strides(lse, lay)
+    row_stats = lse
+    if mask_kind == MASK_ADDITIVE and stats is not None and stats.numel() > 0:
+        if stats[0].stride() != lse.stride():
+            raise ValueError(f"stats planes must be laid out as lse, got strides {stats[0].stride()} and "
+                             f"{lse.stride()}")
+        row_stats = stats
+        flags.update(stride_ls=stats.stride(0), SPLIT_STATS=True)
     left, right, scale = launch.left, launch.right, launch.scale
 
     delta = torch.empty_like(lse)
@@ -378,7 +403,7 @@ def launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, m
             dq_acc.zero_()  # config timing runs the kernel many times; each run adds into dq_acc
         dq_acc_dirty[0] = atomic
         attention_bwd_dkdv_kernel[grid](
-            q, k, v, dout, lse, delta, dk, dv, dq_acc, mask, cu_q, cu_k,
+            q, k, v, dout, row_stats, delta, dk, dv, dq_acc, mask, cu_q, cu_k,
             *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(dout), *lse_st,
             *lay.strides(dk), *lay.strides(dv), *dq_acc_strides, *mask_strides,
             lay.kv_heads, lay.q_heads // lay.kv_heads, lay.q_len, lay.k_len,
@@ -391,7 +416,7 @@ def launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, m
     def run_dq(cfg: KernelConfig):
         grid = (cdiv(lay.q_len, cfg.block_m), lay.batch * lay.q_heads)
         attention_bwd_dq_kernel[grid](
-            q, k, v, dout, lse, delta, dq, mask, cu_q, cu_k,
+            q, k, v, dout, row_stats, delta, dq, mask, cu_q, cu_k,
             *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(dout), *lse_st,
             *lay.strides(dq), *mask_strides,
             lay.q_heads, lay.q_heads // lay.kv_heads, lay.q_len, lay.k_len,

@@ -85,7 +85,7 @@ class VarlenTritonRunner(Runner):
 
         cu_q = cu_seqlens_q.to(torch.int32)
         cu_k = cu_seqlens_k.to(torch.int32)
-        out, _ = triton_fwd(q, k, v, None, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), launch_id(launch))
+        out, _, _ = triton_fwd(q, k, v, None, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), launch_id(launch))
         return out
 
 

@@ -14,8 +14,13 @@ bitwise reproducible.
 Atomic dq (ATOMIC_DQ, not deterministic): the dk/dv pass also computes each query tile's dq
 contribution, ds^T k, and adds it with fp32 atomics into a buffer the delta kernel zeroed;
 the dq kernel does not run. Five matrix products per tile pair instead of seven; the sum
-order of dq over key blocks then depends on timing, so its bits can differ between runs. Recomputed probabilities: p = exp2(s - lse * log2(e)) with s in the
-log2 domain; a row with lse = -inf (it saw no key) is given lse = +inf so p = 0.
+order of dq over key blocks then depends on timing, so its bits can differ between runs.
+
+Recomputed probabilities: p = exp2(s - lse * log2(e)) with s in the log2 domain; a row with
+lse = -inf (it saw no key) is given lse = +inf so p = 0. Under an additive mask (SPLIT_STATS)
+the forward's row max m and log2(sum) come apart and p = exp2((s - m) - log2(sum)): with a
+-1e4 bias an fp32 lse keeps only ~1e-3 of log2(sum), which would scale every p of the row,
+and with finfo(fp32).min it keeps none of it (a fully masked row would get p = 1, not 1/N).
 
 Masking and tile ranges are the forward's (attention_fwd), seen from the key side here.
 
@@ -39,16 +44,28 @@ from .attention_fwd import (
 
 
 @triton.jit
-def load_row_stats(lse_base, delta_base, rows, q_len, stride_lm, CHECK_ROWS: tl.constexpr):
-    """lse (log2 domain, +inf for rows that saw nothing or lie past the end) and delta."""
+def load_row_stats(lse_base, delta_base, rows, q_len, stride_lm, stride_ls, CHECK_ROWS: tl.constexpr,
+                   SPLIT_STATS: tl.constexpr):
+    """(a, b, delta) per row. Saved lse: a = lse in the log2 domain (+inf for rows that saw
+    nothing or lie past the end), b unused (a again). SPLIT_STATS (the forward's Stats planes at
+    lse_base and lse_base + stride_ls): a = the row max m (+inf likewise), b = log2 of the row
+    sum, so p = exp2((s - a) - b) keeps every bit of log2(sum) however large |m| is."""
     if CHECK_ROWS:
-        lse = tl.load(lse_base + rows * stride_lm, mask=rows < q_len, other=float("inf"))
+        a = tl.load(lse_base + rows * stride_lm, mask=rows < q_len, other=float("inf"))
         delta = tl.load(delta_base + rows * stride_lm, mask=rows < q_len, other=0.0)
     else:
-        lse = tl.load(lse_base + rows * stride_lm)
+        a = tl.load(lse_base + rows * stride_lm)
         delta = tl.load(delta_base + rows * stride_lm)
-    lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E_K
-    return lse, delta
+    a = tl.where(a == float("-inf"), float("inf"), a)
+    if SPLIT_STATS:
+        if CHECK_ROWS:
+            b = tl.load(lse_base + stride_ls + rows * stride_lm, mask=rows < q_len, other=0.0)
+        else:
+            b = tl.load(lse_base + stride_ls + rows * stride_lm)
+    else:
+        a = a * LOG2E_K
+        b = a
+    return a, b, delta
 
 
 @triton.jit
@@ -150,11 +167,11 @@ def atomic_add_rows(ptrs, value, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, B
 @triton.jit
 def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, start_m,
               offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
-              stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, stride_dqm, scale, scale_log2,
+              stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale, scale_log2,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
               BLOCK_DV: tl.constexpr, EDGE: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+              DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, SPLIT_STATS: tl.constexpr):
     """Add one query tile's contribution to dk and dv, in (key, query) orientation; with
     ATOMIC_DQ also add its dq contribution (ds^T k) to the fp32 accumulator at dq_base."""
     rows = start_m + offs_m
@@ -162,11 +179,14 @@ def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq
                   HEAD_DIM, BLOCK_D, EDGE)
     do = load_rows(do_base + rows[:, None] * stride_dom + offs_dv[None, :], rows, q_len, offs_dv,
                    HEAD_DIM_V, BLOCK_DV, EDGE)
-    lse, delta = load_row_stats(lse_base, delta_base, rows, q_len, stride_lm, EDGE)
+    lse, l2, delta = load_row_stats(lse_base, delta_base, rows, q_len, stride_lm, stride_ls, EDGE, SPLIT_STATS)
     s_t = dot(k, tl.trans(q), None, DOT_PRECISION) * scale_log2
     s_t = apply_masks(s_t, rows[None, :], offs_n[:, None], q_len, k_len, diag, window_left, window_right,
                       mask_base, stride_mm, stride_mn, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND)
-    p_t = tl.math.exp2(s_t - lse[None, :])
+    if SPLIT_STATS:
+        p_t = tl.math.exp2((s_t - lse[None, :]) - l2[None, :])
+    else:
+        p_t = tl.math.exp2(s_t - lse[None, :])
     dv = dot(round_to(p_t, do.dtype, DOT_PRECISION), do, dv, DOT_PRECISION)
     dp_t = dot(v, tl.trans(do), None, DOT_PRECISION)
     # Scaled before the cast: ds * scale is the true score gradient and stays in range.
@@ -184,12 +204,12 @@ def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq
 @triton.jit
 def dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, tile_start, tile_end,
                   offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
-                  stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, stride_dqm, scale, scale_log2, rotate,
+                  stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale, scale_log2, rotate,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                   BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                   EDGE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                   MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                  ROTATE: tl.constexpr):
+                  ROTATE: tl.constexpr, SPLIT_STATS: tl.constexpr):
     """The tile loop over query rows [tile_start, tile_end), in steps of BLOCK_M. With ROTATE
     (whole tiles only: tile_start and tile_end multiples of BLOCK_M) it starts at tile
     `rotate` modulo the count and wraps around, so programs of one head that run together
@@ -203,17 +223,17 @@ def dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base
             start_m = tl.multiple_of(tile_start + j * BLOCK_M, BLOCK_M)
             dk, dv = dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, start_m,
                                offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
-                               stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, stride_dqm, scale,
+                               stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
                                scale_log2, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                               DOT_PRECISION, ATOMIC_DQ)
+                               DOT_PRECISION, ATOMIC_DQ, SPLIT_STATS)
     else:
         for start_m in range(tile_start, tile_end, BLOCK_M):
             start_m = tl.multiple_of(start_m, BLOCK_M)
             dk, dv = dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, start_m,
                                offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
-                               stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, stride_dqm, scale,
+                               stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
                                scale_log2, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                               DOT_PRECISION, ATOMIC_DQ)
+                               DOT_PRECISION, ATOMIC_DQ, SPLIT_STATS)
     return dk, dv
 
 
@@ -238,6 +258,7 @@ def attention_bwd_dkdv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ATOMIC_DQ: tl.constexpr = False, ROTATE: tl.constexpr = False,
+    stride_ls=0, SPLIT_STATS: tl.constexpr = False,
 ):
     """Grid: (key blocks, batch * kv_heads). dk (B, Hkv, Nk, D) and dv (B, Hkv, Nk, Dv), summed
     over the group.
@@ -296,19 +317,19 @@ def attention_bwd_dkdv_kernel(
             dq_base += q_start.to(tl.int64) * stride_dqm
         dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, lo,
                                full_lo, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
-                               stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, stride_dqm, scale,
+                               stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
                                scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, True,
-                               HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False)
+                               HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False, SPLIT_STATS)
         dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, full_lo,
                                full_hi, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
-                               stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, stride_dqm, scale,
+                               stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
                                scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, False,
-                               HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, ROTATE)
+                               HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, ROTATE, SPLIT_STATS)
         dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, full_hi,
                                hi, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
-                               stride_qm, stride_dom, stride_lm, stride_mm, stride_mn, stride_dqm, scale,
+                               stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
                                scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, True,
-                               HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False)
+                               HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False, SPLIT_STATS)
 
     store_rows(dk_base + offs_n[:, None] * stride_dkn + offs_d[None, :], round_to(dk, DK.dtype.element_ty, DOT_PRECISION),
                offs_n, k_len, offs_d, HEAD_DIM, BLOCK_D)
@@ -317,13 +338,13 @@ def attention_bwd_dkdv_kernel(
 
 
 @triton.jit
-def dq_tile(dq, q, do, lse, delta, k_base, v_base, mask_base, start_n,
+def dq_tile(dq, q, do, lse, l2, delta, k_base, v_base, mask_base, start_n,
             offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
             stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
             BLOCK_DV: tl.constexpr, EDGE: tl.constexpr,
             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
-            DOT_PRECISION: tl.constexpr):
+            DOT_PRECISION: tl.constexpr, SPLIT_STATS: tl.constexpr):
     """Add one key tile's contribution to dq."""
     cols = start_n + offs_n
     k = load_rows(k_base + cols[:, None] * stride_kn + offs_d[None, :], cols, k_len, offs_d,
@@ -333,7 +354,10 @@ def dq_tile(dq, q, do, lse, delta, k_base, v_base, mask_base, start_n,
     s = dot(q, tl.trans(k), None, DOT_PRECISION) * scale_log2
     s = apply_masks(s, offs_m[:, None], cols[None, :], q_len, k_len, diag, window_left, window_right,
                     mask_base, stride_mm, stride_mn, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND)
-    p = tl.math.exp2(s - lse[:, None])
+    if SPLIT_STATS:
+        p = tl.math.exp2((s - lse[:, None]) - l2[:, None])
+    else:
+        p = tl.math.exp2(s - lse[:, None])
     dp = dot(do, tl.trans(v), None, DOT_PRECISION)
     ds = p * (dp - delta[:, None]) * scale
     dq = dot(round_to(ds, k.dtype, DOT_PRECISION), k, dq, DOT_PRECISION)
@@ -341,20 +365,21 @@ def dq_tile(dq, q, do, lse, delta, k_base, v_base, mask_base, start_n,
 
 
 @triton.jit
-def dq_tile_run(dq, q, do, lse, delta, k_base, v_base, mask_base, tile_start, tile_end,
+def dq_tile_run(dq, q, do, lse, l2, delta, k_base, v_base, mask_base, tile_start, tile_end,
                 offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                 stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                 BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                 EDGE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_STATS: tl.constexpr):
     """The tile loop over keys [tile_start, tile_end), in steps of BLOCK_N."""
     for start_n in range(tile_start, tile_end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        dq = dq_tile(dq, q, do, lse, delta, k_base, v_base, mask_base, start_n,
+        dq = dq_tile(dq, q, do, lse, l2, delta, k_base, v_base, mask_base, start_n,
                      offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                      stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
-                     HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION)
+                     HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION,
+                     SPLIT_STATS)
     return dq
 
 
@@ -376,6 +401,7 @@ def attention_bwd_dq_kernel(
     IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    stride_ls=0, SPLIT_STATS: tl.constexpr = False,
 ):
     """Grid: (query blocks, batch * q_heads). dq is (B, Hq, Nq, D); dO (B, Hq, Nq, Dv)."""
     # Query blocks run last-first: under causal masks the last blocks do the most work, and
@@ -420,25 +446,25 @@ def attention_bwd_dq_kernel(
                   HEAD_DIM, BLOCK_D, True)
     do = load_rows(do_base + offs_m[:, None] * stride_dom + offs_dv[None, :], offs_m, q_len, offs_dv,
                    HEAD_DIM_V, BLOCK_DV, True)
-    lse, delta = load_row_stats(lse_base, delta_base, offs_m, q_len, stride_lm, True)
+    lse, l2, delta = load_row_stats(lse_base, delta_base, offs_m, q_len, stride_lm, stride_ls, True, SPLIT_STATS)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     lo, full_lo, full_hi, hi = key_tile_range(start_m, q_len, k_len, diag, window_left, window_right,
                                               BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    dq = dq_tile_run(dq, q, do, lse, delta, k_base, v_base, mask_base, lo, full_lo,
+    dq = dq_tile_run(dq, q, do, lse, l2, delta, k_base, v_base, mask_base, lo, full_lo,
                      offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                      stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
                      HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                     DOT_PRECISION)
-    dq = dq_tile_run(dq, q, do, lse, delta, k_base, v_base, mask_base, full_lo, full_hi,
+                     DOT_PRECISION, SPLIT_STATS)
+    dq = dq_tile_run(dq, q, do, lse, l2, delta, k_base, v_base, mask_base, full_lo, full_hi,
                      offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                      stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
                      HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                     DOT_PRECISION)
-    dq = dq_tile_run(dq, q, do, lse, delta, k_base, v_base, mask_base, full_hi, hi,
+                     DOT_PRECISION, SPLIT_STATS)
+    dq = dq_tile_run(dq, q, do, lse, l2, delta, k_base, v_base, mask_base, full_hi, hi,
                      offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                      stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
                      HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                     DOT_PRECISION)
+                     DOT_PRECISION, SPLIT_STATS)
     store_rows(dq_base + offs_m[:, None] * stride_dqm + offs_d[None, :], round_to(dq, DQ.dtype.element_ty, DOT_PRECISION),
                offs_m, q_len, offs_d, HEAD_DIM, BLOCK_D)

@@ -326,10 +326,16 @@ def attention_fwd_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALE_POSITIVE: tl.constexpr,
     KDesc=None, VDesc=None, USE_TMA: tl.constexpr = False, HEAD_MAJOR: tl.constexpr = False,
-    EXP_FMA: tl.constexpr = 0,
+    EXP_FMA: tl.constexpr = 0, Stats=None, stride_ls=0, STORE_STATS: tl.constexpr = False,
 ):
     """Grid: (query blocks, batch * q_heads), or (batch * q_heads, query blocks) with
     HEAD_MAJOR. Writes Out rows and their log-sum-exp.
+
+    STORE_STATS: also write each row's max m (log2 domain, -inf for a row that saw nothing) and
+    log2 of its sum, apart, into Stats (two planes stride_ls apart, each laid out as LSE). The
+    backward recomputes p = exp2((s - m) - log2(sum)) from them: under a large additive bias
+    (-1e4, fp16's finfo.min) m + log2(sum) in one fp32 loses log2(sum) to m's rounding, which
+    scales every p of the row.
 
     Q and K tiles span HEAD_DIM columns padded to BLOCK_D; V, the accumulator and Out span the
     value head dim HEAD_DIM_V padded to BLOCK_DV (the launch passes BLOCK_DV == BLOCK_D where
@@ -415,3 +421,9 @@ def attention_fwd_kernel(
     store_rows(o_base + offs_m[:, None] * stride_om + offs_dv[None, :],
                round_to(out, Out.dtype.element_ty, DOT_PRECISION), offs_m, q_len, offs_dv, HEAD_DIM_V, BLOCK_DV)
     tl.store(l_base + offs_m * stride_lm, lse, mask=offs_m < q_len)
+    if STORE_STATS:
+        s_base = Stats + b64 * stride_lb + head.to(tl.int64) * stride_lh
+        if IS_VARLEN:
+            s_base += q_start.to(tl.int64) * stride_lm
+        tl.store(s_base + offs_m * stride_lm, m_i, mask=offs_m < q_len)
+        tl.store(s_base + stride_ls + offs_m * stride_lm, tl.math.log2(tl.where(seen, l_i, 1.0)), mask=offs_m < q_len)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ...api import varlen_attention
+from ...api import attention, varlen_attention
+from ...problem import documents
 from .. import peers
 from ..cases import Case
 from ..dense import describe, error_check, random_qkv
@@ -14,7 +15,8 @@ from . import options
 
 NAME = "varlen"
 HELP = ("--documents 8 x --doc-len 8192 packed, causal in each, bf16 H=16 D=128, fwd and fwd+bwd: "
-        "adaattn.varlen_attention vs cuDNN on the documents as a batch, adaattn on the batch, Flex document mask; "
+        "adaattn.varlen_attention and adaattn.attention(documents=) vs cuDNN on the documents as a batch, adaattn on "
+        "the batch, Flex document mask; "
         "x cuDNN (batch)")
 NEEDS_CUDA = True
 DEFAULT = Grid((8192,), batch=8, heads=16, kv_heads=None, head_dim=128, dtypes=(torch.bfloat16,), causal="yes")
@@ -49,6 +51,7 @@ def _maker(docs, n, heads, kv_heads, head_dim, dtype, backward, device, seed):
         packed = (q, k, v)
         cu = torch.arange(0, docs + 1, device=device, dtype=torch.int32) * n
         doc_id = torch.arange(docs * n, device=device) // n
+        doc_mask = documents(doc_id)  # built once, as Flex's block mask is
 
         def as_batch(t):  # (total, H, D) -> (docs, H, n, D), a view
             return t.view(docs, n, t.shape[1], head_dim).transpose(1, 2)
@@ -66,6 +69,9 @@ def _maker(docs, n, heads, kv_heads, head_dim, dtype, backward, device, seed):
             _packed(peers.adaattn(batch, "adaattn (batch)"), packed, backward),
             _packed(peers.Peer("varlen", lambda: as_batch(varlen_attention(q, k, v, cu, cu, n, n, is_causal=True))),
                     packed, backward),
+            _unpacked(peers.Peer("adaattn (documents)", lambda: attention(*(as_one(t) for t in packed), is_causal=True,
+                                                                         documents=doc_mask)),
+                      docs, n, head_dim, packed, backward),
             _unpacked(peers.flex(one, same_doc, "flex (document)"), docs, n, head_dim, packed, backward),
         ]
         check = error_check(Call(*(as_batch(t.detach()) for t in packed), causal=True))
