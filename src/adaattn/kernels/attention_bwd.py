@@ -51,31 +51,43 @@ SPLIT_ABOVE: tl.constexpr = tl.constexpr(128.0)
 
 
 @triton.jit
+def load_split_stats(lse_base, rows, q_len, stride_lm, stride_ls, CHECK_ROWS: tl.constexpr):
+    """The forward's split statistics (planes at lse_base and lse_base + stride_ls): the row max m
+    (log2 domain; +inf for rows that saw nothing or lie past the end, so p = 0 there) and l2 =
+    log2 of the row sum."""
+    if CHECK_ROWS:
+        m = tl.load(lse_base + rows * stride_lm, mask=rows < q_len, other=float("inf"))
+        l2 = tl.load(lse_base + stride_ls + rows * stride_lm, mask=rows < q_len, other=0.0)
+    else:
+        m = tl.load(lse_base + rows * stride_lm)
+        l2 = tl.load(lse_base + stride_ls + rows * stride_lm)
+    return tl.where(m == float("-inf"), float("inf"), m), l2
+
+
+@triton.jit
 def load_row_stats(lse_base, delta_base, rows, q_len, stride_lm, stride_ls, CHECK_ROWS: tl.constexpr,
                    SPLIT_STATS: tl.constexpr):
-    """(lse, m, l2, delta, big) per row. lse: the log-sum-exp in the log2 domain, +inf for rows
-    that saw nothing or lie past the end (p = 0 there). SPLIT_STATS (the forward's Stats planes
-    at lse_base and lse_base + stride_ls): m = the row max (+inf likewise), l2 = log2 of the row
-    sum, lse = m + l2, and big: whether a row of the tile has |m| >= SPLIT_ABOVE, where
-    p = exp2((s - m) - l2) must replace exp2(s - lse) to keep log2(sum). Without them m, l2 and
-    big are placeholders."""
+    """(lse, delta, big) per row. lse: the log-sum-exp in the log2 domain, +inf for rows that saw
+    nothing or lie past the end (p = 0 there). SPLIT_STATS (lse_base points at the forward's
+    split statistics): lse = m + l2, and big: whether a row of the tile has |m| >= SPLIT_ABOVE,
+    where the tile must recompute p = exp2((s - m) - l2) (reading m and l2 again, so that only
+    lse and delta stay in registers through the tile). Without them big is False."""
+    if SPLIT_STATS:
+        m, l2 = load_split_stats(lse_base, rows, q_len, stride_lm, stride_ls, CHECK_ROWS)
+        lse = m + l2
+        big = tl.max(tl.where(m == float("inf"), 0.0, tl.abs(m)), 0) >= SPLIT_ABOVE
+    else:
+        if CHECK_ROWS:
+            lse = tl.load(lse_base + rows * stride_lm, mask=rows < q_len, other=float("inf"))
+        else:
+            lse = tl.load(lse_base + rows * stride_lm)
+        lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E_K
+        big = False
     if CHECK_ROWS:
-        a = tl.load(lse_base + rows * stride_lm, mask=rows < q_len, other=float("inf"))
         delta = tl.load(delta_base + rows * stride_lm, mask=rows < q_len, other=0.0)
     else:
-        a = tl.load(lse_base + rows * stride_lm)
         delta = tl.load(delta_base + rows * stride_lm)
-    a = tl.where(a == float("-inf"), float("inf"), a)
-    if SPLIT_STATS:
-        if CHECK_ROWS:
-            l2 = tl.load(lse_base + stride_ls + rows * stride_lm, mask=rows < q_len, other=0.0)
-        else:
-            l2 = tl.load(lse_base + stride_ls + rows * stride_lm)
-        big = tl.max(tl.where(a == float("inf"), 0.0, tl.abs(a)), 0) >= SPLIT_ABOVE
-        return a + l2, a, l2, delta, big
-    else:
-        a = a * LOG2E_K
-        return a, a, a, delta, False
+    return lse, delta, big
 
 
 @triton.jit
@@ -189,13 +201,13 @@ def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq
                   HEAD_DIM, BLOCK_D, EDGE)
     do = load_rows(do_base + rows[:, None] * stride_dom + offs_dv[None, :], rows, q_len, offs_dv,
                    HEAD_DIM_V, BLOCK_DV, EDGE)
-    lse, m, l2, delta, big = load_row_stats(lse_base, delta_base, rows, q_len, stride_lm, stride_ls, EDGE,
-                                            SPLIT_STATS)
+    lse, delta, big = load_row_stats(lse_base, delta_base, rows, q_len, stride_lm, stride_ls, EDGE, SPLIT_STATS)
     s_t = dot(k, tl.trans(q), None, DOT_PRECISION) * scale_log2
     s_t = apply_masks(s_t, rows[None, :], offs_n[:, None], q_len, k_len, diag, window_left, window_right,
                       mask_base, stride_mm, stride_mn, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND)
     if SPLIT_STATS:
         if big:
+            m, l2 = load_split_stats(lse_base, rows, q_len, stride_lm, stride_ls, EDGE)
             p_t = tl.math.exp2((s_t - m[None, :]) - l2[None, :])
         else:
             p_t = tl.math.exp2(s_t - lse[None, :])
@@ -352,7 +364,7 @@ def attention_bwd_dkdv_kernel(
 
 
 @triton.jit
-def dq_tile(dq, q, do, lse, m, l2, big, delta, k_base, v_base, mask_base, start_n,
+def dq_tile(dq, q, do, lse, big, lse_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, start_n,
             offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
             stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -370,6 +382,7 @@ def dq_tile(dq, q, do, lse, m, l2, big, delta, k_base, v_base, mask_base, start_
                     mask_base, stride_mm, stride_mn, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND)
     if SPLIT_STATS:
         if big:
+            m, l2 = load_split_stats(lse_base, offs_m, q_len, stride_lm, stride_ls, True)
             p = tl.math.exp2((s - m[:, None]) - l2[:, None])
         else:
             p = tl.math.exp2(s - lse[:, None])
@@ -382,7 +395,7 @@ def dq_tile(dq, q, do, lse, m, l2, big, delta, k_base, v_base, mask_base, start_
 
 
 @triton.jit
-def dq_tile_run(dq, q, do, lse, m, l2, big, delta, k_base, v_base, mask_base, tile_start, tile_end,
+def dq_tile_run(dq, q, do, lse, big, lse_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, tile_start, tile_end,
                 offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                 stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -392,7 +405,7 @@ def dq_tile_run(dq, q, do, lse, m, l2, big, delta, k_base, v_base, mask_base, ti
     """The tile loop over keys [tile_start, tile_end), in steps of BLOCK_N."""
     for start_n in range(tile_start, tile_end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        dq = dq_tile(dq, q, do, lse, m, l2, big, delta, k_base, v_base, mask_base, start_n,
+        dq = dq_tile(dq, q, do, lse, big, lse_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, start_n,
                      offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                      stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
                      HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION,
@@ -463,23 +476,22 @@ def attention_bwd_dq_kernel(
                   HEAD_DIM, BLOCK_D, True)
     do = load_rows(do_base + offs_m[:, None] * stride_dom + offs_dv[None, :], offs_m, q_len, offs_dv,
                    HEAD_DIM_V, BLOCK_DV, True)
-    lse, m, l2, delta, big = load_row_stats(lse_base, delta_base, offs_m, q_len, stride_lm, stride_ls, True,
-                                            SPLIT_STATS)
+    lse, delta, big = load_row_stats(lse_base, delta_base, offs_m, q_len, stride_lm, stride_ls, True, SPLIT_STATS)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     lo, full_lo, full_hi, hi = key_tile_range(start_m, q_len, k_len, diag, window_left, window_right,
                                               BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    dq = dq_tile_run(dq, q, do, lse, m, l2, big, delta, k_base, v_base, mask_base, lo, full_lo,
+    dq = dq_tile_run(dq, q, do, lse, big, lse_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, lo, full_lo,
                      offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                      stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
                      HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
                      DOT_PRECISION, SPLIT_STATS)
-    dq = dq_tile_run(dq, q, do, lse, m, l2, big, delta, k_base, v_base, mask_base, full_lo, full_hi,
+    dq = dq_tile_run(dq, q, do, lse, big, lse_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, full_lo, full_hi,
                      offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                      stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
                      HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, MASK_KIND,
                      DOT_PRECISION, SPLIT_STATS)
-    dq = dq_tile_run(dq, q, do, lse, m, l2, big, delta, k_base, v_base, mask_base, full_hi, hi,
+    dq = dq_tile_run(dq, q, do, lse, big, lse_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, full_hi, hi,
                      offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                      stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
                      HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
