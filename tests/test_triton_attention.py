@@ -467,7 +467,8 @@ def compile_for_sm90(kernel, kind, d=128, tma=False):
     consts = dict(HEAD_DIM=d, BLOCK_D=d, HEAD_DIM_V=d, BLOCK_DV=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, IS_VARLEN=False,
                   BOTTOM_RIGHT=False, HAS_LEFT=False, HAS_RIGHT=True, MASK_KIND=0, DOT_PRECISION="tf32",
                   ATOMIC_DQ=kind == "dkdv_atomic", ROTATE=False, USE_TMA=tma, HEAD_MAJOR=False,
-                  SCALE_POSITIVE=True, EXP_FMA=0)
+                  SCALE_POSITIVE=True, EXP_FMA=0,
+                  Stats=None, Flags=None, STORE_STATS=False, SPLIT_STATS=False, FLAG_ROWS=16)  # no split statistics
     if not tma:
         consts.update(KDesc=None, VDesc=None)
 

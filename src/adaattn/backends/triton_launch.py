@@ -35,6 +35,7 @@ FWD_VARIANTS = ("ws", "tma", "ptr")
 DQ_MODES = settings.DQ_MODES
 GRID_ORDERS = settings.GRID_ORDERS
 MASK_NONE, MASK_BOOL, MASK_ADDITIVE = 0, 1, 2  # kernels/attention_fwd.py's MASK_* constants
+FLAG_ROWS = 16  # query rows per split-statistics mark (kernels/attention_bwd.py: tile_needs_split)
 LOG2E = 1.4426950408889634
 
 
@@ -369,13 +370,17 @@ def launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, m
     flags = dict(IS_VARLEN=lay.varlen, BOTTOM_RIGHT=launch.bottom_right, HAS_LEFT=launch.has_left,
                  HAS_RIGHT=launch.has_right, MASK_KIND=mask_kind, DOT_PRECISION=dot_precision(q.dtype))
     lse_st = lse_strides(lse, lay)
-    row_stats = lse
+    dcfg = INTERPRET_CONFIGS["delta"] if interpreting() else DELTA_CONFIG
+    split = {}
     if mask_kind == MASK_ADDITIVE and stats is not None and stats.numel() > 0:
         if stats[0].stride() != lse.stride():
             raise ValueError(f"stats planes must be laid out as lse, got strides {stats[0].stride()} and "
                              f"{lse.stride()}")
-        row_stats = stats
-        flags.update(stride_ls=stats.stride(0), SPLIT_STATS=True)
+        # One int32 mark per FLAG_ROWS query rows per (batch, head), written by the delta kernel.
+        per_head = cdiv(lay.q_len, dcfg.block_m) * (dcfg.block_m // FLAG_ROWS)
+        marks = torch.empty(lay.batch * lay.q_heads * per_head, dtype=torch.int32, device=q.device)
+        split = dict(Stats=stats, Flags=marks, stride_fl=per_head, SPLIT_STATS=True, FLAG_ROWS=FLAG_ROWS)
+        flags.update(split, stride_ls=stats.stride(0))
     left, right, scale = launch.left, launch.right, launch.scale
 
     delta = torch.empty_like(lse)
@@ -386,13 +391,12 @@ def launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, m
         dq_acc_strides = lay.strides(dq_acc)
     else:
         dq_acc, dq_acc_strides = dq, (0, 0, 0)
-    dcfg = INTERPRET_CONFIGS["delta"] if interpreting() else DELTA_CONFIG
     attention_bwd_delta_kernel[(cdiv(lay.q_len, dcfg.block_m), lay.batch * lay.q_heads)](
         out, dout, delta, dq_acc, cu_q, *lay.strides(out), *lay.strides(dout), *lse_st,
         *dq_acc_strides, lay.q_heads, lay.q_len,
         HEAD_DIM=lay.head_dim, BLOCK_D=bd, HEAD_DIM_V=lay.value_dim, BLOCK_DV=bdv,
         BLOCK_M=dcfg.block_m, IS_VARLEN=lay.varlen,
-        ZERO_DQ=atomic, num_warps=dcfg.num_warps, num_stages=dcfg.num_stages,
+        ZERO_DQ=atomic, num_warps=dcfg.num_warps, num_stages=dcfg.num_stages, **split,
     )
 
     dq_acc_dirty = [False]
@@ -403,7 +407,7 @@ def launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, m
             dq_acc.zero_()  # config timing runs the kernel many times; each run adds into dq_acc
         dq_acc_dirty[0] = atomic
         attention_bwd_dkdv_kernel[grid](
-            q, k, v, dout, row_stats, delta, dk, dv, dq_acc, mask, cu_q, cu_k,
+            q, k, v, dout, lse, delta, dk, dv, dq_acc, mask, cu_q, cu_k,
             *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(dout), *lse_st,
             *lay.strides(dk), *lay.strides(dv), *dq_acc_strides, *mask_strides,
             lay.kv_heads, lay.q_heads // lay.kv_heads, lay.q_len, lay.k_len,
@@ -416,7 +420,7 @@ def launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, m
     def run_dq(cfg: KernelConfig):
         grid = (cdiv(lay.q_len, cfg.block_m), lay.batch * lay.q_heads)
         attention_bwd_dq_kernel[grid](
-            q, k, v, dout, row_stats, delta, dq, mask, cu_q, cu_k,
+            q, k, v, dout, lse, delta, dq, mask, cu_q, cu_k,
             *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(dout), *lse_st,
             *lay.strides(dq), *mask_strides,
             lay.q_heads, lay.q_heads // lay.kv_heads, lay.q_len, lay.k_len,

@@ -18,9 +18,10 @@ order of dq over key blocks then depends on timing, so its bits can differ betwe
 
 Recomputed probabilities: p = exp2(s - lse * log2(e)) with s in the log2 domain; a row with
 lse = -inf (it saw no key) is given lse = +inf so p = 0. Under an additive mask (SPLIT_STATS)
-the forward's row max m and log2(sum) come apart and p = exp2((s - m) - log2(sum)): with a
--1e4 bias an fp32 lse keeps only ~1e-3 of log2(sum), which would scale every p of the row,
-and with finfo(fp32).min it keeps none of it (a fully masked row would get p = 1, not 1/N).
+the forward also saves the row max m and log2(sum) apart, and query tiles holding a row with
+|m| >= SPLIT_ABOVE recompute p = exp2((s - m) - log2(sum)): with a -1e4 bias an fp32 lse keeps
+only ~1e-3 of log2(sum), which would scale every p of the row, and with finfo(fp32).min it
+keeps none of it (a fully masked row would get p = 1, not 1/N).
 
 Masking and tile ranges are the forward's (attention_fwd), seen from the key side here.
 
@@ -43,51 +44,52 @@ from .attention_fwd import (
 )
 
 
-# Split row statistics (SPLIT_STATS) take the two-subtraction form only on a tile where some row's
-# max is at least this large in magnitude: below it, m + log2(sum) in one fp32 is off by at most
-# 2^-17 (p relative 5e-6, under the rounding of the scores themselves), and the extra subtraction
-# per score costs 7-15% of the masked backward (benchmarks/NOTES.md).
+# Split row statistics (SPLIT_STATS) take the two-subtraction form only on a query tile where some
+# row's max is at least this large in magnitude: below it, m + log2(sum) in one fp32 is off by at
+# most 2^-17 (p relative 5e-6, under the rounding of the scores themselves). The delta kernel
+# marks each group of FLAG_ROWS rows that holds such a row; a tile reads its groups' marks as
+# scalars (no reduction across the tile, no barrier). The one-subtraction form everywhere else
+# keeps the masked backward as fast as before (the split form on every tile cost 7-28%).
 SPLIT_ABOVE: tl.constexpr = tl.constexpr(128.0)
 
 
 @triton.jit
-def load_split_stats(lse_base, rows, q_len, stride_lm, stride_ls, CHECK_ROWS: tl.constexpr):
-    """The forward's split statistics (planes at lse_base and lse_base + stride_ls): the row max m
-    (log2 domain; +inf for rows that saw nothing or lie past the end, so p = 0 there) and l2 =
-    log2 of the row sum."""
+def load_row_stats(lse_base, delta_base, rows, q_len, stride_lm, CHECK_ROWS: tl.constexpr):
+    """lse (log2 domain, +inf for rows that saw nothing or lie past the end) and delta."""
     if CHECK_ROWS:
-        m = tl.load(lse_base + rows * stride_lm, mask=rows < q_len, other=float("inf"))
-        l2 = tl.load(lse_base + stride_ls + rows * stride_lm, mask=rows < q_len, other=0.0)
+        lse = tl.load(lse_base + rows * stride_lm, mask=rows < q_len, other=float("inf"))
+        delta = tl.load(delta_base + rows * stride_lm, mask=rows < q_len, other=0.0)
     else:
-        m = tl.load(lse_base + rows * stride_lm)
-        l2 = tl.load(lse_base + stride_ls + rows * stride_lm)
+        lse = tl.load(lse_base + rows * stride_lm)
+        delta = tl.load(delta_base + rows * stride_lm)
+    lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E_K
+    return lse, delta
+
+
+@triton.jit
+def load_split_stats(stats_base, rows, q_len, stride_lm, stride_ls, CHECK_ROWS: tl.constexpr):
+    """The forward's split statistics (planes at stats_base and stats_base + stride_ls): the row
+    max m (log2 domain; +inf for rows that saw nothing or lie past the end, so p = 0 there) and
+    l2 = log2 of the row sum."""
+    if CHECK_ROWS:
+        m = tl.load(stats_base + rows * stride_lm, mask=rows < q_len, other=float("inf"))
+        l2 = tl.load(stats_base + stride_ls + rows * stride_lm, mask=rows < q_len, other=0.0)
+    else:
+        m = tl.load(stats_base + rows * stride_lm)
+        l2 = tl.load(stats_base + stride_ls + rows * stride_lm)
     return tl.where(m == float("-inf"), float("inf"), m), l2
 
 
 @triton.jit
-def load_row_stats(lse_base, delta_base, rows, q_len, stride_lm, stride_ls, CHECK_ROWS: tl.constexpr,
-                   SPLIT_STATS: tl.constexpr):
-    """(lse, delta, big) per row. lse: the log-sum-exp in the log2 domain, +inf for rows that saw
-    nothing or lie past the end (p = 0 there). SPLIT_STATS (lse_base points at the forward's
-    split statistics): lse = m + l2, and big: whether a row of the tile has |m| >= SPLIT_ABOVE,
-    where the tile must recompute p = exp2((s - m) - l2) (reading m and l2 again, so that only
-    lse and delta stay in registers through the tile). Without them big is False."""
-    if SPLIT_STATS:
-        m, l2 = load_split_stats(lse_base, rows, q_len, stride_lm, stride_ls, CHECK_ROWS)
-        lse = m + l2
-        big = tl.max(tl.where(m == float("inf"), 0.0, tl.abs(m)), 0) >= SPLIT_ABOVE
-    else:
-        if CHECK_ROWS:
-            lse = tl.load(lse_base + rows * stride_lm, mask=rows < q_len, other=float("inf"))
-        else:
-            lse = tl.load(lse_base + rows * stride_lm)
-        lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E_K
-        big = False
-    if CHECK_ROWS:
-        delta = tl.load(delta_base + rows * stride_lm, mask=rows < q_len, other=0.0)
-    else:
-        delta = tl.load(delta_base + rows * stride_lm)
-    return lse, delta, big
+def tile_needs_split(flag_base, start_m, q_len, BLOCK_M: tl.constexpr, FLAG_ROWS: tl.constexpr):
+    """Whether query rows [start_m, start_m + BLOCK_M) hold a row the delta kernel marked (its
+    max at or above SPLIT_ABOVE in magnitude). Groups past the last row are never read."""
+    first = start_m // FLAG_ROWS
+    last = (q_len - 1) // FLAG_ROWS
+    big = tl.load(flag_base + first) != 0
+    for i in tl.static_range(1, BLOCK_M // FLAG_ROWS):
+        big = big | (tl.load(flag_base + tl.minimum(first + i, last)) != 0)
+    return big
 
 
 @triton.jit
@@ -133,10 +135,13 @@ def attention_bwd_delta_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
     IS_VARLEN: tl.constexpr, ZERO_DQ: tl.constexpr,
+    Stats=None, Flags=None, stride_fl=0, SPLIT_STATS: tl.constexpr = False, FLAG_ROWS: tl.constexpr = 16,
 ):
     """Grid: (query blocks, batch * q_heads). Delta has the layout of the saved lse: the sum
     over the HEAD_DIM_V value columns of o * do. With ZERO_DQ it also zeroes the same rows
-    (HEAD_DIM columns) of the fp32 dq accumulator (atomic dq mode)."""
+    (HEAD_DIM columns) of the fp32 dq accumulator (atomic dq mode). With SPLIT_STATS it marks, in
+    Flags (int32, stride_fl per (batch, head)), each group of FLAG_ROWS rows that holds a row whose
+    max (Stats' first plane) is at or above SPLIT_ABOVE in magnitude (see tile_needs_split)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     batch = pid_bh // q_heads
@@ -160,6 +165,15 @@ def attention_bwd_delta_kernel(
     do = load_rows(do_base + offs_m[:, None] * stride_dom + offs_dv[None, :], offs_m, q_len, offs_dv,
                    HEAD_DIM_V, BLOCK_DV, True).to(tl.float32)
     tl.store(d_base + offs_m * stride_lm, tl.sum(o * do, 1), mask=offs_m < q_len)
+    if SPLIT_STATS:
+        s_base = Stats + b64 * stride_lb + head.to(tl.int64) * stride_lh
+        if IS_VARLEN:
+            s_base += q_start.to(tl.int64) * stride_lm
+        m = tl.load(s_base + offs_m * stride_lm, mask=offs_m < q_len, other=0.0)
+        big = ((tl.abs(m) >= SPLIT_ABOVE) & (m != float("-inf"))).to(tl.int32)
+        groups: tl.constexpr = BLOCK_M // FLAG_ROWS
+        marks = tl.max(tl.reshape(big, [groups, FLAG_ROWS]), 1)
+        tl.store(Flags + pid_bh.to(tl.int64) * stride_fl + pid_m * groups + tl.arange(0, groups), marks)
     if ZERO_DQ:
         dqa_base = DQAcc + b64 * stride_dqb + head.to(tl.int64) * stride_dqh
         if IS_VARLEN:
@@ -187,13 +201,14 @@ def atomic_add_rows(ptrs, value, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, B
 
 
 @triton.jit
-def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, start_m,
+def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, stats_base, flag_base, delta_base, mask_base, dq_base, start_m,
               offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
               stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale, scale_log2,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
               BLOCK_DV: tl.constexpr, EDGE: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, SPLIT_STATS: tl.constexpr):
+              DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, SPLIT_STATS: tl.constexpr,
+              BLOCK_M: tl.constexpr, FLAG_ROWS: tl.constexpr):
     """Add one query tile's contribution to dk and dv, in (key, query) orientation; with
     ATOMIC_DQ also add its dq contribution (ds^T k) to the fp32 accumulator at dq_base."""
     rows = start_m + offs_m
@@ -201,13 +216,13 @@ def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq
                   HEAD_DIM, BLOCK_D, EDGE)
     do = load_rows(do_base + rows[:, None] * stride_dom + offs_dv[None, :], rows, q_len, offs_dv,
                    HEAD_DIM_V, BLOCK_DV, EDGE)
-    lse, delta, big = load_row_stats(lse_base, delta_base, rows, q_len, stride_lm, stride_ls, EDGE, SPLIT_STATS)
+    lse, delta = load_row_stats(lse_base, delta_base, rows, q_len, stride_lm, EDGE)
     s_t = dot(k, tl.trans(q), None, DOT_PRECISION) * scale_log2
     s_t = apply_masks(s_t, rows[None, :], offs_n[:, None], q_len, k_len, diag, window_left, window_right,
                       mask_base, stride_mm, stride_mn, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND)
     if SPLIT_STATS:
-        if big:
-            m, l2 = load_split_stats(lse_base, rows, q_len, stride_lm, stride_ls, EDGE)
+        if tile_needs_split(flag_base, start_m, q_len, BLOCK_M, FLAG_ROWS):
+            m, l2 = load_split_stats(stats_base, rows, q_len, stride_lm, stride_ls, EDGE)
             p_t = tl.math.exp2((s_t - m[None, :]) - l2[None, :])
         else:
             p_t = tl.math.exp2(s_t - lse[None, :])
@@ -228,14 +243,15 @@ def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq
 
 
 @triton.jit
-def dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, tile_start, tile_end,
+def dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, flag_base, delta_base, mask_base, dq_base,
+                  tile_start, tile_end,
                   offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                   stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale, scale_log2, rotate,
                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                   BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                   EDGE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                   MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                  ROTATE: tl.constexpr, SPLIT_STATS: tl.constexpr):
+                  ROTATE: tl.constexpr, SPLIT_STATS: tl.constexpr, FLAG_ROWS: tl.constexpr):
     """The tile loop over query rows [tile_start, tile_end), in steps of BLOCK_M. With ROTATE
     (whole tiles only: tile_start and tile_end multiples of BLOCK_M) it starts at tile
     `rotate` modulo the count and wraps around, so programs of one head that run together
@@ -247,19 +263,21 @@ def dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base
             j = i + first
             j = tl.where(j >= n_tiles, j - n_tiles, j)
             start_m = tl.multiple_of(tile_start + j * BLOCK_M, BLOCK_M)
-            dk, dv = dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, start_m,
+            dk, dv = dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, stats_base, flag_base, delta_base, mask_base,
+                               dq_base, start_m,
                                offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                                stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
                                scale_log2, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                               DOT_PRECISION, ATOMIC_DQ, SPLIT_STATS)
+                               DOT_PRECISION, ATOMIC_DQ, SPLIT_STATS, BLOCK_M, FLAG_ROWS)
     else:
         for start_m in range(tile_start, tile_end, BLOCK_M):
             start_m = tl.multiple_of(start_m, BLOCK_M)
-            dk, dv = dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, start_m,
+            dk, dv = dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, stats_base, flag_base, delta_base, mask_base,
+                               dq_base, start_m,
                                offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                                stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
                                scale_log2, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                               DOT_PRECISION, ATOMIC_DQ, SPLIT_STATS)
+                               DOT_PRECISION, ATOMIC_DQ, SPLIT_STATS, BLOCK_M, FLAG_ROWS)
     return dk, dv
 
 
@@ -284,7 +302,8 @@ def attention_bwd_dkdv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ATOMIC_DQ: tl.constexpr = False, ROTATE: tl.constexpr = False,
-    stride_ls=0, SPLIT_STATS: tl.constexpr = False,
+    Stats=None, Flags=None, stride_ls=0, stride_fl=0, SPLIT_STATS: tl.constexpr = False,
+    FLAG_ROWS: tl.constexpr = 16,
 ):
     """Grid: (key blocks, batch * kv_heads). dk (B, Hkv, Nk, D) and dv (B, Hkv, Nk, Dv), summed
     over the group.
@@ -332,6 +351,11 @@ def attention_bwd_dkdv_kernel(
         q_base = Q + b64 * stride_qb + head * stride_qh
         do_base = DOut + b64 * stride_dob + head * stride_doh
         lse_base = LSE + b64 * stride_lb + head * stride_lh
+        stats_base = lse_base
+        flag_base = Flags
+        if SPLIT_STATS:
+            stats_base = Stats + b64 * stride_lb + head * stride_lh
+            flag_base = Flags + (batch * kv_heads * kv_group + head) * stride_fl
         delta_base = Delta + b64 * stride_lb + head * stride_lh
         mask_base = Mask + b64 * stride_mb + head * stride_mh
         dq_base = DQAcc + b64 * stride_dqb + head * stride_dqh
@@ -339,23 +363,27 @@ def attention_bwd_dkdv_kernel(
             q_base += q_start.to(tl.int64) * stride_qm
             do_base += q_start.to(tl.int64) * stride_dom
             lse_base += q_start.to(tl.int64) * stride_lm
+            stats_base += q_start.to(tl.int64) * stride_lm
             delta_base += q_start.to(tl.int64) * stride_lm
             dq_base += q_start.to(tl.int64) * stride_dqm
-        dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, lo,
+        dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, flag_base, delta_base, mask_base,
+                               dq_base, lo,
                                full_lo, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                                stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
                                scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, True,
-                               HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False, SPLIT_STATS)
-        dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, full_lo,
+                               HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False, SPLIT_STATS, FLAG_ROWS)
+        dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, flag_base, delta_base, mask_base,
+                               dq_base, full_lo,
                                full_hi, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                                stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
                                scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, False,
-                               HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, ROTATE, SPLIT_STATS)
-        dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, full_hi,
+                               HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, ROTATE, SPLIT_STATS, FLAG_ROWS)
+        dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, flag_base, delta_base, mask_base,
+                               dq_base, full_hi,
                                hi, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                                stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
                                scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, True,
-                               HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False, SPLIT_STATS)
+                               HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False, SPLIT_STATS, FLAG_ROWS)
 
     store_rows(dk_base + offs_n[:, None] * stride_dkn + offs_d[None, :], round_to(dk, DK.dtype.element_ty, DOT_PRECISION),
                offs_n, k_len, offs_d, HEAD_DIM, BLOCK_D)
@@ -364,7 +392,7 @@ def attention_bwd_dkdv_kernel(
 
 
 @triton.jit
-def dq_tile(dq, q, do, lse, big, lse_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, start_n,
+def dq_tile(dq, q, do, lse, big, stats_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, start_n,
             offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
             stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -382,7 +410,7 @@ def dq_tile(dq, q, do, lse, big, lse_base, stride_lm, stride_ls, delta, k_base, 
                     mask_base, stride_mm, stride_mn, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND)
     if SPLIT_STATS:
         if big:
-            m, l2 = load_split_stats(lse_base, offs_m, q_len, stride_lm, stride_ls, True)
+            m, l2 = load_split_stats(stats_base, offs_m, q_len, stride_lm, stride_ls, True)
             p = tl.math.exp2((s - m[:, None]) - l2[:, None])
         else:
             p = tl.math.exp2(s - lse[:, None])
@@ -395,7 +423,7 @@ def dq_tile(dq, q, do, lse, big, lse_base, stride_lm, stride_ls, delta, k_base, 
 
 
 @triton.jit
-def dq_tile_run(dq, q, do, lse, big, lse_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, tile_start, tile_end,
+def dq_tile_run(dq, q, do, lse, big, stats_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, tile_start, tile_end,
                 offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                 stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -405,7 +433,7 @@ def dq_tile_run(dq, q, do, lse, big, lse_base, stride_lm, stride_ls, delta, k_ba
     """The tile loop over keys [tile_start, tile_end), in steps of BLOCK_N."""
     for start_n in range(tile_start, tile_end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        dq = dq_tile(dq, q, do, lse, big, lse_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, start_n,
+        dq = dq_tile(dq, q, do, lse, big, stats_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, start_n,
                      offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                      stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
                      HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION,
@@ -431,7 +459,8 @@ def attention_bwd_dq_kernel(
     IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    stride_ls=0, SPLIT_STATS: tl.constexpr = False,
+    Stats=None, Flags=None, stride_ls=0, stride_fl=0, SPLIT_STATS: tl.constexpr = False,
+    FLAG_ROWS: tl.constexpr = 16,
 ):
     """Grid: (query blocks, batch * q_heads). dq is (B, Hq, Nq, D); dO (B, Hq, Nq, Dv)."""
     # Query blocks run last-first: under causal masks the last blocks do the most work, and
@@ -455,6 +484,9 @@ def attention_bwd_dq_kernel(
     do_base = DOut + b64 * stride_dob + head.to(tl.int64) * stride_doh
     dq_base = DQ + b64 * stride_dqb + head.to(tl.int64) * stride_dqh
     lse_base = LSE + b64 * stride_lb + head.to(tl.int64) * stride_lh
+    stats_base = lse_base
+    if SPLIT_STATS:
+        stats_base = Stats + b64 * stride_lb + head.to(tl.int64) * stride_lh
     delta_base = Delta + b64 * stride_lb + head.to(tl.int64) * stride_lh
     k_base = K + b64 * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_base = V + b64 * stride_vb + kv_head.to(tl.int64) * stride_vh
@@ -464,6 +496,7 @@ def attention_bwd_dq_kernel(
         do_base += q_start.to(tl.int64) * stride_dom
         dq_base += q_start.to(tl.int64) * stride_dqm
         lse_base += q_start.to(tl.int64) * stride_lm
+        stats_base += q_start.to(tl.int64) * stride_lm
         delta_base += q_start.to(tl.int64) * stride_lm
         k_base += k_start.to(tl.int64) * stride_kn
         v_base += k_start.to(tl.int64) * stride_vn
@@ -476,22 +509,25 @@ def attention_bwd_dq_kernel(
                   HEAD_DIM, BLOCK_D, True)
     do = load_rows(do_base + offs_m[:, None] * stride_dom + offs_dv[None, :], offs_m, q_len, offs_dv,
                    HEAD_DIM_V, BLOCK_DV, True)
-    lse, delta, big = load_row_stats(lse_base, delta_base, offs_m, q_len, stride_lm, stride_ls, True, SPLIT_STATS)
+    lse, delta = load_row_stats(lse_base, delta_base, offs_m, q_len, stride_lm, True)
+    big = False
+    if SPLIT_STATS:
+        big = tile_needs_split(Flags + pid_bh.to(tl.int64) * stride_fl, start_m, q_len, BLOCK_M, FLAG_ROWS)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     lo, full_lo, full_hi, hi = key_tile_range(start_m, q_len, k_len, diag, window_left, window_right,
                                               BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    dq = dq_tile_run(dq, q, do, lse, big, lse_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, lo, full_lo,
+    dq = dq_tile_run(dq, q, do, lse, big, stats_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, lo, full_lo,
                      offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                      stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
                      HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
                      DOT_PRECISION, SPLIT_STATS)
-    dq = dq_tile_run(dq, q, do, lse, big, lse_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, full_lo, full_hi,
+    dq = dq_tile_run(dq, q, do, lse, big, stats_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, full_lo, full_hi,
                      offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                      stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
                      HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, MASK_KIND,
                      DOT_PRECISION, SPLIT_STATS)
-    dq = dq_tile_run(dq, q, do, lse, big, lse_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, full_hi, hi,
+    dq = dq_tile_run(dq, q, do, lse, big, stats_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, full_hi, hi,
                      offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                      stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
                      HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
