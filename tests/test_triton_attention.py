@@ -468,7 +468,7 @@ def compile_for_sm90(kernel, kind, d=128, tma=False):
                   BOTTOM_RIGHT=False, HAS_LEFT=False, HAS_RIGHT=True, MASK_KIND=0, DOT_PRECISION="tf32",
                   ATOMIC_DQ=kind == "dkdv_atomic", ROTATE=False, USE_TMA=tma, HEAD_MAJOR=False,
                   SCALE_POSITIVE=True, EXP_FMA=0,
-                  Stats=None, Flags=None, STORE_STATS=False, SPLIT_STATS=False, FLAG_ROWS=16)  # no split statistics
+                  Stats=None, Flags=None, STORE_STATS=False, SPLIT_STATS=False)  # no split statistics
     if not tma:
         consts.update(KDesc=None, VDesc=None)
 
@@ -674,6 +674,17 @@ def test_rows_masked_entirely_with_finfo_min_get_float64_gradients(dq_mode, dtyp
     if dtype != torch.float16:  # -3.4e38 absorbs q . k: the row is the mean of V (fp16's -65504 does not)
         mean_v = v.detach().double().mean(2)
         assert torch.allclose(out[:, :, 3].double(), mean_v, atol=1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("dq_mode", ["atomic", "separate"], indirect=True)
+def test_split_statistics_only_where_a_head_needs_them(dq_mode):
+    # GQA 4/2: only query head 1 holds rows masked with finfo.min (its flag goes up, the split
+    # form runs there); the others keep the one-subtraction form. Both must meet the standard.
+    mask = torch.randn(1, 4, 30, 34, generator=_gen(54), device=DEVICE)
+    mask[0, 1, [2, 11, 29]] = torch.finfo(torch.float32).min
+    out, q, k, v = check_case(hq=4, hkv=2, nq=30, nk=34, d=16, dtype=torch.float32, attn_mask=mask, seed=54,
+                              math_peer=True)
+    assert torch.allclose(out[0, 1, 11].double(), v.detach()[0, 0].double().mean(0), atol=1e-6)
 
 
 @pytest.mark.parametrize("dq_mode", ["atomic"], indirect=True)

@@ -35,7 +35,6 @@ FWD_VARIANTS = ("ws", "tma", "ptr")
 DQ_MODES = settings.DQ_MODES
 GRID_ORDERS = settings.GRID_ORDERS
 MASK_NONE, MASK_BOOL, MASK_ADDITIVE = 0, 1, 2  # kernels/attention_fwd.py's MASK_* constants
-FLAG_ROWS = 16  # query rows per split-statistics mark (kernels/attention_bwd.py: tile_needs_split)
 LOG2E = 1.4426950408889634
 
 
@@ -376,10 +375,9 @@ def launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, m
         if stats[0].stride() != lse.stride():
             raise ValueError(f"stats planes must be laid out as lse, got strides {stats[0].stride()} and "
                              f"{lse.stride()}")
-        # One int32 mark per FLAG_ROWS query rows per (batch, head), written by the delta kernel.
-        per_head = cdiv(lay.q_len, dcfg.block_m) * (dcfg.block_m // FLAG_ROWS)
-        marks = torch.empty(lay.batch * lay.q_heads * per_head, dtype=torch.int32, device=q.device)
-        split = dict(Stats=stats, Flags=marks, stride_fl=per_head, SPLIT_STATS=True, FLAG_ROWS=FLAG_ROWS)
+        # One int32 flag per (batch, head), raised by the delta kernel where a row needs the split form.
+        marks = torch.zeros(lay.batch * lay.q_heads, dtype=torch.int32, device=q.device)
+        split = dict(Stats=stats, Flags=marks, SPLIT_STATS=True)
         flags.update(split, stride_ls=stats.stride(0))
     left, right, scale = launch.left, launch.right, launch.scale
 

@@ -44,12 +44,12 @@ from .attention_fwd import (
 )
 
 
-# Split row statistics (SPLIT_STATS) take the two-subtraction form only on a query tile where some
-# row's max is at least this large in magnitude: below it, m + log2(sum) in one fp32 is off by at
-# most 2^-17 (p relative 5e-6, under the rounding of the scores themselves). The delta kernel
-# marks each group of FLAG_ROWS rows that holds such a row; a tile reads its groups' marks as
-# scalars (no reduction across the tile, no barrier). The one-subtraction form everywhere else
-# keeps the masked backward as fast as before (the split form on every tile cost 7-28%).
+# Split row statistics (SPLIT_STATS): the two-subtraction form p = exp2((s - m) - l2) runs only for
+# a (batch, head) holding a row whose max is at least this large in magnitude: below it, m +
+# log2(sum) in one fp32 is off by at most 2^-17 (p relative 5e-6, under the rounding of the scores
+# themselves). The delta kernel raises the head's flag; each program reads it once and runs one of
+# two copies of its tile loops. (A branch per tile inside the loop, or the split form everywhere,
+# slowed the masked backward 7-46% on the H100: benchmarks/NOTES.md.)
 SPLIT_ABOVE: tl.constexpr = tl.constexpr(128.0)
 
 
@@ -78,18 +78,6 @@ def load_split_stats(stats_base, rows, q_len, stride_lm, stride_ls, CHECK_ROWS: 
         m = tl.load(stats_base + rows * stride_lm)
         l2 = tl.load(stats_base + stride_ls + rows * stride_lm)
     return tl.where(m == float("-inf"), float("inf"), m), l2
-
-
-@triton.jit
-def tile_needs_split(flag_base, start_m, q_len, BLOCK_M: tl.constexpr, FLAG_ROWS: tl.constexpr):
-    """Whether query rows [start_m, start_m + BLOCK_M) hold a row the delta kernel marked (its
-    max at or above SPLIT_ABOVE in magnitude). Groups past the last row are never read."""
-    first = start_m // FLAG_ROWS
-    last = (q_len - 1) // FLAG_ROWS
-    big = tl.load(flag_base + first) != 0
-    for i in tl.static_range(1, BLOCK_M // FLAG_ROWS):
-        big = big | (tl.load(flag_base + tl.minimum(first + i, last)) != 0)
-    return big
 
 
 @triton.jit
@@ -135,13 +123,13 @@ def attention_bwd_delta_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
     IS_VARLEN: tl.constexpr, ZERO_DQ: tl.constexpr,
-    Stats=None, Flags=None, stride_fl=0, SPLIT_STATS: tl.constexpr = False, FLAG_ROWS: tl.constexpr = 16,
+    Stats=None, Flags=None, SPLIT_STATS: tl.constexpr = False,
 ):
     """Grid: (query blocks, batch * q_heads). Delta has the layout of the saved lse: the sum
     over the HEAD_DIM_V value columns of o * do. With ZERO_DQ it also zeroes the same rows
-    (HEAD_DIM columns) of the fp32 dq accumulator (atomic dq mode). With SPLIT_STATS it marks, in
-    Flags (int32, stride_fl per (batch, head)), each group of FLAG_ROWS rows that holds a row whose
-    max (Stats' first plane) is at or above SPLIT_ABOVE in magnitude (see tile_needs_split)."""
+    (HEAD_DIM columns) of the fp32 dq accumulator (atomic dq mode). With SPLIT_STATS it raises
+    Flags[batch * q_heads + head] (int32, zeroed) where a row's max (Stats' first plane) is at or
+    above SPLIT_ABOVE in magnitude."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     batch = pid_bh // q_heads
@@ -170,10 +158,9 @@ def attention_bwd_delta_kernel(
         if IS_VARLEN:
             s_base += q_start.to(tl.int64) * stride_lm
         m = tl.load(s_base + offs_m * stride_lm, mask=offs_m < q_len, other=0.0)
-        big = ((tl.abs(m) >= SPLIT_ABOVE) & (m != float("-inf"))).to(tl.int32)
-        groups: tl.constexpr = BLOCK_M // FLAG_ROWS
-        marks = tl.max(tl.reshape(big, [groups, FLAG_ROWS]), 1)
-        tl.store(Flags + pid_bh.to(tl.int64) * stride_fl + pid_m * groups + tl.arange(0, groups), marks)
+        big = tl.max(((tl.abs(m) >= SPLIT_ABOVE) & (m != float("-inf"))).to(tl.int32), 0)
+        if big != 0:
+            tl.atomic_max(Flags + pid_bh, big, sem="relaxed")
     if ZERO_DQ:
         dqa_base = DQAcc + b64 * stride_dqb + head.to(tl.int64) * stride_dqh
         if IS_VARLEN:
@@ -201,14 +188,13 @@ def atomic_add_rows(ptrs, value, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, B
 
 
 @triton.jit
-def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, stats_base, flag_base, delta_base, mask_base, dq_base, start_m,
+def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, mask_base, dq_base, start_m,
               offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
               stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale, scale_log2,
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
               BLOCK_DV: tl.constexpr, EDGE: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, SPLIT_STATS: tl.constexpr,
-              BLOCK_M: tl.constexpr, FLAG_ROWS: tl.constexpr):
+              DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, SPLIT_STATS: tl.constexpr):
     """Add one query tile's contribution to dk and dv, in (key, query) orientation; with
     ATOMIC_DQ also add its dq contribution (ds^T k) to the fp32 accumulator at dq_base."""
     rows = start_m + offs_m
@@ -221,11 +207,8 @@ def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, stats_base, flag_base, de
     s_t = apply_masks(s_t, rows[None, :], offs_n[:, None], q_len, k_len, diag, window_left, window_right,
                       mask_base, stride_mm, stride_mn, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND)
     if SPLIT_STATS:
-        if tile_needs_split(flag_base, start_m, q_len, BLOCK_M, FLAG_ROWS):
-            m, l2 = load_split_stats(stats_base, rows, q_len, stride_lm, stride_ls, EDGE)
-            p_t = tl.math.exp2((s_t - m[None, :]) - l2[None, :])
-        else:
-            p_t = tl.math.exp2(s_t - lse[None, :])
+        m, l2 = load_split_stats(stats_base, rows, q_len, stride_lm, stride_ls, EDGE)
+        p_t = tl.math.exp2((s_t - m[None, :]) - l2[None, :])
     else:
         p_t = tl.math.exp2(s_t - lse[None, :])
     dv = dot(round_to(p_t, do.dtype, DOT_PRECISION), do, dv, DOT_PRECISION)
@@ -243,7 +226,7 @@ def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, stats_base, flag_base, de
 
 
 @triton.jit
-def dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, flag_base, delta_base, mask_base, dq_base,
+def dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, mask_base, dq_base,
                   tile_start, tile_end,
                   offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                   stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale, scale_log2, rotate,
@@ -251,7 +234,7 @@ def dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, flag_base
                   BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                   EDGE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                   MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                  ROTATE: tl.constexpr, SPLIT_STATS: tl.constexpr, FLAG_ROWS: tl.constexpr):
+                  ROTATE: tl.constexpr, SPLIT_STATS: tl.constexpr):
     """The tile loop over query rows [tile_start, tile_end), in steps of BLOCK_M. With ROTATE
     (whole tiles only: tile_start and tile_end multiples of BLOCK_M) it starts at tile
     `rotate` modulo the count and wraps around, so programs of one head that run together
@@ -263,21 +246,21 @@ def dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, flag_base
             j = i + first
             j = tl.where(j >= n_tiles, j - n_tiles, j)
             start_m = tl.multiple_of(tile_start + j * BLOCK_M, BLOCK_M)
-            dk, dv = dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, stats_base, flag_base, delta_base, mask_base,
+            dk, dv = dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, mask_base,
                                dq_base, start_m,
                                offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                                stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
                                scale_log2, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                               DOT_PRECISION, ATOMIC_DQ, SPLIT_STATS, BLOCK_M, FLAG_ROWS)
+                               DOT_PRECISION, ATOMIC_DQ, SPLIT_STATS)
     else:
         for start_m in range(tile_start, tile_end, BLOCK_M):
             start_m = tl.multiple_of(start_m, BLOCK_M)
-            dk, dv = dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, stats_base, flag_base, delta_base, mask_base,
+            dk, dv = dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, mask_base,
                                dq_base, start_m,
                                offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                                stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
                                scale_log2, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                               DOT_PRECISION, ATOMIC_DQ, SPLIT_STATS, BLOCK_M, FLAG_ROWS)
+                               DOT_PRECISION, ATOMIC_DQ, SPLIT_STATS)
     return dk, dv
 
 
@@ -302,8 +285,7 @@ def attention_bwd_dkdv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ATOMIC_DQ: tl.constexpr = False, ROTATE: tl.constexpr = False,
-    Stats=None, Flags=None, stride_ls=0, stride_fl=0, SPLIT_STATS: tl.constexpr = False,
-    FLAG_ROWS: tl.constexpr = 16,
+    Stats=None, Flags=None, stride_ls=0, SPLIT_STATS: tl.constexpr = False,
 ):
     """Grid: (key blocks, batch * kv_heads). dk (B, Hkv, Nk, D) and dv (B, Hkv, Nk, Dv), summed
     over the group.
@@ -352,10 +334,10 @@ def attention_bwd_dkdv_kernel(
         do_base = DOut + b64 * stride_dob + head * stride_doh
         lse_base = LSE + b64 * stride_lb + head * stride_lh
         stats_base = lse_base
-        flag_base = Flags
+        split = False
         if SPLIT_STATS:
             stats_base = Stats + b64 * stride_lb + head * stride_lh
-            flag_base = Flags + (batch * kv_heads * kv_group + head) * stride_fl
+            split = tl.load(Flags + batch * kv_heads * kv_group + head) != 0
         delta_base = Delta + b64 * stride_lb + head * stride_lh
         mask_base = Mask + b64 * stride_mb + head * stride_mh
         dq_base = DQAcc + b64 * stride_dqb + head * stride_dqh
@@ -366,24 +348,44 @@ def attention_bwd_dkdv_kernel(
             stats_base += q_start.to(tl.int64) * stride_lm
             delta_base += q_start.to(tl.int64) * stride_lm
             dq_base += q_start.to(tl.int64) * stride_dqm
-        dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, flag_base, delta_base, mask_base,
-                               dq_base, lo,
-                               full_lo, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
-                               stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
-                               scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, True,
-                               HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False, SPLIT_STATS, FLAG_ROWS)
-        dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, flag_base, delta_base, mask_base,
-                               dq_base, full_lo,
-                               full_hi, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
-                               stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
-                               scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, False,
-                               HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, ROTATE, SPLIT_STATS, FLAG_ROWS)
-        dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, flag_base, delta_base, mask_base,
-                               dq_base, full_hi,
-                               hi, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
-                               stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
-                               scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, True,
-                               HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False, SPLIT_STATS, FLAG_ROWS)
+        if split:
+            dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, mask_base,
+                                   dq_base, lo,
+                                   full_lo, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
+                                   stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
+                                   scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, True,
+                                   HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False, True)
+            dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, mask_base,
+                                   dq_base, full_lo,
+                                   full_hi, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
+                                   stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
+                                   scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, False,
+                                   HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, ROTATE, True)
+            dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, mask_base,
+                                   dq_base, full_hi,
+                                   hi, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
+                                   stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
+                                   scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, True,
+                                   HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False, True)
+        else:
+            dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, mask_base,
+                                   dq_base, lo,
+                                   full_lo, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
+                                   stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
+                                   scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, True,
+                                   HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False, False)
+            dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, mask_base,
+                                   dq_base, full_lo,
+                                   full_hi, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
+                                   stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
+                                   scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, False,
+                                   HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, ROTATE, False)
+            dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, mask_base,
+                                   dq_base, full_hi,
+                                   hi, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
+                                   stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
+                                   scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, True,
+                                   HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False, False)
 
     store_rows(dk_base + offs_n[:, None] * stride_dkn + offs_d[None, :], round_to(dk, DK.dtype.element_ty, DOT_PRECISION),
                offs_n, k_len, offs_d, HEAD_DIM, BLOCK_D)
@@ -392,7 +394,7 @@ def attention_bwd_dkdv_kernel(
 
 
 @triton.jit
-def dq_tile(dq, q, do, lse, big, stats_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, start_n,
+def dq_tile(dq, q, do, lse, stats_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, start_n,
             offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
             stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -409,11 +411,8 @@ def dq_tile(dq, q, do, lse, big, stats_base, stride_lm, stride_ls, delta, k_base
     s = apply_masks(s, offs_m[:, None], cols[None, :], q_len, k_len, diag, window_left, window_right,
                     mask_base, stride_mm, stride_mn, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND)
     if SPLIT_STATS:
-        if big:
-            m, l2 = load_split_stats(stats_base, offs_m, q_len, stride_lm, stride_ls, True)
-            p = tl.math.exp2((s - m[:, None]) - l2[:, None])
-        else:
-            p = tl.math.exp2(s - lse[:, None])
+        m, l2 = load_split_stats(stats_base, offs_m, q_len, stride_lm, stride_ls, True)
+        p = tl.math.exp2((s - m[:, None]) - l2[:, None])
     else:
         p = tl.math.exp2(s - lse[:, None])
     dp = dot(do, tl.trans(v), None, DOT_PRECISION)
@@ -423,7 +422,7 @@ def dq_tile(dq, q, do, lse, big, stats_base, stride_lm, stride_ls, delta, k_base
 
 
 @triton.jit
-def dq_tile_run(dq, q, do, lse, big, stats_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, tile_start, tile_end,
+def dq_tile_run(dq, q, do, lse, stats_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, tile_start, tile_end,
                 offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                 stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -433,7 +432,7 @@ def dq_tile_run(dq, q, do, lse, big, stats_base, stride_lm, stride_ls, delta, k_
     """The tile loop over keys [tile_start, tile_end), in steps of BLOCK_N."""
     for start_n in range(tile_start, tile_end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        dq = dq_tile(dq, q, do, lse, big, stats_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, start_n,
+        dq = dq_tile(dq, q, do, lse, stats_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, start_n,
                      offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                      stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
                      HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION,
@@ -459,8 +458,7 @@ def attention_bwd_dq_kernel(
     IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    Stats=None, Flags=None, stride_ls=0, stride_fl=0, SPLIT_STATS: tl.constexpr = False,
-    FLAG_ROWS: tl.constexpr = 16,
+    Stats=None, Flags=None, stride_ls=0, SPLIT_STATS: tl.constexpr = False,
 ):
     """Grid: (query blocks, batch * q_heads). dq is (B, Hq, Nq, D); dO (B, Hq, Nq, Dv)."""
     # Query blocks run last-first: under causal masks the last blocks do the most work, and
@@ -510,27 +508,44 @@ def attention_bwd_dq_kernel(
     do = load_rows(do_base + offs_m[:, None] * stride_dom + offs_dv[None, :], offs_m, q_len, offs_dv,
                    HEAD_DIM_V, BLOCK_DV, True)
     lse, delta = load_row_stats(lse_base, delta_base, offs_m, q_len, stride_lm, True)
-    big = False
+    split = False
     if SPLIT_STATS:
-        big = tile_needs_split(Flags + pid_bh.to(tl.int64) * stride_fl, start_m, q_len, BLOCK_M, FLAG_ROWS)
+        split = tl.load(Flags + pid_bh) != 0
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     lo, full_lo, full_hi, hi = key_tile_range(start_m, q_len, k_len, diag, window_left, window_right,
                                               BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-    dq = dq_tile_run(dq, q, do, lse, big, stats_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, lo, full_lo,
-                     offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
-                     stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
-                     HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                     DOT_PRECISION, SPLIT_STATS)
-    dq = dq_tile_run(dq, q, do, lse, big, stats_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, full_lo, full_hi,
-                     offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
-                     stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
-                     HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                     DOT_PRECISION, SPLIT_STATS)
-    dq = dq_tile_run(dq, q, do, lse, big, stats_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, full_hi, hi,
-                     offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
-                     stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
-                     HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                     DOT_PRECISION, SPLIT_STATS)
+    if split:
+        dq = dq_tile_run(dq, q, do, lse, stats_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, lo, full_lo,
+                         offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
+                         stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
+                         HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
+                         DOT_PRECISION, True)
+        dq = dq_tile_run(dq, q, do, lse, stats_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, full_lo, full_hi,
+                         offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
+                         stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
+                         HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, MASK_KIND,
+                         DOT_PRECISION, True)
+        dq = dq_tile_run(dq, q, do, lse, stats_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, full_hi, hi,
+                         offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
+                         stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
+                         HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
+                         DOT_PRECISION, True)
+    else:
+        dq = dq_tile_run(dq, q, do, lse, stats_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, lo, full_lo,
+                         offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
+                         stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
+                         HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
+                         DOT_PRECISION, False)
+        dq = dq_tile_run(dq, q, do, lse, stats_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, full_lo, full_hi,
+                         offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
+                         stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
+                         HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, MASK_KIND,
+                         DOT_PRECISION, False)
+        dq = dq_tile_run(dq, q, do, lse, stats_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, full_hi, hi,
+                         offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
+                         stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
+                         HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
+                         DOT_PRECISION, False)
     store_rows(dq_base + offs_m[:, None] * stride_dqm + offs_d[None, :], round_to(dq, DQ.dtype.element_ty, DOT_PRECISION),
                offs_m, q_len, offs_d, HEAD_DIM, BLOCK_D)
