@@ -264,6 +264,34 @@ def dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_bas
     return dk, dv
 
 
+@triton.jit
+def dkdv_runs(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, mask_base, dq_base,
+              lo, full_lo, full_hi, hi, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left,
+              window_right, stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
+              scale_log2, pid_n, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+              BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+              MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, ROTATE: tl.constexpr,
+              SPLIT_STATS: tl.constexpr):
+    """One query head's three runs of query tiles against this program's keys: [lo, full_lo) edge,
+    [full_lo, full_hi) fully visible (rotated with ROTATE), [full_hi, hi) edge."""
+    dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, mask_base, dq_base, lo,
+                           full_lo, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
+                           stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
+                           scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, True,
+                           HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False, SPLIT_STATS)
+    dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, mask_base, dq_base,
+                           full_lo, full_hi, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left,
+                           window_right, stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm,
+                           scale, scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, False,
+                           HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, ROTATE, SPLIT_STATS)
+    dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, mask_base, dq_base,
+                           full_hi, hi, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
+                           stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
+                           scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, True,
+                           HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False, SPLIT_STATS)
+    return dk, dv
+
+
 @triton.jit(do_not_specialize=["q_len_dense", "k_len_dense", "window_left", "window_right"])
 def attention_bwd_dkdv_kernel(
     Q, K, V, DOut, LSE, Delta, DK, DV, DQAcc, Mask, CuSeqlensQ, CuSeqlensK,
@@ -349,43 +377,19 @@ def attention_bwd_dkdv_kernel(
             delta_base += q_start.to(tl.int64) * stride_lm
             dq_base += q_start.to(tl.int64) * stride_dqm
         if split:
-            dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, mask_base,
-                                   dq_base, lo,
-                                   full_lo, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
-                                   stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
-                                   scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, True,
-                                   HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False, True)
-            dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, mask_base,
-                                   dq_base, full_lo,
-                                   full_hi, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
-                                   stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
-                                   scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, False,
-                                   HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, ROTATE, True)
-            dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, mask_base,
-                                   dq_base, full_hi,
-                                   hi, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
-                                   stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
-                                   scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, True,
-                                   HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False, True)
+            dk, dv = dkdv_runs(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, mask_base, dq_base,
+                               lo, full_lo, full_hi, hi, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag,
+                               window_left, window_right, stride_qm, stride_dom, stride_lm, stride_ls, stride_mm,
+                               stride_mn, stride_dqm, scale, scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
+                               BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, ROTATE,
+                               True)
         else:
-            dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, mask_base,
-                                   dq_base, lo,
-                                   full_lo, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
-                                   stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
-                                   scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, True,
-                                   HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False, False)
-            dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, mask_base,
-                                   dq_base, full_lo,
-                                   full_hi, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
-                                   stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
-                                   scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, False,
-                                   HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, ROTATE, False)
-            dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, mask_base,
-                                   dq_base, full_hi,
-                                   hi, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
-                                   stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
-                                   scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, True,
-                                   HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False, False)
+            dk, dv = dkdv_runs(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, mask_base, dq_base,
+                               lo, full_lo, full_hi, hi, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag,
+                               window_left, window_right, stride_qm, stride_dom, stride_lm, stride_ls, stride_mm,
+                               stride_mn, stride_dqm, scale, scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
+                               BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, ROTATE,
+                               False)
 
     store_rows(dk_base + offs_n[:, None] * stride_dkn + offs_d[None, :], round_to(dk, DK.dtype.element_ty, DOT_PRECISION),
                offs_n, k_len, offs_d, HEAD_DIM, BLOCK_D)
@@ -394,14 +398,15 @@ def attention_bwd_dkdv_kernel(
 
 
 @triton.jit
-def dq_tile(dq, q, do, lse, stats_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, start_n,
+def dq_tile(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, start_n,
             offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
             stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
             BLOCK_DV: tl.constexpr, EDGE: tl.constexpr,
             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
             DOT_PRECISION: tl.constexpr, SPLIT_STATS: tl.constexpr):
-    """Add one key tile's contribution to dq."""
+    """Add one key tile's contribution to dq. Row statistics: row_a = lse (log2 domain), or with
+    SPLIT_STATS row_a = the row max and row_b = log2 of the row sum (load_split_stats)."""
     cols = start_n + offs_n
     k = load_rows(k_base + cols[:, None] * stride_kn + offs_d[None, :], cols, k_len, offs_d,
                   HEAD_DIM, BLOCK_D, EDGE)
@@ -411,10 +416,9 @@ def dq_tile(dq, q, do, lse, stats_base, stride_lm, stride_ls, delta, k_base, v_b
     s = apply_masks(s, offs_m[:, None], cols[None, :], q_len, k_len, diag, window_left, window_right,
                     mask_base, stride_mm, stride_mn, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND)
     if SPLIT_STATS:
-        m, l2 = load_split_stats(stats_base, offs_m, q_len, stride_lm, stride_ls, True)
-        p = tl.math.exp2((s - m[:, None]) - l2[:, None])
+        p = tl.math.exp2((s - row_a[:, None]) - row_b[:, None])
     else:
-        p = tl.math.exp2(s - lse[:, None])
+        p = tl.math.exp2(s - row_a[:, None])
     dp = dot(do, tl.trans(v), None, DOT_PRECISION)
     ds = p * (dp - delta[:, None]) * scale
     dq = dot(round_to(ds, k.dtype, DOT_PRECISION), k, dq, DOT_PRECISION)
@@ -422,7 +426,7 @@ def dq_tile(dq, q, do, lse, stats_base, stride_lm, stride_ls, delta, k_base, v_b
 
 
 @triton.jit
-def dq_tile_run(dq, q, do, lse, stats_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, tile_start, tile_end,
+def dq_tile_run(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, tile_start, tile_end,
                 offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                 stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
@@ -432,11 +436,38 @@ def dq_tile_run(dq, q, do, lse, stats_base, stride_lm, stride_ls, delta, k_base,
     """The tile loop over keys [tile_start, tile_end), in steps of BLOCK_N."""
     for start_n in range(tile_start, tile_end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        dq = dq_tile(dq, q, do, lse, stats_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, start_n,
+        dq = dq_tile(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, start_n,
                      offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                      stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
                      HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION,
                      SPLIT_STATS)
+    return dq
+
+
+@triton.jit
+def dq_runs(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, lo, full_lo, full_hi, hi,
+            offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
+            stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
+            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
+            BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
+            DOT_PRECISION: tl.constexpr, SPLIT_STATS: tl.constexpr):
+    """The three runs of key tiles of one query tile: [lo, full_lo) edge, [full_lo, full_hi) fully
+    visible, [full_hi, hi) edge."""
+    dq = dq_tile_run(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, lo, full_lo,
+                     offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
+                     stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
+                     HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
+                     DOT_PRECISION, SPLIT_STATS)
+    dq = dq_tile_run(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, full_lo, full_hi,
+                     offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
+                     stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
+                     HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, MASK_KIND,
+                     DOT_PRECISION, SPLIT_STATS)
+    dq = dq_tile_run(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, full_hi, hi,
+                     offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
+                     stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
+                     HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
+                     DOT_PRECISION, SPLIT_STATS)
     return dq
 
 
@@ -516,36 +547,15 @@ def attention_bwd_dq_kernel(
     lo, full_lo, full_hi, hi = key_tile_range(start_m, q_len, k_len, diag, window_left, window_right,
                                               BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     if split:
-        dq = dq_tile_run(dq, q, do, lse, stats_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, lo, full_lo,
-                         offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
-                         stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
-                         HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                         DOT_PRECISION, True)
-        dq = dq_tile_run(dq, q, do, lse, stats_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, full_lo, full_hi,
-                         offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
-                         stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
-                         HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                         DOT_PRECISION, True)
-        dq = dq_tile_run(dq, q, do, lse, stats_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, full_hi, hi,
-                         offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
-                         stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
-                         HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                         DOT_PRECISION, True)
+        m, l2 = load_split_stats(stats_base, offs_m, q_len, stride_lm, stride_ls, True)
+        dq = dq_runs(dq, q, do, m, l2, delta, k_base, v_base, mask_base, lo, full_lo, full_hi, hi, offs_m, offs_n,
+                     offs_d, offs_dv, q_len, k_len, diag, window_left, window_right, stride_kn, stride_vn, stride_mm,
+                     stride_mn, scale, scale_log2, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, HAS_LEFT,
+                     HAS_RIGHT, MASK_KIND, DOT_PRECISION, True)
     else:
-        dq = dq_tile_run(dq, q, do, lse, stats_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, lo, full_lo,
-                         offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
-                         stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
-                         HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                         DOT_PRECISION, False)
-        dq = dq_tile_run(dq, q, do, lse, stats_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, full_lo, full_hi,
-                         offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
-                         stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
-                         HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                         DOT_PRECISION, False)
-        dq = dq_tile_run(dq, q, do, lse, stats_base, stride_lm, stride_ls, delta, k_base, v_base, mask_base, full_hi, hi,
-                         offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
-                         stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
-                         HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                         DOT_PRECISION, False)
+        dq = dq_runs(dq, q, do, lse, lse, delta, k_base, v_base, mask_base, lo, full_lo, full_hi, hi, offs_m, offs_n,
+                     offs_d, offs_dv, q_len, k_len, diag, window_left, window_right, stride_kn, stride_vn, stride_mm,
+                     stride_mn, scale, scale_log2, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, HAS_LEFT,
+                     HAS_RIGHT, MASK_KIND, DOT_PRECISION, False)
     store_rows(dq_base + offs_m[:, None] * stride_dqm + offs_d[None, :], round_to(dq, DQ.dtype.element_ty, DOT_PRECISION),
                offs_m, q_len, offs_d, HEAD_DIM, BLOCK_D)

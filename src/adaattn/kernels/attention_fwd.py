@@ -417,7 +417,8 @@ def attention_fwd_kernel(
     # A row that saw no key (fully masked) writes 0 and lse = -inf, as SDPA's math path.
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2_K, float("-inf"))
+    log2_sum = tl.math.log2(tl.where(seen, l_i, 1.0))
+    lse = tl.where(seen, (m_i + log2_sum) * LN2_K, float("-inf"))
     store_rows(o_base + offs_m[:, None] * stride_om + offs_dv[None, :],
                round_to(out, Out.dtype.element_ty, DOT_PRECISION), offs_m, q_len, offs_dv, HEAD_DIM_V, BLOCK_DV)
     tl.store(l_base + offs_m * stride_lm, lse, mask=offs_m < q_len)
@@ -426,4 +427,4 @@ def attention_fwd_kernel(
         if IS_VARLEN:
             s_base += q_start.to(tl.int64) * stride_lm
         tl.store(s_base + offs_m * stride_lm, m_i, mask=offs_m < q_len)
-        tl.store(s_base + stride_ls + offs_m * stride_lm, tl.math.log2(tl.where(seen, l_i, 1.0)), mask=offs_m < q_len)
+        tl.store(s_base + stride_ls + offs_m * stride_lm, log2_sum, mask=offs_m < q_len)
