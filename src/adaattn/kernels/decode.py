@@ -10,6 +10,11 @@ log-sum-exp; a second kernel merges the splits by log-sum-exp.
 Positions are bottom-right aligned: query row t of T sits at position len - T + t and sees keys
 j <= that (len: the sequence's length in this layer, read on the device).
 
+SPARSE: each (sequence, KV head) reads only the pages its row of SEL lists (COUNT of them, from
+kernels/page_select.py): key j of the listed pages' concatenation is key (SEL[j // PAGE] * PAGE +
+j % PAGE) of the sequence, and the splits share the listed keys evenly (each program's range is
+computed from COUNT on the device, TILES_PER_SPLIT unused).
+
 Pool layout per layer: (num_pages, PAGE, Hkv, D), token-major pages (adaattn.kv.cache).
 """
 
@@ -35,7 +40,7 @@ def as_operand(x, dtype: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 @triton.jit
 def decode_split_kernel(
-    Q, K, V, KS, VS, TABLE, LENS, SEQS, O_PART, L_PART,
+    Q, K, V, KS, VS, TABLE, LENS, SEQS, O_PART, L_PART, SEL, COUNT,
     sm_scale,
     stride_qs, stride_qh, stride_qt, stride_qd,
     stride_kp, stride_kn, stride_kh, stride_kd,
@@ -44,10 +49,12 @@ def decode_split_kernel(
     stride_ts, stride_tp,
     stride_os, stride_oh, stride_ot, stride_osp, stride_od,
     stride_ls, stride_lh, stride_lt, stride_lsp,
+    stride_sel,
     HKV, TILES_PER_SPLIT,
     G: tl.constexpr, T: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGE: tl.constexpr, QUANTIZED: tl.constexpr, DOT_PRECISION: tl.constexpr, CONTIG: tl.constexpr = False,
+    SPARSE: tl.constexpr = False,
 ):
     """Program (split, sequence x KV head): tiles [split * TILES_PER_SPLIT, ...) of BLOCK_N keys
     of its sequence (a tile may span pages, or a page several tiles: each key's page comes from
@@ -79,9 +86,17 @@ def decode_split_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     qk_scale = sm_scale * LOG2E
-    n_tiles = tl.cdiv(length, BLOCK_N)
-    first = split * TILES_PER_SPLIT
-    last = tl.minimum(first + TILES_PER_SPLIT, n_tiles)
+    if SPARSE:  # the listed pages' keys, shared evenly by the splits
+        listed = tl.load(COUNT + pid_sh) * PAGE
+        n_tiles = tl.cdiv(listed, BLOCK_N)
+        per = tl.cdiv(n_tiles, tl.num_programs(0))
+        first = split * per
+        last = tl.minimum(first + per, n_tiles)
+        sel = SEL + pid_sh * stride_sel
+    else:
+        n_tiles = tl.cdiv(length, BLOCK_N)
+        first = split * TILES_PER_SPLIT
+        last = tl.minimum(first + TILES_PER_SPLIT, n_tiles)
     cols = tl.arange(0, BLOCK_N)
     table = TABLE + seq * stride_ts
     base = tl.load(table).to(tl.int64)
@@ -92,8 +107,14 @@ def decode_split_kernel(
         q = as_operand(qf * tl.exp2(-e), tl.float16, DOT_PRECISION)
         qk_scale = qk_scale * tl.exp2(e)
     for i in range(first, last):
-        keys = i * BLOCK_N + cols
-        live = keys < length
+        if SPARSE:
+            at = i * BLOCK_N + cols
+            index = tl.load(sel + at // PAGE, mask=at < listed, other=0)
+            keys = index * PAGE + at % PAGE
+            live = (at < listed) & (keys < length)
+        else:
+            keys = i * BLOCK_N + cols
+            live = keys < length
         if CONTIG:
             page = base + keys // PAGE
         else:

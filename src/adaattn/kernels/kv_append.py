@@ -16,8 +16,12 @@ bit for bit.
 Quantized keys are stored less their sequence's center KC[seq, h] (fp32, set by the cache at the
 sequence's first append): attention over them is unchanged, their residuals quantize finer.
 
+SUMMARIES: each program also keeps its page's key summaries for sparse decode (kv/cache.py): the
+sum, per-channel min and max of the keys as stored (dequantized), updated from the new rows, or
+recomputed over the whole page where its scale grew (every stored key changed).
+
 Pool layout per layer: (num_pages, PAGE, Hkv, D); scales (num_pages, Hkv) fp32; centers
-(max_seqs, Hkv, D) fp32.
+(max_seqs, Hkv, D) fp32; summaries (num_pages, Hkv, D) fp32.
 """
 
 import triton
@@ -61,17 +65,27 @@ def _encode(y, STORAGE: tl.constexpr, QMAX: tl.constexpr, dtype: tl.constexpr, I
 def _write_page(X, stride_xt, stride_xd, P, S, page, h, stride_pp, stride_pn, stride_ph, stride_pd,
                 stride_sp, stride_sh, slots, tok, new, old_rows, cols, DIM: tl.constexpr,
                 STORAGE: tl.constexpr, QMAX: tl.constexpr, INTERPRET: tl.constexpr, C=None, stride_cd=0,
-                CENTER: tl.constexpr = False):
+                CENTER: tl.constexpr = False, SUMS=None, MINS=None, MAXS=None, stride_bp=0, stride_bh=0,
+                SUMMARIES: tl.constexpr = False):
     """The new rows (slots where `new`, token index `tok` of X) of one page and KV head, less the
-    center C (CENTER); the rows already there (`old_rows`) requantized when the page's scale grows."""
+    center C (CENTER); the rows already there (`old_rows`) requantized when the page's scale grows.
+    SUMMARIES: the page's key sum and per-channel min/max (SUMS, MINS, MAXS) kept exact."""
     dmask = cols[None, :] < DIM
     x = tl.load(X + tok[:, None] * stride_xt + cols[None, :] * stride_xd, mask=new[:, None] & dmask,
                 other=0.0).to(tl.float32)
     if CENTER:
         x = tl.where(new[:, None] & dmask, x - tl.load(C + cols * stride_cd, mask=cols < DIM, other=0.0)[None, :], 0.0)
     dst = P + page * stride_pp + slots[:, None] * stride_pn + h * stride_ph + cols[None, :] * stride_pd
+    if SUMMARIES:  # the page's summaries so far: from the rows already there, none for a fresh page
+        b_off = page * stride_bp + h * stride_bh + cols
+        b_ok = (cols < DIM) & (cols * 0 + tl.sum(old_rows.to(tl.int32), 0) > 0)
+        o_sum = tl.load(SUMS + b_off, mask=b_ok, other=0.0)
+        o_min = tl.load(MINS + b_off, mask=b_ok, other=float("inf"))
+        o_max = tl.load(MAXS + b_off, mask=b_ok, other=float("-inf"))
     if STORAGE == NATIVE:
-        tl.store(dst, x.to(P.dtype.element_ty), mask=new[:, None] & dmask)
+        stored = x.to(P.dtype.element_ty)
+        tl.store(dst, stored, mask=new[:, None] & dmask)
+        stored = stored.to(tl.float32)
     else:
         s_ptr = S + page * stride_sp + h * stride_sh
         old = tl.load(s_ptr)
@@ -79,15 +93,28 @@ def _write_page(X, stride_xt, stride_xd, P, S, page, h, stride_pp, stride_pn, st
         if (scale > old) & (old > 0):
             keep = old_rows[:, None] & dmask
             y = tl.load(dst, mask=keep).to(tl.float32) * tl.div_rn(old, scale)  # masked lanes are never stored
-            tl.store(dst, _encode(y, STORAGE, QMAX, P.dtype.element_ty, INTERPRET), mask=keep)
+            y = _encode(y, STORAGE, QMAX, P.dtype.element_ty, INTERPRET)
+            tl.store(dst, y, mask=keep)
+            if SUMMARIES:  # every stored key changed: the summaries start again from the requantized rows
+                y = y.to(tl.float32) * scale
+                o_sum = tl.sum(tl.where(keep, y, 0.0), 0)
+                o_min = tl.min(tl.where(keep, y, float("inf")), 0)
+                o_max = tl.max(tl.where(keep, y, float("-inf")), 0)
         safe = tl.where(scale > 0, scale, 1.0)
-        tl.store(dst, _encode(tl.div_rn(x, safe), STORAGE, QMAX, P.dtype.element_ty, INTERPRET), mask=new[:, None] & dmask)
+        stored = _encode(tl.div_rn(x, safe), STORAGE, QMAX, P.dtype.element_ty, INTERPRET)
+        tl.store(dst, stored, mask=new[:, None] & dmask)
         tl.store(s_ptr, scale)
+        stored = stored.to(tl.float32) * safe
+    if SUMMARIES:
+        live = new[:, None] & dmask
+        tl.store(SUMS + b_off, o_sum + tl.sum(tl.where(live, stored, 0.0), 0), mask=cols < DIM)
+        tl.store(MINS + b_off, tl.minimum(o_min, tl.min(tl.where(live, stored, float("inf")), 0)), mask=cols < DIM)
+        tl.store(MAXS + b_off, tl.maximum(o_max, tl.max(tl.where(live, stored, float("-inf")), 0)), mask=cols < DIM)
 
 
 @triton.jit
 def append_kernel(
-    KEY, VALUE, K, V, KS, VS, KC, TABLE, LENS, SEQS, COUNT,
+    KEY, VALUE, K, V, KS, VS, KC, TABLE, LENS, SEQS, COUNT, SUMS, MINS, MAXS,
     stride_ks, stride_kh, stride_kt, stride_kd,
     stride_vs, stride_vh, stride_vt, stride_vd,
     stride_kp, stride_kn, stride_kph, stride_kpd,
@@ -95,10 +122,11 @@ def append_kernel(
     stride_sp, stride_sh,
     stride_cs, stride_ch, stride_cd,
     stride_ts, stride_tp,
+    stride_bp, stride_bh,  # summaries: unit stride along D
     T, HKV, CHUNKS,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_P: tl.constexpr, STORAGE: tl.constexpr, QMAX: tl.constexpr,
-    INTERPRET: tl.constexpr = False,
+    INTERPRET: tl.constexpr = False, SUMMARIES: tl.constexpr = False,
 ):
     pid_sh = tl.program_id(0)
     c = tl.program_id(1)
@@ -120,7 +148,7 @@ def append_kernel(
         _write_page(KEY + s * stride_ks + h * stride_kh, stride_kt, stride_kd, K, KS, page, h,
                     stride_kp, stride_kn, stride_kph, stride_kpd, stride_sp, stride_sh, slots, tok, new, old_rows,
                     tl.arange(0, BLOCK_D), D, STORAGE, QMAX, INTERPRET, KC + seq * stride_cs + h * stride_ch, stride_cd,
-                    STORAGE != NATIVE)
+                    STORAGE != NATIVE, SUMS, MINS, MAXS, stride_bp, stride_bh, SUMMARIES)
         _write_page(VALUE + s * stride_vs + h * stride_vh, stride_vt, stride_vd, V, VS, page, h,
                     stride_vp, stride_vn, stride_vph, stride_vpd, stride_sp, stride_sh, slots, tok, new, old_rows,
                     tl.arange(0, BLOCK_DV), DV, STORAGE, QMAX, INTERPRET)

@@ -20,6 +20,11 @@ Two runners:
               gathered (quantized pages dequantized) and masked by length. The default on the
               CPU, and wherever the kernel declines (the plan says why).
 
+Sparse decode (kv/sparse.py): under Policy(mode="auto", approximations=("skip",), tolerance=t)
+and a cache made with summaries=True, a step reads only the pages its queries need, under the
+tolerance, measured on sampled calls; plan_decode(..., policy=...) decides it, and the plan's
+explain() says why it did or did not.
+
 Static shapes for CUDA graphs: a plan made with `max_len` fixes the launch grid, and the kernel
 reads lengths and block tables on the device, so one captured step replays as sequences grow up to
 max_len (pages reserved beforehand; PagedKVCache.reserve). Nothing recompiles as lengths grow:
@@ -35,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import stats
+from . import sparse
 from .cache import KVCache, PagedKVCache
 
 RUNNERS = ("sdpa", "triton")
@@ -68,13 +74,17 @@ class DecodePlan:
     num_warps: int = 4
     num_stages: int = 2
     contiguous: bool = False
+    sparse: bool = False
+    sparse_why: str = ""
+    policy: object = None
     _scratch: dict = field(default_factory=dict, repr=False)
 
     def explain(self) -> str:
         split = (f"; {self.splits} split(s) of up to {self.tiles_per_split * self.block_n} keys"
                  if self.runner == "triton" else "")
+        sparse_ = f"; sparse: {self.sparse_why}" if self.sparse_why else ""
         return (f"decode runner kv.{self.runner} for {len(self.seqs)} sequence(s), {self.query_len} query row(s) "
-                f"each, up to {self.max_len} keys{split}: {self.why}")
+                f"each, up to {self.max_len} keys{split}: {self.why}{sparse_}")
 
     def scratch(self, dv: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         """The split outputs and log-sum-exps (fp32), allocated once and reused by every layer."""
@@ -106,7 +116,7 @@ def _triton_declines(cache: PagedKVCache, dtype: torch.dtype, device: torch.devi
 
 def plan_decode(cache: PagedKVCache, seqs: Optional[Sequence[int]] = None, *, heads: int, query_len: int = 1,
                 dtype: Optional[torch.dtype] = None, runner: Optional[str] = None, splits: Optional[int] = None,
-                max_len: Optional[int] = None) -> DecodePlan:
+                max_len: Optional[int] = None, policy=None, sparse: Optional[bool] = None) -> DecodePlan:
     """A plan for decode_attention over `seqs` (default: a KVCache's whole batch) with `heads`
     query heads and `query_len` rows each.
 
@@ -114,7 +124,10 @@ def plan_decode(cache: PagedKVCache, seqs: Optional[Sequence[int]] = None, *, he
     query_len, so it holds after this step's appends); a plan for CUDA-graph capture passes the
     longest it will replay to. runner: "triton", "sdpa" or None (the fastest that takes the call);
     splits: the triton runner's splits of the longest sequence (default: from the keys of the
-    whole batch against the GPU's SMs)."""
+    whole batch against the GPU's SMs). policy: an adaattn.Policy; with mode="auto" and "skip"
+    among its approximations, over a cache with summaries, steps read only the pages that matter
+    (kv/sparse.py) where that pays; sparse=True runs that path whatever the size (a ValueError where
+    it cannot), sparse=False never."""
     if runner is not None and runner not in RUNNERS:
         raise ValueError(f"runner must be one of {RUNNERS} or None, got {runner!r}")
     if seqs is None:
@@ -173,7 +186,40 @@ def plan_decode(cache: PagedKVCache, seqs: Optional[Sequence[int]] = None, *, he
         # A KVCache's sequence b owns pages b*P.. b*P+P-1 in order: keys' pages are computed, not read.
         plan.contiguous = isinstance(cache, KVCache)
         plan.num_stages = STAGES[plan.contiguous]
+    _plan_sparse(plan, cache, now, policy, sparse)
     return plan
+
+
+def _plan_sparse(plan: DecodePlan, cache: PagedKVCache, now: list[int], policy, sparse_: Optional[bool]) -> None:
+    if sparse_ is not None and not isinstance(sparse_, bool):
+        raise TypeError(f"sparse must be None, True or False, got {sparse_!r}")
+    if policy is not None:
+        from ..policy import Policy
+
+        if not isinstance(policy, Policy):
+            raise TypeError(f"policy must be an adaattn.Policy or None, got {type(policy).__name__}")
+    plan.policy = policy
+    if sparse_ is False:
+        plan.sparse_why = "off (sparse=False)" if policy is not None else ""
+        return
+    why = sparse.declines(cache, policy)
+    if why:
+        if sparse_:
+            raise ValueError(f"sparse=True cannot run: {why}")
+        plan.sparse_why = f"dense: {why}" if policy is not None else ""
+        return
+    elem = {"native": torch.finfo(cache.dtype).bits // 8, "fp8": 1, "int8": 1}[cache.storage]
+    kv_bytes = cache.kv_heads * (cache.head_dim + cache.value_dim) * elem * sum(now)
+    if sparse_ is None and kv_bytes < sparse.MIN_BYTES:
+        plan.sparse_why = (f"dense: {kv_bytes / 2**20:.1f} MiB of K/V per layer, under {sparse.MIN_BYTES >> 20} MiB, "
+                           f"where selecting pages does not pay")
+        return
+    if sparse_ is None and plan.runner != "triton":
+        plan.sparse_why = "dense: the CPU path reads every page anyway (sparse=True runs it, for testing)"
+        return
+    plan.sparse = True
+    plan.sparse_why = (f"reads the pages the queries need, tolerance {policy.tolerance:g} per head, verified on "
+                       f"{policy.verify:.0%} of calls" + (" (asked for)" if sparse_ else ""))
 
 
 def decode_attention(query: torch.Tensor, cache: PagedKVCache, layer: int, seqs: Optional[Sequence[int]] = None,
@@ -207,20 +253,57 @@ def decode_attention(query: torch.Tensor, cache: PagedKVCache, layer: int, seqs:
     if max(lengths) > plan.max_len:
         raise ValueError(f"the plan covers {plan.max_len} tokens per sequence but layer {layer} holds up to "
                          f"{max(lengths)}: make a new plan (plan_decode(..., max_len=...))")
-    if plan.runner == "triton":
-        if query.dtype != cache.dtype:
-            raise TypeError(f"query dtype {query.dtype} must be the cache's dtype {cache.dtype} for runner='triton'")
-        out = _split_kv(query, cache, layer, plan, scale)
+    if plan.runner == "triton" and query.dtype != cache.dtype:
+        raise TypeError(f"query dtype {query.dtype} must be the cache's dtype {cache.dtype} for runner='triton'")
+    extra = {}
+    if plan.sparse:
+        out, extra = _sparse_step(query, cache, layer, plan, scale, lengths)
     else:
-        out = _sdpa(query, cache, layer, plan, lengths, scale)
+        out = _dense(query, cache, layer, plan, scale, lengths)
     if stats.enabled:
         stats.add(stats.CallRecord(
-            backend=f"kv.{plan.runner}",
+            backend=f"kv.{plan.runner}" + (".sparse" if extra.get("sparse") == "sparse" else ""),
             shape=f"S={s} Hq={hq} Hkv={cache.kv_heads} T={t} Nk<={max(lengths)} D={d}",
-            dtype=str(query.dtype).replace("torch.", ""), device=str(query.device.type), mode="decode",
+            dtype=str(query.dtype).replace("torch.", ""), device=str(query.device.type),
+            mode="decode" if not plan.sparse else "decode.auto",
             decisions={"why": plan.why, "storage": cache.storage, "page_size": cache.page_size,
-                       "splits": plan.splits if plan.runner == "triton" else None, "layer": layer}))
+                       "splits": plan.splits if plan.runner == "triton" else None, "layer": layer, **extra}))
     return out
+
+
+def _dense(query, cache, layer, plan, scale, lengths):
+    if plan.runner == "triton":
+        return _split_kv(query, cache, layer, plan, scale)
+    return _sdpa(query, cache, layer, plan, lengths, scale)
+
+
+def _sparse_step(query, cache, layer, plan, scale, lengths):
+    """One step of sparse decode at a call site (kv/sparse.py): select, read the kept pages, and on
+    sampled calls verify against the exact step and move the thresholds."""
+    site = sparse.site(cache, layer, plan.policy.tolerance)
+    site.poll()
+    if site.dense_now():
+        site.calls += 1
+        return _dense(query, cache, layer, plan, scale, lengths), {
+            "sparse": "dense", "sparse_why": f"the site kept over {sparse.KEEP_DENSE:.0%} of the pages when verified; "
+                                            f"dense until call {site.dense_until}"}
+    kernel = plan.runner == "triton"
+    scale_f = query.shape[-1] ** -0.5 if scale is None else float(scale)
+    check = sparse.should_verify(site, plan.policy, query)
+    sel, count = sparse.select(query, cache, layer, plan, site.theta, scale_f, kernel)
+    if kernel:
+        out = _split_kv(query, cache, layer, plan, scale, sel=sel, count=count)
+    else:
+        out = sparse.sparse_reference(query, cache, layer, plan.seq_ids, sel, count, scale_f, lengths)
+    if check:
+        exact = _dense(query, cache, layer, plan, scale, lengths)
+        out = sparse.verify(site, out, exact, count, sparse.page_counts(cache, layer, plan.seq_ids))
+    site.calls += 1
+    extra = {"sparse": "sparse", "verified": check}
+    if stats.enabled:  # device tensors: read only when the records are
+        extra.update(theta=site.theta.clone(), pages_read=site.pages.clone(), error=site.error.clone(),
+                     pages_this_call=count.clone())
+    return out, extra
 
 
 def _sdpa(query, cache, layer, plan, lengths, scale):
@@ -242,7 +325,7 @@ def _sdpa(query, cache, layer, plan, lengths, scale):
     return F.scaled_dot_product_attention(query, k, v, attn_mask=visible[:, None], scale=scale, enable_gqa=gqa)
 
 
-def _split_kv(query, cache, layer, plan, scale):
+def _split_kv(query, cache, layer, plan, scale, sel=None, count=None):
     from triton import next_power_of_2
 
     from ..backends.triton_launch import dot_precision
@@ -258,16 +341,18 @@ def _split_kv(query, cache, layer, plan, scale):
     vs = cache.v_scale[layer] if quantized else l_part
     scale = d ** -0.5 if scale is None else float(scale)
     precision = dot_precision(query.dtype)
+    sparse_ = sel is not None
     decode_split_kernel[(plan.splits, s * hkv)](
-        query, k_pool, v_pool, ks, vs, cache.block_table, cache.lengths[layer], plan.seq_ids, o_part, l_part, scale,
+        query, k_pool, v_pool, ks, vs, cache.block_table, cache.lengths[layer], plan.seq_ids, o_part, l_part,
+        sel if sparse_ else l_part, count if sparse_ else l_part, scale,
         *query.stride(), *k_pool.stride(), *v_pool.stride(),
         *(ks.stride() if quantized else (0, 0)), *cache.block_table.stride(),
-        *o_part.stride(), *l_part.stride(),
+        *o_part.stride(), *l_part.stride(), sel.stride(0) if sparse_ else 0,
         hkv, plan.tiles_per_split,
         G=g, T=t, D=d, DV=dv, BLOCK_M=max(16, next_power_of_2(g * t)), BLOCK_N=plan.block_n,
         BLOCK_D=max(16, next_power_of_2(d)), BLOCK_DV=max(16, next_power_of_2(dv)), PAGE=cache.page_size,
-        QUANTIZED=quantized, DOT_PRECISION=precision, CONTIG=plan.contiguous, num_warps=plan.num_warps,
-        num_stages=plan.num_stages,
+        QUANTIZED=quantized, DOT_PRECISION=precision, CONTIG=plan.contiguous, SPARSE=sparse_,
+        num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     out = torch.empty(s, hq, t, dv, dtype=query.dtype, device=query.device)
     decode_merge_kernel[(s * hq * t,)](

@@ -26,13 +26,24 @@ from . import options
 NAME = "decode"
 HELP = ("bf16 B=16 Hq=32 Hkv=8 D=128, one query row, KV 8k/32k and a ragged batch 1k..32k: cuDNN, FA2, "
         "efficient, flash_attn, adaattn, and adaattn.kv caches (contiguous, paged page 64; bf16, fp8, int8) "
-        "through decode_attention with a plan, eager and CUDA-graph replay; TB/s of bf16 K and V, x cuDNN")
+        "through decode_attention with a plan, eager and CUDA-graph replay; TB/s of bf16 K and V, x cuDNN; "
+        "and sparse decode on every layer of the 32k checkpoint (suites/sparse_decode.py)")
 NEEDS_CUDA = True
 DEFAULT = Grid((8192, 32768), batch=16, heads=32, kv_heads=8, head_dim=128, dtypes=(torch.bfloat16,), causal="no")
 PAGE = 64
 
 
 def cases(args, device):
+    parts = getattr(args, "decode_parts", "all")
+    out = [] if parts == "sparse" else _dense_cases(args, device)
+    if parts != "dense":
+        from . import sparse_decode
+
+        out += sparse_decode.cases(device)
+    return out
+
+
+def _dense_cases(args, device):
     grid = options.grid(args, DEFAULT, causal="no")  # one query row: every cached key takes part
     kv_heads = grid.kv_heads or grid.heads
     seed = options.seed(args)

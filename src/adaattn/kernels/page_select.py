@@ -1,0 +1,120 @@
+"""Query-aware page selection for sparse decode: which pages of each (sequence, KV head) a decode
+step reads.
+
+One program per (sequence, KV head), reading only the pages' key sums (kv/cache.py, summaries):
+
+1. Each query row r of the GQA group (G heads x T rows) scores each page p by its centroid,
+   e[r, p] = q_r . (sum_p / n_p) * scale + ln n_p (log2 units here): a lower bound of the page's
+   softmax mass (Jensen), which ranks pages better than the min/max bound on trained models
+   (benchmarks/NOTES.md, sparse decode). The rows' estimates go to a scratch buffer, and each
+   row's log-sum-exp over pages is kept online.
+2. Each page's share is the largest over the rows of its estimated fraction of the row's mass:
+   f[p] = max_r 2^(e[r, p] - lse_r).
+3. The pages dropped are those with the smallest shares whose shares sum to at most the head's
+   threshold THETA[h]: a bisection on the cut c (the largest c whose pages below it sum to at
+   most THETA), so no row loses more than THETA of its estimated mass. The first SINK pages and
+   the newest RECENT pages are always kept.
+4. The kept pages' indices (within the sequence, ascending) are written to SEL[pid, :], their
+   number to COUNT[pid].
+
+Nothing is read back to the host: lengths, thresholds and pages stay on the device, so a decode
+step with selection is capturable in a CUDA graph.
+"""
+
+import triton
+import triton.language as tl
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def page_select_kernel(
+    Q, SUMS, TABLE, LENS, SEQS, THETA, ROWS, SHARE, SEL, COUNT,
+    sm_scale,
+    stride_qs, stride_qh, stride_qt, stride_qd,
+    stride_bp, stride_bh,
+    stride_ts, stride_tp,
+    stride_rp, stride_rm,
+    stride_sp,
+    HKV, SINK, RECENT,
+    G: tl.constexpr, T: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_P: tl.constexpr, PAGE: tl.constexpr, ITERS: tl.constexpr,
+):
+    """ROWS (S*HKV, BLOCK_M, max pages) and SHARE (S*HKV, max pages) fp32 scratch; SEL (S*HKV,
+    max pages) and COUNT (S*HKV,) int32 out. SUMS (num_pages, HKV, D) fp32, unit stride along D."""
+    pid = tl.program_id(0)
+    s = pid // HKV
+    h = pid % HKV
+    seq = tl.load(SEQS + s)
+    length = tl.load(LENS + seq)
+    npages = tl.cdiv(length, PAGE)
+
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < G * T
+    dd = tl.arange(0, BLOCK_D)
+    q = tl.load(Q + s * stride_qs + (h * G + rows // T)[:, None] * stride_qh + (rows % T)[:, None] * stride_qt
+                + dd[None, :] * stride_qd, mask=row_ok[:, None] & (dd[None, :] < D), other=0.0).to(tl.float32)
+    q = q * (sm_scale * LOG2E)
+    table = TABLE + seq * stride_ts
+    row_base = ROWS + pid * stride_rp
+    share_base = SHARE + pid * stride_sp
+    sel_base = SEL + pid * stride_sp
+
+    # 1. estimates per row and page, and each row's log-sum-exp over pages (log2)
+    m_r = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_r = tl.zeros([BLOCK_M], tl.float32)
+    for p0 in range(0, npages, BLOCK_P):
+        pg = p0 + tl.arange(0, BLOCK_P)
+        ok = pg < npages
+        phys = tl.load(table + pg * stride_tp, mask=ok, other=0).to(tl.int64)
+        cnt = tl.minimum(length - pg * PAGE, PAGE).to(tl.float32)
+        cnt = tl.where(ok, cnt, 1.0)
+        sums = tl.load(SUMS + phys[:, None] * stride_bp + h * stride_bh + dd[None, :],
+                       mask=ok[:, None] & (dd[None, :] < D), other=0.0)
+        cen = sums / cnt[:, None]
+        est = tl.dot(q, tl.trans(cen), input_precision="ieee") + tl.log2(cnt)[None, :]
+        est = tl.where(ok[None, :] & row_ok[:, None], est, float("-inf"))
+        tl.store(row_base + rows[:, None] * stride_rm + pg[None, :], est, mask=ok[None, :])
+        m_new = tl.maximum(m_r, tl.max(est, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_r = l_r * tl.exp2(m_r - m_safe) + tl.sum(tl.exp2(est - m_safe[:, None]), 1)
+        m_r = m_new
+    lse = tl.where(row_ok, m_r + tl.log2(tl.where(l_r > 0, l_r, 1.0)), float("inf"))
+
+    # 2. each page's share: the largest fraction of a row's estimated mass it holds (<= 1)
+    for p0 in range(0, npages, BLOCK_P):
+        pg = p0 + tl.arange(0, BLOCK_P)
+        ok = pg < npages
+        est = tl.load(row_base + rows[:, None] * stride_rm + pg[None, :], mask=ok[None, :] & row_ok[:, None],
+                      other=float("-inf"))
+        share = tl.exp2(tl.max(est - lse[:, None], 0))
+        forced = (pg < SINK) | (pg >= npages - RECENT)
+        tl.store(share_base + pg, tl.where(forced, 2.0, share), mask=ok)  # 2: never dropped
+
+    # 3. the cut: the largest c in [0, 1.5) such that the shares below c sum to at most theta
+    theta = tl.load(THETA + h)
+    lo = 0.0
+    hi = 1.5
+    for _ in range(ITERS):
+        mid = 0.5 * (lo + hi)
+        below = 0.0
+        for p0 in range(0, npages, BLOCK_P):
+            pg = p0 + tl.arange(0, BLOCK_P)
+            share = tl.load(share_base + pg, mask=pg < npages, other=2.0)
+            below += tl.sum(tl.where(share < mid, share, 0.0), 0)
+        if below <= theta:
+            lo = mid
+        else:
+            hi = mid
+
+    # 4. the kept pages, ascending
+    kept = 0
+    for p0 in range(0, npages, BLOCK_P):
+        pg = p0 + tl.arange(0, BLOCK_P)
+        ok = pg < npages
+        share = tl.load(share_base + pg, mask=ok, other=0.0)
+        keep = ok & (share >= lo)
+        at = kept + tl.cumsum(keep.to(tl.int32), 0) - 1
+        tl.store(sel_base + at, pg.to(tl.int32), mask=keep)
+        kept += tl.sum(keep.to(tl.int32), 0)
+    tl.store(COUNT + pid, kept)

@@ -1,0 +1,251 @@
+"""Query-aware sparse decode: each decode step reads only the pages that matter for its queries,
+under the policy's tolerance, measured.
+
+    cache = KVCache(layers, B, Hkv, max_len, D, device="cuda", summaries=True)   # page summaries at append
+    policy = Policy(mode="auto", approximations=("skip",), tolerance=5e-2)
+    plan = plan_decode(cache, heads=Hq, policy=policy)                           # once per step
+    out = decode_attention(q, cache, layer, plan=plan)
+
+Per step, per sequence and KV head (kernels/page_select.py): each page's share of the queries'
+softmax mass is estimated from its key centroid (the cache's page summaries); the pages whose
+shares sum to at most the head's threshold theta are skipped, the first page (attention sinks)
+and the newest pages always read; the split-KV kernel then reads only the kept pages. No host
+synchronisation: the step is capturable in a CUDA graph.
+
+Each call site (a cache's layer) keeps a threshold per KV head and a controller. On a fraction
+`Policy.verify` of calls (and a site's first), drawn on the host, the exact step runs as well, on
+the GPU: each head's relative error ||o - o_exact|| / ||o_exact|| is measured, a head over the
+tolerance gets the exact output in that call, and theta moves toward an error of TARGET x
+tolerance (multiplied by at most STEP_UP, divided by up to STEP_DOWN, per verified call). Errors, pages read
+and thresholds stay on the device; stats hold them as device tensors, read when asked.
+
+Speed first: a step whose K/V are small (under MIN_BYTES per layer) runs dense, since selection
+cannot pay there; a site whose verified steps keep more than KEEP_DENSE of the pages, DENSE_AFTER
+times in a row (diffuse heads, random K/V), runs dense for the next REPROBE calls, then tries again. The figures behind
+these constants: benchmarks/NOTES.md, sparse decode.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Optional
+
+import torch
+
+SINK_PAGES = 1  # the first page of each sequence is always read (attention sinks)
+RECENT_PAGES = 2  # and its newest pages (the query's own neighbourhood)
+TARGET = 0.25  # the controller aims each head's measured error at TARGET x tolerance
+THETA_MIN, THETA_MAX = 1e-6, 1.0
+STEP_UP, STEP_DOWN = 1.5, 4.0  # theta grows by at most STEP_UP per verified call, shrinks by up to STEP_DOWN
+MIN_BYTES = 32 << 20  # K/V bytes per layer below which a step runs dense
+KEEP_DENSE = 0.8  # a site keeping more than this fraction of pages on DENSE_AFTER verified calls in a row runs dense ...
+DENSE_AFTER = 2
+REPROBE = 64  # ... for this many calls
+SELECT_BLOCK_P = 128  # pages per block of the selection kernel
+SELECT_ITERS = 30  # bisection steps of the selection's cut
+
+
+class SparseSite:
+    """One call site's state: a cache's layer under one tolerance."""
+
+    def __init__(self, kv_heads: int, tolerance: float, device: torch.device):
+        self.tolerance = tolerance
+        self.theta = torch.full((kv_heads,), 0.5 * tolerance, dtype=torch.float32, device=device)
+        self.error = torch.zeros(kv_heads, dtype=torch.float32, device=device)  # last measured, per KV head
+        self.pages = torch.ones(kv_heads, dtype=torch.float32, device=device)  # fraction of pages read, per KV head
+        self.calls = 0
+        self.verified = 0
+        self.dense_until = 0  # calls below this run dense (the site was diffuse)
+        self._diffuse = 0  # verified calls in a row that kept more than KEEP_DENSE of the pages
+        self._pending: Optional[tuple] = None  # (event or None, host copy of the pages read) of a verified call
+
+    def poll(self) -> None:
+        """Apply the figures of an earlier verified call once they have reached the host (never waits)."""
+        if self._pending is None:
+            return
+        event, host = self._pending
+        if event is not None and not event.query():
+            return
+        self._pending = None
+        self._diffuse = self._diffuse + 1 if float(host.mean()) > KEEP_DENSE else 0
+        if self._diffuse >= DENSE_AFTER:
+            self.dense_until = self.calls + REPROBE
+            self._diffuse = 0
+
+    def dense_now(self) -> bool:
+        return self.calls < self.dense_until
+
+    def reprobe_due(self) -> bool:
+        return self.dense_until > 0 and self.calls == self.dense_until
+
+
+def site(cache, layer: int, tolerance: float) -> SparseSite:
+    sites = cache._sparse_sites
+    got = sites.get(layer)
+    if got is None or got.tolerance != tolerance:
+        got = sites[layer] = SparseSite(cache.kv_heads, tolerance, cache.device)
+    return got
+
+
+def declines(cache, policy) -> str:
+    """Why sparse decode cannot run for this cache and policy ('' when it can)."""
+    if policy is None or policy.mode != "auto" or "skip" not in policy.approximations:
+        return "the policy does not allow skipping (Policy(mode='auto', approximations=('skip',)))"
+    if not cache.summaries:
+        return "the cache keeps no page summaries (make it with summaries=True)"
+    return ""
+
+
+def page_counts(cache, layer: int, seq_ids: torch.Tensor) -> torch.Tensor:
+    """(S,) pages each sequence holds in `layer`, on the device."""
+    n = cache.lengths[layer][seq_ids.long()]
+    return (n + cache.page_size - 1) // cache.page_size
+
+
+def select(query: torch.Tensor, cache, layer: int, plan, theta: torch.Tensor, scale: float, kernel: bool):
+    """Kept pages per (sequence, KV head): (SEL (S*Hkv, max pages) int32, ascending in each row's
+    first COUNT entries; COUNT (S*Hkv,) int32)."""
+    if kernel:
+        return _select_kernel(query, cache, layer, plan, theta, scale)
+    return select_reference(query, cache, layer, plan.seq_ids, theta, scale)
+
+
+def _select_kernel(query, cache, layer, plan, theta, scale):
+    from triton import next_power_of_2
+
+    from ..kernels.page_select import page_select_kernel
+
+    s, hq, t, d = query.shape
+    hkv = cache.kv_heads
+    g = hq // hkv
+    block_m = max(16, next_power_of_2(g * t))
+    maxp = -(-plan.max_len // cache.page_size)
+    key = ("select", block_m, maxp, str(query.device))
+    if key not in plan._scratch:
+        plan._scratch[key] = (torch.empty(s * hkv, block_m, maxp, dtype=torch.float32, device=query.device),
+                              torch.empty(s * hkv, maxp, dtype=torch.float32, device=query.device),
+                              torch.zeros(s * hkv, maxp, dtype=torch.int32, device=query.device),
+                              torch.zeros(s * hkv, dtype=torch.int32, device=query.device))
+    rows, share, sel, count = plan._scratch[key]
+    sums = cache.k_sum[layer]
+    page_select_kernel[(s * hkv,)](
+        query, sums, cache.block_table, cache.lengths[layer], plan.seq_ids, theta, rows, share, sel, count, scale,
+        *query.stride(), *sums.stride()[:2], *cache.block_table.stride(), *rows.stride()[:2], sel.stride(0),
+        hkv, SINK_PAGES, RECENT_PAGES,
+        G=g, T=t, D=d, BLOCK_M=block_m, BLOCK_D=max(16, next_power_of_2(d)), BLOCK_P=SELECT_BLOCK_P,
+        PAGE=cache.page_size, ITERS=SELECT_ITERS, num_warps=4,
+    )
+    return sel, count
+
+
+def page_shares(query: torch.Tensor, cache, layer: int, seq_ids: torch.Tensor, scale: float) -> torch.Tensor:
+    """(S, Hkv, max pages) float64: each page's estimated share of its rows' softmax mass (the
+    largest over the GQA group's query rows), the selection's ranking; pages past a sequence's end
+    get -1. The reference of kernels/page_select.py, steps 1 and 2."""
+    s, hq, t, d = query.shape
+    hkv, p = cache.kv_heads, cache.page_size
+    sid = seq_ids.long()
+    n = cache.lengths[layer][sid].long()  # (S,)
+    npages = (n + p - 1) // p
+    maxp = int(npages.max())
+    idx = torch.arange(maxp, device=query.device)
+    ok = idx[None, :] < npages[:, None]  # (S, P)
+    phys = cache.block_table[sid][:, :maxp].long()  # (S, P)
+    cnt = torch.clamp(n[:, None] - idx[None, :] * p, max=p).clamp_min(1).double()  # (S, P)
+    cen = cache.k_sum[layer][phys].double() / cnt[:, :, None, None]  # (S, P, Hkv, D)
+    qg = query.double().view(s, hkv, hq // hkv * t, d)  # rows of each KV head's group
+    est = torch.einsum("shrd,sphd->shrp", qg, cen) * scale + cnt.log()[:, None, None, :]
+    est = est.masked_fill(~ok[:, None, None, :], float("-inf"))
+    share = torch.exp(est - torch.logsumexp(est, -1, keepdim=True)).amax(2)  # (S, Hkv, P)
+    return share.masked_fill(~ok[:, None, :], -1.0)
+
+
+def select_reference(query, cache, layer, seq_ids, theta, scale):
+    """The selection in torch (float64 estimates): the CPU path and the kernel's reference."""
+    s = query.shape[0]
+    hkv = cache.kv_heads
+    share = page_shares(query, cache, layer, seq_ids, scale)  # (S, Hkv, P)
+    maxp = share.shape[-1]
+    npages = page_counts(cache, layer, seq_ids).long()[:, None, None]
+    idx = torch.arange(maxp, device=query.device)[None, None, :]
+    ok = idx < npages
+    forced = (idx < SINK_PAGES) | (idx >= npages - RECENT_PAGES)
+    share = torch.where(forced, torch.full_like(share, 2.0), share).masked_fill(~ok, 2.0)
+    lo = torch.zeros(s, hkv, 1, dtype=torch.float64, device=query.device)
+    hi = torch.full_like(lo, 1.5)
+    th = theta.double().view(1, hkv, 1)
+    for _ in range(SELECT_ITERS):
+        mid = 0.5 * (lo + hi)
+        below = torch.where(share < mid, share, torch.zeros_like(share)).sum(-1, keepdim=True)
+        good = below <= th
+        lo = torch.where(good, mid, lo)
+        hi = torch.where(good, hi, mid)
+    keep = ok & (share >= lo)  # (S, Hkv, P)
+    count = keep.sum(-1).view(-1).to(torch.int32)
+    order = torch.sort(torch.where(keep, idx, maxp + idx).expand_as(keep), -1).values  # kept first, ascending
+    sel = torch.where(order < maxp, order, torch.zeros_like(order)).view(s * hkv, maxp).to(torch.int32)
+    return sel, count
+
+
+def kept_mask(sel: torch.Tensor, count: torch.Tensor, maxp: int) -> torch.Tensor:
+    """(S*Hkv, maxp) bool: the pages each row of SEL lists."""
+    n = sel.shape[0]
+    listed = torch.arange(sel.shape[1], device=sel.device)[None, :] < count[:, None].long()
+    keep = torch.zeros(n, maxp + 1, dtype=torch.bool, device=sel.device)
+    target = torch.where(listed, sel.long().clamp(0, maxp - 1), torch.full_like(sel, maxp, dtype=torch.long))
+    keep.scatter_(1, target, listed)
+    return keep[:, :maxp]
+
+
+def sparse_reference(query, cache, layer, seq_ids, sel, count, scale, lengths):
+    """Attention over the kept pages only, by torch's SDPA over the gathered cache with the
+    unkept pages masked: the CPU path (it reads every page; it is for correctness, not speed)."""
+    import torch.nn.functional as F
+
+    s, hq, t, d = query.shape
+    hkv, p = cache.kv_heads, cache.page_size
+    longest = max(lengths)
+    maxp = -(-longest // p)
+    k, v = cache.gather(layer, [int(x) for x in seq_ids.tolist()], longest, dtype=query.dtype)
+    keep = kept_mask(sel, count, maxp).view(s, hkv, maxp)
+    keep = keep.repeat_interleave(hq // hkv, 1)  # (S, Hq, P)
+    keys = torch.arange(longest, device=query.device)
+    n = torch.tensor(lengths, device=query.device)
+    rows = torch.arange(t, device=query.device)
+    visible = keys[None, None, :] <= (n[:, None, None] - t + rows[None, :, None])  # (S, T, L)
+    mask = visible[:, None] & keep[:, :, None, keys // p]  # (S, Hq, T, L)
+    return F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
+
+
+def should_verify(site_: SparseSite, policy, query: torch.Tensor) -> bool:
+    if query.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    return site_.calls == 0 or site_.reprobe_due() or random.random() < policy.verify
+
+
+def verify(site_: SparseSite, out: torch.Tensor, exact: torch.Tensor, count: torch.Tensor, npages: torch.Tensor
+           ) -> torch.Tensor:
+    """Measure each head's error against the exact step, give heads over the tolerance the exact
+    output, move the thresholds; nothing waits for the GPU. Returns the output to use."""
+    s, hq, t, dv = out.shape
+    hkv = site_.theta.shape[0]
+    ref = exact.float()
+    err = (out.float() - ref).flatten(2).norm(dim=-1) / ref.flatten(2).norm(dim=-1).clamp_min(1e-30)  # (S, Hq)
+    over = err > site_.tolerance
+    out = torch.where(over[:, :, None, None], exact, out)
+    err_kv = err.view(s, hkv, hq // hkv).amax(2).amax(0)  # (Hkv,)
+    pages = (count.view(s, hkv).float() / npages.view(s, 1).float().clamp_min(1)).mean(0)
+    factor = (TARGET * site_.tolerance / err_kv.clamp_min(1e-30)).clamp(1 / STEP_DOWN, STEP_UP)
+    site_.theta.copy_((site_.theta * factor).clamp(THETA_MIN, THETA_MAX))
+    site_.error.copy_(err_kv)
+    site_.pages.copy_(pages)
+    site_.verified += 1
+    if out.is_cuda:
+        host = torch.empty(hkv, dtype=torch.float32, pin_memory=True)
+        host.copy_(pages, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        site_._pending = (event, host)
+    else:
+        site_._pending = (None, pages.clone())
+    return out
