@@ -12,7 +12,9 @@ One program per (sequence, KV head), reading only the pages' key sums (kv/cache.
    f[p] = max_r 2^(e[r, p] - lse_r).
 3. The pages dropped are those with the smallest shares whose shares sum to at most the head's
    threshold THETA[h]: a bisection on the cut c (the largest c whose pages below it sum to at
-   most THETA), so no row loses more than THETA of its estimated mass. The first SINK pages and
+   most THETA), so no row loses more than THETA of its estimated mass. The shares of all the
+   sequence's pages sit in registers for it (a bisection over blocks re-read from memory took
+   most of a 32k step's time on an H100: benchmarks/NOTES.md, sparse decode). The first SINK pages and
    the newest RECENT pages are always kept.
 4. The kept pages' indices (within the sequence, ascending) are written to SEL[pid, :], their
    number to COUNT[pid].
@@ -29,7 +31,7 @@ LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 @triton.jit
 def page_select_kernel(
-    Q, SUMS, TABLE, LENS, SEQS, THETA, ROWS, SHARE, SEL, COUNT,
+    Q, SUMS, TABLE, LENS, SEQS, THETA, ROWS, SEL, COUNT,
     sm_scale,
     stride_qs, stride_qh, stride_qt, stride_qd,
     stride_bp, stride_bh,
@@ -38,10 +40,11 @@ def page_select_kernel(
     stride_sp,
     HKV, SINK, RECENT,
     G: tl.constexpr, T: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_P: tl.constexpr, PAGE: tl.constexpr, ITERS: tl.constexpr,
+    BLOCK_P: tl.constexpr, ALL_P: tl.constexpr, PAGE: tl.constexpr, ITERS: tl.constexpr,
 ):
-    """ROWS (S*HKV, BLOCK_M, max pages) and SHARE (S*HKV, max pages) fp32 scratch; SEL (S*HKV,
-    max pages) and COUNT (S*HKV,) int32 out. SUMS (num_pages, HKV, D) fp32, unit stride along D."""
+    """ROWS (S*HKV, BLOCK_M, max pages) fp32 scratch; SEL (S*HKV, max pages) and COUNT (S*HKV,)
+    int32 out. SUMS (num_pages, HKV, D) fp32, unit stride along D. BLOCK_P pages per block of step
+    1; ALL_P >= every sequence's pages (steps 2-4 hold them all in registers)."""
     pid = tl.program_id(0)
     s = pid // HKV
     h = pid % HKV
@@ -57,7 +60,6 @@ def page_select_kernel(
     q = q * (sm_scale * LOG2E)
     table = TABLE + seq * stride_ts
     row_base = ROWS + pid * stride_rp
-    share_base = SHARE + pid * stride_sp
     sel_base = SEL + pid * stride_sp
 
     # 1. estimates per row and page, and each row's log-sum-exp over pages (log2)
@@ -81,15 +83,17 @@ def page_select_kernel(
         m_r = m_new
     lse = tl.where(row_ok, m_r + tl.log2(tl.where(l_r > 0, l_r, 1.0)), float("inf"))
 
-    # 2. each page's share: the largest fraction of a row's estimated mass it holds (<= 1)
-    for p0 in range(0, npages, BLOCK_P):
-        pg = p0 + tl.arange(0, BLOCK_P)
-        ok = pg < npages
-        est = tl.load(row_base + rows[:, None] * stride_rm + pg[None, :], mask=ok[None, :] & row_ok[:, None],
-                      other=float("-inf"))
-        share = tl.exp2(tl.max(est - lse[:, None], 0))
-        forced = (pg < SINK) | (pg >= npages - RECENT)
-        tl.store(share_base + pg, tl.where(forced, 2.0, share), mask=ok)  # 2: never dropped
+    # 2. each page's share: the largest fraction of a row's estimated mass it holds (<= 1); all
+    # the pages at once (ALL_P >= the sequence's pages), kept in registers through steps 3 and 4
+    pg = tl.arange(0, ALL_P)
+    ok = pg < npages
+    share = tl.zeros([ALL_P], tl.float32)
+    for r in range(G * T):
+        lse_r = tl.sum(tl.where(rows == r, lse, 0.0), 0)
+        est = tl.load(row_base + r * stride_rm + pg, mask=ok, other=float("-inf"))
+        share = tl.maximum(share, tl.exp2(est - lse_r))
+    forced = (pg < SINK) | (pg >= npages - RECENT) | (pg >= npages)
+    share = tl.where(forced, 2.0, share)  # 2: never dropped
 
     # 3. the cut: the largest c in [0, 1.5) such that the shares below c sum to at most theta
     theta = tl.load(THETA + h)
@@ -97,24 +101,15 @@ def page_select_kernel(
     hi = 1.5
     for _ in range(ITERS):
         mid = 0.5 * (lo + hi)
-        below = 0.0
-        for p0 in range(0, npages, BLOCK_P):
-            pg = p0 + tl.arange(0, BLOCK_P)
-            share = tl.load(share_base + pg, mask=pg < npages, other=2.0)
-            below += tl.sum(tl.where(share < mid, share, 0.0), 0)
+        below = tl.sum(tl.where(share < mid, share, 0.0), 0)
         if below <= theta:
             lo = mid
         else:
             hi = mid
 
     # 4. the kept pages, ascending
-    kept = 0
-    for p0 in range(0, npages, BLOCK_P):
-        pg = p0 + tl.arange(0, BLOCK_P)
-        ok = pg < npages
-        share = tl.load(share_base + pg, mask=ok, other=0.0)
-        keep = ok & (share >= lo)
-        at = kept + tl.cumsum(keep.to(tl.int32), 0) - 1
-        tl.store(sel_base + at, pg.to(tl.int32), mask=keep)
-        kept += tl.sum(keep.to(tl.int32), 0)
+    keep = ok & (share >= lo)
+    at = tl.cumsum(keep.to(tl.int32), 0) - 1
+    tl.store(sel_base + at, pg.to(tl.int32), mask=keep)
+    kept = tl.sum(keep.to(tl.int32), 0)
     tl.store(COUNT + pid, kept)

@@ -38,10 +38,11 @@ TARGET = 0.25  # the controller aims each head's measured error at TARGET x tole
 THETA_MIN, THETA_MAX = 1e-6, 1.0
 STEP_UP, STEP_DOWN = 1.5, 4.0  # theta grows by at most STEP_UP per verified call, shrinks by up to STEP_DOWN
 MIN_BYTES = 32 << 20  # K/V bytes per layer below which a step runs dense
-KEEP_DENSE = 0.8  # a site keeping more than this fraction of pages on DENSE_AFTER verified calls in a row runs dense ...
+KEEP_DENSE = 0.7  # a site keeping more than this fraction of pages on DENSE_AFTER verified calls in a row runs dense ...
 DENSE_AFTER = 2
 REPROBE = 64  # ... for this many calls
-SELECT_BLOCK_P = 128  # pages per block of the selection kernel
+SELECT_BLOCK_P = 64  # pages per block of the selection kernel's first step
+MAX_PAGES = 8192  # the selection holds a sequence's page shares in registers: up to this many pages
 SELECT_ITERS = 30  # bisection steps of the selection's cut
 
 
@@ -70,7 +71,7 @@ class SparseSite:
         self._diffuse = self._diffuse + 1 if float(host.mean()) > KEEP_DENSE else 0
         if self._diffuse >= DENSE_AFTER:
             self.dense_until = self.calls + REPROBE
-            self._diffuse = 0
+            self._diffuse = DENSE_AFTER - 1  # a re-probe that finds the site still diffuse goes back at once
 
     def dense_now(self) -> bool:
         return self.calls < self.dense_until
@@ -93,6 +94,9 @@ def declines(cache, policy) -> str:
         return "the policy does not allow skipping (Policy(mode='auto', approximations=('skip',)))"
     if not cache.summaries:
         return "the cache keeps no page summaries (make it with summaries=True)"
+    if cache.max_pages_per_seq > MAX_PAGES:
+        return (f"the selection holds up to {MAX_PAGES} pages of a sequence, and this cache's sequences may hold "
+                f"{cache.max_pages_per_seq} (use larger pages)")
     return ""
 
 
@@ -123,17 +127,17 @@ def _select_kernel(query, cache, layer, plan, theta, scale):
     key = ("select", block_m, maxp, str(query.device))
     if key not in plan._scratch:
         plan._scratch[key] = (torch.empty(s * hkv, block_m, maxp, dtype=torch.float32, device=query.device),
-                              torch.empty(s * hkv, maxp, dtype=torch.float32, device=query.device),
                               torch.zeros(s * hkv, maxp, dtype=torch.int32, device=query.device),
                               torch.zeros(s * hkv, dtype=torch.int32, device=query.device))
-    rows, share, sel, count = plan._scratch[key]
+    rows, sel, count = plan._scratch[key]
     sums = cache.k_sum[layer]
+    all_p = max(16, next_power_of_2(maxp))
     page_select_kernel[(s * hkv,)](
-        query, sums, cache.block_table, cache.lengths[layer], plan.seq_ids, theta, rows, share, sel, count, scale,
+        query, sums, cache.block_table, cache.lengths[layer], plan.seq_ids, theta, rows, sel, count, scale,
         *query.stride(), *sums.stride()[:2], *cache.block_table.stride(), *rows.stride()[:2], sel.stride(0),
         hkv, SINK_PAGES, RECENT_PAGES,
         G=g, T=t, D=d, BLOCK_M=block_m, BLOCK_D=max(16, next_power_of_2(d)), BLOCK_P=SELECT_BLOCK_P,
-        PAGE=cache.page_size, ITERS=SELECT_ITERS, num_warps=4,
+        ALL_P=all_p, PAGE=cache.page_size, ITERS=SELECT_ITERS, num_warps=4 if all_p <= 2048 else 8,
     )
     return sel, count
 

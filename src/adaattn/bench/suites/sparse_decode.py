@@ -58,9 +58,13 @@ def cases(device, context: int = CONTEXT) -> list[Case]:
     return out
 
 
-def _replicate(x, reps):
-    """(1, H, N, D) -> (BATCH, H * reps, N, D): each head repeated, the batch copied."""
-    return x.repeat_interleave(reps, 1).expand(BATCH, -1, -1, -1).contiguous()
+def _replicate(x, reps, groups):
+    """(1, H, N, D) -> (BATCH, H * reps, N, D): each GQA group of the H heads (`groups` of them)
+    repeated `reps` times, so that KV head j of the copy serves the copies of its own query heads;
+    the batch copied."""
+    _, h, n, d = x.shape
+    x = x.view(groups, h // groups, n, d).repeat_interleave(reps, 0).reshape(1, h * reps, n, d)
+    return x.expand(BATCH, -1, -1, -1).contiguous()
 
 
 def _oracle_pages(q, k, v, tau, n):
@@ -123,9 +127,10 @@ def _make(device, layer, context):
         q0, k0, v0 = _capture(device, context)[layer]  # q (1, 6, STEPS, 64); k, v (1, 2, N, 64)
         reps = KV_HEADS // k0.shape[1]
         n_total = k0.shape[2]
-        k = _replicate(k0, reps)
-        v = _replicate(v0, reps)
-        q = _replicate(q0, reps)
+        hkv0 = k0.shape[1]
+        k = _replicate(k0, reps, hkv0)
+        v = _replicate(v0, reps, hkv0)
+        q = _replicate(q0, reps, hkv0)
         k64, v64 = k0[0].double(), v0[0].double()
         scale = 64 ** -0.5
         rows = []
