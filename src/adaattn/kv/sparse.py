@@ -62,8 +62,8 @@ class SparseSite:
 
     def poll(self) -> None:
         """Apply the figures of an earlier verified call once they have reached the host (never waits)."""
-        if self._pending is None:
-            return
+        if self._pending is None or torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return  # (an event may not be queried while a graph is being captured)
         event, host = self._pending
         if event is not None and not event.query():
             return
