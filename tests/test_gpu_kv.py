@@ -171,9 +171,21 @@ def test_sparse_decode_on_cuda_matches_its_reference_and_replays_in_a_cuda_graph
               for a in ("torch", "triton")]
     for c in caches:
         c.append(0, k[:, :, :n], v[:, :, :n])
-    torch.testing.assert_close(caches[1].k_sum[0], caches[0].k_sum[0], rtol=1e-5, atol=1e-3)
-    torch.testing.assert_close(caches[1].k_max[0], caches[0].k_max[0], rtol=0, atol=0)
     cache = caches[1]
+    if storage == "native":
+        torch.testing.assert_close(cache.k_sum[0], caches[0].k_sum[0], rtol=1e-5, atol=1e-3)
+        torch.testing.assert_close(cache.k_max[0], caches[0].k_max[0], rtol=0, atol=0)
+    # (quantized: the torch append's scales may differ by an ulp, see above; each cache's summaries
+    # are checked against its own stored keys)
+    stored, _ = cache.gather(0, range(b), n, torch.float32)
+    if storage != "native":
+        stored = stored - cache.k_center[0][:b, :, None, :]
+    full = n // 64  # the sequences' full pages
+    blocks = stored[:, :, :full * 64].reshape(b, hkv, full, 64, d)
+    for i in range(b):
+        phys = cache.block_table[i, :full].long()
+        torch.testing.assert_close(cache.k_max[0][phys].transpose(0, 1), blocks[i].amax(2), rtol=0, atol=1e-6)
+        torch.testing.assert_close(cache.k_sum[0][phys].transpose(0, 1), blocks[i].sum(2), rtol=1e-4, atol=1e-3)
     policy = Policy(mode="auto", approximations=("skip",), tolerance=5e-2, verify=0.0)
     plan = plan_decode(cache, heads=hkv * g, policy=policy, sparse=True, max_len=n + 8)
     th = torch.full((hkv,), 0.3, device="cuda")
