@@ -73,7 +73,12 @@ def test_train_counts_three_and_a_half_forward_flops_of_causal_attention():
 
 
 def test_decode_figure_is_the_bytes_of_k_and_v():
-    cases = _cases(["--suite", "decode"])
+    everything = _cases(["--suite", "decode"])
+    cases = _cases(["--suite", "decode", "--decode-parts", "dense"])
+    sparse = _cases(["--suite", "decode", "--decode-parts", "sparse"])
+    assert [c.label for c in everything] == [c.label for c in cases + sparse]
+    assert [c.x for c in sparse] == list(range(8)) and all(c.baseline == "kv bf16" for c in sparse)
+    assert sparse[0].work == 2 * 16 * 8 * 32768 * 64 * 2 and sparse[0].fields["taus"] == [1e-2, 5e-2]
     assert [c.x for c in cases] == [8192, 32768, 32768] and all(c.figure == "TB/s" for c in cases)
     assert cases[0].work == 2 * 16 * 8 * 8192 * 128 * 2
     assert cases[0].fields["heads"] == 32 and cases[0].fields["q_len"] == 1
