@@ -55,7 +55,6 @@ class SparseSite:
         self.error = torch.zeros(kv_heads, dtype=torch.float32, device=device)  # last measured, per KV head
         self.pages = torch.ones(kv_heads, dtype=torch.float32, device=device)  # fraction of pages read, per KV head
         self.calls = 0
-        self.verified = 0
         self.dense_until = 0  # calls below this run dense (the site was diffuse)
         self._diffuse = 0  # verified calls in a row that kept more than KEEP_DENSE of the pages
         self._pending: Optional[tuple] = None  # (event or None, host copy of the pages read) of a verified call
@@ -243,7 +242,6 @@ def verify(site_: SparseSite, out: torch.Tensor, exact: torch.Tensor, count: tor
     site_.theta.copy_((site_.theta * factor).clamp(THETA_MIN, THETA_MAX))
     site_.error.copy_(err_kv)
     site_.pages.copy_(pages)
-    site_.verified += 1
     if out.is_cuda:
         host = torch.empty(hkv, dtype=torch.float32, pin_memory=True)
         host.copy_(pages, non_blocking=True)

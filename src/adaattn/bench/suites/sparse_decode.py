@@ -67,16 +67,27 @@ def _replicate(x, reps, groups):
     return x.expand(BATCH, -1, -1, -1).contiguous()
 
 
+def _groups(q, kv_heads):
+    """(KV head, its GQA group's query rows of q (Hq, D)) for each KV head."""
+    g = q.shape[0] // kv_heads
+    return [(h, q[h * g:(h + 1) * g]) for h in range(kv_heads)]
+
+
+def _forced_first(rank, npages):
+    """Page indices by descending `rank` (P,), the selection's forced pages (first, newest) first."""
+    idx = torch.arange(npages, device=rank.device)
+    forced = (idx < sparse.SINK_PAGES) | (idx >= npages - sparse.RECENT_PAGES)
+    return torch.argsort(torch.where(forced, float("inf"), rank), descending=True)
+
+
 def _oracle_pages(q, k, v, tau, n):
     """Fewest pages (per KV head of the original data, summed) meeting tau, chosen from the true
     page masses with the forced pages first. q (Hq, D), k/v (Hkv, n, D) float64."""
-    hq, d = q.shape
-    hkv = k.shape[0]
-    g = hq // hkv
+    d = q.shape[1]
     npages = -(-n // PAGE)
     total = 0
-    for h in range(hkv):
-        qq = q[h * g:(h + 1) * g]
+    for h, qq in _groups(q, k.shape[0]):
+        g = qq.shape[0]
         s = qq @ k[h, :n].T * d ** -0.5
         p = torch.softmax(s, -1)  # (G, n)
         o = p @ v[h, :n]
@@ -85,10 +96,7 @@ def _oracle_pages(q, k, v, tau, n):
         vv = torch.nn.functional.pad(v[h, :n], (0, 0, 0, pad)).view(npages, PAGE, -1)
         mass = pp.sum(-1)  # (G, P)
         contrib = torch.einsum("gpj,pjd->gpd", pp, vv)  # (G, P, Dv): each page's part of the output
-        rank = mass.amax(0).clone()
-        idx = torch.arange(npages, device=q.device)
-        rank[(idx < sparse.SINK_PAGES) | (idx >= npages - sparse.RECENT_PAGES)] = float("inf")
-        order = torch.argsort(rank, descending=True)
+        order = _forced_first(mass.amax(0), npages)
         num = torch.cumsum(contrib[:, order], 1)
         den = torch.cumsum(mass[:, order], 1)
         approx = num / den[..., None]
@@ -101,19 +109,12 @@ def _oracle_pages(q, k, v, tau, n):
 def _fixed_budget_error(q, k_min, k_max, k, v, counts, n, scale):
     """Error of keeping, per (sequence 0's) KV head, its `counts` pages of highest Quest bound
     (forced pages first), against exact attention. q (Hq, D); k_min/k_max (P, Hkv, D); k/v (Hkv, n, D)."""
-    hq, d = q.shape
-    hkv = k.shape[0]
-    g = hq // hkv
     npages = -(-n // PAGE)
     worst = 0.0
-    for h in range(hkv):
-        qq = q[h * g:(h + 1) * g].float()
+    for h, qq in _groups(q.float(), k.shape[0]):
         bound = torch.maximum(qq[:, None] * k_max[:npages, h][None], qq[:, None] * k_min[:npages, h][None]).sum(-1)
-        rank = bound.amax(0)
-        idx = torch.arange(npages, device=q.device)
-        rank[(idx < sparse.SINK_PAGES) | (idx >= npages - sparse.RECENT_PAGES)] = float("inf")
         kept = torch.zeros(npages, dtype=torch.bool, device=q.device)
-        kept[torch.argsort(rank, descending=True)[:int(counts[h])]] = True
+        kept[_forced_first(bound.amax(0), npages)[:int(counts[h])]] = True
         s = qq @ k[h, :n].float().T * scale
         exact = torch.softmax(s, -1) @ v[h, :n].float()
         approx = torch.softmax(s.masked_fill(~kept[torch.arange(n, device=q.device) // PAGE][None], float("-inf")),
