@@ -290,3 +290,55 @@ def test_the_tolerance_holds_on_the_32k_checkpoint_and_pages_are_skipped(checkpo
         assert sum(errs) / len(errs) <= tau, (lc.layer, errs)
         if lc.layer == 7:
             assert sum(read) / len(read) < 0.9, (lc.layer, read)
+
+
+def test_the_gpt_decodes_through_its_policy_and_a_cache_with_summaries():
+    """GPT(policy=skip) over make_cache(summaries=True): each decode step's plan carries the
+    model's policy and says what it decided (here dense: the K/V are small, and the CPU path
+    reads every page anyway; the GPU run is bench --suite decode's generation case), and the logits are the
+    dense decode's."""
+    from adaattn.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(5)
+    model = GPT(GPTConfig(vocab_size=256, n_layer=2, n_head=4, n_kv_head=2, d_model=64)).eval()
+    tokens = torch.randint(0, 256, (2, 140))
+    outs = {}
+    for name, policy in (("dense", None), ("skip", Policy(mode="auto", approximations=("skip",), tolerance=1e-9))):
+        model.set_attention("adaattn", None)
+        cache = model.make_cache(2, 160, summaries=True)
+        assert cache.summaries
+        with torch.no_grad():
+            model(tokens[:, :128], cache=cache)
+            model.set_attention("adaattn", policy)
+            start, plan = model._plan(tokens[:, 128:129], cache, torch.float32)
+            assert plan.policy is policy and (policy is None) == (plan.sparse_why == "")
+            assert policy is None or plan.sparse_why.startswith("dense: "), plan.sparse_why
+            got = [model(tokens[:, i:i + 1], cache=cache)[0] for i in range(128, 140)]
+        outs[name] = torch.cat(got, 1)
+    torch.testing.assert_close(outs["skip"], outs["dense"], rtol=1e-5, atol=1e-5)
+
+
+def test_the_decode_summary_sums_layers_and_bounds_by_the_oracle():
+    """bench --suite decode's summary: the whole model is the sum of the layers' times, the oracle
+    bound scales each layer's dense time by its oracle pages, and each bar is judged per layer."""
+    from adaattn.bench.suites import sparse_decode as sd
+
+    rows = []
+    for layer, (dense_ms, ms, pages, oracle, err, fixed) in enumerate([(1.0, 1.0, 1.0, 1.0, 0.0, 0.01),
+                                                                        (1.0, 0.25, 0.2, 0.1, 0.04, 0.2)]):
+        case = f"sparse decode, 32k checkpoint, layer {layer}"
+        rows.append({"case": case, "layer": layer, "peer": "kv bf16", "ms": dense_ms})
+        for tau in sd.TAUS:
+            rows.append({"case": case, "layer": layer, "peer": f"kv bf16 sparse tau={tau:g}", "ms": ms,
+                         "x_baseline_paired": dense_ms / ms, "pages_read": pages, "oracle_pages": oracle,
+                         "x_oracle": pages / oracle, "error_max": err, "fixed_budget_error_max": fixed})
+    rows.append({"case": "sparse decode, random K/V", "workload": "random", "peer": "kv bf16 sparse tau=0.05",
+                 "ms": 1.02, "x_baseline_paired": 1 / 1.02, "decisions_while_timed": {"dense": 9}})
+    out, text = sd.summarize(rows)
+    w = {e["tolerance"]: e for e in out["whole_model"]}[5e-2]
+    assert w["x_dense"] == pytest.approx(2.0 / 1.25) and w["oracle_bound_x_dense"] == pytest.approx(2.0 / 1.1)
+    layer1 = [e for e in out["layers"] if e["layer"] == 1 and e["tolerance"] == 5e-2][0]
+    assert layer1["of_ideal"] == pytest.approx(0.8) and layer1["meets_oracle_1.5"] is False
+    assert layer1["meets_tolerance"] is True and layer1["ours_lower_than_fixed_budget"] is True
+    assert [e for e in out["layers"] if e["layer"] == 1 and e["tolerance"] == 1e-2][0]["meets_tolerance"] is False
+    assert out["random"][0]["over_dense"] == pytest.approx(0.02) and "whole model" in text

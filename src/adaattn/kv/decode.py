@@ -284,6 +284,7 @@ def _sparse_step(query, cache, layer, plan, scale, lengths):
     site.poll()
     if site.dense_now():
         site.calls += 1
+        site.decisions["dense"] += 1
         return _dense(query, cache, layer, plan, scale, lengths), {
             "sparse": "dense", "sparse_why": f"the site kept over {sparse.KEEP_DENSE:.0%} of the pages when verified; "
                                             f"dense until call {site.dense_until}"}
@@ -299,6 +300,8 @@ def _sparse_step(query, cache, layer, plan, scale, lengths):
         exact = _dense(query, cache, layer, plan, scale, lengths)
         out = sparse.verify(site, out, exact, count, sparse.page_counts(cache, layer, plan.seq_ids))
     site.calls += 1
+    site.decisions["sparse"] += 1
+    site.decisions["verified"] += int(check)
     extra = {"sparse": "sparse", "verified": check}
     if stats.enabled:  # device tensors: read only when the records are
         extra.update(theta=site.theta.clone(), pages_read=site.pages.clone(), error=site.error.clone(),

@@ -58,6 +58,7 @@ class SparseSite:
         self.dense_until = 0  # calls below this run dense (the site was diffuse)
         self._diffuse = 0  # verified calls in a row that kept more than KEEP_DENSE of the pages
         self._pending: Optional[tuple] = None  # (event or None, host copy of the pages read) of a verified call
+        self.decisions = {"dense": 0, "sparse": 0, "verified": 0}  # how this site's calls ran (host counts)
 
     def poll(self) -> None:
         """Apply the figures of an earlier verified call once they have reached the host (never waits)."""

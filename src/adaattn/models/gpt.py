@@ -261,18 +261,20 @@ class GPT(nn.Module):
         return logits, loss
 
     def make_cache(self, batch: int, max_len: int, *, storage: str = "native", dtype: torch.dtype | None = None,
-                   device=None, page_size: int = 64) -> KVCache:
+                   device=None, page_size: int = 64, summaries: bool = False) -> KVCache:
         """An empty adaattn KVCache for `batch` sequences of up to `max_len` tokens, shaped for this
         model. storage: "native" (in `dtype`), "fp8" or "int8" (quantized at append). dtype: the
         compute dtype the forward will run in (default: bfloat16 on CUDA, as under the autocast of
-        evaluation, else the parameters' dtype)."""
+        evaluation, else the parameters' dtype). summaries: keep page summaries, so that decode
+        under a policy with mode="auto" and "skip" reads only the pages each step needs
+        (adaattn.kv.sparse)."""
         p = next(self.parameters())
         device = p.device if device is None else torch.device(device)
         if dtype is None:
             dtype = torch.bfloat16 if device.type == "cuda" else p.dtype
         c = self.config
         return KVCache(c.n_layer, batch, c.n_kv_head, max_len, c.head_dim, dtype=dtype, device=device,
-                       storage=storage, page_size=page_size)
+                       storage=storage, page_size=page_size, summaries=summaries)
 
     def _plan(self, tokens: torch.Tensor, cache: KVCache, dtype: torch.dtype, through_cache: bool = False
               ) -> tuple[int, DecodePlan | None]:
@@ -299,7 +301,8 @@ class GPT(nn.Module):
         if start == 0 and n > 1 and not through_cache:
             return 0, None
         runner = "sdpa" if self.attention == "sdpa" else None
-        return start, plan_decode(cache, heads=c.n_head, query_len=n, dtype=dtype, runner=runner)
+        policy = self.policy if self.attention == "adaattn" else None  # sparse decode where it allows skipping
+        return start, plan_decode(cache, heads=c.n_head, query_len=n, dtype=dtype, runner=runner, policy=policy)
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, *, cache: KVCache | None = None,

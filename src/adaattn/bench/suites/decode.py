@@ -43,6 +43,15 @@ def cases(args, device):
     return out
 
 
+def summarize(rows):
+    """The sparse part's figures against its bars (suites/sparse_decode.py); nothing for the dense part."""
+    from . import sparse_decode
+
+    if not any("sparse decode" in r.get("case", "") or r.get("workload") == "generation" for r in rows):
+        return None, ""
+    return sparse_decode.summarize(rows)
+
+
 def _dense_cases(args, device):
     grid = options.grid(args, DEFAULT, causal="no")  # one query row: every cached key takes part
     kv_heads = grid.kv_heads or grid.heads

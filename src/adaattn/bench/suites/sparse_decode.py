@@ -10,6 +10,16 @@ fewest pages that meet the tolerance, chosen from the true scores, with the same
 and the error of a fixed-budget selection (Quest's min/max bound, top pages, as many as ours read,
 no verification). The timed rows are one step at the final length: the dense split-KV kernel and
 the sparse step (selection, kernel and merge; sampled verification included at its default rate).
+
+Two more cases:
+- random K/V of the same shape (no page matters more than another): the sparse policy must find
+  that selection does not pay and run dense, within a few percent of the dense kernel;
+- generation with the model itself, B=16 held-out windows: a 30000-byte prompt (exact prefill),
+  then 256 decode steps teacher-forced on the held-out continuation, dense and under the sparse
+  policy, each step's layers sharing one plan. Held-out bits per byte over those 256 positions,
+  greedy generation from the same prompts (tokens agreeing with dense greedy), the loop's wall
+  time; the timed rows are the whole model's decode attention (its 8 layers) at the final length,
+  with the queries of the last step.
 """
 
 from __future__ import annotations
@@ -46,7 +56,7 @@ def _capture(device, context):
 
 
 def cases(device, context: int = CONTEXT) -> list[Case]:
-    out = []
+    out = [_random_case(device, context), _generation_case(device)]
     for layer in range(8):
         kv_bytes = 2 * BATCH * KV_HEADS * context * 64 * 2
         series = f"sparse decode, 32k checkpoint, B={BATCH} Hq={3 * KV_HEADS} Hkv={KV_HEADS} D=64 bf16, KV={context}"
@@ -197,3 +207,227 @@ def _make(device, layer, context):
         return rows, check
 
     return make
+
+
+def _decided(cache, tau, since=None):
+    """How the site's calls ran (dense / sparse / verified), less `since`."""
+    got = dict(sparse.site(cache, 0, tau).decisions)
+    if since:
+        got = {k: got[k] - since.get(k, 0) for k in got}
+    return got
+
+
+def _random_case(device, context):
+    kv_bytes = 2 * BATCH * KV_HEADS * context * 64 * 2
+    series = f"sparse decode, random K/V, B={BATCH} Hq={3 * KV_HEADS} Hkv={KV_HEADS} D=64 bf16"
+
+    def make():
+        g = torch.Generator(device=device).manual_seed(7)
+        shape = (BATCH, KV_HEADS, context, 64)
+        k = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
+        v = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
+        q = torch.randn(BATCH, 3 * KV_HEADS, WARM + 1, 64, generator=g, device=device, dtype=torch.bfloat16)
+        rows = []
+        first = None
+        for tau in TAUS:
+            cache = KVCache(1, BATCH, KV_HEADS, context, 64, dtype=torch.bfloat16, device=device, page_size=PAGE,
+                            summaries=True)
+            n0 = context - WARM
+            cache.append(0, k[:, :, :n0], v[:, :, :n0])
+            for i in range(WARM):  # the controller settles, every call verified
+                cache.append(0, k[:, :, n0 + i:n0 + i + 1], v[:, :, n0 + i:n0 + i + 1])
+                policy = Policy(mode="auto", approximations=("skip",), tolerance=tau, verify=1.0)
+                decode_attention(q[:, :, i:i + 1], cache, 0, plan=plan_decode(cache, heads=q.shape[1], policy=policy))
+            plan = plan_decode(cache, heads=q.shape[1], policy=Policy(mode="auto", approximations=("skip",),
+                                                                      tolerance=tau))
+            before = _decided(cache, tau)
+            rows.append(Peer(f"kv bf16 sparse tau={tau:g}",
+                             lambda c=cache, p=plan: decode_attention(q[:, :, -1:], c, 0, plan=p),
+                             info=lambda c=cache, t=tau, b=before, p=plan: {"decisions_while_timed": _decided(c, t, b),
+                                                                            "plan": p.explain()}))
+            if first is None:
+                first = cache
+        dplan = plan_decode(first, heads=q.shape[1])
+        rows.insert(0, Peer("kv bf16", lambda: decode_attention(q[:, :, -1:], first, 0, plan=dplan)))
+        exact = decode_attention(q[:, :, -1:], first, 0, plan=dplan).float()
+        return rows, lambda out: float((out.float() - exact).norm() / exact.norm())
+
+    return Case("decode", f"{series} KV={context}", context,
+                {"batch": BATCH, "heads": 3 * KV_HEADS, "kv_heads": KV_HEADS, "head_dim": 64, "dtype": "bfloat16",
+                 "q_len": 1, "kv_len": context, "kv_bytes": kv_bytes, "workload": "random", "taus": list(TAUS)},
+                "kv bf16", "TB/s", kv_bytes, make, series=series)
+
+
+GEN_PROMPT, GEN_STEPS, GEN_TAU = 30000, 256, 5e-2
+
+
+def _generation_case(device):
+    layers, hkv, d = 8, 2, 64  # the 32k checkpoint's shape
+    n = GEN_PROMPT + GEN_STEPS
+    kv_bytes = layers * 2 * BATCH * hkv * n * d * 2
+    series = f"generation, 32k checkpoint, B={BATCH}, {GEN_PROMPT}-byte prompt + {GEN_STEPS} steps"
+
+    def make():
+        from ...models import pretrained
+        from ...models.capture import heldout_tokens
+
+        model = pretrained.load(pretrained.LONG_WEIGHTS, device=device)
+        tokens = heldout_tokens(n, BATCH).to(device)  # (B, n + 1)
+        sparse_policy = Policy(mode="auto", approximations=("skip",), tolerance=GEN_TAU)
+        runs = {}
+        for name, policy in (("dense", None), (f"sparse tau={GEN_TAU:g}", sparse_policy)):
+            runs[name] = _generate(model, tokens, policy)
+        dense, ours = runs["dense"], runs[f"sparse tau={GEN_TAU:g}"]
+        agree = (ours["greedy"] == dense["greedy"]).float()
+        first_diff = [int(torch.nonzero(row == 0)[0, 0]) if bool((row == 0).any()) else GEN_STEPS for row in agree]
+        summary = {"bits_per_byte_dense": dense["bpb"], "bits_per_byte_sparse": ours["bpb"],
+                   "bpb_rel_diff": ours["bpb"] / dense["bpb"] - 1.0,
+                   "greedy_tokens_agreeing": float(agree.mean()),
+                   "greedy_first_difference_mean": sum(first_diff) / len(first_diff),
+                   "loop_tokens_per_s_dense": dense["tokens_per_s"], "loop_tokens_per_s_sparse": ours["tokens_per_s"],
+                   "pages_read_per_layer": ours["pages"], "decisions_per_layer": ours["decisions"],
+                   "error_per_layer": ours["error"]}
+
+        def peer(name, run, policy):
+            cache, qs = run["cache"], run["queries"]
+            plan = plan_decode(cache, heads=qs[0].shape[1], policy=policy)
+
+            def step():
+                return torch.stack([decode_attention(qs[i], cache, i, plan=plan) for i in range(layers)])
+
+            return Peer(f"model decode attention, {name}", step, info=lambda: dict(summary))
+
+        rows = [peer("dense", dense, None), peer(f"sparse tau={GEN_TAU:g}", ours, sparse_policy)]
+        exact = rows[0].forward().float()
+        return rows, lambda out: float((out.float() - exact).norm() / exact.norm())
+
+    return Case("decode", series, n, {"batch": BATCH, "heads": 6, "kv_heads": hkv, "head_dim": d, "dtype": "bfloat16",
+                                      "q_len": 1, "kv_len": n, "kv_bytes": kv_bytes, "workload": "generation",
+                                      "tolerance": GEN_TAU, "layers": layers},
+                "model decode attention, dense", "TB/s", kv_bytes, make, series=series)
+
+
+@torch.no_grad()
+def _generate(model, tokens, policy):
+    """Exact prefill of the prompt, then GEN_STEPS steps under `policy`: teacher-forced on the
+    held-out continuation (bits per byte of its next bytes), and greedy from the same prompt."""
+    import math
+    import time
+
+    import contextlib
+
+    b = tokens.shape[0]
+    prompt = tokens[:, :GEN_PROMPT]
+    out = {}
+    cuda = tokens.is_cuda
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else contextlib.nullcontext():
+        for mode in ("forced", "greedy"):
+            model.set_attention("adaattn", None)
+            cache = model.make_cache(b, GEN_PROMPT + GEN_STEPS, summaries=True)
+            logits, _ = model(prompt, cache=cache)
+            model.set_attention("adaattn", policy)
+            last = logits[:, -1].float()
+            nll, picked, queries = [], [], {}
+            sync()
+            t0 = time.perf_counter()
+            for i in range(GEN_STEPS):
+                if mode == "forced":
+                    target = tokens[:, GEN_PROMPT + i]
+                    nll.append(torch.nn.functional.cross_entropy(last, target, reduction="none"))
+                    step = target[:, None]
+                else:
+                    step = last.argmax(-1, keepdim=True)
+                    picked.append(step)
+                if i == GEN_STEPS - 1 and mode == "forced":
+                    model.set_recorder(lambda layer, q, k, v, o: queries.__setitem__(layer, q.transpose(1, 2).clone()))
+                logits, _ = model(step, cache=cache)
+                model.set_recorder(None)
+                last = logits[:, -1].float()
+            sync()
+            wall = time.perf_counter() - t0
+            model.set_attention("adaattn", None)
+            if mode == "forced":
+                out["bpb"] = float(torch.cat(nll).mean()) / math.log(2)
+                out["tokens_per_s"] = b * GEN_STEPS / wall
+                out["cache"] = cache
+                out["queries"] = [queries[i] for i in range(len(queries))]
+                sites = cache._sparse_sites
+                out["pages"] = [round(float(sites[i].pages.mean()), 4) if i in sites else None for i in range(cache.layers)]
+                out["error"] = [round(float(sites[i].error.max()), 5) if i in sites else None for i in range(cache.layers)]
+                out["decisions"] = [dict(sites[i].decisions) if i in sites else None for i in range(cache.layers)]
+            else:
+                out["greedy"] = torch.cat(picked, 1)
+                del cache
+    return out
+
+
+def _fmt(x, spec=".3f"):
+    return "-" if x is None else format(x, spec)
+
+
+def summarize(rows: list[dict]) -> tuple[dict, str]:
+    """Per layer and tolerance against the Done-when bars (pages against the oracle, error against
+    tolerance, speed against 1/pages, ours against the fixed budget); the whole model (sums over
+    layers, and the oracle's bound: the dense time of each layer scaled by its oracle pages);
+    random K/V against dense; generation."""
+    out: dict = {"layers": [], "whole_model": [], "random": [], "generation": []}
+    lines = []
+    by = {}
+    for r in rows:
+        if r.get("layer") is not None and r.get("ms") is not None and "32k checkpoint" in r.get("case", ""):
+            by[(r["layer"], r["peer"])] = r
+    layers = sorted({k[0] for k in by})
+    for tau in TAUS:
+        name = f"kv bf16 sparse tau={tau:g}"
+        dense_ms = sparse_ms = bound_ms = 0.0
+        complete = bool(layers)
+        for layer in layers:
+            d, s = by.get((layer, "kv bf16")), by.get((layer, name))
+            if d is None or s is None:
+                complete = False
+                continue
+            x = s.get("x_baseline_paired") or d["ms"] / s["ms"]
+            pages, oracle = s.get("pages_read"), s.get("oracle_pages")
+            e = {"layer": layer, "tolerance": tau, "x_dense": x, "pages_read": pages, "oracle_pages": oracle,
+                 "x_oracle": s.get("x_oracle"), "meets_oracle_1.5": None if s.get("x_oracle") is None else s["x_oracle"] <= 1.5,
+                 "error_max": s.get("error_max"), "meets_tolerance": None if s.get("error_max") is None else s["error_max"] <= tau,
+                 "of_ideal": None if pages is None else x * pages,
+                 "fixed_budget_error_max": s.get("fixed_budget_error_max"),
+                 "ours_lower_than_fixed_budget": None if s.get("error_max") is None or s.get("fixed_budget_error_max") is None
+                 else s["error_max"] < s["fixed_budget_error_max"]}
+            out["layers"].append(e)
+            dense_ms += d["ms"]
+            sparse_ms += s["ms"]
+            bound_ms += d["ms"] * (oracle if oracle is not None else 1.0)
+            lines.append(f"tau={tau:g} L{layer}: pages {_fmt(pages)} (oracle {_fmt(oracle)}, x{_fmt(s.get('x_oracle'), '.2f')}) "
+                         f"err max {_fmt(s.get('error_max'), '.4f')} (fixed budget {_fmt(s.get('fixed_budget_error_max'), '.4f')}) "
+                         f"| {x:.2f}x dense, {_fmt(e['of_ideal'], '.2f')} of 1/pages")
+        if complete:
+            w = {"tolerance": tau, "dense_ms": dense_ms, "sparse_ms": sparse_ms, "x_dense": dense_ms / sparse_ms,
+                 "oracle_bound_x_dense": dense_ms / bound_ms}
+            w["of_oracle_bound"] = w["x_dense"] / w["oracle_bound_x_dense"]
+            out["whole_model"].append(w)
+            lines.append(f"tau={tau:g} whole model (8 layers, sum of times): {w['x_dense']:.2f}x dense; oracle bound "
+                         f"{w['oracle_bound_x_dense']:.2f}x ({w['of_oracle_bound']:.2f} of it)")
+    for r in rows:
+        if r.get("workload") == "random" and r.get("peer", "").startswith("kv bf16 sparse") and r.get("ms") is not None:
+            paired = r.get("x_baseline_paired")
+            e = {"peer": r["peer"], "over_dense": None if not paired else 1.0 / paired - 1.0,
+                 "decisions_while_timed": r.get("decisions_while_timed")}
+            out["random"].append(e)
+            lines.append(f"random K/V {r['peer']}: {_fmt(e['over_dense'], '+.3f')} over dense (paired); "
+                         f"calls {e['decisions_while_timed']}")
+        if r.get("workload") == "generation" and "sparse" in r.get("peer", "") and r.get("ms") is not None:
+            e = {k: r.get(k) for k in ("bits_per_byte_dense", "bits_per_byte_sparse", "bpb_rel_diff",
+                                       "greedy_tokens_agreeing", "greedy_first_difference_mean",
+                                       "loop_tokens_per_s_dense", "loop_tokens_per_s_sparse",
+                                       "pages_read_per_layer", "error_per_layer")}
+            e["attention_x_dense"] = r.get("x_baseline_paired")
+            out["generation"].append(e)
+            lines.append(f"generation: bpb {_fmt(e['bits_per_byte_sparse'], '.4f')} vs dense {_fmt(e['bits_per_byte_dense'], '.4f')} "
+                         f"({_fmt(e['bpb_rel_diff'], '+.4%')}), greedy agreeing {_fmt(e['greedy_tokens_agreeing'])}; "
+                         f"whole-model decode attention {_fmt(e['attention_x_dense'], '.2f')}x dense; loop tokens/s "
+                         f"{_fmt(e['loop_tokens_per_s_sparse'], '.0f')} vs {_fmt(e['loop_tokens_per_s_dense'], '.0f')}; "
+                         f"pages per layer {e['pages_read_per_layer']}")
+    return out, "\n".join(lines)
