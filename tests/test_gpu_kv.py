@@ -188,7 +188,7 @@ def test_sparse_decode_on_cuda_matches_its_reference_and_replays_in_a_cuda_graph
         torch.testing.assert_close(cache.k_sum[0][phys].transpose(0, 1), blocks[i].sum(2), rtol=1e-4, atol=1e-3)
     policy = Policy(mode="auto", approximations=("skip",), tolerance=5e-2, verify=0.0)
     plan = plan_decode(cache, heads=hkv * g, policy=policy, sparse=True, max_len=n + 8)
-    th = torch.full((hkv,), 0.3, device="cuda")
+    th = torch.full((b, hkv), 0.3, device="cuda")
     sel, count = sparse.select(q, cache, 0, plan, th, d ** -0.5, kernel=True)
     ref_sel, ref_count = sparse.select_reference(q, cache, 0, plan.seq_ids, th, d ** -0.5)
     maxp = -(-n // 64)

@@ -116,7 +116,7 @@ def test_selection_kernel_matches_its_reference_and_keeps_sinks_and_the_newest_p
     npages = -(-n // 16)
     kept = []
     for theta in (0.0, 0.02, 0.2, 1.0):
-        th = torch.full((hkv,), theta)
+        th = torch.full((b, hkv), theta)
         sel, count = sparse.select(q, cache, 0, plan, th, d ** -0.5, kernel=True)
         ref_sel, ref_count = sparse.select_reference(q, cache, 0, plan.seq_ids, th, d ** -0.5)
         assert count.tolist() == ref_count.tolist(), theta
@@ -182,11 +182,13 @@ def test_the_cpu_path_gives_the_kernels_result():
     q, k, v = _structured(seed=4)
     cache = KVCache(1, 2, 2, 700, 32, dtype=torch.float32, page_size=16, summaries=True)
     cache.append(0, k, v)
-    th = torch.full((2,), 0.1)
+    th = torch.tensor([[0.1, 0.02], [0.3, 0.05]])  # per (sequence, KV head)
     outs = []
     for runner in ("sdpa", "triton"):
         plan = plan_decode(cache, heads=6, runner=runner, policy=SKIP, sparse=True)
         sel, count = sparse.select(q, cache, 0, plan, th, 32 ** -0.5, kernel=runner == "triton")
+        counts = count.view(2, 2)
+        assert counts[1, 0] < counts[0, 0] and counts[0, 1] > counts[0, 0], counts  # each row its own threshold
         if runner == "triton":
             from adaattn.kv.decode import _split_kv
 
@@ -342,3 +344,46 @@ def test_the_decode_summary_sums_layers_and_bounds_by_the_oracle():
     assert layer1["meets_tolerance"] is True and layer1["ours_lower_than_fixed_budget"] is True
     assert [e for e in out["layers"] if e["layer"] == 1 and e["tolerance"] == 1e-2][0]["meets_tolerance"] is False
     assert out["random"][0]["over_dense"] == pytest.approx(0.02) and "whole model" in text
+
+
+class _Elapsed:
+    """Stands in for a CUDA event: elapsed_time to the next one is fixed."""
+
+    def __init__(self, ms):
+        self.ms = ms
+
+    def elapsed_time(self, other):
+        return other.ms - self.ms
+
+
+def test_a_site_whose_sparse_step_measured_slower_runs_dense():
+    """On CUDA a verified call times its sparse step against the exact one; DENSE_AFTER verified
+    calls in a row where sparse did not pay (over PAYS x the exact time) send the site dense,
+    whatever the pages it kept, and it says why. A paying one keeps it sparse."""
+    for sparse_ms, goes_dense in ((0.97, True), (0.3, False)):
+        site = sparse.SparseSite(2, 5e-2, torch.device("cpu"), slots=3)
+        for _ in range(sparse.DENSE_AFTER):
+            site._pending = (None, torch.tensor([0.4, 0.4]), (_Elapsed(0.0), _Elapsed(sparse_ms), _Elapsed(sparse_ms + 1.0)))
+            site.poll()
+            site.calls += 1
+        assert site.measured == pytest.approx((sparse_ms, 1.0, 0.4))
+        assert site.dense_now() is goes_dense
+        if goes_dense:
+            assert "measured 0.970 ms against the dense step's 1.000 ms" in site.why_dense
+
+
+def test_thresholds_are_per_sequence_and_start_afresh_for_a_new_sequence():
+    torch.manual_seed(3)
+    cache = PagedKVCache(1, 2, 16, num_pages=64, page_size=16, max_seqs=3, summaries=True)
+    seqs = [cache.add(), cache.add()]
+    for s in seqs:
+        cache.append(0, [s], torch.randn(1, 2, 200, 16), torch.randn(1, 2, 200, 16))
+    policy = Policy(mode="auto", approximations=("skip",), tolerance=5e-2, verify=1.0)
+    q = torch.randn(2, 4, 1, 16)
+    for _ in range(3):
+        decode_attention(q, cache, 0, seqs, plan=plan_decode(cache, seqs, heads=4, policy=policy, sparse=True))
+    site = cache._sparse_sites[0]
+    assert site.theta.shape == (3, 2) and not torch.equal(site.theta[0], site.theta[2])  # moved, slot 2 untouched
+    moved = site.theta[1].clone()
+    cache.free(seqs[0])
+    assert torch.equal(site.theta[0], torch.full((2,), 0.5 * 5e-2)) and torch.equal(site.theta[1], moved)

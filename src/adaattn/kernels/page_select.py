@@ -11,7 +11,7 @@ One program per (sequence, KV head), reading only the pages' key sums (kv/cache.
 2. Each page's share is the largest over the rows of its estimated fraction of the row's mass:
    f[p] = max_r 2^(e[r, p] - lse_r).
 3. The pages dropped are those with the smallest shares whose shares sum to at most the head's
-   threshold THETA[h]: a bisection on the cut c (the largest c whose pages below it sum to at
+   threshold THETA[seq, h]: a bisection on the cut c (the largest c whose pages below it sum to at
    most THETA), so no row loses more than THETA of its estimated mass. The shares of all the
    sequence's pages sit in registers for it (a bisection over blocks re-read from memory took
    most of a 32k step's time on an H100: benchmarks/NOTES.md, sparse decode). The first SINK pages and
@@ -96,7 +96,7 @@ def page_select_kernel(
     share = tl.where(forced, 2.0, share)  # 2: never dropped
 
     # 3. the cut: the largest c in [0, 1.5) such that the shares below c sum to at most theta
-    theta = tl.load(THETA + h)
+    theta = tl.load(THETA + seq * HKV + h)
     lo = 0.0
     hi = 1.5
     for _ in range(ITERS):

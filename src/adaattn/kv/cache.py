@@ -114,6 +114,8 @@ class PagedKVCache:
         for layer in range(self.layers):
             self._lengths[layer][seq] = 0
         self.lengths[:, seq] = 0
+        for site in self._sparse_sites.values():
+            site.forget(seq)
         self.reserve(seq, reserve)
         return seq
 
@@ -135,6 +137,8 @@ class PagedKVCache:
         for layer in range(self.layers):
             self._lengths[layer][seq] = 0
         self.lengths[:, seq] = 0
+        for site in self._sparse_sites.values():
+            site.forget(seq)
 
     def length(self, seq: int, layer: int = 0) -> int:
         """Tokens of `seq` cached in `layer` (host mirror)."""
@@ -375,6 +379,8 @@ class KVCache(PagedKVCache):
             for layer in range(self.layers):
                 self._lengths[layer][s] = 0
             self.lengths[:, s] = 0
+            for site in self._sparse_sites.values():
+                site.forget(s)
             if self.storage != "native":
                 for sc in (*self.k_scale, *self.v_scale):
                     sc[self._pages[s]] = 0

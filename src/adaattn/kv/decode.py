@@ -279,33 +279,40 @@ def _dense(query, cache, layer, plan, scale, lengths):
 
 def _sparse_step(query, cache, layer, plan, scale, lengths):
     """One step of sparse decode at a call site (kv/sparse.py): select, read the kept pages, and on
-    sampled calls verify against the exact step and move the thresholds."""
+    sampled calls verify against the exact step (timing both on CUDA) and move the thresholds."""
     site = sparse.site(cache, layer, plan.policy.tolerance)
     site.poll()
     if site.dense_now():
         site.calls += 1
         site.decisions["dense"] += 1
         return _dense(query, cache, layer, plan, scale, lengths), {
-            "sparse": "dense", "sparse_why": f"the site kept over {sparse.KEEP_DENSE:.0%} of the pages when verified; "
-                                            f"dense until call {site.dense_until}"}
+            "sparse": "dense", "sparse_why": f"{site.why_dense}; dense until call {site.dense_until}"}
     kernel = plan.runner == "triton"
     scale_f = query.shape[-1] ** -0.5 if scale is None else float(scale)
     check = sparse.should_verify(site, plan.policy, query)
+    timing = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3)) if check and query.is_cuda else None
+    if timing is not None:
+        timing[0].record()
     sel, count = sparse.select(query, cache, layer, plan, site.theta, scale_f, kernel)
     if kernel:
         out = _split_kv(query, cache, layer, plan, scale, sel=sel, count=count)
     else:
         out = sparse.sparse_reference(query, cache, layer, plan.seq_ids, sel, count, scale_f, lengths)
     if check:
+        if timing is not None:
+            timing[1].record()
         exact = _dense(query, cache, layer, plan, scale, lengths)
-        out = sparse.verify(site, out, exact, count, sparse.page_counts(cache, layer, plan.seq_ids))
+        if timing is not None:
+            timing[2].record()
+        out = sparse.verify(site, out, exact, count, sparse.page_counts(cache, layer, plan.seq_ids), plan.seq_ids,
+                            timing)
     site.calls += 1
     site.decisions["sparse"] += 1
     site.decisions["verified"] += int(check)
     extra = {"sparse": "sparse", "verified": check}
     if stats.enabled:  # device tensors: read only when the records are
-        extra.update(theta=site.theta.clone(), pages_read=site.pages.clone(), error=site.error.clone(),
-                     pages_this_call=count.clone())
+        extra.update(theta=site.theta[plan.seq_ids.long()].clone(), pages_read=site.pages.clone(),
+                     error=site.error.clone(), pages_this_call=count.clone())
     return out, extra
 
 

@@ -22,7 +22,9 @@ and thresholds stay on the device; stats hold them as device tensors, read when 
 Speed first: a step whose K/V are small (under MIN_BYTES per layer) runs dense, since selection
 cannot pay there; a site whose verified steps keep more than KEEP_DENSE of the pages, DENSE_AFTER
 times in a row (diffuse heads, random K/V), runs dense for the next REPROBE calls, then tries again. The figures behind
-these constants: benchmarks/NOTES.md, sparse decode.
+these constants: benchmarks/NOTES.md, sparse decode. On CUDA a verified call also times its sparse step
+against the exact one, and a site whose sparse step measured over PAYS x the exact step's time, DENSE_AFTER
+verified calls in a row, runs dense likewise: selection never runs where it measured slower.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ THETA_MIN, THETA_MAX = 1e-6, 1.0
 STEP_UP, STEP_DOWN = 1.5, 4.0  # theta grows by at most STEP_UP per verified call, shrinks by up to STEP_DOWN
 MIN_BYTES = 32 << 20  # K/V bytes per layer below which a step runs dense
 KEEP_DENSE = 0.7  # a site keeping more than this fraction of pages on DENSE_AFTER verified calls in a row runs dense ...
+PAYS = 0.95  # ... as does one whose sparse step measured more than PAYS x the exact step's time (CUDA) ...
 DENSE_AFTER = 2
 REPROBE = 64  # ... for this many calls
 SELECT_BLOCK_P = 64  # pages per block of the selection kernel's first step
@@ -47,28 +50,49 @@ SELECT_ITERS = 30  # bisection steps of the selection's cut
 
 
 class SparseSite:
-    """One call site's state: a cache's layer under one tolerance."""
+    """One call site's state: a cache's layer under one tolerance. Thresholds are per (sequence
+    slot, KV head): sequences of a batch attend differently, and a slot's threshold starts afresh
+    when its sequence is freed, added or reset."""
 
-    def __init__(self, kv_heads: int, tolerance: float, device: torch.device):
+    def __init__(self, kv_heads: int, tolerance: float, device: torch.device, slots: int = 1):
         self.tolerance = tolerance
-        self.theta = torch.full((kv_heads,), 0.5 * tolerance, dtype=torch.float32, device=device)
-        self.error = torch.zeros(kv_heads, dtype=torch.float32, device=device)  # last measured, per KV head
+        self.theta = torch.full((slots, kv_heads), 0.5 * tolerance, dtype=torch.float32, device=device)
+        self.error = torch.zeros(kv_heads, dtype=torch.float32, device=device)  # last measured, per KV head (max over sequences)
         self.pages = torch.ones(kv_heads, dtype=torch.float32, device=device)  # fraction of pages read, per KV head
         self.calls = 0
-        self.dense_until = 0  # calls below this run dense (the site was diffuse)
-        self._diffuse = 0  # verified calls in a row that kept more than KEEP_DENSE of the pages
-        self._pending: Optional[tuple] = None  # (event or None, host copy of the pages read) of a verified call
+        self.dense_until = 0  # calls below this run dense (the site was diffuse, or sparse did not pay)
+        self._diffuse = 0  # verified calls in a row where sparse did not pay
+        self._pending: Optional[tuple] = None  # (event or None, host copy of the pages read, timing events) of a verified call
+        self._host: Optional[torch.Tensor] = None  # pinned buffer the pages read come back through
         self.decisions = {"dense": 0, "sparse": 0, "verified": 0}  # how this site's calls ran (host counts)
+        self.measured: Optional[tuple] = None  # (sparse ms, exact ms, pages read) of the last verified call read back
+        self.why_dense = ""
+
+    def forget(self, seq: int) -> None:
+        """A sequence slot starts over (freed, added or reset): its thresholds go back to the start."""
+        self.theta[seq] = 0.5 * self.tolerance
 
     def poll(self) -> None:
         """Apply the figures of an earlier verified call once they have reached the host (never waits)."""
         if self._pending is None or torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return  # (an event may not be queried while a graph is being captured)
-        event, host = self._pending
+        event, host, timing = self._pending
         if event is not None and not event.query():
             return
         self._pending = None
-        self._diffuse = self._diffuse + 1 if float(host.mean()) > KEEP_DENSE else 0
+        pages = float(host.mean())
+        slow = False
+        if timing is not None:  # CUDA: the verified call timed its sparse step and the exact one
+            t0, t1, t2 = timing
+            sparse_ms, exact_ms = t0.elapsed_time(t1), t1.elapsed_time(t2)
+            self.measured = (sparse_ms, exact_ms, pages)
+            slow = sparse_ms > PAYS * exact_ms
+        if slow:
+            self.why_dense = (f"the sparse step measured {sparse_ms:.3f} ms against the dense step's {exact_ms:.3f} ms "
+                              f"reading {pages:.0%} of the pages")
+        elif pages > KEEP_DENSE:
+            self.why_dense = f"verified calls kept {pages:.0%} of the pages (over {KEEP_DENSE:.0%})"
+        self._diffuse = self._diffuse + 1 if slow or pages > KEEP_DENSE else 0
         if self._diffuse >= DENSE_AFTER:
             self.dense_until = self.calls + REPROBE
             self._diffuse = DENSE_AFTER - 1  # a re-probe that finds the site still diffuse goes back at once
@@ -84,7 +108,7 @@ def site(cache, layer: int, tolerance: float) -> SparseSite:
     sites = cache._sparse_sites
     got = sites.get(layer)
     if got is None or got.tolerance != tolerance:
-        got = sites[layer] = SparseSite(cache.kv_heads, tolerance, cache.device)
+        got = sites[layer] = SparseSite(cache.kv_heads, tolerance, cache.device, slots=cache.block_table.shape[0])
     return got
 
 
@@ -108,7 +132,8 @@ def page_counts(cache, layer: int, seq_ids: torch.Tensor) -> torch.Tensor:
 
 def select(query: torch.Tensor, cache, layer: int, plan, theta: torch.Tensor, scale: float, kernel: bool):
     """Kept pages per (sequence, KV head): (SEL (S*Hkv, max pages) int32, ascending in each row's
-    first COUNT entries; COUNT (S*Hkv,) int32)."""
+    first COUNT entries; COUNT (S*Hkv,) int32). theta: (sequence slots, Hkv) fp32, indexed by the
+    plan's sequence ids."""
     if kernel:
         return _select_kernel(query, cache, layer, plan, theta, scale)
     return select_reference(query, cache, layer, plan.seq_ids, theta, scale)
@@ -177,7 +202,7 @@ def select_reference(query, cache, layer, seq_ids, theta, scale):
     share = torch.where(forced, torch.full_like(share, 2.0), share).masked_fill(~ok, 2.0)
     lo = torch.zeros(s, hkv, 1, dtype=torch.float64, device=query.device)
     hi = torch.full_like(lo, 1.5)
-    th = theta.double().view(1, hkv, 1)
+    th = theta[seq_ids.long()].double().view(s, hkv, 1)
     for _ in range(SELECT_ITERS):
         mid = 0.5 * (lo + hi)
         below = torch.where(share < mid, share, torch.zeros_like(share)).sum(-1, keepdim=True)
@@ -227,28 +252,32 @@ def should_verify(site_: SparseSite, policy, query: torch.Tensor) -> bool:
     return site_.calls == 0 or site_.reprobe_due() or random.random() < policy.verify
 
 
-def verify(site_: SparseSite, out: torch.Tensor, exact: torch.Tensor, count: torch.Tensor, npages: torch.Tensor
-           ) -> torch.Tensor:
+def verify(site_: SparseSite, out: torch.Tensor, exact: torch.Tensor, count: torch.Tensor, npages: torch.Tensor,
+           seq_ids: torch.Tensor, timing: Optional[tuple] = None) -> torch.Tensor:
     """Measure each head's error against the exact step, give heads over the tolerance the exact
-    output, move the thresholds; nothing waits for the GPU. Returns the output to use."""
+    output, move the thresholds of each (sequence, KV head); nothing waits for the GPU. timing:
+    CUDA events before the selection, after the sparse step and after the exact one, read back
+    with the pages. Returns the output to use."""
     s, hq, t, dv = out.shape
-    hkv = site_.theta.shape[0]
+    hkv = site_.theta.shape[1]
     ref = exact.float()
     err = (out.float() - ref).flatten(2).norm(dim=-1) / ref.flatten(2).norm(dim=-1).clamp_min(1e-30)  # (S, Hq)
     over = err > site_.tolerance
     out = torch.where(over[:, :, None, None], exact, out)
-    err_kv = err.view(s, hkv, hq // hkv).amax(2).amax(0)  # (Hkv,)
+    err_sk = err.view(s, hkv, hq // hkv).amax(2)  # (S, Hkv)
     pages = (count.view(s, hkv).float() / npages.view(s, 1).float().clamp_min(1)).mean(0)
-    factor = (TARGET * site_.tolerance / err_kv.clamp_min(1e-30)).clamp(1 / STEP_DOWN, STEP_UP)
-    site_.theta.copy_((site_.theta * factor).clamp(THETA_MIN, THETA_MAX))
-    site_.error.copy_(err_kv)
+    factor = (TARGET * site_.tolerance / err_sk.clamp_min(1e-30)).clamp(1 / STEP_DOWN, STEP_UP)
+    rows = seq_ids.long()
+    site_.theta[rows] = (site_.theta[rows] * factor).clamp(THETA_MIN, THETA_MAX)
+    site_.error.copy_(err_sk.amax(0))
     site_.pages.copy_(pages)
     if out.is_cuda:
-        host = torch.empty(hkv, dtype=torch.float32, pin_memory=True)
-        host.copy_(pages, non_blocking=True)
+        if site_._host is None:
+            site_._host = torch.empty(hkv, dtype=torch.float32, pin_memory=True)
+        site_._host.copy_(pages, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        site_._pending = (event, host)
+        site_._pending = (event, site_._host, timing)
     else:
-        site_._pending = (None, pages.clone())
+        site_._pending = (None, pages.clone(), None)
     return out

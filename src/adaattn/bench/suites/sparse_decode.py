@@ -187,7 +187,7 @@ def _make(device, layer, context):
                              "error_max": max(errs), "error_mean": sum(errs) / len(errs),
                              "fixed_budget_error_max": max(fixed),
                              "fixed_budget_error_mean": sum(fixed) / len(fixed),
-                             "theta": [round(x, 5) for x in sparse.site(cache, 0, tau).theta.tolist()]}
+                             "theta": [round(x, 5) for x in sparse.site(cache, 0, tau).theta[0].tolist()]}
             tplan = plan_decode(cache, heads=q.shape[1], policy=Policy(mode="auto", approximations=("skip",),
                                                                        tolerance=tau), sparse=True)
             q_last = q[:, :, -1:]
