@@ -1,13 +1,17 @@
 """Query-aware page selection for sparse decode: which pages of each (sequence, KV head) a decode
 step reads.
 
-One program per (sequence, KV head), reading only the pages' key sums (kv/cache.py, summaries):
+Two launches, reading only the pages' key sums (kv/cache.py, summaries). page_estimate_kernel, one
+program per (sequence, KV head, block of BLOCK_P pages), does step 1; page_cut_kernel, one program
+per (sequence, KV head), steps 2 to 4. (One program per (sequence, KV head) walking its pages in
+turn took 60 us of a 430 us step at B=16, Hkv=8, 32k on an H100: benchmarks/NOTES.md, sparse decode.)
 
 1. Each query row r of the GQA group (G heads x T rows) scores each page p by its centroid,
    e[r, p] = q_r . (sum_p / n_p) * scale + ln n_p (log2 units here): a lower bound of the page's
    softmax mass (Jensen), which ranks pages better than the min/max bound on trained models
-   (benchmarks/NOTES.md, sparse decode). The rows' estimates go to a scratch buffer, and each
-   row's log-sum-exp over pages is kept online.
+   (benchmarks/NOTES.md, sparse decode). The rows' estimates go to a scratch buffer ROWS, and
+   each block's per-row max and sum of exponentials to PART_M / PART_L; page_cut_kernel
+   combines those into each row's log-sum-exp over pages.
 2. Each page's share is the largest over the rows of its estimated fraction of the row's mass:
    f[p] = max_r 2^(e[r, p] - lse_r).
 3. The pages dropped are those with the smallest shares whose shares sum to at most the head's
@@ -30,22 +34,24 @@ LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
-def page_select_kernel(
-    Q, SUMS, TABLE, LENS, SEQS, THETA, ROWS, SEL, COUNT,
+def page_estimate_kernel(
+    Q, SUMS, TABLE, LENS, SEQS, ROWS, PART_M, PART_L,
     sm_scale,
     stride_qs, stride_qh, stride_qt, stride_qd,
     stride_bp, stride_bh,
     stride_ts, stride_tp,
     stride_rp, stride_rm,
-    stride_sp,
-    HKV, SINK, RECENT,
+    stride_pp, stride_pb,
+    HKV,
     G: tl.constexpr, T: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_P: tl.constexpr, ALL_P: tl.constexpr, PAGE: tl.constexpr, ITERS: tl.constexpr,
+    BLOCK_P: tl.constexpr, PAGE: tl.constexpr,
 ):
-    """ROWS (S*HKV, BLOCK_M, max pages) fp32 scratch; SEL (S*HKV, max pages) and COUNT (S*HKV,)
-    int32 out. SUMS (num_pages, HKV, D) fp32, unit stride along D. BLOCK_P pages per block of step
-    1; ALL_P >= every sequence's pages (steps 2-4 hold them all in registers)."""
+    """Step 1 for one block of pages. ROWS (S*HKV, BLOCK_M, max pages) fp32; PART_M, PART_L
+    (S*HKV, blocks, BLOCK_M) fp32: the block's max estimate per row and sum of 2^(est - max) (a
+    block past the sequence's end writes -inf and 0). SUMS (num_pages, HKV, D) fp32, unit stride
+    along D."""
     pid = tl.program_id(0)
+    blk = tl.program_id(1)
     s = pid // HKV
     h = pid % HKV
     seq = tl.load(SEQS + s)
@@ -58,33 +64,60 @@ def page_select_kernel(
     q = tl.load(Q + s * stride_qs + (h * G + rows // T)[:, None] * stride_qh + (rows % T)[:, None] * stride_qt
                 + dd[None, :] * stride_qd, mask=row_ok[:, None] & (dd[None, :] < D), other=0.0).to(tl.float32)
     q = q * (sm_scale * LOG2E)
-    table = TABLE + seq * stride_ts
-    row_base = ROWS + pid * stride_rp
-    sel_base = SEL + pid * stride_sp
+    pg = blk * BLOCK_P + tl.arange(0, BLOCK_P)
+    ok = pg < npages
+    phys = tl.load(TABLE + seq * stride_ts + pg * stride_tp, mask=ok, other=0).to(tl.int64)
+    cnt = tl.minimum(length - pg * PAGE, PAGE).to(tl.float32)
+    cnt = tl.where(ok, cnt, 1.0)
+    sums = tl.load(SUMS + phys[:, None] * stride_bp + h * stride_bh + dd[None, :],
+                   mask=ok[:, None] & (dd[None, :] < D), other=0.0)
+    cen = sums / cnt[:, None]
+    est = tl.dot(q, tl.trans(cen), input_precision="ieee") + tl.log2(cnt)[None, :]
+    est = tl.where(ok[None, :] & row_ok[:, None], est, float("-inf"))
+    tl.store(ROWS + pid * stride_rp + rows[:, None] * stride_rm + pg[None, :], est, mask=ok[None, :])
+    m = tl.max(est, 1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    l_sum = tl.sum(tl.exp2(est - m_safe[:, None]), 1)
+    tl.store(PART_M + pid * stride_pp + blk * stride_pb + rows, m)
+    tl.store(PART_L + pid * stride_pp + blk * stride_pb + rows, l_sum)
 
-    # 1. estimates per row and page, and each row's log-sum-exp over pages (log2)
-    m_r = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_r = tl.zeros([BLOCK_M], tl.float32)
-    for p0 in range(0, npages, BLOCK_P):
-        pg = p0 + tl.arange(0, BLOCK_P)
-        ok = pg < npages
-        phys = tl.load(table + pg * stride_tp, mask=ok, other=0).to(tl.int64)
-        cnt = tl.minimum(length - pg * PAGE, PAGE).to(tl.float32)
-        cnt = tl.where(ok, cnt, 1.0)
-        sums = tl.load(SUMS + phys[:, None] * stride_bp + h * stride_bh + dd[None, :],
-                       mask=ok[:, None] & (dd[None, :] < D), other=0.0)
-        cen = sums / cnt[:, None]
-        est = tl.dot(q, tl.trans(cen), input_precision="ieee") + tl.log2(cnt)[None, :]
-        est = tl.where(ok[None, :] & row_ok[:, None], est, float("-inf"))
-        tl.store(row_base + rows[:, None] * stride_rm + pg[None, :], est, mask=ok[None, :])
-        m_new = tl.maximum(m_r, tl.max(est, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_r = l_r * tl.exp2(m_r - m_safe) + tl.sum(tl.exp2(est - m_safe[:, None]), 1)
-        m_r = m_new
-    lse = tl.where(row_ok, m_r + tl.log2(tl.where(l_r > 0, l_r, 1.0)), float("inf"))
+
+@triton.jit
+def page_cut_kernel(
+    LENS, SEQS, THETA, ROWS, PART_M, PART_L, SEL, COUNT,
+    stride_rp, stride_rm,
+    stride_pp, stride_pb,
+    stride_sp,
+    HKV, SINK, RECENT,
+    G: tl.constexpr, T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, ALL_B: tl.constexpr,
+    ALL_P: tl.constexpr, PAGE: tl.constexpr, ITERS: tl.constexpr,
+):
+    """Steps 2 to 4 for one (sequence, KV head). THETA (sequence slots, HKV) fp32; SEL (S*HKV,
+    max pages) and COUNT (S*HKV,) int32 out. ALL_B >= every sequence's blocks of BLOCK_P pages,
+    ALL_P >= its pages (held in registers)."""
+    pid = tl.program_id(0)
+    s = pid // HKV
+    h = pid % HKV
+    seq = tl.load(SEQS + s)
+    length = tl.load(LENS + seq)
+    npages = tl.cdiv(length, PAGE)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < G * T
+
+    # each row's log-sum-exp over pages, from the blocks' parts (log2)
+    bb = tl.arange(0, ALL_B)
+    b_ok = bb < tl.cdiv(npages, BLOCK_P)
+    part = pid * stride_pp + bb[:, None] * stride_pb + rows[None, :]
+    pm = tl.load(PART_M + part, mask=b_ok[:, None], other=float("-inf"))
+    pl = tl.load(PART_L + part, mask=b_ok[:, None], other=0.0)
+    m_r = tl.max(pm, 0)
+    m_safe = tl.where(m_r == float("-inf"), 0.0, m_r)
+    l_r = tl.sum(pl * tl.exp2(pm - m_safe[None, :]), 0)
+    lse = tl.where(row_ok, m_safe + tl.log2(tl.where(l_r > 0, l_r, 1.0)), float("inf"))
 
     # 2. each page's share: the largest fraction of a row's estimated mass it holds (<= 1); all
     # the pages at once (ALL_P >= the sequence's pages), kept in registers through steps 3 and 4
+    row_base = ROWS + pid * stride_rp
     pg = tl.arange(0, ALL_P)
     ok = pg < npages
     share = tl.zeros([ALL_P], tl.float32)
@@ -110,6 +143,6 @@ def page_select_kernel(
     # 4. the kept pages, ascending
     keep = ok & (share >= lo)
     at = tl.cumsum(keep.to(tl.int32), 0) - 1
-    tl.store(sel_base + at, pg.to(tl.int32), mask=keep)
+    tl.store(SEL + pid * stride_sp + at, pg.to(tl.int32), mask=keep)
     kept = tl.sum(keep.to(tl.int32), 0)
     tl.store(COUNT + pid, kept)

@@ -44,7 +44,7 @@ KEEP_DENSE = 0.7  # a site keeping more than this fraction of pages on DENSE_AFT
 PAYS = 0.95  # ... as does one whose sparse step measured more than PAYS x the exact step's time (CUDA) ...
 DENSE_AFTER = 2
 REPROBE = 64  # ... for this many calls
-SELECT_BLOCK_P = 64  # pages per block of the selection kernel's first step
+SELECT_BLOCK_P = 32  # pages per program of the selection's first kernel (page_estimate_kernel)
 MAX_PAGES = 8192  # the selection holds a sequence's page shares in registers: up to this many pages
 SELECT_ITERS = 30  # bisection steps of the selection's cut
 
@@ -140,29 +140,40 @@ def select(query: torch.Tensor, cache, layer: int, plan, theta: torch.Tensor, sc
 
 
 def _select_kernel(query, cache, layer, plan, theta, scale):
-    from triton import next_power_of_2
+    from triton import cdiv, next_power_of_2
 
-    from ..kernels.page_select import page_select_kernel
+    from ..kernels.page_select import page_cut_kernel, page_estimate_kernel
 
     s, hq, t, d = query.shape
     hkv = cache.kv_heads
     g = hq // hkv
     block_m = max(16, next_power_of_2(g * t))
     maxp = -(-plan.max_len // cache.page_size)
+    blocks = cdiv(maxp, SELECT_BLOCK_P)
     key = ("select", block_m, maxp, str(query.device))
     if key not in plan._scratch:
-        plan._scratch[key] = (torch.empty(s * hkv, block_m, maxp, dtype=torch.float32, device=query.device),
-                              torch.zeros(s * hkv, maxp, dtype=torch.int32, device=query.device),
-                              torch.zeros(s * hkv, dtype=torch.int32, device=query.device))
-    rows, sel, count = plan._scratch[key]
+        dev = query.device
+        plan._scratch[key] = (torch.empty(s * hkv, block_m, maxp, dtype=torch.float32, device=dev),
+                              torch.empty(s * hkv, blocks, block_m, dtype=torch.float32, device=dev),
+                              torch.empty(s * hkv, blocks, block_m, dtype=torch.float32, device=dev),
+                              torch.zeros(s * hkv, maxp, dtype=torch.int32, device=dev),
+                              torch.zeros(s * hkv, dtype=torch.int32, device=dev))
+    rows, part_m, part_l, sel, count = plan._scratch[key]
     sums = cache.k_sum[layer]
-    all_p = max(16, next_power_of_2(maxp))
-    page_select_kernel[(s * hkv,)](
-        query, sums, cache.block_table, cache.lengths[layer], plan.seq_ids, theta, rows, sel, count, scale,
-        *query.stride(), *sums.stride()[:2], *cache.block_table.stride(), *rows.stride()[:2], sel.stride(0),
-        hkv, SINK_PAGES, RECENT_PAGES,
+    lens = cache.lengths[layer]
+    page_estimate_kernel[(s * hkv, blocks)](
+        query, sums, cache.block_table, lens, plan.seq_ids, rows, part_m, part_l, scale,
+        *query.stride(), *sums.stride()[:2], *cache.block_table.stride(), *rows.stride()[:2],
+        *part_m.stride()[:2], hkv,
         G=g, T=t, D=d, BLOCK_M=block_m, BLOCK_D=max(16, next_power_of_2(d)), BLOCK_P=SELECT_BLOCK_P,
-        ALL_P=all_p, PAGE=cache.page_size, ITERS=SELECT_ITERS, num_warps=4 if all_p <= 2048 else 8,
+        PAGE=cache.page_size, num_warps=4,
+    )
+    all_p = max(16, next_power_of_2(maxp))
+    page_cut_kernel[(s * hkv,)](
+        lens, plan.seq_ids, theta, rows, part_m, part_l, sel, count,
+        *rows.stride()[:2], *part_m.stride()[:2], sel.stride(0), hkv, SINK_PAGES, RECENT_PAGES,
+        G=g, T=t, BLOCK_M=block_m, BLOCK_P=SELECT_BLOCK_P, ALL_B=max(2, next_power_of_2(blocks)), ALL_P=all_p,
+        PAGE=cache.page_size, ITERS=SELECT_ITERS, num_warps=4 if all_p <= 2048 else 8,
     )
     return sel, count
 
