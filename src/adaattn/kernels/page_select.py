@@ -74,7 +74,7 @@ def page_estimate_kernel(
     cen = sums / cnt[:, None]
     est = tl.dot(q, tl.trans(cen), input_precision="ieee") + tl.log2(cnt)[None, :]
     est = tl.where(ok[None, :] & row_ok[:, None], est, float("-inf"))
-    tl.store(ROWS + pid * stride_rp + rows[:, None] * stride_rm + pg[None, :], est, mask=ok[None, :])
+    tl.store(ROWS + pid * stride_rp + rows[:, None] * stride_rm + pg[None, :], est, mask=row_ok[:, None] & ok[None, :])
     m = tl.max(est, 1)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     l_sum = tl.sum(tl.exp2(est - m_safe[:, None]), 1)

@@ -44,6 +44,7 @@ KEEP_DENSE = 0.7  # a site keeping more than this fraction of pages on DENSE_AFT
 PAYS = 0.95  # ... as does one whose sparse step measured more than PAYS x the exact step's time (CUDA) ...
 DENSE_AFTER = 2
 REPROBE = 64  # ... for this many calls
+MAX_LAG = 4  # a verified call's figures are waited for once this many later calls have gone by
 SELECT_BLOCK_P = 32  # pages per program of the selection's first kernel (page_estimate_kernel)
 MAX_PAGES = 8192  # the selection holds a sequence's page shares in registers: up to this many pages
 SELECT_ITERS = 30  # bisection steps of the selection's cut
@@ -64,6 +65,7 @@ class SparseSite:
         self._diffuse = 0  # verified calls in a row where sparse did not pay
         self._pending: Optional[tuple] = None  # (event or None, host copy of the pages read, timing events) of a verified call
         self._host: Optional[torch.Tensor] = None  # pinned buffer the pages read come back through
+        self._pending_call = 0  # the call that left _pending
         self.decisions = {"dense": 0, "sparse": 0, "verified": 0}  # how this site's calls ran (host counts)
         self.measured: Optional[tuple] = None  # (sparse ms, exact ms, pages read) of the last verified call read back
         self.why_dense = ""
@@ -73,12 +75,16 @@ class SparseSite:
         self.theta[seq] = 0.5 * self.tolerance
 
     def poll(self) -> None:
-        """Apply the figures of an earlier verified call once they have reached the host (never waits)."""
+        """Apply the figures of an earlier verified call once they have reached the host: without
+        waiting, unless MAX_LAG calls have gone by since (a host running far ahead of the GPU would
+        otherwise run on stale decisions for as long as it leads)."""
         if self._pending is None or torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
             return  # (an event may not be queried while a graph is being captured)
         event, host, timing = self._pending
         if event is not None and not event.query():
-            return
+            if self.calls - self._pending_call < MAX_LAG:
+                return
+            event.synchronize()
         self._pending = None
         pages = float(host.mean())
         slow = False
@@ -289,6 +295,7 @@ def verify(site_: SparseSite, out: torch.Tensor, exact: torch.Tensor, count: tor
         event = torch.cuda.Event()
         event.record()
         site_._pending = (event, site_._host, timing)
+        site_._pending_call = site_.calls
     else:
         site_._pending = (None, pages.clone(), None)
     return out
