@@ -72,7 +72,9 @@ def page_estimate_kernel(
     sums = tl.load(SUMS + phys[:, None] * stride_bp + h * stride_bh + dd[None, :],
                    mask=ok[:, None] & (dd[None, :] < D), other=0.0)
     cen = sums / cnt[:, None]
-    est = tl.dot(q, tl.trans(cen), input_precision="ieee") + tl.log2(cnt)[None, :]
+    # tf32: an fp32 "ieee" dot took 4x as long here (99-160 us against 38-43 at 128k, H100) for an
+    # estimate that ranks pages, where tf32's 2^-11 relative rounding moves no share materially
+    est = tl.dot(q, tl.trans(cen), input_precision="tf32") + tl.log2(cnt)[None, :]
     est = tl.where(ok[None, :] & row_ok[:, None], est, float("-inf"))
     tl.store(ROWS + pid * stride_rp + rows[:, None] * stride_rm + pg[None, :], est, mask=row_ok[:, None] & ok[None, :])
     m = tl.max(est, 1)

@@ -42,6 +42,7 @@ STEP_UP, STEP_DOWN = 1.5, 4.0  # theta grows by at most STEP_UP per verified cal
 MIN_BYTES = 32 << 20  # K/V bytes per layer below which a step runs dense
 KEEP_DENSE = 0.7  # a site keeping more than this fraction of pages on DENSE_AFTER verified calls in a row runs dense ...
 PAYS = 0.95  # ... as does one whose sparse step measured more than PAYS x the exact step's time (CUDA) ...
+OUTLIER = 4.0  # (a timing of more than OUTLIER x the exact step's, or of a site's first call, is not counted)
 DENSE_AFTER = 2
 REPROBE = 64  # ... for this many calls
 MAX_LAG = 4  # a verified call's figures are waited for once this many later calls have gone by
@@ -92,7 +93,9 @@ class SparseSite:
             t0, t1, t2 = timing
             sparse_ms, exact_ms = t0.elapsed_time(t1), t1.elapsed_time(t2)
             self.measured = (sparse_ms, exact_ms, pages)
-            slow = sparse_ms > PAYS * exact_ms
+            # a site's first call compiles; a figure far off is a compile or an allocation, not the cost
+            if self._pending_call > 0 and sparse_ms <= OUTLIER * exact_ms:
+                slow = sparse_ms > PAYS * exact_ms
         if slow:
             self.why_dense = (f"the sparse step measured {sparse_ms:.3f} ms against the dense step's {exact_ms:.3f} ms "
                               f"reading {pages:.0%} of the pages")

@@ -28,6 +28,7 @@ import torch
 
 from ...kv import KVCache, decode_attention, plan_decode
 from ...kv import sparse
+from ... import stats
 from ...policy import Policy
 from ..cases import Case, Peer
 
@@ -153,6 +154,7 @@ def _make(device, layer, context):
             n0 = n_total - WARM - MEASURED
             cache.append(0, k[:, :, :n0], v[:, :, :n0])
             errs, read, oracle, fixed = [], [], [], []
+            sparse_steps = 0
             for i in range(WARM + MEASURED):
                 pos = n0 + i
                 cache.append(0, k[:, :, pos:pos + 1], v[:, :, pos:pos + 1])
@@ -160,20 +162,23 @@ def _make(device, layer, context):
                 warm = i < WARM
                 policy = Policy(mode="auto", approximations=("skip",), tolerance=tau, verify=1.0 if warm else 0.05)
                 plan = plan_decode(cache, heads=qi.shape[1], policy=policy, sparse=True)
-                if not warm:
-                    site = sparse.site(cache, 0, tau)
-                    _, count = sparse.select(qi, cache, 0, plan, site.theta, scale, kernel=True)
-                    counts = count.view(BATCH, KV_HEADS)[0]
-                out = decode_attention(qi, cache, 0, plan=plan)
+                with stats.collect() as recs:
+                    out = decode_attention(qi, cache, 0, plan=plan)
                 if warm:
                     continue
+                n = pos + 1
+                npages = -(-n // PAGE)
+                ran = recs[-1].decisions
+                if ran.get("sparse") == "sparse":  # the pages this call read, per (sequence, KV head)
+                    counts = ran["pages_this_call"].view(BATCH, KV_HEADS)[0].float()
+                    sparse_steps += 1
+                else:  # ran dense: every page read
+                    counts = torch.full((KV_HEADS,), float(npages), device=device)
                 exact = decode_attention(qi, cache, 0, plan=plan_decode(cache, heads=qi.shape[1]))
                 err = ((out.float() - exact.float()).flatten(2).norm(dim=-1)
                        / exact.float().flatten(2).norm(dim=-1)).max()
-                n = pos + 1
-                npages = -(-n // PAGE)
                 errs.append(float(err))
-                read.append(float(count.float().mean()) / npages)
+                read.append(float(counts.mean()) / npages)
                 q_orig = q0[0, :, i].double()
                 oracle.append(_oracle_pages(q_orig, k64, v64, tau, n) / (k0.shape[1] * npages))
                 # the fixed budget: as many pages as ours read, per original KV head (heads 0 and reps of the copies)
@@ -187,6 +192,7 @@ def _make(device, layer, context):
                              "error_max": max(errs), "error_mean": sum(errs) / len(errs),
                              "fixed_budget_error_max": max(fixed),
                              "fixed_budget_error_mean": sum(fixed) / len(fixed),
+                             "measured_steps_sparse": sparse_steps, "measured_steps": MEASURED,
                              "theta": [round(x, 5) for x in sparse.site(cache, 0, tau).theta[0].tolist()]}
             tplan = plan_decode(cache, heads=q.shape[1], policy=Policy(mode="auto", approximations=("skip",),
                                                                        tolerance=tau), sparse=True)
