@@ -166,7 +166,7 @@ def plan_decode(cache: PagedKVCache, seqs: Optional[Sequence[int]] = None, *, he
                                      "needs the pages gathered or a contiguous view (benchmarks/NOTES.md, decode)")
     else:
         why = "asked for"
-    seq_ids = torch.tensor(seqs, dtype=torch.int32, device=cache.device)
+    seq_ids = cache.seq_ids(seqs)  # made once per list: a fresh host-to-device copy would wait for the GPU's queue
     plan = DecodePlan(runner, why, seqs, seq_ids, heads, query_len, int(max_len))
     if runner == "triton":
         tiles = -(-plan.max_len // BLOCK_N)
