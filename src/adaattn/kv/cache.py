@@ -227,7 +227,6 @@ class PagedKVCache:
     def _append_kernel(self, layer, seqs, key, value) -> None:
         from triton import next_power_of_2
 
-        from ..backends.launcher import launch
         from ..backends.triton_launch import interpreting
         from ..kernels.kv_append import append_kernel
 
@@ -242,7 +241,7 @@ class PagedKVCache:
         else:
             sums = mins = maxs = self._count
         chunks = -(-(t - 1) // self.page_size) + 1  # pages T tokens from any slot can touch
-        launch(append_kernel, (s * hkv, chunks),
+        append_kernel[(s * hkv, chunks)](
             key, value, k_pool, v_pool, ks, vs, kc, self.block_table, self.lengths[layer], self.seq_ids(seqs),
             self._count, sums, mins, maxs, *key.stride(), *value.stride(), *k_pool.stride(), *v_pool.stride(),
             *(ks.stride() if quantized else (0, 0)), *(kc.stride() if quantized else (0, 0, 0)),

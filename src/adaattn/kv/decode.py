@@ -340,7 +340,6 @@ def _split_kv(query, cache, layer, plan, scale, sel=None, count=None):
 
     from ..backends.triton_launch import dot_precision
     from ..kernels.decode import decode_merge_kernel, decode_split_kernel
-    from ..backends.launcher import launch
 
     s, hq, t, d = query.shape
     hkv, dv = cache.kv_heads, cache.value_dim
@@ -353,7 +352,7 @@ def _split_kv(query, cache, layer, plan, scale, sel=None, count=None):
     scale = d ** -0.5 if scale is None else float(scale)
     precision = dot_precision(query.dtype)
     sparse_ = sel is not None
-    launch(decode_split_kernel, (plan.splits, s * hkv),
+    decode_split_kernel[(plan.splits, s * hkv)](
         query, k_pool, v_pool, ks, vs, cache.block_table, cache.lengths[layer], plan.seq_ids, o_part, l_part,
         sel if sparse_ else l_part, count if sparse_ else l_part, scale,
         *query.stride(), *k_pool.stride(), *v_pool.stride(),
@@ -366,7 +365,7 @@ def _split_kv(query, cache, layer, plan, scale, sel=None, count=None):
         num_warps=plan.num_warps, num_stages=plan.num_stages,
     )
     out = torch.empty(s, hq, t, dv, dtype=query.dtype, device=query.device)
-    launch(decode_merge_kernel, (s * hq * t,),
+    decode_merge_kernel[(s * hq * t,)](
         o_part, l_part, out, *o_part.stride(), *l_part.stride(), *out.stride(), hq, t, plan.splits,
         DV=dv, BLOCK_DV=max(16, next_power_of_2(dv)), BLOCK_S=max(2, next_power_of_2(plan.splits)),
         DOT_PRECISION=precision,

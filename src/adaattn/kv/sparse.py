@@ -152,7 +152,6 @@ def _select_kernel(query, cache, layer, plan, theta, scale):
     from triton import cdiv, next_power_of_2
 
     from ..kernels.page_select import page_cut_kernel, page_estimate_kernel
-    from ..backends.launcher import launch
 
     s, hq, t, d = query.shape
     hkv = cache.kv_heads
@@ -171,7 +170,7 @@ def _select_kernel(query, cache, layer, plan, theta, scale):
     rows, part_m, part_l, sel, count = plan._scratch[key]
     sums = cache.k_sum[layer]
     lens = cache.lengths[layer]
-    launch(page_estimate_kernel, (s * hkv, blocks),
+    page_estimate_kernel[(s * hkv, blocks)](
         query, sums, cache.block_table, lens, plan.seq_ids, rows, part_m, part_l, scale,
         *query.stride(), *sums.stride()[:2], *cache.block_table.stride(), *rows.stride()[:2],
         *part_m.stride()[:2], hkv,
@@ -179,7 +178,7 @@ def _select_kernel(query, cache, layer, plan, theta, scale):
         PAGE=cache.page_size, num_warps=4,
     )
     all_p = max(16, next_power_of_2(maxp))
-    launch(page_cut_kernel, (s * hkv,),
+    page_cut_kernel[(s * hkv,)](
         lens, plan.seq_ids, theta, rows, part_m, part_l, sel, count,
         *rows.stride()[:2], *part_m.stride()[:2], sel.stride(0), hkv, SINK_PAGES, RECENT_PAGES,
         G=g, T=t, BLOCK_M=block_m, BLOCK_P=SELECT_BLOCK_P, ALL_B=max(2, next_power_of_2(blocks)), ALL_P=all_p,
