@@ -209,7 +209,7 @@ def test_the_plan_says_why_sparse_decode_does_or_does_not_run():
         plan_decode(cache, heads=2, sparse=True)
     with pytest.raises(TypeError, match="policy must be an adaattn.Policy"):
         plan_decode(cache, heads=2, policy="auto")
-    with pytest.raises(TypeError, match="sparse must be None, True or False"):
+    with pytest.raises(TypeError, match="sparse must be None, True, False or .always."):
         plan_decode(cache, heads=2, policy=SKIP, sparse=1)
     small = KVCache(1, 1, 2, 256, 16, dtype=torch.float32, page_size=16, summaries=True)
     small.append(0, torch.randn(1, 2, 100, 16), torch.randn(1, 2, 100, 16))
@@ -243,6 +243,11 @@ def test_a_diffuse_site_runs_dense_and_every_verified_call_meets_the_tolerance()
     modes = [r.decisions["sparse"] for r in records]
     assert modes[:sparse.DENSE_AFTER] == ["sparse"] * sparse.DENSE_AFTER and modes[-1] == "dense", modes
     assert records[-1].backend == "kv.sdpa" and "dense until call" in records[-1].decisions["sparse_why"]
+    with stats.collect() as records:  # sparse="always" runs the selection whatever the site decided
+        decode_attention(q, cache, 0, plan=plan_decode(cache, heads=4, policy=policy, sparse="always"))
+    assert records[-1].decisions["sparse"] == "sparse"
+    with pytest.raises(TypeError, match="'always'"):
+        plan_decode(cache, heads=4, policy=policy, sparse="yes")
     assert records[0].backend == "kv.sdpa.sparse" and len(records[0].as_dict()["decisions"]["pages_read"]) == 2
 
 
@@ -322,7 +327,8 @@ def test_the_gpt_decodes_through_its_policy_and_a_cache_with_summaries():
 
 def test_the_decode_summary_sums_layers_and_bounds_by_the_oracle():
     """bench --suite decode's summary: the whole model is the sum of the layers' times, the oracle
-    bound scales each layer's dense time by its oracle pages, and each bar is judged per layer."""
+    bound scales each layer's dense time by its oracle pages, and each bar is judged per layer
+    on the selection itself (the sparse="always" rows)."""
     from adaattn.bench.suites import sparse_decode as sd
 
     rows = []
@@ -331,16 +337,18 @@ def test_the_decode_summary_sums_layers_and_bounds_by_the_oracle():
         case = f"sparse decode, 32k checkpoint, layer {layer}"
         rows.append({"case": case, "layer": layer, "peer": "kv bf16", "ms": dense_ms})
         for tau in sd.TAUS:
-            rows.append({"case": case, "layer": layer, "peer": f"kv bf16 sparse tau={tau:g}", "ms": ms,
-                         "x_baseline_paired": dense_ms / ms, "pages_read": pages, "oracle_pages": oracle,
-                         "x_oracle": pages / oracle, "error_max": err, "fixed_budget_error_max": fixed})
+            for suffix, t in (("", ms), (" always", ms * 1.2)):
+                rows.append({"case": case, "layer": layer, "peer": f"kv bf16 sparse tau={tau:g}{suffix}", "ms": t,
+                             "x_baseline_paired": dense_ms / t, "pages_read": pages, "oracle_pages": oracle,
+                             "x_oracle": pages / oracle, "error_max": err, "fixed_budget_error_max": fixed})
     rows.append({"case": "sparse decode, random K/V", "workload": "random", "peer": "kv bf16 sparse tau=0.05",
                  "ms": 1.02, "x_baseline_paired": 1 / 1.02, "decisions_while_timed": {"dense": 9}})
     out, text = sd.summarize(rows)
     w = {e["tolerance"]: e for e in out["whole_model"]}[5e-2]
     assert w["x_dense"] == pytest.approx(2.0 / 1.25) and w["oracle_bound_x_dense"] == pytest.approx(2.0 / 1.1)
+    assert w["x_dense_always"] == pytest.approx(2.0 / 1.5)
     layer1 = [e for e in out["layers"] if e["layer"] == 1 and e["tolerance"] == 5e-2][0]
-    assert layer1["of_ideal"] == pytest.approx(0.8) and layer1["meets_oracle_1.5"] is False
+    assert layer1["of_ideal"] == pytest.approx(0.8 / 1.2) and layer1["meets_oracle_1.5"] is False
     assert layer1["meets_tolerance"] is True and layer1["ours_lower_than_fixed_budget"] is True
     assert [e for e in out["layers"] if e["layer"] == 1 and e["tolerance"] == 1e-2][0]["meets_tolerance"] is False
     assert out["random"][0]["over_dense"] == pytest.approx(0.02) and "whole model" in text

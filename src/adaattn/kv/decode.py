@@ -75,6 +75,7 @@ class DecodePlan:
     num_stages: int = 2
     contiguous: bool = False
     sparse: bool = False
+    sparse_always: bool = False
     sparse_why: str = ""
     policy: object = None
     _scratch: dict = field(default_factory=dict, repr=False)
@@ -116,7 +117,7 @@ def _triton_declines(cache: PagedKVCache, dtype: torch.dtype, device: torch.devi
 
 def plan_decode(cache: PagedKVCache, seqs: Optional[Sequence[int]] = None, *, heads: int, query_len: int = 1,
                 dtype: Optional[torch.dtype] = None, runner: Optional[str] = None, splits: Optional[int] = None,
-                max_len: Optional[int] = None, policy=None, sparse: Optional[bool] = None) -> DecodePlan:
+                max_len: Optional[int] = None, policy=None, sparse=None) -> DecodePlan:
     """A plan for decode_attention over `seqs` (default: a KVCache's whole batch) with `heads`
     query heads and `query_len` rows each.
 
@@ -127,7 +128,8 @@ def plan_decode(cache: PagedKVCache, seqs: Optional[Sequence[int]] = None, *, he
     whole batch against the GPU's SMs). policy: an adaattn.Policy; with mode="auto" and "skip"
     among its approximations, over a cache with summaries, steps read only the pages that matter
     (kv/sparse.py) where that pays; sparse=True runs that path whatever the size (a ValueError where
-    it cannot), sparse=False never."""
+    it cannot), sparse=False never, and sparse="always" like True but without the site's turns to the
+    dense step where selection does not pay (to measure the selection itself)."""
     if runner is not None and runner not in RUNNERS:
         raise ValueError(f"runner must be one of {RUNNERS} or None, got {runner!r}")
     if seqs is None:
@@ -190,9 +192,10 @@ def plan_decode(cache: PagedKVCache, seqs: Optional[Sequence[int]] = None, *, he
     return plan
 
 
-def _plan_sparse(plan: DecodePlan, cache: PagedKVCache, now: list[int], policy, sparse_: Optional[bool]) -> None:
-    if sparse_ is not None and not isinstance(sparse_, bool):
-        raise TypeError(f"sparse must be None, True or False, got {sparse_!r}")
+def _plan_sparse(plan: DecodePlan, cache: PagedKVCache, now: list[int], policy, sparse_) -> None:
+    if sparse_ is not None and not isinstance(sparse_, bool) and sparse_ != "always":
+        raise TypeError(f"sparse must be None, True, False or 'always', got {sparse_!r}")
+    plan.sparse_always = sparse_ == "always"
     if policy is not None:
         from ..policy import Policy
 
@@ -205,7 +208,7 @@ def _plan_sparse(plan: DecodePlan, cache: PagedKVCache, now: list[int], policy, 
     why = sparse.declines(cache, policy)
     if why:
         if sparse_:
-            raise ValueError(f"sparse=True cannot run: {why}")
+            raise ValueError(f"sparse={sparse_!r} cannot run: {why}")
         plan.sparse_why = f"dense: {why}" if policy is not None else ""
         return
     elem = {"native": torch.finfo(cache.dtype).bits // 8, "fp8": 1, "int8": 1}[cache.storage]
@@ -219,7 +222,8 @@ def _plan_sparse(plan: DecodePlan, cache: PagedKVCache, now: list[int], policy, 
         return
     plan.sparse = True
     plan.sparse_why = (f"reads the pages the queries need, tolerance {policy.tolerance:g} per head, verified on "
-                       f"{policy.verify:.0%} of calls" + (" (asked for)" if sparse_ else ""))
+                       f"{policy.verify:.0%} of calls" + (" (asked for)" if sparse_ else "")
+                       + (", never dense (sparse='always')" if plan.sparse_always else ""))
 
 
 def decode_attention(query: torch.Tensor, cache: PagedKVCache, layer: int, seqs: Optional[Sequence[int]] = None,
@@ -282,7 +286,7 @@ def _sparse_step(query, cache, layer, plan, scale, lengths):
     sampled calls verify against the exact step (timing both on CUDA) and move the thresholds."""
     site = sparse.site(cache, layer, plan.policy.tolerance)
     site.poll()
-    if site.dense_now():
+    if site.dense_now() and not plan.sparse_always:
         site.calls += 1
         site.decisions["dense"] += 1
         return _dense(query, cache, layer, plan, scale, lengths), {
