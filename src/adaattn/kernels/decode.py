@@ -12,8 +12,10 @@ j <= that (len: the sequence's length in this layer, read on the device).
 
 SPARSE: each (sequence, KV head) reads only the pages its row of SEL lists (COUNT of them, from
 kernels/page_select.py): key j of the listed pages' concatenation is key (SEL[j // PAGE] * PAGE +
-j % PAGE) of the sequence, and the splits share the listed keys evenly (each program's range is
-computed from COUNT on the device, TILES_PER_SPLIT unused).
+j % PAGE) of the sequence, TILES_PER_SPLIT tiles of them a program, so that the programs of a
+(sequence, KV head) are as many as its listed pages need (splits past COUNT's keys write an empty
+split). Sharing each head's listed keys evenly among a fixed number of splits instead made the heads
+that keep the most pages the long tail of the launch (benchmarks/NOTES.md, sparse decode).
 
 Pool layout per layer: (num_pages, PAGE, Hkv, D), token-major pages (adaattn.kv.cache).
 """
@@ -86,12 +88,11 @@ def decode_split_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     qk_scale = sm_scale * LOG2E
-    if SPARSE:  # the listed pages' keys, shared evenly by the splits
+    if SPARSE:  # the listed pages' keys, TILES_PER_SPLIT tiles a program: a head listing more pages gets more
         listed = tl.load(COUNT + pid_sh) * PAGE
         n_tiles = tl.cdiv(listed, BLOCK_N)
-        per = tl.cdiv(n_tiles, tl.num_programs(0))
-        first = split * per
-        last = tl.minimum(first + per, n_tiles)
+        first = split * TILES_PER_SPLIT
+        last = tl.minimum(first + TILES_PER_SPLIT, n_tiles)
         sel = SEL + pid_sh * stride_sel
     else:
         n_tiles = tl.cdiv(length, BLOCK_N)

@@ -87,13 +87,15 @@ class DecodePlan:
         return (f"decode runner kv.{self.runner} for {len(self.seqs)} sequence(s), {self.query_len} query row(s) "
                 f"each, up to {self.max_len} keys{split}: {self.why}{sparse_}")
 
-    def scratch(self, dv: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The split outputs and log-sum-exps (fp32), allocated once and reused by every layer."""
-        key = (dv, str(device))
+    def scratch(self, dv: int, device, splits: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The split outputs and log-sum-exps (fp32) of `splits` splits (default: the plan's),
+        allocated once and reused by every layer."""
+        splits = self.splits if splits is None else splits
+        key = (dv, str(device), splits)
         if key not in self._scratch:
             s, t = len(self.seqs), self.query_len
-            self._scratch[key] = (torch.empty(s, self.heads, t, self.splits, dv, dtype=torch.float32, device=device),
-                                  torch.empty(s, self.heads, t, self.splits, dtype=torch.float32, device=device))
+            self._scratch[key] = (torch.empty(s, self.heads, t, splits, dv, dtype=torch.float32, device=device),
+                                  torch.empty(s, self.heads, t, splits, dtype=torch.float32, device=device))
         return self._scratch[key]
 
 
@@ -299,7 +301,7 @@ def _sparse_step(query, cache, layer, plan, scale, lengths):
         timing[0].record()
     sel, count = sparse.select(query, cache, layer, plan, site.theta, scale_f, kernel)
     if kernel:
-        out = _split_kv(query, cache, layer, plan, scale, sel=sel, count=count)
+        out = _split_kv(query, cache, layer, plan, scale, sel=sel, count=count, pages=site.expected_pages)
     else:
         out = sparse.sparse_reference(query, cache, layer, plan.seq_ids, sel, count, scale_f, lengths)
     if check:
@@ -339,7 +341,11 @@ def _sdpa(query, cache, layer, plan, lengths, scale):
     return F.scaled_dot_product_attention(query, k, v, attn_mask=visible[:, None], scale=scale, enable_gqa=gqa)
 
 
-def _split_kv(query, cache, layer, plan, scale, sel=None, count=None):
+def _split_kv(query, cache, layer, plan, scale, sel=None, count=None, pages=1.0):
+    """The split-KV kernel and the merge. Sparse (sel, count): each program reads TILES_PER_SPLIT
+    tiles of its (sequence, KV head)'s listed pages, sized so that a head listing the fraction
+    `pages` of its pages (the site's last read-back figure) gets the dense plan's programs times
+    that fraction: heads listing more get more programs, and the launch covers a head listing all."""
     from triton import next_power_of_2
 
     from ..backends.triton_launch import dot_precision
@@ -348,21 +354,27 @@ def _split_kv(query, cache, layer, plan, scale, sel=None, count=None):
     s, hq, t, d = query.shape
     hkv, dv = cache.kv_heads, cache.value_dim
     g = hq // hkv
-    o_part, l_part = plan.scratch(dv, query.device)
+    sparse_ = sel is not None
+    per, splits = plan.tiles_per_split, plan.splits
+    if sparse_:
+        per = max(1, round(plan.tiles_per_split * min(max(pages, 0.05), 1.0)))
+        listed_keys = -(-plan.max_len // cache.page_size) * cache.page_size  # a head listing every page
+        tiles = -(-listed_keys // plan.block_n)
+        splits = -(-tiles // per)
+    o_part, l_part = plan.scratch(dv, query.device, splits)
     k_pool, v_pool = cache.k[layer], cache.v[layer]
     quantized = cache.storage != "native"
     ks = cache.k_scale[layer] if quantized else l_part  # a placeholder pointer when not read
     vs = cache.v_scale[layer] if quantized else l_part
     scale = d ** -0.5 if scale is None else float(scale)
     precision = dot_precision(query.dtype)
-    sparse_ = sel is not None
-    decode_split_kernel[(plan.splits, s * hkv)](
+    decode_split_kernel[(splits, s * hkv)](
         query, k_pool, v_pool, ks, vs, cache.block_table, cache.lengths[layer], plan.seq_ids, o_part, l_part,
         sel if sparse_ else l_part, count if sparse_ else l_part, scale,
         *query.stride(), *k_pool.stride(), *v_pool.stride(),
         *(ks.stride() if quantized else (0, 0)), *cache.block_table.stride(),
         *o_part.stride(), *l_part.stride(), sel.stride(0) if sparse_ else 0,
-        hkv, plan.tiles_per_split,
+        hkv, per,
         G=g, T=t, D=d, DV=dv, BLOCK_M=max(16, next_power_of_2(g * t)), BLOCK_N=plan.block_n,
         BLOCK_D=max(16, next_power_of_2(d)), BLOCK_DV=max(16, next_power_of_2(dv)), PAGE=cache.page_size,
         QUANTIZED=quantized, DOT_PRECISION=precision, CONTIG=plan.contiguous, SPARSE=sparse_,
@@ -370,8 +382,8 @@ def _split_kv(query, cache, layer, plan, scale, sel=None, count=None):
     )
     out = torch.empty(s, hq, t, dv, dtype=query.dtype, device=query.device)
     decode_merge_kernel[(s * hq * t,)](
-        o_part, l_part, out, *o_part.stride(), *l_part.stride(), *out.stride(), hq, t, plan.splits,
-        DV=dv, BLOCK_DV=max(16, next_power_of_2(dv)), BLOCK_S=max(2, next_power_of_2(plan.splits)),
+        o_part, l_part, out, *o_part.stride(), *l_part.stride(), *out.stride(), hq, t, splits,
+        DV=dv, BLOCK_DV=max(16, next_power_of_2(dv)), BLOCK_S=max(2, next_power_of_2(splits)),
         DOT_PRECISION=precision,
     )
     return out

@@ -69,6 +69,7 @@ class SparseSite:
         self._pending_call = 0  # the call that left _pending
         self.decisions = {"dense": 0, "sparse": 0, "verified": 0}  # how this site's calls ran (host counts)
         self.measured: Optional[tuple] = None  # (sparse ms, exact ms, pages read) of the last verified call read back
+        self.expected_pages = 0.5  # the fraction of pages a call is expected to read (the last read back): sizes its programs
         self.why_dense = ""
 
     def forget(self, seq: int) -> None:
@@ -88,6 +89,7 @@ class SparseSite:
             event.synchronize()
         self._pending = None
         pages = float(host.mean())
+        self.expected_pages = pages
         slow = False
         if timing is not None:  # CUDA: the verified call timed its sparse step and the exact one
             t0, t1, t2 = timing
