@@ -291,8 +291,10 @@ def _sparse_step(query, cache, layer, plan, scale, lengths):
     if site.dense_now() and not plan.sparse_always:
         site.calls += 1
         site.decisions["dense"] += 1
-        return _dense(query, cache, layer, plan, scale, lengths), {
-            "sparse": "dense", "sparse_why": f"{site.why_dense}; dense until call {site.dense_until}"}
+        out = _dense(query, cache, layer, plan, scale, lengths)
+        if not stats.enabled:  # (the host path of a dense call stays as short as the plain one's)
+            return out, {}
+        return out, {"sparse": "dense", "sparse_why": f"{site.why_dense}; dense until call {site.dense_until}"}
     kernel = plan.runner == "triton"
     scale_f = query.shape[-1] ** -0.5 if scale is None else float(scale)
     check = sparse.should_verify(site, plan.policy, query)
