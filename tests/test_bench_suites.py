@@ -77,8 +77,14 @@ def test_decode_figure_is_the_bytes_of_k_and_v():
     cases = _cases(["--suite", "decode", "--decode-parts", "dense"])
     sparse = _cases(["--suite", "decode", "--decode-parts", "sparse"])
     assert [c.label for c in everything] == [c.label for c in cases + sparse]
-    assert [c.x for c in sparse] == list(range(8)) and all(c.baseline == "kv bf16" for c in sparse)
-    assert sparse[0].work == 2 * 16 * 8 * 32768 * 64 * 2 and sparse[0].fields["taus"] == [1e-2, 5e-2]
+    random, generation, layers = sparse[0], sparse[1], sparse[2:]
+    assert [c.x for c in layers] == list(range(8)) and all(c.baseline == "kv bf16" for c in layers)
+    assert layers[0].work == 2 * 16 * 8 * 32768 * 64 * 2 and layers[0].fields["taus"] == [1e-2, 5e-2]
+    assert random.fields["workload"] == "random" and random.work == layers[0].work and random.baseline == "kv bf16"
+    # generation: the whole model's K/V (8 layers, B=16, Hkv=2, D=64, bf16) after the prompt and the steps
+    n = 30000 + 256
+    assert generation.fields["workload"] == "generation" and generation.work == 8 * 2 * 16 * 2 * n * 64 * 2
+    assert generation.baseline == "model decode attention, dense" and generation.figure == "TB/s"
     assert [c.x for c in cases] == [8192, 32768, 32768] and all(c.figure == "TB/s" for c in cases)
     assert cases[0].work == 2 * 16 * 8 * 8192 * 128 * 2
     assert cases[0].fields["heads"] == 32 and cases[0].fields["q_len"] == 1

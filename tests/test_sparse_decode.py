@@ -153,7 +153,7 @@ def test_the_sparse_step_matches_float64_on_the_pages_it_keeps(storage, dtype):
         q = torch.cat([q1] * t, 2).to(dtype) + 0.1 * torch.randn(2, q1.shape[1], t, d).to(dtype)
         plan = plan_decode(cache, seqs, heads=q.shape[1], query_len=t, runner="triton", policy=SKIP, sparse=True,
                            splits=3)
-        sel, count = sparse.select(q, cache, 0, plan, torch.full((hkv,), 0.1), d ** -0.5, kernel=True)
+        sel, count = sparse.select(q, cache, 0, plan, torch.full((2, hkv), 0.1), d ** -0.5, kernel=True)
         from adaattn.kv.decode import _split_kv
 
         out = _split_kv(q, cache, 0, plan, None, sel=sel, count=count)
@@ -243,12 +243,12 @@ def test_a_diffuse_site_runs_dense_and_every_verified_call_meets_the_tolerance()
     modes = [r.decisions["sparse"] for r in records]
     assert modes[:sparse.DENSE_AFTER] == ["sparse"] * sparse.DENSE_AFTER and modes[-1] == "dense", modes
     assert records[-1].backend == "kv.sdpa" and "dense until call" in records[-1].decisions["sparse_why"]
-    with stats.collect() as records:  # sparse="always" runs the selection whatever the site decided
+    assert records[0].backend == "kv.sdpa.sparse" and len(records[0].as_dict()["decisions"]["pages_read"]) == 2
+    with stats.collect() as always:  # sparse="always" runs the selection whatever the site decided
         decode_attention(q, cache, 0, plan=plan_decode(cache, heads=4, policy=policy, sparse="always"))
-    assert records[-1].decisions["sparse"] == "sparse"
+    assert always[-1].decisions["sparse"] == "sparse"
     with pytest.raises(TypeError, match="'always'"):
         plan_decode(cache, heads=4, policy=policy, sparse="yes")
-    assert records[0].backend == "kv.sdpa.sparse" and len(records[0].as_dict()["decisions"]["pages_read"]) == 2
 
 
 @pytest.fixture(scope="module")
@@ -355,39 +355,81 @@ def test_the_decode_summary_sums_layers_and_bounds_by_the_oracle():
 
 
 class _Elapsed:
-    """Stands in for a CUDA event: elapsed_time to the next one is fixed."""
+    """Stands in for a CUDA event: elapsed_time to the next one is fixed; query() says whether the
+    GPU has reached it, synchronize() waits for it."""
 
-    def __init__(self, ms):
-        self.ms = ms
+    def __init__(self, ms, done=True):
+        self.ms, self.done, self.waited = ms, done, False
 
     def elapsed_time(self, other):
         return other.ms - self.ms
 
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.waited = self.done = True
+
+
+def _timed(sparse_ms, exact_first=False):
+    """The timing events of a verified call whose sparse step took sparse_ms and exact one 1 ms."""
+    if exact_first:
+        return (_Elapsed(0.0), _Elapsed(1.0), _Elapsed(1.0 + sparse_ms), True)
+    return (_Elapsed(0.0), _Elapsed(sparse_ms), _Elapsed(sparse_ms + 1.0), False)
+
 
 def test_a_site_whose_sparse_step_measured_slower_runs_dense():
-    """On CUDA a verified call times its sparse step against the exact one; DENSE_AFTER verified
-    calls in a row where sparse did not pay (over PAYS x the exact time) send the site dense,
-    whatever the pages it kept, and it says why. A paying one keeps it sparse; a site's first call
-    (it compiles) and a figure over OUTLIER x the exact time are not counted."""
-    cases = ((0.97, 5, True), (0.3, 5, False), (0.97, 0, False), (sparse.OUTLIER + 0.5, 5, False))
-    for sparse_ms, first, goes_dense in cases:
+    """On CUDA a verified call times its sparse step against the exact one (in either order);
+    DENSE_AFTER verified calls in a row where sparse did not pay (over PAYS x the exact time) send
+    the site dense, whatever the pages it kept, and it says why. A paying one keeps it sparse; a
+    site's first call (it compiles) is not counted, nor a lone figure over OUTLIER x the exact time
+    (a compile), but two such in a row are."""
+    far = sparse.OUTLIER + 0.5
+    cases = (((0.97, 0.97), 5, True), ((0.3, 0.3), 5, False), ((0.97, 0.97), 0, False), ((far, 0.97), 5, False),
+             ((far, far, far), 5, True))
+    for times, first, goes_dense in cases:
         site = sparse.SparseSite(2, 5e-2, torch.device("cpu"), slots=3)
         site.calls = first
-        for _ in range(sparse.DENSE_AFTER):
-            site._pending = (None, torch.tensor([0.4, 0.4]), (_Elapsed(0.0), _Elapsed(sparse_ms), _Elapsed(sparse_ms + 1.0)))
+        for i, sparse_ms in enumerate(times):
+            site._pending = (None, torch.tensor([0.4, 0.4]), _timed(sparse_ms, exact_first=i % 2 == 1))
             site._pending_call = first
             site.poll()
             site.calls += 1
-        assert site.measured == pytest.approx((sparse_ms, 1.0, 0.4))
-        assert site.dense_now() is goes_dense, (sparse_ms, first)
-        if goes_dense:
+        assert site.measured == pytest.approx((times[-1], 1.0, 0.4))
+        assert site.dense_now() is goes_dense, (times, first)
+        if goes_dense and times[-1] == 0.97:
             assert "measured 0.970 ms against the dense step's 1.000 ms" in site.why_dense
 
 
+def test_a_site_waits_for_its_verified_figures_once_max_lag_calls_have_gone_by():
+    """A host far ahead of the GPU: the verified call's figures are applied without waiting when
+    they are there, and waited for MAX_LAG calls after the oldest verified call not yet applied,
+    even when later verified calls have replaced it in between."""
+    site = sparse.SparseSite(2, 5e-2, torch.device("cpu"), slots=1)
+    site.calls = 10
+    for step in range(sparse.MAX_LAG + 1):
+        event = _Elapsed(0.0, done=False)
+        if site._pending is None:
+            site._pending_call = site.calls
+        site._pending = (event, torch.tensor([0.3, 0.3]), None)  # as verify() leaves it, a new one each call
+        site.calls += 1
+        site.poll()
+        if step + 1 < sparse.MAX_LAG:
+            assert site._pending is not None and not event.waited, step
+        else:
+            assert site._pending is None and event.waited and site.expected_pages == pytest.approx(0.3), step
+            break
+
+
 def test_thresholds_are_per_sequence_and_start_afresh_for_a_new_sequence():
+    """Thresholds live per (sequence slot, KV head), indexed by the sequence's id, not by its place in
+    the plan: a plan over seqs [2, 0] moves slots 2 and 0 and leaves slot 1 alone; the selection
+    reads each row's own slot; a freed slot starts over."""
     torch.manual_seed(3)
-    cache = PagedKVCache(1, 2, 16, num_pages=64, page_size=16, max_seqs=3, summaries=True)
-    seqs = [cache.add(), cache.add()]
+    cache = PagedKVCache(1, 2, 16, num_pages=96, page_size=16, max_seqs=3, summaries=True)
+    ids = [cache.add() for _ in range(3)]
+    cache.free(ids[1])
+    seqs = [ids[2], ids[0]]
     for s in seqs:
         cache.append(0, [s], torch.randn(1, 2, 200, 16), torch.randn(1, 2, 200, 16))
     policy = Policy(mode="auto", approximations=("skip",), tolerance=5e-2, verify=1.0)
@@ -395,7 +437,42 @@ def test_thresholds_are_per_sequence_and_start_afresh_for_a_new_sequence():
     for _ in range(3):
         decode_attention(q, cache, 0, seqs, plan=plan_decode(cache, seqs, heads=4, policy=policy, sparse=True))
     site = cache._sparse_sites[0]
-    assert site.theta.shape == (3, 2) and not torch.equal(site.theta[0], site.theta[2])  # moved, slot 2 untouched
-    moved = site.theta[1].clone()
-    cache.free(seqs[0])
-    assert torch.equal(site.theta[0], torch.full((2,), 0.5 * 5e-2)) and torch.equal(site.theta[1], moved)
+    start = torch.full((2,), 0.5 * 5e-2)
+    assert site.theta.shape == (3, 2) and torch.equal(site.theta[1], start)  # slot 1 holds no sequence here
+    assert not torch.equal(site.theta[2], start) and not torch.equal(site.theta[0], start)
+    plan = plan_decode(cache, seqs, heads=4, policy=policy, sparse=True)
+    theta = torch.zeros(3, 2)
+    theta[ids[0]] = 1.0  # sequence 0 may drop everything it estimates; sequence 2 nothing
+    for kernel in (False, True):
+        _, count = sparse.select(q, cache, 0, plan, theta, 16 ** -0.5, kernel)
+        counts = count.view(2, 2)  # rows in the plan's order: seq 2, then seq 0
+        assert (counts[0] == 13).all() and (counts[1] < 13).all(), (kernel, counts)
+    with pytest.raises(ValueError, match="theta must be"):
+        sparse.select(q, cache, 0, plan, torch.zeros(2), 16 ** -0.5, True)
+    moved = site.theta[2].clone()
+    cache.free(ids[0])
+    assert torch.equal(site.theta[ids[0]], start) and torch.equal(site.theta[2], moved)
+
+
+def test_sparse_split_kv_covers_every_listed_page_whatever_the_expected_pages():
+    """The sparse split-KV's programs are sized from the site's expected pages; with every page
+    listed (theta 0) and the smallest expected fraction, on a ragged paged batch with two query
+    rows each, its output is the CPU path's."""
+    from helpers import NEEDS_CUDA_OR_INTERPRETER  # noqa: F401
+
+    from adaattn.kv.decode import _split_kv
+
+    torch.manual_seed(8)
+    cache = PagedKVCache(1, 2, 32, num_pages=96, page_size=16, max_seqs=3, summaries=True)
+    seqs = [cache.add() for _ in range(3)]
+    lengths = [500, 130, 333]
+    for s, n in zip(seqs, lengths):
+        cache.append(0, [s], torch.randn(1, 2, n, 32), torch.randn(1, 2, n, 32))
+    q = torch.randn(3, 6, 2, 32)
+    plan = plan_decode(cache, seqs, heads=6, query_len=2, runner="triton", policy=SKIP, sparse=True)
+    theta = torch.zeros(3, 2)
+    sel, count = sparse.select(q, cache, 0, plan, theta, 32 ** -0.5, kernel=True)
+    for pages in (0.05, 0.4, 1.0):
+        got = _split_kv(q, cache, 0, plan, None, sel=sel, count=count, pages=pages)
+        ref = sparse.sparse_reference(q, cache, 0, plan.seq_ids, sel, count, 32 ** -0.5, lengths)
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-5)

@@ -149,8 +149,8 @@ def plan_decode(cache: PagedKVCache, seqs: Optional[Sequence[int]] = None, *, he
         raise ValueError(f"query_len must be a positive int, got {query_len!r}")
     dtype = cache.dtype if dtype is None else dtype
     now = [max(cache._lengths[layer][s] for layer in range(cache.layers)) for s in seqs]
-    if max_len is None:
-        max_len = max(now) + query_len
+    if max_len is None:  # (no sequence grows past the block table's width)
+        max_len = min(max(now) + query_len, cache.max_pages_per_seq * cache.page_size)
     elif max_len < max(now):
         raise ValueError(f"max_len={max_len} is shorter than a sequence the cache already holds ({max(now)} tokens)")
     declines = _triton_declines(cache, dtype, cache.device)
@@ -298,20 +298,28 @@ def _sparse_step(query, cache, layer, plan, scale, lengths):
     kernel = plan.runner == "triton"
     scale_f = query.shape[-1] ** -0.5 if scale is None else float(scale)
     check = sparse.should_verify(site, plan.policy, query)
-    timing = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3)) if check and query.is_cuda else None
-    if timing is not None:
-        timing[0].record()
+    # a verified call on the kernel path times its sparse step and the exact one, in turns first (the
+    # second finds some of the pages the first read in L2)
+    events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3)) if check and kernel and query.is_cuda else None
+    exact_first = events is not None and site.decisions["verified"] % 2 == 1
+    if events is not None:
+        events[0].record()
+    if exact_first:
+        exact = _dense(query, cache, layer, plan, scale, lengths)
+        events[1].record()
     sel, count = sparse.select(query, cache, layer, plan, site.theta, scale_f, kernel)
     if kernel:
         out = _split_kv(query, cache, layer, plan, scale, sel=sel, count=count, pages=site.expected_pages)
     else:
         out = sparse.sparse_reference(query, cache, layer, plan.seq_ids, sel, count, scale_f, lengths)
     if check:
-        if timing is not None:
-            timing[1].record()
-        exact = _dense(query, cache, layer, plan, scale, lengths)
-        if timing is not None:
-            timing[2].record()
+        if events is not None:
+            events[2 if exact_first else 1].record()
+        if not exact_first:
+            exact = _dense(query, cache, layer, plan, scale, lengths)
+            if events is not None:
+                events[2].record()
+        timing = None if events is None else (*events, exact_first)
         out = sparse.verify(site, out, exact, count, sparse.page_counts(cache, layer, plan.seq_ids), plan.seq_ids,
                             timing)
     site.calls += 1
@@ -360,7 +368,7 @@ def _split_kv(query, cache, layer, plan, scale, sel=None, count=None, pages=1.0)
     per, splits = plan.tiles_per_split, plan.splits
     if sparse_:
         per = max(1, round(plan.tiles_per_split * min(max(pages, 0.05), 1.0)))
-        listed_keys = -(-plan.max_len // cache.page_size) * cache.page_size  # a head listing every page
+        listed_keys = min(-(-plan.max_len // cache.page_size), cache.max_pages_per_seq) * cache.page_size  # all
         tiles = -(-listed_keys // plan.block_n)
         splits = -(-tiles // per)
     o_part, l_part = plan.scratch(dv, query.device, splits)

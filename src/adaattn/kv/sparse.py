@@ -42,7 +42,7 @@ STEP_UP, STEP_DOWN = 1.5, 4.0  # theta grows by at most STEP_UP per verified cal
 MIN_BYTES = 32 << 20  # K/V bytes per layer below which a step runs dense
 KEEP_DENSE = 0.9  # a site keeping more than this fraction of pages on DENSE_AFTER verified calls in a row runs dense ...
 PAYS = 0.95  # ... as does one whose sparse step measured more than PAYS x the exact step's time (CUDA) ...
-OUTLIER = 4.0  # (a timing of more than OUTLIER x the exact step's, or of a site's first call, is not counted)
+OUTLIER = 4.0  # (a site's first call's timing is not counted, nor a lone one over OUTLIER x the exact step's)
 DENSE_AFTER = 2
 REPROBE = 64  # ... for this many calls
 MAX_LAG = 4  # a verified call's figures are waited for once this many later calls have gone by
@@ -66,7 +66,8 @@ class SparseSite:
         self._diffuse = 0  # verified calls in a row where sparse did not pay
         self._pending: Optional[tuple] = None  # (event or None, host copy of the pages read, timing events) of a verified call
         self._host: Optional[torch.Tensor] = None  # pinned buffer the pages read come back through
-        self._pending_call = 0  # the call that left _pending
+        self._pending_call = 0  # the oldest verified call whose figures are not applied yet
+        self._outliers = 0  # verified timings in a row over OUTLIER x the exact step's
         self.decisions = {"dense": 0, "sparse": 0, "verified": 0}  # how this site's calls ran (host counts)
         self.measured: Optional[tuple] = None  # (sparse ms, exact ms, pages read) of the last verified call read back
         self.expected_pages = 0.5  # the fraction of pages a call is expected to read (the last read back): sizes its programs
@@ -92,12 +93,16 @@ class SparseSite:
         self.expected_pages = pages
         slow = False
         if timing is not None:  # CUDA: the verified call timed its sparse step and the exact one
-            t0, t1, t2 = timing
-            sparse_ms, exact_ms = t0.elapsed_time(t1), t1.elapsed_time(t2)
+            t0, t1, t2, exact_first = timing
+            first, second = t0.elapsed_time(t1), t1.elapsed_time(t2)
+            sparse_ms, exact_ms = (second, first) if exact_first else (first, second)
             self.measured = (sparse_ms, exact_ms, pages)
-            # a site's first call compiles; a figure far off is a compile or an allocation, not the cost
-            if self._pending_call > 0 and sparse_ms <= OUTLIER * exact_ms:
-                slow = sparse_ms > PAYS * exact_ms
+            # a site's first call compiles; a lone figure far off is a compile (a new length class) or an
+            # allocation, two in a row are the cost
+            if self._pending_call > 0:
+                far = sparse_ms > OUTLIER * exact_ms
+                self._outliers = self._outliers + 1 if far else 0
+                slow = sparse_ms > PAYS * exact_ms and (not far or self._outliers >= 2)
         if slow:
             self.why_dense = (f"the sparse step measured {sparse_ms:.3f} ms against the dense step's {exact_ms:.3f} ms "
                               f"reading {pages:.0%} of the pages")
@@ -158,8 +163,12 @@ def _select_kernel(query, cache, layer, plan, theta, scale):
     s, hq, t, d = query.shape
     hkv = cache.kv_heads
     g = hq // hkv
+    slots = cache.block_table.shape[0]
+    if tuple(theta.shape) != (slots, hkv) or theta.dtype != torch.float32 or not theta.is_contiguous():
+        raise ValueError(f"theta must be a contiguous float32 ({slots}, {hkv}) tensor (sequence slots x KV heads), got "
+                         f"{theta.dtype} {tuple(theta.shape)}")
     block_m = max(16, next_power_of_2(g * t))
-    maxp = -(-plan.max_len // cache.page_size)
+    maxp = min(-(-plan.max_len // cache.page_size), cache.max_pages_per_seq)
     blocks = cdiv(maxp, SELECT_BLOCK_P)
     key = ("select", block_m, maxp, str(query.device))
     if key not in plan._scratch:
@@ -299,8 +308,10 @@ def verify(site_: SparseSite, out: torch.Tensor, exact: torch.Tensor, count: tor
         site_._host.copy_(pages, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
+        if site_._pending is None:  # the lag counts from the oldest verified call not yet applied
+            site_._pending_call = site_.calls
         site_._pending = (event, site_._host, timing)
-        site_._pending_call = site_.calls
     else:
+        site_._pending_call = site_.calls
         site_._pending = (None, pages.clone(), None)
     return out
