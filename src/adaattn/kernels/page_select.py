@@ -34,6 +34,16 @@ LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
+def _program_sequence(pid, SEQS, LENS, HKV, PAGE: tl.constexpr):
+    """Program pid's (sequence in the plan, KV head, sequence id, its length, its pages)."""
+    s = pid // HKV
+    h = pid % HKV
+    seq = tl.load(SEQS + s)
+    length = tl.load(LENS + seq)
+    return s, h, seq, length, tl.cdiv(length, PAGE)
+
+
+@triton.jit
 def page_estimate_kernel(
     Q, SUMS, TABLE, LENS, SEQS, ROWS, PART_M, PART_L,
     sm_scale,
@@ -52,11 +62,7 @@ def page_estimate_kernel(
     along D."""
     pid = tl.program_id(0)
     blk = tl.program_id(1)
-    s = pid // HKV
-    h = pid % HKV
-    seq = tl.load(SEQS + s)
-    length = tl.load(LENS + seq)
-    npages = tl.cdiv(length, PAGE)
+    s, h, seq, length, npages = _program_sequence(pid, SEQS, LENS, HKV, PAGE)
 
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < G * T
@@ -98,11 +104,7 @@ def page_cut_kernel(
     max pages) and COUNT (S*HKV,) int32 out. ALL_B >= every sequence's blocks of BLOCK_P pages,
     ALL_P >= its pages (held in registers)."""
     pid = tl.program_id(0)
-    s = pid // HKV
-    h = pid % HKV
-    seq = tl.load(SEQS + s)
-    length = tl.load(LENS + seq)
-    npages = tl.cdiv(length, PAGE)
+    s, h, seq, length, npages = _program_sequence(pid, SEQS, LENS, HKV, PAGE)
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < G * T
 
