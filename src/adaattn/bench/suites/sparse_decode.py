@@ -12,7 +12,8 @@ and the error of a fixed-budget selection (Quest's min/max bound, top pages, as 
 no verification). The timed rows are one step at the final length: the dense split-KV kernel, the
 sparse step as it runs by default (the site may have turned dense where selection did not pay)
 and with sparse="always" (selection, kernel and merge; sampled verification included at its
-default rate in both).
+default rate in both); and the dense and the "always" steps captured in CUDA graphs and replayed
+(GPU time only, as a serving loop replays a decode step; no verification inside a graph).
 
 Two more cases:
 - random K/V of the same shape (no page matters more than another): the sparse policy must find
@@ -205,11 +206,15 @@ def _make(device, layer, context):
                 rows.append(Peer(f"kv bf16 sparse tau={tau:g}{suffix}",
                                  lambda c=cache, p=tplan: decode_attention(q_last, c, 0, plan=p),
                                  info=lambda info=info: dict(info)))
+            # the sparse step captured in a CUDA graph (as serving replays a decode step): GPU time only
+            rows.append(_graphed(f"kv bf16 sparse tau={tau:g} always graph",
+                                 lambda c=cache, p=tplan: decode_attention(q_last, c, 0, plan=p), info))
             if cache_dense is None:
                 cache_dense = cache
         dplan = plan_decode(cache_dense, heads=q.shape[1])
         q_last = q[:, :, -1:]
         rows.insert(0, Peer("kv bf16", lambda: decode_attention(q_last, cache_dense, 0, plan=dplan)))
+        rows.insert(1, _graphed("kv bf16 graph", lambda: decode_attention(q_last, cache_dense, 0, plan=dplan), None))
         exact = decode_attention(q_last, cache_dense, 0, plan=dplan).float()
 
         def check(out):
@@ -218,6 +223,16 @@ def _make(device, layer, context):
         return rows, check
 
     return make
+
+
+def _graphed(name, call, info):
+    """`call` captured once in a CUDA graph (after a warm call) and replayed."""
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    return Peer(name, lambda: (graph.replay(), out)[1], info=None if info is None else (lambda: dict(info)))
 
 
 def _decided(cache, tau, since=None):
@@ -404,7 +419,10 @@ def summarize(rows: list[dict]) -> tuple[dict, str]:
             x = s.get("x_baseline_paired") or d["ms"] / s["ms"]
             xa = a.get("x_baseline_paired") or d["ms"] / a["ms"]
             pages, oracle = a.get("pages_read"), a.get("oracle_pages")
-            e = {"layer": layer, "tolerance": tau, "x_dense": x, "x_dense_always": xa, "pages_read": pages,
+            dg, ag = by.get((layer, "kv bf16 graph")), by.get((layer, name + " always graph"))
+            xg = dg["ms"] / ag["ms"] if dg is not None and ag is not None else None
+            e = {"layer": layer, "tolerance": tau, "x_dense": x, "x_dense_always": xa, "x_dense_graph": xg,
+                 "of_ideal_graph": None if xg is None or pages is None else xg * pages, "pages_read": pages,
                  "oracle_pages": oracle, "x_oracle": a.get("x_oracle"),
                  "meets_oracle_1.5": None if a.get("x_oracle") is None else a["x_oracle"] <= 1.5,
                  "error_max": a.get("error_max"),
@@ -420,7 +438,8 @@ def summarize(rows: list[dict]) -> tuple[dict, str]:
             bound_ms += d["ms"] * (oracle if oracle is not None else 1.0)
             lines.append(f"tau={tau:g} L{layer}: pages {_fmt(pages)} (oracle {_fmt(oracle)}, x{_fmt(a.get('x_oracle'), '.2f')}) "
                          f"err max {_fmt(a.get('error_max'), '.4f')} (fixed budget {_fmt(a.get('fixed_budget_error_max'), '.4f')}) "
-                         f"| always {xa:.2f}x dense, {_fmt(e['of_ideal'], '.2f')} of 1/pages | default {x:.2f}x dense")
+                         f"| always {xa:.2f}x dense, {_fmt(e['of_ideal'], '.2f')} of 1/pages | default {x:.2f}x dense"
+                         f" | graphs {_fmt(xg, '.2f')}x, {_fmt(e['of_ideal_graph'], '.2f')} of 1/pages")
         if complete:
             w = {"tolerance": tau, "dense_ms": dense_ms, "sparse_ms": sparse_ms, "always_ms": always_ms,
                  "x_dense": dense_ms / sparse_ms, "x_dense_always": dense_ms / always_ms,
