@@ -389,12 +389,12 @@ def test_a_site_whose_sparse_step_measured_slower_runs_dense():
              ((far, far, far), 5, True))
     for times, first, goes_dense in cases:
         site = sparse.SparseSite(2, 5e-2, torch.device("cpu"), slots=3)
-        site.calls = first
+        site.decisions["sparse"] = first
         for i, sparse_ms in enumerate(times):
             site._pending = (None, torch.tensor([0.4, 0.4]), _timed(sparse_ms, exact_first=i % 2 == 1))
             site._pending_call = first
             site.poll()
-            site.calls += 1
+            site.decisions["sparse"] += 1
         assert site.measured == pytest.approx((times[-1], 1.0, 0.4))
         assert site.dense_now() is goes_dense, (times, first)
         if goes_dense and times[-1] == 0.97:
@@ -406,13 +406,13 @@ def test_a_site_waits_for_its_verified_figures_once_max_lag_calls_have_gone_by()
     they are there, and waited for MAX_LAG calls after the oldest verified call not yet applied,
     even when later verified calls have replaced it in between."""
     site = sparse.SparseSite(2, 5e-2, torch.device("cpu"), slots=1)
-    site.calls = 10
+    site.decisions["sparse"] = 10
     for step in range(sparse.MAX_LAG + 1):
         event = _Elapsed(0.0, done=False)
         if site._pending is None:
             site._pending_call = site.calls
         site._pending = (event, torch.tensor([0.3, 0.3]), None)  # as verify() leaves it, a new one each call
-        site.calls += 1
+        site.decisions["sparse"] += 1
         site.poll()
         if step + 1 < sparse.MAX_LAG:
             assert site._pending is not None and not event.waited, step

@@ -40,6 +40,16 @@ def unavailable(name: str, reason: str) -> Peer:
     return Peer(name, reason=reason)
 
 
+def graphed(name: str, call: Callable[[], object], info: Callable[[], dict] | None = None) -> Peer:
+    """A peer replaying `call` captured once in a CUDA graph (after one warm call, which compiles)."""
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    return Peer(name, lambda: (graph.replay(), out)[1], info=info)
+
+
 @dataclass
 class Case:
     """One problem of a suite. `make()` builds its inputs (lazily, so one case's memory is freed

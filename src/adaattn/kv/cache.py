@@ -114,8 +114,7 @@ class PagedKVCache:
         for layer in range(self.layers):
             self._lengths[layer][seq] = 0
         self.lengths[:, seq] = 0
-        for site in self._sparse_sites.values():
-            site.forget(seq)
+        self._forget(seq)
         self.reserve(seq, reserve)
         return seq
 
@@ -137,6 +136,10 @@ class PagedKVCache:
         for layer in range(self.layers):
             self._lengths[layer][seq] = 0
         self.lengths[:, seq] = 0
+        self._forget(seq)
+
+    def _forget(self, seq: int) -> None:
+        """Sparse decode's thresholds for this sequence slot start over (a new or emptied sequence)."""
         for site in self._sparse_sites.values():
             site.forget(seq)
 
@@ -379,8 +382,7 @@ class KVCache(PagedKVCache):
             for layer in range(self.layers):
                 self._lengths[layer][s] = 0
             self.lengths[:, s] = 0
-            for site in self._sparse_sites.values():
-                site.forget(s)
+            self._forget(s)
             if self.storage != "native":
                 for sc in (*self.k_scale, *self.v_scale):
                     sc[self._pages[s]] = 0

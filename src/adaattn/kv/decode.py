@@ -289,7 +289,6 @@ def _sparse_step(query, cache, layer, plan, scale, lengths):
     site = sparse.site(cache, layer, plan.policy.tolerance)
     site.poll()
     if site.dense_now() and not plan.sparse_always:
-        site.calls += 1
         site.decisions["dense"] += 1
         out = _dense(query, cache, layer, plan, scale, lengths)
         if not stats.enabled:  # (the host path of a dense call stays as short as the plain one's)
@@ -298,31 +297,33 @@ def _sparse_step(query, cache, layer, plan, scale, lengths):
     kernel = plan.runner == "triton"
     scale_f = query.shape[-1] ** -0.5 if scale is None else float(scale)
     check = sparse.should_verify(site, plan.policy, query)
-    # a verified call on the kernel path times its sparse step and the exact one, in turns first (the
-    # second finds some of the pages the first read in L2)
-    events = tuple(torch.cuda.Event(enable_timing=True) for _ in range(3)) if check and kernel and query.is_cuda else None
-    exact_first = events is not None and site.decisions["verified"] % 2 == 1
-    if events is not None:
-        events[0].record()
+    # a verified call on the kernel path times its sparse step and the exact one (CUDA events), in
+    # turns first (the second finds some of the pages the first read in L2)
+    timed = check and kernel and query.is_cuda
+    exact_first = timed and site.decisions["verified"] % 2 == 1
+    marks: list = []
+
+    def mark():
+        if timed:
+            marks.append(torch.cuda.Event(enable_timing=True))
+            marks[-1].record()
+
+    mark()
     if exact_first:
         exact = _dense(query, cache, layer, plan, scale, lengths)
-        events[1].record()
+        mark()
     sel, count = sparse.select(query, cache, layer, plan, site.theta, scale_f, kernel)
     if kernel:
         out = _split_kv(query, cache, layer, plan, scale, sel=sel, count=count, pages=site.expected_pages)
     else:
         out = sparse.sparse_reference(query, cache, layer, plan.seq_ids, sel, count, scale_f, lengths)
     if check:
-        if events is not None:
-            events[2 if exact_first else 1].record()
+        mark()
         if not exact_first:
             exact = _dense(query, cache, layer, plan, scale, lengths)
-            if events is not None:
-                events[2].record()
-        timing = None if events is None else (*events, exact_first)
+            mark()
         out = sparse.verify(site, out, exact, count, sparse.page_counts(cache, layer, plan.seq_ids), plan.seq_ids,
-                            timing)
-    site.calls += 1
+                            (*marks, exact_first) if timed else None)
     site.decisions["sparse"] += 1
     site.decisions["verified"] += int(check)
     extra = {"sparse": "sparse", "verified": check}

@@ -61,7 +61,6 @@ class SparseSite:
         self.theta = torch.full((slots, kv_heads), 0.5 * tolerance, dtype=torch.float32, device=device)
         self.error = torch.zeros(kv_heads, dtype=torch.float32, device=device)  # last measured, per KV head (max over sequences)
         self.pages = torch.ones(kv_heads, dtype=torch.float32, device=device)  # fraction of pages read, per KV head
-        self.calls = 0
         self.dense_until = 0  # calls below this run dense (the site was diffuse, or sparse did not pay)
         self._diffuse = 0  # verified calls in a row where sparse did not pay
         self._pending: Optional[tuple] = None  # (event or None, host copy of the pages read, timing events) of a verified call
@@ -72,6 +71,11 @@ class SparseSite:
         self.measured: Optional[tuple] = None  # (sparse ms, exact ms, pages read) of the last verified call read back
         self.expected_pages = 0.5  # the fraction of pages a call is expected to read (the last read back): sizes its programs
         self.why_dense = ""
+
+    @property
+    def calls(self) -> int:
+        """Calls made at this site so far."""
+        return self.decisions["dense"] + self.decisions["sparse"]
 
     def forget(self, seq: int) -> None:
         """A sequence slot starts over (freed, added or reset): its thresholds go back to the start."""

@@ -17,7 +17,7 @@ import torch
 
 from ...kv import KVCache, PagedKVCache, decode_attention, plan_decode
 from .. import peers
-from ..cases import Case, Peer
+from ..cases import Case, Peer, graphed
 from ..dense import describe, error_check, random_qkv
 from ..grid import Grid, dtype_name
 from ..peers import Call
@@ -96,14 +96,7 @@ def cache_peer(name: str, q: torch.Tensor, cache, seqs=None, graph: bool = False
     def info():
         return {"decode_plan": plan.explain()}
 
-    if not graph:
-        return Peer(name, call, info=info)
-    call()  # compile before capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = call()
-    return Peer(name, lambda: (g.replay(), out)[1], info=info)
+    return graphed(name, call, info) if graph else Peer(name, call, info=info)
 
 
 def _fill_contiguous(k, v, storage, lens=None):

@@ -33,7 +33,7 @@ from ...kv import KVCache, decode_attention, plan_decode
 from ...kv import sparse
 from ... import stats
 from ...policy import Policy
-from ..cases import Case, Peer
+from ..cases import Case, Peer, graphed
 
 TAUS = (1e-2, 5e-2)
 WARM, MEASURED = 16, 16
@@ -207,14 +207,15 @@ def _make(device, layer, context):
                                  lambda c=cache, p=tplan: decode_attention(q_last, c, 0, plan=p),
                                  info=lambda info=info: dict(info)))
             # the sparse step captured in a CUDA graph (as serving replays a decode step): GPU time only
-            rows.append(_graphed(f"kv bf16 sparse tau={tau:g} always graph",
-                                 lambda c=cache, p=tplan: decode_attention(q_last, c, 0, plan=p), info))
+            rows.append(graphed(f"kv bf16 sparse tau={tau:g} always graph",
+                                lambda c=cache, p=tplan: decode_attention(q_last, c, 0, plan=p),
+                                lambda info=info: dict(info)))
             if cache_dense is None:
                 cache_dense = cache
         dplan = plan_decode(cache_dense, heads=q.shape[1])
         q_last = q[:, :, -1:]
         rows.insert(0, Peer("kv bf16", lambda: decode_attention(q_last, cache_dense, 0, plan=dplan)))
-        rows.insert(1, _graphed("kv bf16 graph", lambda: decode_attention(q_last, cache_dense, 0, plan=dplan), None))
+        rows.insert(1, graphed("kv bf16 graph", lambda: decode_attention(q_last, cache_dense, 0, plan=dplan)))
         exact = decode_attention(q_last, cache_dense, 0, plan=dplan).float()
 
         def check(out):
@@ -225,22 +226,14 @@ def _make(device, layer, context):
     return make
 
 
-def _graphed(name, call, info):
-    """`call` captured once in a CUDA graph (after a warm call) and replayed."""
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
-    return Peer(name, lambda: (graph.replay(), out)[1], info=None if info is None else (lambda: dict(info)))
+def _decisions(cache, layers) -> list:
+    """How each layer's site ran its calls so far (dense / sparse / verified); None where none ran."""
+    sites = cache._sparse_sites
+    return [dict(sites[i].decisions) if i in sites else None for i in layers]
 
 
-def _decided(cache, tau, since=None):
-    """How the site's calls ran (dense / sparse / verified), less `since`."""
-    got = dict(sparse.site(cache, 0, tau).decisions)
-    if since:
-        got = {k: got[k] - since.get(k, 0) for k in got}
-    return got
+def _since(now: list, before: list) -> list:
+    return [None if b is None else {k: n[k] - b[k] for k in b} for n, b in zip(now, before)]
 
 
 def _random_case(device, context):
@@ -266,11 +259,11 @@ def _random_case(device, context):
                 decode_attention(q[:, :, i:i + 1], cache, 0, plan=plan_decode(cache, heads=q.shape[1], policy=policy))
             plan = plan_decode(cache, heads=q.shape[1], policy=Policy(mode="auto", approximations=("skip",),
                                                                       tolerance=tau))
-            before = _decided(cache, tau)
+            before = _decisions(cache, [0])
             rows.append(Peer(f"kv bf16 sparse tau={tau:g}",
                              lambda c=cache, p=plan: decode_attention(q[:, :, -1:], c, 0, plan=p),
-                             info=lambda c=cache, t=tau, b=before, p=plan: {"decisions_while_timed": _decided(c, t, b),
-                                                                            "plan": p.explain()}))
+                             info=lambda c=cache, b=before, p=plan: {
+                                 "decisions_while_timed": _since(_decisions(c, [0]), b)[0], "plan": p.explain()}))
             if first is None:
                 first = cache
         dplan = plan_decode(first, heads=q.shape[1])
@@ -320,16 +313,10 @@ def _generation_case(device):
             def step():
                 return torch.stack([decode_attention(qs[i], cache, i, plan=plan) for i in range(layers)])
 
-            def decided():
-                return [dict(cache._sparse_sites[i].decisions) if i in cache._sparse_sites else None
-                        for i in range(layers)]
-
-            before = decided()
+            before = _decisions(cache, range(layers))
 
             def info():
-                now = decided()
-                timed = [None if b is None else {k: now[i][k] - b[k] for k in b} for i, b in enumerate(before)]
-                return {**summary, "decisions_while_timed": timed}
+                return {**summary, "decisions_while_timed": _since(_decisions(cache, range(layers)), before)}
 
             return Peer(f"model decode attention, {name}", step, info=info)
 
