@@ -438,3 +438,172 @@ def test_window_and_cu_seqlens_elements_are_checked():
         ring_attention(q, k, v, window=(True, 0))
     with pytest.raises(TypeError, match="Python ints.*int64"):
         ring_attention(q, k, v, cu_seqlens=[0, np.int64(8), 16])
+
+
+# ----------------------------------------------------------------------------- policies in the ring
+
+PD, PHQ, PHK, PN = 64, 4, 2, 64  # the quantized kernels take head dims 64 and 128
+
+
+def _policy_inputs(seed=5):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, PHQ, PN, PD, generator=g)
+    k = torch.randn(1, PHK, PN, PD, generator=g) + 0.3  # a key mean: smoothing's share of the scores is real
+    v = torch.randn(1, PHK, PN, PD, generator=g)
+    go = torch.randn(1, PHQ, PN, PD, generator=g)
+    return tuple(t.to(torch.bfloat16) for t in (q, k, v, go))
+
+
+def _policy_worker(rank: int, world: int, port: int, path: str) -> None:
+    """Every rank: quantized blocks under a policy (3 calls at tau=5e-2; a tau no quantized
+    level meets; train_quantized gradients), with their stats records gathered."""
+    import torch.distributed as dist
+
+    import adaattn
+    from adaattn import Policy
+    from adaattn.distributed import gather_records, ring_attention, shard, unshard
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        q, k, v, go = _policy_inputs()
+        ql, kl, vl, gol = (shard(t, 2) for t in (q, k, v, go))
+        kw = dict(is_causal=True, enable_gqa=True)
+        res = {"exact": unshard(ring_attention(ql, kl, vl, **kw), 2)}
+        with adaattn.stats.collect() as records:
+            loose = Policy(mode="auto", precisions=("int8", "fp8"), tolerance=5e-2, verify=0.5)
+            res["loose"] = [unshard(ring_attention(ql, kl, vl, policy=loose, label="loose", **kw), 2) for _ in range(3)]
+            tight = Policy(mode="auto", precisions=("fp8",), tolerance=1e-3)
+            res["tight"] = [unshard(ring_attention(ql, kl, vl, policy=tight, label="tight", **kw), 2) for _ in range(2)]
+            grads = {}
+            for name, pol in (("exact", None), ("train_quantized", Policy(mode="auto", precisions=("int8",),
+                                                                           tolerance=5e-2, train_quantized=True)),
+                              ("no_train_quantized", Policy(mode="auto", precisions=("int8",), tolerance=5e-2))):
+                a, b, c = (t.detach().clone().requires_grad_() for t in (ql, kl, vl))
+                out = ring_attention(a, b, c, policy=pol, label=name, **kw)
+                (out.float() * gol.float()).sum().backward()
+                grads[name] = [unshard(t, 2) for t in (out.detach(), a.grad, b.grad, c.grad)]
+            res["grads"] = grads
+        res["records"] = gather_records(records)
+        if rank == 0:
+            torch.save(res, path)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _head_errors(out, ref):
+    return ((out.double() - ref).pow(2).sum((0, 2, 3)) / ref.pow(2).sum((0, 2, 3))).sqrt()
+
+
+def test_policy_blocks_meet_the_tolerance_across_ranks(tmp_path):
+    """World 2 (gloo, our quantized kernels in the interpreter): per-head quantized blocks under
+    tau, every head's error against float64 within tau (plus the exact ring's own error), the
+    decisions the same on both ranks, a tau no level meets giving the exact ring's output, and an
+    exact backward."""
+    import torch.multiprocessing as mp
+
+    from adaattn.distributed import summarize_ranks
+
+    world, path = 2, str(tmp_path / "policy.pt")
+    mp.start_processes(_policy_worker, args=(world, _free_port(), path), nprocs=world, join=True,
+                       start_method="spawn")
+    res = torch.load(path)
+    q, k, v, go = _policy_inputs()
+    ref = reference_attention(q.double(), k.double().repeat_interleave(2, 1), v.double().repeat_interleave(2, 1),
+                              is_causal=True)
+    base = _head_errors(res["exact"], ref)
+    assert base.max() < 5e-3
+    calls = summarize_ranks(res["records"])
+    loose, tight, grads = calls[:3], calls[3:5], calls[5:]
+    for out, call in zip(res["loose"], loose):
+        err = _head_errors(out, ref)
+        assert (err <= 5e-2 + base).all(), err
+        assert call["levels_agree"] and call["mode"] == "auto" and call["world"] == 2
+        assert all(b == "ring.triton.quant" for b in call["backends"])
+    # Call 1 is verified and measures every head; quantized heads show a quantized error, and
+    # the heads left quantized are within tau over both ranks' rows.
+    first = loose[0]
+    assert first["verified"] is True and all(r == "quantized, verified against exact" for r in first["ran"])
+    assert len(first["head_errors"]) == PHQ and all(e > 1e-3 for e in first["head_errors"])
+    quantized = [h for h, lv in enumerate(loose[2]["head_levels"]) if lv != "exact"]
+    assert quantized, "some head should stay quantized at tau=5e-2"
+    assert not torch.equal(res["loose"][2], res["exact"])
+    # Rank 1's record of the same call carries the same (summed) errors.
+    d0, d1 = (res["records"][r][0]["decisions"] for r in range(2))
+    assert d0["head_errors"] == d1["head_errors"] and d0["rank"] == 0 and d1["rank"] == 1
+    # fp8 cannot meet 1e-3: on the verified first call every head takes the exact blocks'
+    # output (bit for bit the exact ring's), and the site runs exact blocks from then on.
+    assert torch.equal(res["tight"][0], res["exact"]) and torch.equal(res["tight"][1], res["exact"])
+    assert tight[0]["head_levels"] == ["exact"] * PHQ and tight[1]["backends"] == ["ring.torch"] * 2
+    assert "every head" in tight[1]["why"]
+    # Gradients: exact whatever the forward ran.
+    ex = res["grads"]["exact"]
+    for name in ("train_quantized", "no_train_quantized"):
+        for i in (1, 2, 3):
+            torch.testing.assert_close(res["grads"][name][i], ex[i], rtol=0, atol=0)
+    assert not torch.equal(res["grads"]["train_quantized"][0], ex[0])  # its forward ran quantized
+    torch.testing.assert_close(res["grads"]["no_train_quantized"][0], ex[0], rtol=0, atol=0)
+    assert grads[1]["backends"] == ["ring.triton.quant"] * 2
+    assert grads[2]["backends"] == ["ring.torch"] * 2 and all(r == "exact" for r in grads[2]["ran"])
+    assert "train_quantized" in res["records"][0][-1]["decisions"]["why"]
+
+
+def test_policy_site_judges_speed_only_on_a_repeated_level_set():
+    from adaattn.backends import triton_quant as tq
+    from adaattn.distributed import adaptive
+
+    dev = torch.device("cpu")
+    site = adaptive.RingSite(5e-2, 0.1, (tq.LEVEL_QK8, tq.LEVEL_FP8), 2, True)
+    assert site.levels == [tq.LEVEL_FP8] * 2
+    assert site.begin(dev) == "verify"
+    # First verified call: a head over tau moves up; the timing (compiles) is not judged.
+    assert site.settle([0.01, 0.0001], [1.0, 1.0], 900.0, 1.0) == [0]
+    assert site.levels == [tq.LEVEL_QK8, tq.LEVEL_FP8] and not site.runs_exact
+    assert site.begin(dev) == "verify"  # a head moved: measure again at once
+    assert site.settle([1e-4, 1e-4], [1.0, 1.0], 1.2, 1.0) == []  # new level set: not judged
+    assert not site.runs_exact and site.begin(dev) == "verify"
+    assert site.settle([1e-4, 1e-4], [1.0, 1.0], 1.2, 1.0) == []  # same levels, slower: exact blocks
+    assert site.runs_exact and "exact blocks run" in site.why
+    kinds = [site.begin(dev) for _ in range(10)]
+    assert kinds == ["exact"] * 9 + ["verify"]  # verify=0.1: one call in ten measures again
+    assert site.settle([1e-4, 1e-4], [1.0, 1.0], 0.8, 1.0) == []
+    assert not site.runs_exact and "they pay" in site.why and site.begin(dev) == "quant"
+    # An outlier (one engine 4x the other) is not judged, at most UNJUDGED_MAX times in a row.
+    for _ in range(adaptive.UNJUDGED_MAX):
+        site._next_verify = site.calls + 1
+        assert site.begin(dev) == "verify"
+        site.settle([1e-4, 1e-4], [1.0, 1.0], 5.0, 1.0)
+        assert not site.runs_exact
+    site._next_verify = site.calls + 1
+    site.begin(dev)
+    site.settle([1e-4, 1e-4], [1.0, 1.0], 5.0, 1.0)
+    assert site.runs_exact
+
+
+def test_policy_refusals_and_exact_reasons():
+    import adaattn
+    from adaattn import Policy
+    from adaattn.distributed import RingAttention, ring_attention
+
+    q, k, v, _ = _policy_inputs()
+    with pytest.raises(ValueError, match="approximations"):
+        ring_attention(q, k, v, is_causal=True, enable_gqa=True, kernel="triton",
+                       policy=Policy(mode="auto", approximations=("skip",)))
+    with pytest.raises(ValueError, match="backends"):
+        ring_attention(q, k, v, is_causal=True, enable_gqa=True, cu_seqlens=[0, 30, PN],
+                       policy=Policy(backends=("triton",)))
+    with pytest.raises(TypeError, match="policy"):
+        ring_attention(q, k, v, enable_gqa=True, kernel="torch", policy="auto")
+    # kernel='torch' under a quantized policy: exact torch blocks, and the record says why.
+    pol = Policy(mode="auto", precisions=("int8",), tolerance=5e-2)
+    with adaattn.stats.collect() as recs:
+        out = ring_attention(q, k, v, is_causal=True, enable_gqa=True, kernel="torch", policy=pol)
+    assert torch.equal(out, ring_attention(q, k, v, is_causal=True, enable_gqa=True, kernel="torch"))
+    d = recs[0].decisions
+    assert recs[0].backend == "ring.torch" and recs[0].mode == "auto" and "kernel='torch'" in d["why"]
+    # World 1 with kernel='auto' is adaattn.attention, policy and label included.
+    skip = Policy(mode="auto", approximations=("skip",), tolerance=5e-2)
+    want = adaattn.attention(q, k, v, is_causal=True, enable_gqa=True, policy=skip, label="w1")
+    got = RingAttention(policy=skip, label="w1")(q, k, v, is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -138,6 +138,51 @@ def test_kernel_matches_float64_simulation_of_its_scheme(level, fp8_qk, dtype, s
     assert rel_err(out, ref) <= bound
 
 
+@pytest.mark.parametrize("level,fp8_qk,dtype,shape,causal,bottom_right,window", CASES)
+def test_kernel_log_sum_exp_matches_float64_simulation(level, fp8_qk, dtype, shape, causal, bottom_right, window):
+    """STORE_LSE (for merging partial results, as the ring does): each row's log-sum-exp of its
+    quantized scores, the smoothing mean's share added back, -inf for a row that sees no key,
+    and the output unchanged by asking for it."""
+    b, hq, hkv, nq, nk, d = shape
+    q, k, v = _inputs(b, hq, hkv, nq, nk, d, dtype, seed=nq * 5 + level, v_shift=0.3)
+    k = k + 0.7  # a key mean far from 0: the share smoothing takes out of the scores is large
+    left, right = (-1, -1) if window is None else ((-1 if window[0] is None else window[0]),
+                                                     (-1 if window[1] is None else window[1]))
+    kw = dict(levels=[level], causal=causal, bottom_right=bottom_right, window_left=left, window_right=right,
+              fp8_qk=fp8_qk)
+    lse = torch.full((b, hq, nq), float("nan"), dtype=torch.float32, device=q.device)
+    out = tq.quant_attention(q, k, v, lse=lse, **kw)
+    assert torch.equal(out, tq.quant_attention(q, k, v, **kw)) or DEVICE == "cuda"  # (ws kernels differ on GPUs)
+    keep = _keep(nq, nk, causal, bottom_right, window)
+    qk = "fp8" if (fp8_qk and level == tq.LEVEL_FP8) else QK[level]
+    _, want = simulate_attention(q.cpu(), k.cpu(), v.cpu(), qk=qk, pv=PV[level], block_n=_block_n(),
+                                 keep=None if keep is None else keep.cpu(), return_lse=True)
+    got = lse.cpu().double()
+    assert torch.equal(torch.isneginf(got), torch.isneginf(want)), "rows that see no key must read -inf"
+    seen = torch.isfinite(want)
+    assert (got[seen] - want[seen]).abs().max() <= 1e-4 * max(1.0, float(want[seen].abs().max()))
+    # Against the exact scores: off by the quantization's share only.
+    s = (q.double() @ k.double().repeat_interleave(hq // hkv, 1).transpose(-1, -2)) / math.sqrt(d)
+    if keep is not None:
+        s = s.masked_fill(~keep.to(s.device), float("-inf"))
+    exact = torch.logsumexp(s, -1).cpu()
+    bound = {tq.LEVEL_EXACT: 1e-5, tq.LEVEL_QK8: 0.05, tq.LEVEL_FP8: 0.2}[level]
+    assert (got[seen] - exact[seen]).abs().max() <= bound
+
+
+def test_kernel_log_sum_exp_with_per_head_levels():
+    """Heads at different levels in one call write their own rows' log-sum-exp."""
+    q, k, v = _inputs(1, 4, 2, 50, 70, 64, torch.bfloat16, seed=11)
+    levels = torch.tensor([2, 0, 1, 2], dtype=torch.int32, device=q.device)
+    lse = torch.empty((1, 4, 50), dtype=torch.float32, device=q.device)
+    tq.quant_attention(q, k, v, levels=[0, 1, 2], head_levels=levels, causal=True, fp8_qk=True, lse=lse)
+    for h, level in enumerate(levels.tolist()):
+        one = torch.empty((1, 1, 50), dtype=torch.float32, device=q.device)
+        tq.quant_attention(q[:, h:h + 1], k[:, h // 2:h // 2 + 1], v[:, h // 2:h // 2 + 1], levels=[level], causal=True,
+                           fp8_qk=True, lse=one)
+        assert torch.allclose(lse[:, h], one[:, 0], rtol=0, atol=1e-5), h
+
+
 WS_CASES = {
     # name: ((b, hq, hkv, nq, nk, d), causal, bottom_right, per-head levels,
     #        the levels whose warp-specialised kernel runs it (the rest: the general kernel))

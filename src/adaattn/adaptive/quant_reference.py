@@ -112,7 +112,8 @@ def simulate_attention(
     scale: float | None = None,
     keep: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+):
     """Quantized attention in float64, tile by tile as the kernel computes it.
 
     q (B, Hq, Nq, D), k and v (B, Hkv, Nk, D) in their input dtype (GQA: Hq a multiple of
@@ -120,17 +121,23 @@ def simulate_attention(
     (B, Hq, Nq, Nk), True where a query sees a key (causal, windows, masks already folded in);
     bias: additive mask, same broadcast. Returns float64 (B, Hq, Nq, D); a row that sees no
     key is 0. With pv="native", P is rounded to v's dtype before P.V, as in the kernel.
+    return_lse: also return each row's log-sum-exp of the quantized scores (natural log, -inf
+    for a row that sees no key), the smoothing mean's share scale * q.k_mean added back, as the
+    kernel's STORE_LSE writes it.
     """
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     group = hq // hkv
     scale = 1.0 / math.sqrt(d) if scale is None else scale
+    mean_share = torch.zeros((b, hq, nq), dtype=torch.float64)
     if qk == "native":
         qq, q_scale = q.double(), torch.ones(q.shape[:-1], dtype=torch.float64)
         kq, k_scale = k.double(), torch.ones(k.shape[:-1], dtype=torch.float64)
     else:
         qq, q_scale = quantize_rows(q, qk)
-        kq, k_scale = quantize_key_blocks(k, block_n, qk)
+        k_mean = smoothing_mean(k)
+        kq, k_scale = quantize_key_blocks(k, block_n, qk, k_mean)
+        mean_share = (q.double() @ k_mean.double().repeat_interleave(group, 1).unsqueeze(-1)).squeeze(-1) * scale
     if pv == "fp8":
         vq, v_scale, v_mean = value_fp8(v, block_n)
         v_scale = v_scale.repeat_interleave(group, 1)
@@ -166,4 +173,9 @@ def simulate_attention(
     out = acc / torch.where(seen, l_sum, torch.ones_like(l_sum))[..., None]
     if pv == "fp8":
         out = out / FP8_MAX + v_mean.repeat_interleave(group, 1)[..., None, :]
-    return torch.where(seen[..., None], out, torch.zeros_like(out))
+    out = torch.where(seen[..., None], out, torch.zeros_like(out))
+    if not return_lse:
+        return out
+    lse = torch.where(seen, m + torch.log(torch.where(seen, l_sum, torch.ones_like(l_sum))) + mean_share,
+                      torch.full_like(l_sum, float("-inf")))
+    return out, lse

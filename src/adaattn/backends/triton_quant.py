@@ -418,8 +418,9 @@ def fp8_level_uses_fp8_qk(q, attn_mask, causal: bool, window_left: int, window_r
 
 
 def launch_level(q, k, v, prepared: Prepared, out, attn_mask, head_levels: Optional[torch.Tensor], level: int,
-                 launch: QuantKernelLaunch) -> None:
-    """Write into `out` the rows of the heads at `level` (every head when head_levels is None)."""
+                 launch: QuantKernelLaunch, lse: Optional[torch.Tensor] = None) -> None:
+    """Write into `out` the rows of the heads at `level` (every head when head_levels is None),
+    and with `lse` ((B, Hq, Nq) fp32, contiguous) their rows' log-sum-exp (natural log)."""
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     if b * hq == 0 or nq == 0:
@@ -430,8 +431,8 @@ def launch_level(q, k, v, prepared: Prepared, out, attn_mask, head_levels: Optio
     mask, mask_strides, mask_kind = mask_args(attn_mask, lay, q)
     has_left, has_right = launch.has_left, launch.has_right
     left, right = max(launch.window_left, 0), launch.right
-    if (_fp8_ws_ok(launch, q, out, attn_mask, head_levels, level)
-            or _qk8_ws_ok(launch, q, v, out, attn_mask, head_levels, level)):
+    if lse is None and (_fp8_ws_ok(launch, q, out, attn_mask, head_levels, level)
+                        or _qk8_ws_ok(launch, q, v, out, attn_mask, head_levels, level)):
         _launch_quant_ws(level, q, v, prepared, out, scale, has_right, bottom_right)
         return
     exp_share = launch.exp_fma
@@ -441,9 +442,10 @@ def launch_level(q, k, v, prepared: Prepared, out, attn_mask, head_levels: Optio
         kq, kscale, vq, v_scale, v_mean, n_blocks = prepared.get(qk_mode, pv_mode, cfg.block_n)
         vq_strides = (vq.stride(0), vq.stride(1), vq.stride(2)) if pv_mode == PV_FP8 else (0, 0, 0)
         grid = (_cdiv(nq, cfg.block_m), b * hq)
+        k_mean = prepared.k_mean() if lse is not None and qk_mode != QK_NATIVE else v_mean
         K.attention_quant_fwd_kernel[grid](
             q, k, v, kq, kscale, vq, v_scale, v_mean, out, mask,
-            head_levels if head_levels is not None else q,
+            head_levels if head_levels is not None else q, k_mean, lse if lse is not None else v_mean,
             q.stride(0), q.stride(1), q.stride(2),
             k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -458,7 +460,7 @@ def launch_level(q, k, v, prepared: Prepared, out, attn_mask, head_levels: Optio
             BOTTOM_RIGHT=bottom_right, HAS_LEFT=has_left, HAS_RIGHT=has_right,
             MASK_KIND=mask_kind, QK_MODE=qk_mode, PV_MODE=pv_mode,
             DOT_PRECISION=dot_precision(q.dtype), SCALE_POSITIVE=scale > 0, EMULATE=interp,
-            EXP_FMA=exp_share, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            EXP_FMA=exp_share, STORE_LSE=lse is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
     kind = _KINDS[level][bool(fp8_qk)]
@@ -479,14 +481,16 @@ def quant_attention(q, k, v, attn_mask=None, *, levels, head_levels: Optional[to
                     scale: Optional[float] = None, causal: bool = False, bottom_right: bool = False,
                     window_left: int = -1, window_right: int = -1, fp8_qk: bool = False,
                     out: Optional[torch.Tensor] = None, prepared: Optional[Prepared] = None,
-                    exp_fma=None, allow_ws: bool = True) -> torch.Tensor:
+                    exp_fma=None, allow_ws: bool = True, lse: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention with each query head at its level; q (B, Hq, Nq, D), k/v (B, Hkv, Nk, D).
 
     levels: the levels to launch; head_levels: int32 (Hq,) on q's device giving each head's
     level, or None when `levels` is one level for every head. Heads whose level is not in
     `levels` are left unwritten in `out` (for recomputing some heads of an earlier output).
     The keyword options make one QuantKernelLaunch for every level's launch (exp_fma: the
-    settings' share by default).
+    settings' share by default). lse: (B, Hq, Nq) fp32, contiguous, to receive each written row's
+    log-sum-exp of its scores as computed (natural log; -inf for a row that sees no key): the
+    general kernel runs then, never the warp-specialised ones.
     """
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
@@ -499,7 +503,7 @@ def quant_attention(q, k, v, attn_mask=None, *, levels, head_levels: Optional[to
                                bool(fp8_qk), int(settings.current().exp_fma if exp_fma is None else exp_fma),
                                bool(allow_ws))
     for level in levels:
-        launch_level(q, k, v, prepared, out, attn_mask, head_levels, int(level), launch)
+        launch_level(q, k, v, prepared, out, attn_mask, head_levels, int(level), launch, lse)
     return out
 
 

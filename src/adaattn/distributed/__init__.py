@@ -5,13 +5,16 @@ K/V shards travel around the ring (isend/irecv) while each rank attends its loca
 the visiting keys, and partial results merge exactly by log-sum-exp. The same code runs on
 NCCL (GPU tensors) and gloo (CPU tensors). `shard` / `unshard` split and restore the global
 sequence in the layout ("zigzag" or "plain") that ring_attention assumes. `gather_records`
-collects every rank's adaattn.stats records (each ring call records its rank's decisions).
+collects every rank's adaattn.stats records (each ring call records its rank's decisions), and
+`summarize_ranks` turns them into one summary per call. Under `Policy(mode="auto")` with
+quantized precisions, each rank's blocks run at per-head levels under the policy's tolerance
+(`adaattn.distributed.adaptive`).
 
 Not imported by `import adaattn`; use `import adaattn.distributed`.
 """
 
 from __future__ import annotations
 
-from .ring import RingAttention, gather_records, positions, ring_attention, shard, unshard
+from .ring import RingAttention, gather_records, positions, ring_attention, shard, summarize_ranks, unshard
 
-__all__ = ["RingAttention", "gather_records", "positions", "ring_attention", "shard", "unshard"]
+__all__ = ["RingAttention", "gather_records", "positions", "ring_attention", "shard", "summarize_ranks", "unshard"]

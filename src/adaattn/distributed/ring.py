@@ -56,6 +56,8 @@ from torch.autograd.function import once_differentiable
 
 from .. import stats
 from ..api import attention
+from ..policy import EXACT, Policy
+from . import adaptive
 from ..backends.masks import position_keep
 from ..problem import check_scale, check_window, default_scale
 
@@ -541,12 +543,17 @@ def _reduce_to_owners(c: "_Call", grads: torch.Tensor) -> torch.Tensor:
 
 
 class _Call:
-    """What one call decided: the group, the mask in global positions and how blocks run."""
+    """What one call decided: the group, the mask in global positions and how blocks run.
+    `engine` runs the exact blocks (and every backward block); under a policy that allows
+    quantized levels, `quant` runs the forward's blocks ("quant"), or both run ("verify")."""
 
     def __init__(self, group, rank, world, n, causal, scale, window, balance, docs, algorithm, engine, value_dim):
         self.group, self.rank, self.world, self.n, self.value_dim = group, rank, world, n, value_dim
         self.causal, self.scale, self.window, self.balance, self.docs = causal, scale, window, balance, docs
         self.algorithm, self.engine = algorithm, engine
+        self.quant = None  # adaptive.QuantBlocks, when this call's forward may run quantized
+        self.kind = "exact"  # "exact", "quant" or "verify"
+        self.adapt: Optional[dict] = None  # the policy's decisions for adaattn.stats
 
     def pairs(self, src: int) -> tuple:
         return _pairs(self.rank, src, self.world, self.n, self.balance, self.causal, self.window, self.docs)
@@ -555,25 +562,74 @@ class _Call:
         return (_ring_shards if self.algorithm == "ring" else _gathered_shards)(self, k, v)
 
 
-def _forward_blocks(c: _Call, q, shards):
-    """(out in the compute dtype, lse) of the local queries against every (src, k, v) of
-    `shards`, merged by log-sum-exp. A first block that covers every row is taken as it is."""
-    eng = c.engine
-    out = lse = None
+class _NoSpan:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NO_SPAN = _NoSpan()
+
+
+def _forward_engines(c: _Call, q, shards, engines: list, timer=None, names=()) -> list:
+    """[(out in the compute dtype, lse)] of the local queries against every (src, k, v) of
+    `shards`, one per engine of `engines`, merged by log-sum-exp; with `timer`
+    (adaptive.EventTimer), each engine's blocks and merges are timed under its name. A first
+    block that covers every row is taken as it is."""
+    cdt = c.engine.cdt
+    acc: list = [[None, None] for _ in engines]
     for src, ks, vs in shards:
         for qa, qb, ka, kb, left, right in c.pairs(src):
-            bo, bl = eng.forward(q[:, :, qa:qb], ks[:, :, ka:kb], vs[:, :, ka:kb], c.scale, left, right)
-            if out is None and (qa, qb) == (0, q.shape[2]):
-                out, lse = bo.to(eng.cdt), bl.to(eng.cdt)
-                continue
-            if out is None:
-                out = q.new_zeros(*q.shape[:-1], vs.shape[-1], dtype=eng.cdt)
-                lse = q.new_full(q.shape[:-1], float("-inf"), dtype=eng.cdt)
-            eng.merge(out[:, :, qa:qb], lse[:, :, qa:qb], bo, bl)
-    if out is None:  # no key visible to any local query (a window, documents)
-        out = q.new_zeros(*q.shape[:-1], c.value_dim, dtype=eng.cdt)
-        lse = q.new_full(q.shape[:-1], float("-inf"), dtype=eng.cdt)
-    return out, lse
+            for i, eng in enumerate(engines):
+                with (timer.span(names[i]) if timer is not None else _NO_SPAN):
+                    bo, bl = eng.forward(q[:, :, qa:qb], ks[:, :, ka:kb], vs[:, :, ka:kb], c.scale, left, right)
+                    a = acc[i]
+                    if a[0] is None and (qa, qb) == (0, q.shape[2]):
+                        a[0], a[1] = bo.to(cdt), bl.to(cdt)
+                        continue
+                    if a[0] is None:
+                        a[0] = q.new_zeros(*q.shape[:-1], vs.shape[-1], dtype=cdt)
+                        a[1] = q.new_full(q.shape[:-1], float("-inf"), dtype=cdt)
+                    eng.merge(a[0][:, :, qa:qb], a[1][:, :, qa:qb], bo, bl)
+    for a in acc:
+        if a[0] is None:  # no key visible to any local query (a window, documents)
+            a[0] = q.new_zeros(*q.shape[:-1], c.value_dim, dtype=cdt)
+            a[1] = q.new_full(q.shape[:-1], float("-inf"), dtype=cdt)
+    return [tuple(a) for a in acc]
+
+
+def _forward_blocks(c: _Call, q, shards):
+    """(out in the compute dtype, lse) of the exact blocks."""
+    return _forward_engines(c, q, shards, [c.engine])[0]
+
+
+def _forward_verified(c: _Call, q, k, v):
+    """A verified call: quantized and exact blocks in one pass over the shards, the errors and
+    times summed over the ranks (one all-reduce), the site's decisions taken; returns
+    (out, lse) with the heads over the tolerance taken from the exact blocks."""
+    site = c.quant.site
+    timer = adaptive.EventTimer(("quant", "exact"), q.device)
+    names = ("quant", "exact") if site.verified % 2 else ("exact", "quant")  # who runs first alternates
+    engines = {"quant": c.quant, "exact": c.engine}
+    got = dict(zip(names, _forward_engines(c, q, c.shards(k, v), [engines[n] for n in names], timer, names)))
+    (oq, lq), (oe, le) = got["quant"], got["exact"]
+    hq = q.shape[1]
+    times = timer.totals()
+    timed = times["quant"] is not None
+    sums = torch.cat([(oq - oe).double().pow(2).sum((0, 2, 3)), oe.double().pow(2).sum((0, 2, 3)),
+                      torch.tensor([times["quant"] or 0.0, times["exact"] or 0.0], dtype=torch.float64).to(q.device)])
+    if c.world > 1:
+        dist.all_reduce(sums, group=c.group)
+    vals = sums.tolist()
+    bad = site.settle(vals[:hq], vals[hq:2 * hq], vals[-2] if timed else None, vals[-1] if timed else None)
+    if bad:
+        heads = torch.tensor(bad, device=q.device)
+        oq.index_copy_(1, heads, oe.index_select(1, heads))
+        lq.index_copy_(1, heads, le.index_select(1, heads))
+    c.adapt["heads_redone_exact"] = bad
+    return oq, lq
 
 
 def _backward_block(c: _Call, q, dout, out, lse, src, ks, vs, dq, dk, dv) -> None:
@@ -592,17 +648,30 @@ def _backward_block(c: _Call, q, dout, out, lse, src, ks, vs, dq, dk, dv) -> Non
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, c: _Call):
-        out, lse = _forward_blocks(c, q, c.shards(k, v))
+        if c.kind == "verify":
+            out, lse = _forward_verified(c, q, k, v)
+        elif c.kind == "quant":
+            out, lse = _forward_engines(c, q, c.shards(k, v), [c.quant])[0]
+        else:
+            out, lse = _forward_blocks(c, q, c.shards(k, v))
         result = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, result, lse)
+        if c.kind == "exact":
+            ctx.save_for_backward(q, k, v, result, lse)
+        else:  # the backward is exact: it recomputes the exact output and log-sum-exp
+            ctx.save_for_backward(q, k, v)
         ctx.call = c
         return result
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
         c = ctx.call
+        if c.kind == "exact":
+            q, k, v, out, lse = ctx.saved_tensors
+        else:
+            q, k, v = ctx.saved_tensors
+            out, lse = _forward_blocks(c, q, c.shards(k, v))
+            out = out.to(q.dtype)
         cdt = c.engine.cdt
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
@@ -670,8 +739,10 @@ def _check_docs(cu_seqlens, n_global: int) -> Optional[tuple]:
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None, *,
                    is_causal: bool = False, scale: float | None = None, window: Window = None,
                    enable_gqa: bool = False, balance: str = "zigzag", cu_seqlens=None,
-                   algorithm: str = "ring", kernel: str = "auto") -> torch.Tensor:
-    """Exact attention over a sequence sharded across `group` (default: the world group).
+                   algorithm: str = "ring", kernel: str = "auto", policy: Optional[Policy] = None,
+                   label: Optional[str] = None) -> torch.Tensor:
+    """Attention over a sequence sharded across `group` (default: the world group); exact unless
+    `policy` allows quantized precisions.
 
     q (B, Hq, n, D), k (B, Hkv, n, D), v (B, Hkv, n, Dv) are this rank's shards of the
     sequence (dim 2), laid out as `shard(x, 2, group, balance)` lays them out; every rank holds
@@ -686,8 +757,17 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
         shards).
     kernel: "auto" (our Triton kernels for CUDA tensors they take, torch math otherwise),
         "triton" or "torch".
-    Differentiable in q, k and v. With no initialized process group, or world size 1, and no
-    documents, this is adaattn.attention.
+    policy: None (exact) or a Policy. Under mode="auto" with "int8"/"fp8" among its precisions,
+        each rank's blocks run at per-head quantized levels under policy.tolerance, verified on
+        a fraction policy.verify of calls against the exact blocks over every rank's rows
+        (adaattn.distributed.adaptive says how); the backward is exact, and inputs that require
+        grad run exact unless policy.train_quantized. policy.deterministic asks for the
+        deterministic backward. Rank approximations ("skip", "lowrank") and policy.backends
+        are refused here (ValueError) unless the call is adaattn.attention's (below).
+    label: names the call site whose per-head levels and measurements a call uses (default:
+        one site per shape, mask and policy).
+    Differentiable in q, k and v. With no initialized process group, or world size 1, no
+    documents and kernel="auto", this is adaattn.attention (with `policy` and `label`).
     """
     _check_balance(balance)
     window = _check(q, k, v, enable_gqa, window)
@@ -698,14 +778,19 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
         raise ValueError(f"kernel must be one of {KERNELS}, not {kernel!r}")
     group, rank, world = _group_info(group)
     docs = _check_docs(cu_seqlens, q.shape[2] * world)
+    policy = _check_policy(policy)
     if world == 1 and docs is None and kernel == "auto":
-        return attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, window=window)
+        return attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, window=window,
+                         policy=policy, label=label)
+    _ring_policy(policy)
     if balance == "zigzag" and world > 1 and q.shape[2] % 2:
         raise ValueError(f"zigzag balance needs an even local length, got {q.shape[2]}")
     scale = default_scale(q.shape[-1]) if scale is None else scale
-    deterministic = torch.are_deterministic_algorithms_enabled()
+    deterministic = torch.are_deterministic_algorithms_enabled() or policy.deterministic
     c = _Call(group, rank, world, q.shape[2], bool(is_causal), scale, window, balance, docs, algorithm,
               _engine(kernel, q, v, deterministic), v.shape[-1])
+    if policy.mode == "auto":
+        _adapt(c, q, k, v, policy, kernel, label)
     if not stats.enabled:
         return _RingAttention.apply(q, k, v, c)
     if stats.timing():
@@ -718,19 +803,72 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     return out
 
 
+def _check_policy(policy) -> Policy:
+    if policy is None:
+        return EXACT
+    if not isinstance(policy, Policy):
+        raise TypeError(f"policy must be an adaattn.Policy or None, got {type(policy).__name__}")
+    return policy
+
+
+def _ring_policy(policy: Policy) -> None:
+    """Refuse what the ring's blocks cannot do (rather than accept it and do nothing)."""
+    if policy.approximations:
+        raise ValueError(f"ring_attention's blocks run exact or quantized: Policy.approximations="
+                         f"{policy.approximations} (rank approximations) is not available across ranks; pass "
+                         "approximations=() (precisions may stay), or run the whole sequence on one GPU with "
+                         "adaattn.attention")
+    if policy.backends is not None:
+        raise ValueError(f"ring_attention picks its block kernels with kernel= ('auto', 'triton', 'torch'), not "
+                         f"Policy.backends (got {policy.backends}); pass backends=None")
+
+
+def _adapt(c: _Call, q, k, v, policy: Policy, kernel: str, label: Optional[str]) -> None:
+    """Under mode="auto": this call's kind (exact, quantized, or verified) from its site."""
+    levels, reasons = adaptive.quant_levels(q, k, v, policy, kernel)
+    c.adapt = {"tolerance": policy.tolerance}
+    if not levels:
+        c.adapt.update({"ran": "exact", "why": " ".join(reasons)})
+        return
+    key = (label, policy.tolerance, policy.precisions, policy.verify, policy.train_quantized, c.world, c.balance,
+           c.algorithm, q.shape[0], q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], q.dtype, str(q.device),
+           c.causal, c.window, c.scale, c.docs is not None, _length_bucket(c.n), c.engine.name)
+    site = adaptive.site_for(key, policy, levels, q)
+    c.kind = site.begin(q.device)
+    c.quant = adaptive.QuantBlocks(site, c.engine)
+
+
+def _length_bucket(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
 def _record(c: _Call, q, k, wall_ms) -> None:
     """This rank's decisions for adaattn.stats: the block engine, the algorithm, how many
-    kernel calls its blocks took and how many visiting shards it skipped."""
+    kernel calls its blocks took and how many visiting shards it skipped; under a policy, each
+    head's level, the errors measured (over every rank's rows) and why."""
     calls = [len(c.pairs(src)) for src in range(c.world)]
     engine = c.engine.name if not (c.engine.name == "triton" and _TritonBlocks.failed) else "torch"
+    decisions = {"rank": c.rank, "world": c.world, "algorithm": c.algorithm, "balance": c.balance,
+                 "kernel_calls": sum(calls), "shards_skipped": sum(1 for n in calls if n == 0),
+                 "documents": None if c.docs is None else len(c.docs) - 1}
+    backend = f"ring.{engine}"
+    if c.adapt is not None:
+        decisions.update(c.adapt)
+        if c.quant is not None:
+            site = c.quant.site.describe()
+            ran = {"exact": "exact", "quant": "quantized", "verify": "quantized, verified against exact"}[c.kind]
+            if c.quant.site.failed:
+                ran = "exact"
+            decisions.update({"ran": ran, "verified": c.kind == "verify", "head_levels": site["head_levels"],
+                              "head_errors": site["head_errors"], "errors_measured_on": "every row of every rank",
+                              "measured_ms": site["measured_ms"], "why": site["why"], "site_calls": site["calls"]})
+            if c.kind != "exact" and not c.quant.site.failed:
+                backend = "ring.triton.quant"
     stats.add(stats.CallRecord(
-        backend=f"ring.{engine}",
+        backend=backend,
         shape=f"B={q.shape[0]} H={q.shape[1]}/{k.shape[1]} n={q.shape[2]} x world {c.world} D={q.shape[3]}",
-        dtype=str(q.dtype).replace("torch.", ""), device=str(q.device), mode="exact",
-        decisions={"rank": c.rank, "world": c.world, "algorithm": c.algorithm, "balance": c.balance,
-                   "kernel_calls": sum(calls), "shards_skipped": sum(1 for n in calls if n == 0),
-                   "documents": None if c.docs is None else len(c.docs) - 1},
-        fallbacks=("ring.triton",) if engine != c.engine.name else (), wall_ms=wall_ms))
+        dtype=str(q.dtype).replace("torch.", ""), device=str(q.device), mode="exact" if c.adapt is None else "auto",
+        decisions=decisions, fallbacks=("ring.triton",) if engine != c.engine.name else (), wall_ms=wall_ms))
 
 
 def gather_records(records: list, group=None) -> list:
@@ -745,11 +883,40 @@ def gather_records(records: list, group=None) -> list:
     return got
 
 
+def summarize_ranks(per_rank: list) -> list[dict]:
+    """One summary per ring call from gather_records' lists (the i-th ring record of every rank
+    is the i-th call): what each rank ran, kernel calls and skipped shards summed over ranks,
+    and under a policy the per-head levels (the same on every rank: their decisions come from
+    sums over the ranks), the errors measured over every rank's rows and whether it was
+    verified. Records of other calls (adaattn.attention) are left out."""
+    rings = [[r if isinstance(r, dict) else r.as_dict() for r in recs] for recs in per_rank]
+    rings = [[r for r in recs if r["backend"].startswith("ring.")] for recs in rings]
+    if len({len(r) for r in rings}) > 1:
+        raise ValueError(f"ranks recorded different numbers of ring calls: {[len(r) for r in rings]}")
+    out = []
+    for call in zip(*rings):
+        d = [r["decisions"] for r in call]
+        row = {"world": len(call), "backends": [r["backend"] for r in call],
+               "kernel_calls": sum(x["kernel_calls"] for x in d), "shards_skipped": sum(x["shards_skipped"] for x in d),
+               "mode": call[0]["mode"]}
+        if call[0]["mode"] == "auto":
+            levels = [x.get("head_levels") for x in d]
+            row.update({"ran": [x.get("ran") for x in d], "head_levels": levels[0],
+                        "levels_agree": all(lv == levels[0] for lv in levels), "head_errors": d[0].get("head_errors"),
+                        "verified": d[0].get("verified"), "why": d[0].get("why")})
+        out.append(row)
+    return out
+
+
 class RingAttention(nn.Module):
     """ring_attention as a module, holding its process group, balance, algorithm and kernel."""
 
-    def __init__(self, group=None, balance: str = "zigzag", algorithm: str = "ring", kernel: str = "auto"):
+    def __init__(self, group=None, balance: str = "zigzag", algorithm: str = "ring", kernel: str = "auto",
+                 policy: Optional[Policy] = None, label: Optional[str] = None):
         super().__init__()
+        self.policy = _check_policy(policy)
+        # Each module is its own call site unless labelled: its levels follow its own errors.
+        self.label = label if label is not None else f"RingAttention@{id(self):x}"
         _check_balance(balance)
         if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, not {algorithm!r}")
@@ -762,7 +929,8 @@ class RingAttention(nn.Module):
                 enable_gqa: bool = False, cu_seqlens=None) -> torch.Tensor:
         return ring_attention(q, k, v, self.group, is_causal=is_causal, scale=scale, window=window,
                               enable_gqa=enable_gqa, balance=self.balance, cu_seqlens=cu_seqlens,
-                              algorithm=self.algorithm, kernel=self.kernel)
+                              algorithm=self.algorithm, kernel=self.kernel, policy=self.policy, label=self.label)
 
     def extra_repr(self) -> str:
-        return f"balance={self.balance!r}, algorithm={self.algorithm!r}, kernel={self.kernel!r}"
+        extra = "" if self.policy.mode == "exact" else f", policy={self.policy!r}"
+        return f"balance={self.balance!r}, algorithm={self.algorithm!r}, kernel={self.kernel!r}{extra}"

@@ -334,7 +334,7 @@ def quant_tile_run(acc, l_i, m_i, vs_prev, q, row_scale, k_base, kq_base, ks_bas
 
 @triton.jit(do_not_specialize=["q_len", "k_len", "window_left", "window_right", "n_blocks"])
 def attention_quant_fwd_kernel(
-    Q, K, V, Kq, KScale, Vq, VScale, VMean, Out, Mask, HeadLevel,
+    Q, K, V, Kq, KScale, Vq, VScale, VMean, Out, Mask, HeadLevel, KMean, Lse,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -350,11 +350,16 @@ def attention_quant_fwd_kernel(
     BOTTOM_RIGHT: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, QK_MODE: tl.constexpr, PV_MODE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, SCALE_POSITIVE: tl.constexpr, EMULATE: tl.constexpr,
-    EXP_FMA: tl.constexpr = 0,
+    EXP_FMA: tl.constexpr = 0, STORE_LSE: tl.constexpr = False,
 ):
     """Grid (query blocks, batch * q_heads). With HAS_HEAD_LEVEL, a program whose head's
     entry in HeadLevel (int32, one per query head) is not RUN_LEVEL returns at once, leaving
-    its rows of Out to the launch of that head's level."""
+    its rows of Out to the launch of that head's level.
+
+    STORE_LSE: each row's log-sum-exp of its (quantized) scores, natural log, fp32, into Lse
+    (B * q_heads, q_len) (-inf for a row that sees no key), so partial results merge exactly.
+    The smoothing mean's share of the scores (scale * q.k_mean, which the quantized Q.K^T leaves
+    out: softmax ignores it) is added back from KMean ((B, Hkv, D) fp32) and the unquantized q."""
     pid_bh, batch, head, kv_head, start_m, diag = dense_program(q_heads, kv_group, q_len, k_len, BLOCK_M,
                                                                 BOTTOM_RIGHT)
     if HAS_HEAD_LEVEL:
@@ -380,10 +385,14 @@ def attention_quant_fwd_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     q = load_rows(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, q_len, offs_d,
                   HEAD_DIM, BLOCK_D, True)
+    q_shift = tl.zeros([BLOCK_M], dtype=tl.float32)  # log2 units: what smoothing took out of the scores
     if QK_MODE == 0:
         row_scale = tl.full([BLOCK_M], 1.0, dtype=tl.float32) * scale_log2
     else:
         qf = q.to(tl.float32)
+        if STORE_LSE:
+            k_mean = tl.load(KMean + stat + offs_d, mask=offs_d < HEAD_DIM, other=0.0)
+            q_shift = tl.sum(qf * k_mean[None, :], 1) * scale_log2
         if QK_MODE == 1:
             qmax = 127.0
         else:
@@ -436,3 +445,11 @@ def attention_quant_fwd_kernel(
         out = acc * inv_l[:, None]
     store_rows(o_base + offs_m[:, None] * stride_om + offs_d[None, :],
                round_to(out, Out.dtype.element_ty, DOT_PRECISION), offs_m, q_len, offs_d, HEAD_DIM, BLOCK_D)
+    if STORE_LSE:
+        if PV_MODE == 1:
+            p_log2_scale = 8.807354922057604  # log2(448): P, and so l, carry the factor 448
+        else:
+            p_log2_scale = 0.0
+        lse2 = m_i + tl.math.log2(tl.where(seen, l_i, 1.0)) - p_log2_scale + q_shift
+        lse = tl.where(seen, lse2 * 0.6931471805599453, float("-inf"))
+        tl.store(Lse + pid_bh.to(tl.int64) * q_len + offs_m, lse, mask=offs_m < q_len)
