@@ -160,7 +160,12 @@ def test_kernel_log_sum_exp_matches_float64_simulation(level, fp8_qk, dtype, sha
     got = lse.cpu().double()
     assert torch.equal(torch.isneginf(got), torch.isneginf(want)), "rows that see no key must read -inf"
     seen = torch.isfinite(want)
-    assert (got[seen] - want[seen]).abs().max() <= 1e-4 * max(1.0, float(want[seen].abs().max()))
+    # On a GPU the exponentials partly run on the FMA units (an approximation; measured on the
+    # H100: 1.0e-3 at the qk8 level) and the fp8 level's FP8 Q.K^T accumulates with fewer bits
+    # than fp32 (_sim_tol); the interpreter does neither.
+    far = float((got[seen] - want[seen]).abs().max())
+    tol = 1e-4 if DEVICE == "cpu" else (3e-3 if _sim_tol(level) <= 1e-3 else 1e-2)
+    assert far <= tol * max(1.0, float(want[seen].abs().max())), far
     # Against the exact scores: off by the quantization's share only.
     s = (q.double() @ k.double().repeat_interleave(hq // hkv, 1).transpose(-1, -2)) / math.sqrt(d)
     if keep is not None:
