@@ -607,3 +607,30 @@ def test_policy_refusals_and_exact_reasons():
     want = adaattn.attention(q, k, v, is_causal=True, enable_gqa=True, policy=skip, label="w1")
     got = RingAttention(policy=skip, label="w1")(q, k, v, is_causal=True, enable_gqa=True)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_policy_kernel_failure_runs_exact_blocks_under_the_same_kind(monkeypatch):
+    """A quantized kernel failure on one rank must not change the call's kind (the other ranks'
+    all-reduce and backward ring pass would wait for it): exact blocks run under it, one warning."""
+    import adaattn
+    from adaattn import Policy
+    from adaattn.backends import triton_quant as tq
+    from adaattn.distributed import adaptive, ring_attention
+
+    def broken(*a, **k):
+        raise RuntimeError("no kernel")
+
+    monkeypatch.setattr(tq, "quant_attention", broken)
+    adaptive.reset()
+    q, k, v, _ = _policy_inputs()
+    pol = Policy(mode="auto", precisions=("int8",), tolerance=5e-2, verify=0.5)
+    want = ring_attention(q, k, v, is_causal=True, enable_gqa=True, kernel="triton")
+    with pytest.warns(RuntimeWarning, match="quantized block kernel failed"):
+        with adaattn.stats.collect() as recs:
+            outs = [ring_attention(q, k, v, is_causal=True, enable_gqa=True, kernel="triton", policy=pol, label="broken")
+                    for _ in range(3)]
+    for out in outs:
+        assert torch.equal(out, want)
+    site = next(iter(adaptive._SITES.values()))
+    assert site.failed and site.calls == 3 and site.verified == 2  # calls 1 and 3 verified, as scheduled
+    assert [r.decisions["ran"] for r in recs] == ["exact"] * 3 and all(r.backend == "ring.triton" for r in recs)

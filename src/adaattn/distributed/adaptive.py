@@ -102,9 +102,13 @@ class RingSite:
         self._unjudged = 0
 
     def begin(self, device: torch.device) -> str:
-        """This call's kind: "verify" (both engines), "quant" or "exact"."""
+        """This call's kind: "verify" (both engines), "quant" or "exact". It must be the same on
+        every rank (a verified call all-reduces; a quantized one recomputes the exact forward
+        over the ring in the backward), so it depends only on what every rank shares: the call
+        count and the decisions taken from sums over the ranks. A rank whose kernel failed
+        (`failed`) keeps the kind and runs exact blocks under it (QuantBlocks)."""
         self.calls += 1
-        if self.failed or all(lv == tq.LEVEL_EXACT for lv in self.levels):  # nothing left to verify
+        if all(lv == tq.LEVEL_EXACT for lv in self.levels):  # nothing left to verify
             return "exact"
         capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         if self.calls >= self._next_verify and not capturing:
