@@ -8,6 +8,7 @@ torch SDPA on the same float32 inputs + 1e-6.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -66,6 +67,21 @@ def _inputs(dtype, hkv, n, seed=0):
     return q.to(dtype), k.to(dtype), v.to(dtype), go.to(dtype)
 
 
+@contextlib.contextmanager
+def _gloo_group(rank: int, world: int, port: int):
+    """A spawned worker's gloo process group; on a clean exit every rank meets at a barrier
+    (rank 0 has saved its results by then)."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        yield
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -73,13 +89,9 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, world: int, port: int, path: str) -> None:
-    import torch.distributed as dist
-
     from adaattn.distributed import ring_attention, shard, unshard
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+    with _gloo_group(rank, world, port):
         results = {}
         n = _n_global(world)
         for name, dtype, balance, causal, hkv, window, docs, algorithm, kernel in _cases(world):
@@ -110,9 +122,6 @@ def _worker(rank: int, world: int, port: int, path: str) -> None:
         results["_records"] = gather_records(records)
         if rank == 0:
             torch.save(results, path)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def _rel(x, ref) -> float:
@@ -457,15 +466,11 @@ def _policy_inputs(seed=5):
 def _policy_worker(rank: int, world: int, port: int, path: str) -> None:
     """Every rank: quantized blocks under a policy (3 calls at tau=5e-2; a tau no quantized
     level meets; train_quantized gradients), with their stats records gathered."""
-    import torch.distributed as dist
-
     import adaattn
     from adaattn import Policy
     from adaattn.distributed import gather_records, ring_attention, shard, unshard
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
+    with _gloo_group(rank, world, port):
         q, k, v, go = _policy_inputs()
         ql, kl, vl, gol = (shard(t, 2) for t in (q, k, v, go))
         kw = dict(is_causal=True, enable_gqa=True)
@@ -487,9 +492,6 @@ def _policy_worker(rank: int, world: int, port: int, path: str) -> None:
         res["records"] = gather_records(records)
         if rank == 0:
             torch.save(res, path)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def _head_errors(out, ref):
