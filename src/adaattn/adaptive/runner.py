@@ -60,19 +60,24 @@ class QuantLaunch:
 
 def allowed_levels(problem, policy) -> tuple[tuple[int, ...], list[str]]:
     """(levels beyond exact that may run, reasons none may). Empty levels: the runner declines."""
+    return levels_for(problem.device_type, problem.device_index, problem.needs_grad, policy)
+
+
+def levels_for(device_type: str, device_index, needs_grad: bool, policy) -> tuple[tuple[int, ...], list[str]]:
+    """allowed_levels from the facts it reads (for callers without a Problem: the ring's blocks)."""
     wanted = []
     reasons: list[str] = []
     if "int8" in policy.precisions:
         wanted.append(tq.LEVEL_QK8)
     if "fp8" in policy.precisions:
-        if problem.device_type == "cuda" and not tq.fp8_supported(torch.device("cuda", problem.device_index or 0)):
+        if device_type == "cuda" and not tq.fp8_supported(torch.device("cuda", device_index or 0)):
             if tq.LEVEL_QK8 not in wanted:
                 reasons.append("fp8: FP8 tensor cores need compute capability 8.9 or newer.")
         else:
             wanted.append(tq.LEVEL_FP8)
     if not wanted and not reasons:
         reasons.append("Policy.precisions allows no quantized precision (int8, fp8).")
-    if problem.needs_grad and not policy.train_quantized:
+    if needs_grad and not policy.train_quantized:
         reasons.append("inputs require grad: Policy(train_quantized=True) allows a quantized forward with an "
                        "exact backward.")
     return (tuple(wanted) if not reasons else ()), reasons

@@ -30,14 +30,19 @@ exact backward blocks.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from typing import Optional
 
 import torch
 
+from ..adaptive import controller
+from ..adaptive.runner import levels_for
 from ..backends import triton_quant as tq
 
+# Errors a fallback cannot help: torch math needs more memory; a broken context stays broken.
+NOT_RECOVERABLE = tuple(t for t in (torch.OutOfMemoryError, getattr(torch, "AcceleratorError", None)) if t)
 PAYS = 0.95  # quantized blocks run only while they measure under this fraction of the exact ones
 OUTLIER = 4.0  # a verified call where one engine took this many times the other compiled something
 UNJUDGED_MAX = 3
@@ -46,26 +51,14 @@ _MAX_SITES = 1024
 
 
 def quant_levels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, policy, kernel: str) -> tuple[tuple[int, ...], list[str]]:
-    """(levels beyond exact this call's blocks may run at, reasons none may)."""
-    reasons: list[str] = []
-    wanted = []
-    if "int8" in policy.precisions:
-        wanted.append(tq.LEVEL_QK8)
-    if "fp8" in policy.precisions:
-        if q.device.type == "cuda" and not tq.fp8_supported(q.device):
-            if not wanted:
-                reasons.append("fp8: FP8 tensor cores need compute capability 8.9 or newer.")
-        else:
-            wanted.append(tq.LEVEL_FP8)
-    if not wanted and not reasons:
-        reasons.append("Policy.precisions allows no quantized precision (int8, fp8).")
+    """(levels beyond exact this call's blocks may run at, reasons none may): the quantized
+    runner's (adaptive.runner.levels_for), and what the ring's blocks add."""
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    levels, reasons = levels_for(q.device.type, q.device.index, needs_grad, policy)
     if kernel == "torch":
         reasons.append("kernel='torch' runs every block in torch math.")
     reasons += tq.quant_can_run(q.device, q.dtype, q.shape[-1], v.shape[-1])
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)) and not policy.train_quantized:
-        reasons.append("inputs require grad: Policy(train_quantized=True) allows a quantized forward with an "
-                       "exact backward.")
-    return (tuple(wanted) if not reasons else ()), reasons
+    return (levels if not reasons else ()), reasons
 
 
 def site_for(key: tuple, policy, levels: tuple[int, ...], q: torch.Tensor) -> "RingSite":
@@ -144,7 +137,7 @@ class RingSite:
         self.errors = [math.sqrt(e / r) if r > 0 else (0.0 if e == 0 else math.inf) for e, r in zip(err_sq, ref_sq)]
         bad = [h for h, e in enumerate(self.errors) if not e <= self.tolerance and self.levels[h] != tq.LEVEL_EXACT]
         for h in bad:
-            self.levels[h] = _up(self.levels[h], self.allowed)
+            self.levels[h] = controller._up(self.levels[h], self.allowed)
         judged = False
         if quant_ms is not None and exact_ms is not None:
             self.measured = (quant_ms, exact_ms)
@@ -165,8 +158,7 @@ class RingSite:
         return bad
 
     def fail(self, error: BaseException) -> None:
-        if isinstance(error, (torch.OutOfMemoryError,) + ((torch.AcceleratorError,)
-                                                           if hasattr(torch, "AcceleratorError") else ())):
+        if isinstance(error, NOT_RECOVERABLE):
             raise error
         if not self.failed:
             self.failed = True
@@ -179,12 +171,6 @@ class RingSite:
         return {"head_levels": [tq.LEVELS[x] for x in self.levels], "calls": self.calls, "verified": self.verified,
                 "runs_exact": self.runs_exact, "head_errors": self.errors, "measured_ms": self.measured,
                 "why": self.why}
-
-
-def _up(level: int, allowed: tuple[int, ...]) -> int:
-    """The next more precise allowed level (exact is always allowed)."""
-    above = [a for a in allowed if a < level]
-    return max(above) if above else tq.LEVEL_EXACT
 
 
 class QuantBlocks:
@@ -221,8 +207,17 @@ class EventTimer:
         self.on = device.type == "cuda"
         self.marks: dict = {n: [] for n in names}
 
+    @contextlib.contextmanager
     def span(self, name: str):
-        return _Span(self, name)
+        """Time the block under `name` (nothing off CUDA)."""
+        if not self.on:
+            yield
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        self.marks[name].append((start, end))
 
     def totals(self) -> dict:
         if not self.on:
@@ -233,21 +228,3 @@ class EventTimer:
                 marks[-1][1].synchronize()
             out[name] = sum(a.elapsed_time(b) for a, b in marks)
         return out
-
-
-class _Span:
-    def __init__(self, timer: EventTimer, name: str):
-        self.timer, self.name = timer, name
-
-    def __enter__(self):
-        if self.timer.on:
-            self.start = torch.cuda.Event(enable_timing=True)
-            self.start.record()
-        return self
-
-    def __exit__(self, *exc):
-        if self.timer.on:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.timer.marks[self.name].append((self.start, end))
-        return False

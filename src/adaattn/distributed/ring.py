@@ -44,6 +44,7 @@ GQA: Hq a multiple of Hkv; K/V are never repeated, neither in communication nor 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 from bisect import bisect_right
@@ -349,9 +350,6 @@ class _TorchBlocks:
         return dq, dk, dv
 
 
-_NOT_RECOVERABLE = tuple(t for t in (torch.OutOfMemoryError, getattr(torch, "AcceleratorError", None)) if t)
-
-
 class _TritonBlocks:
     """A block through our Triton forward and backward kernels (natural-log lse, fp32); a kernel
     that fails hands that block, and the rest of the process's blocks, to torch math with one
@@ -373,7 +371,7 @@ class _TritonBlocks:
                            self.deterministic)
 
     def _failed(self, error: BaseException) -> None:
-        if isinstance(error, _NOT_RECOVERABLE):  # torch math needs more memory; a broken context stays broken
+        if isinstance(error, adaptive.NOT_RECOVERABLE):
             raise error
         if not _TritonBlocks.failed:
             _TritonBlocks.failed = True
@@ -562,17 +560,6 @@ class _Call:
         return (_ring_shards if self.algorithm == "ring" else _gathered_shards)(self, k, v)
 
 
-class _NoSpan:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-_NO_SPAN = _NoSpan()
-
-
 def _forward_engines(c: _Call, q, shards, engines: list, timer=None, names=()) -> list:
     """[(out in the compute dtype, lse)] of the local queries against every (src, k, v) of
     `shards`, one per engine of `engines`, merged by log-sum-exp; with `timer`
@@ -583,7 +570,7 @@ def _forward_engines(c: _Call, q, shards, engines: list, timer=None, names=()) -
     for src, ks, vs in shards:
         for qa, qb, ka, kb, left, right in c.pairs(src):
             for i, eng in enumerate(engines):
-                with (timer.span(names[i]) if timer is not None else _NO_SPAN):
+                with (timer.span(names[i]) if timer is not None else contextlib.nullcontext()):
                     bo, bl = eng.forward(q[:, :, qa:qb], ks[:, :, ka:kb], vs[:, :, ka:kb], c.scale, left, right)
                     a = acc[i]
                     if a[0] is None and (qa, qb) == (0, q.shape[2]):
