@@ -883,6 +883,117 @@ def test_warp_specialised_forward_compiles_for_hopper_with_producer_and_two_cons
     sm90.assert_warp_specialised(sm90.run_json(SM90_WS_COMPILE), ("tma", "wgmma"))
 
 
+BWD_WS_CASES = {
+    # name: (check_case arguments, whether the warp-specialised backward takes it)
+    "causal bf16": (dict(nq=70, d=64, causal=True, seed=80), True),
+    "fp16 odd lengths, not causal": (dict(nq=127, nk=60, d=64, dtype=torch.float16, seed=81), True),
+    "gqa bottom-right": (dict(hq=4, hkv=2, nq=40, nk=90, d=64, causal=True, align="bottom_right", seed=82), True),
+    "rows before the first key": (dict(nq=90, nk=40, d=64, causal=True, align="bottom_right", seed=83), True),
+    "head dim 128, two batches": (dict(b=2, nq=50, nk=70, d=128, seed=84), True),
+    "one key": (dict(nq=5, nk=1, d=64, seed=85), True),
+    "causal window": (dict(hq=4, hkv=2, nq=90, d=64, window=(20, 0), seed=86), True),
+    "causal window, bottom-right": (dict(nq=40, nk=100, d=128, window=(7, 0), align="bottom_right", seed=87), True),
+    "band window: general kernels": (dict(nq=60, d=64, window=(9, 4), seed=88), False),
+    "bool mask: general kernels": (dict(nq=60, nk=80, d=64, attn_mask=_fully_masked_row_mask(60, 80, 89), seed=89),
+                                   False),
+    "fp32: general kernels": (dict(nq=50, d=64, dtype=torch.float32, causal=True, seed=90), False),
+    "head dim 32: general kernels": (dict(nq=50, d=32, causal=True, seed=91), False),
+    "negative scale: general kernels": (dict(nq=40, d=64, scale=-0.2, seed=92), False),
+}
+
+
+def spy_bwd_ws(monkeypatch):
+    calls = []
+    real = tl_launch.launch_bwd_ws
+    monkeypatch.setattr(tl_launch, "launch_bwd_ws", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    return calls
+
+
+@pytest.mark.parametrize("case", _runner_cases(BWD_WS_CASES))
+def test_warp_specialised_backward_matches_reference(monkeypatch, case):
+    # kernels/attention_bwd_ws.py (dk/dv and dq passes, tensor-descriptor loads, one branch-free
+    # loop each, masks as selects) meets the standard wherever it takes the backward; calls
+    # outside its scope run the general kernels.
+    args, ws_possible = BWD_WS_CASES[case]
+    calls = spy_bwd_ws(monkeypatch)
+    ran = []
+    with settings.override(bwd_ws="on"):
+        check_case(**args, policy=adaattn.Policy(backends=("triton.ptr",)), ran=ran)
+    assert ran == ["triton.ptr"] and len(calls) == (1 if ws_possible else 0)
+
+
+@pytest.mark.parametrize("dq_mode", ["atomic", "separate"])
+def test_warp_specialised_backward_is_bitwise_reproducible_and_follows_the_setting(monkeypatch, dq_mode):
+    # No atomics: every gradient element is written by one program in a fixed order. "off" and
+    # "auto" off Hopper run the general kernels (which agree to rounding).
+    calls = spy_bwd_ws(monkeypatch)
+    g = _gen(93)
+    q, k, v = (_randn((1, 4, 70, 64), torch.bfloat16, g).requires_grad_() for _ in range(3))
+    dout = _randn((1, 4, 70, 64), torch.bfloat16, g)
+    pol = adaattn.Policy(backends=("triton.ptr",))
+
+    def grads(**over):
+        with settings.override(dq=dq_mode, **over):
+            out = adaattn.attention(q, k, v, is_causal=True, policy=pol)
+            return torch.autograd.grad(out, (q, k, v), dout)
+
+    first, second = grads(bwd_ws="on"), grads(bwd_ws="on")
+    assert len(calls) == 2 and all(torch.equal(a, b) for a, b in zip(first, second))
+    general = grads(bwd_ws="off")
+    if DEVICE != "cuda":  # "auto" takes the warp-specialised kernels on Hopper only
+        assert all(torch.equal(a, b) for a, b in zip(grads(bwd_ws="auto"), general))
+    assert len(calls) == 2
+    for a, b in zip(first, general):
+        assert (a.float() - b.float()).abs().max().item() <= 2e-2 * b.float().abs().max().item()
+
+
+SM90_BWD_WS_COMPILE = r"""
+import json
+from adaattn.backends import triton_configs as tc
+from adaattn.kernels import attention_bwd_ws as m
+from sm90 import ws_kernel_rows
+
+def types_for(kind):
+    def for_d(d, cfg):
+        def types(name):
+            if name in ("QDesc", "DODesc"):
+                return f"tensordesc<bf16[1, 1, {cfg.block_m}, {d}]>"
+            if name in ("KDesc", "VDesc"):
+                return f"tensordesc<bf16[1, 1, {cfg.block_n}, {d}]>"
+            if name == "StatDesc":
+                return f"tensordesc<fp32[{cfg.block_m}]>"
+            if name == "Stat":
+                return "*fp32"
+            if name[0].isupper():
+                return "*bf16"
+            return "fp32" if name.startswith("scale") else "i32"
+        return types
+    return for_d
+
+rows = {}
+for kind, kernel in (("dkdv_ws", m.attention_bwd_dkdv_ws_kernel), ("dq_ws", m.attention_bwd_dq_ws_kernel)):
+    rows[kind] = ws_kernel_rows(kernel, lambda d, kind=kind: tc.HALF_CONFIGS[kind][tc.d_class(d)][0],
+                                types_for(kind), {"HAS_LEFT": False},
+                                {"tma": "cp.async.bulk.tensor", "wgmma": "wgmma"})
+print(json.dumps(rows))
+"""
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the GPU tests compile for the real device")
+def test_warp_specialised_backward_compiles_for_hopper_with_producer_and_two_consumer_groups():
+    # As the forward: each kernel's first config comes out specialised (a TMA producer and two
+    # consumer groups of 4 warps), on wgmma, within shared memory, without spills. (Pointer loads
+    # of the row statistics, or a host descriptor with a (BLOCK_M,) box, crash the pass.)
+    pytest.importorskip("triton.compiler")
+    import sm90
+
+    if not hardware.warp_specialisation_available():
+        pytest.skip("this triton has no warp_specialize")
+    rows = sm90.run_json(SM90_BWD_WS_COMPILE)
+    for kind in ("dkdv_ws", "dq_ws"):
+        sm90.assert_warp_specialised(rows[kind], ("tma", "wgmma"))
+
+
 @pytest.mark.parametrize("fwd,d,dtype", [("tma", 32, torch.bfloat16), ("ws", 64, torch.float16)])
 def test_descriptor_forwards_read_strided_views(fwd, d, dtype):
     # BSHD views: 16-byte aligned strides, so the descriptors take them as they are.
@@ -919,7 +1030,8 @@ def test_settings_and_variants_reject_unknown_names_and_bad_values():
     with pytest.raises(ValueError, match="unknown setting"):  # the forward variant is a runner now
         with settings.override(fwd="tma"):
             pass
-    for name, bad in (("dq", "sideways"), ("fwd_grid", "diagonal"), ("exp_fma", "3"), ("fp8_level_qk", "int4")):
+    for name, bad in (("dq", "sideways"), ("fwd_grid", "diagonal"), ("exp_fma", "3"), ("fp8_level_qk", "int4"),
+                      ("bwd_ws", "sometimes")):
         with pytest.raises(ValueError, match=f"{name} must be one of"):
             with settings.override(**{name: bad}):
                 pass

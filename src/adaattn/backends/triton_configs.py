@@ -35,6 +35,8 @@ INTERPRET_CONFIGS = {
     "dkdv": KernelConfig(16, 32, 1, 1),
     "dkdv_atomic": KernelConfig(16, 32, 1, 1),
     "dq": KernelConfig(32, 16, 1, 1),
+    "dkdv_ws": KernelConfig(16, 32, 1, 1),
+    "dq_ws": KernelConfig(32, 16, 1, 1),
     "delta": KernelConfig(32, 32, 1, 1),
 }
 
@@ -83,6 +85,19 @@ HALF_CONFIGS = {
                   KernelConfig(64, 32, 4, 2)],
         "large_d": [KernelConfig(128, 32, 8, 2), KernelConfig(64, 16, 4, 2), KernelConfig(64, 16, 4, 1)],
     },
+    # The warp-specialised backward (kernels/attention_bwd_ws.py): num_warps per consumer group;
+    # the rows of each product (keys for dk/dv, queries for dq) split between two groups.
+    "dkdv_ws": {
+        # 128/128 is left out: 232 KB of shared memory and spills at head dim 128 (sm90 compile).
+        "small_d": [KernelConfig(64, 128, 4, 2), KernelConfig(64, 128, 4, 3), KernelConfig(64, 64, 4, 2)],
+        "mid_d": [KernelConfig(64, 128, 4, 2), KernelConfig(64, 128, 4, 3), KernelConfig(64, 64, 4, 2)],
+        "large_d": [KernelConfig(64, 128, 4, 2)],
+    },
+    "dq_ws": {
+        "small_d": [KernelConfig(128, 64, 4, 2), KernelConfig(128, 128, 4, 2)],
+        "mid_d": [KernelConfig(128, 64, 4, 2), KernelConfig(128, 128, 4, 2), KernelConfig(128, 64, 4, 3)],
+        "large_d": [KernelConfig(128, 64, 4, 2)],
+    },
 }
 # float32 runs exact fp32 products (no tensor cores): small tiles, or the registers spill.
 FP32_CONFIGS = {
@@ -109,7 +124,7 @@ def shared_memory_estimate(kind: str, cfg: KernelConfig, block_d: int, elem: int
     qk, vo = block_d, block_dv or block_d
     if kind in ("fwd", "fwd_ws"):  # q resident; k and v pipelined
         resident, pipelined = bm * qk, bn * (qk + vo)
-    elif kind == "dkdv":  # k and v resident; q and do pipelined
+    elif kind in ("dkdv", "dkdv_ws"):  # k and v resident; q and do pipelined
         resident, pipelined = bn * (qk + vo), bm * (qk + vo)
     elif kind == "dkdv_atomic":  # ds^T goes through shared memory for the dq product
         resident, pipelined = bn * (qk + vo) + bm * bn, bm * (qk + vo)

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from .. import settings
+from .. import hardware, settings
 from ..problem import tma_aligned
 from .triton_configs import (
     DELTA_CONFIG,
@@ -356,6 +356,9 @@ def launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, m
     atomic = mode != "separate"
     q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
     dout, out = last_dim_contiguous(dout), last_dim_contiguous(out)
+    if mode != "atomic_rotate" and bwd_ws_here(q) and bwd_ws_ok(dout, q, k, v, attn_mask, cu_seqlens_q is not None,
+                                                                 launch):
+        return launch_bwd_ws(dout, q, k, v, out, lse, launch)
     lay = row_layout(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     dq = new_output(q.shape, q.dtype, q.device)
     dk = new_output(k.shape, k.dtype, k.device)
@@ -435,4 +438,98 @@ def launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, m
         run(CONFIGS.pick(kind, key + ((mode,) if atomic else ()), candidates, run))
     if atomic and dq_acc is not dq:
         dq.copy_(dq_acc)
+    return dq, dk, dv
+
+
+def bwd_ws_here(q: torch.Tensor) -> bool:
+    """Whether the settings send backward calls on q's device to the warp-specialised kernels where
+    bwd_ws_ok: "auto" on Hopper (sm90) with a triton that specialises, "on" everywhere."""
+    want = settings.current().bwd_ws
+    if want == "auto":
+        return (q.is_cuda and not interpreting() and hardware.warp_specialisation_available()
+                and hardware.arch("cuda", q.device.index) == "sm90")
+    return want == "on"
+
+
+def bwd_ws_ok(dout, q, k, v, attn_mask, varlen: bool, launch: AttentionLaunch) -> bool:
+    """Whether the warp-specialised backward (kernels/attention_bwd_ws.py) takes this call: dense, no
+    mask, causal or not, a left window only under causal, equal head dims 64/128, 16-bit inputs,
+    a positive scale, tensor-descriptor alignment."""
+    if varlen or attn_mask is not None or launch.scale <= 0 or q.dtype == torch.float32:
+        return False
+    if (launch.has_right and launch.right != 0) or (launch.has_left and not launch.has_right):
+        return False
+    d = q.shape[-1]
+    if d not in (64, 128) or k.shape[-1] != d or v.shape[-1] != d or dout.shape[-1] != d:
+        return False
+    return tensor_descriptor() is not None and all(tma_ok(last_dim_contiguous(t)) for t in (q, k, v, dout))
+
+
+def launch_bwd_ws(dout, q, k, v, out, lse, launch: AttentionLaunch, configs: Optional[tuple] = None,
+                  warp_spec: Optional[bool] = None):
+    """The warp-specialised backward: prep, dk/dv and dq kernels, no atomics (bitwise reproducible).
+    Returns (dq, dk, dv). configs: (dkdv, dq) KernelConfigs to run instead of the tuned ones;
+    warp_spec: False runs the same loops unspecialised (None: specialised except in the interpreter)."""
+    from ..kernels.attention_bwd_ws import (
+        attention_bwd_dkdv_ws_kernel,
+        attention_bwd_dq_ws_kernel,
+        attention_bwd_ws_prep_kernel,
+    )
+
+    q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
+    dout, out = last_dim_contiguous(dout), last_dim_contiguous(out)
+    lay = row_layout(q, k, v, None, None, None)
+    dq = new_output(q.shape, q.dtype, q.device)
+    dk = new_output(k.shape, k.dtype, k.device)
+    dv = new_output(v.shape, v.dtype, v.device)
+    if lay.batch * lay.q_heads == 0 or q.numel() == 0 or k.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    d = lay.head_dim
+    pitch = cdiv(lay.q_len, 128) * 128
+    plane = lay.batch * lay.q_heads * pitch
+    stat = torch.empty(2 * plane, dtype=torch.float32, device=q.device)
+    attention_bwd_ws_prep_kernel[(pitch // 64, lay.batch * lay.q_heads)](
+        out, dout, lse, stat, *lay.strides(out), *lay.strides(dout), *lse_strides(lse, lay),
+        lay.q_heads, lay.q_len, pitch, plane, HEAD_DIM_V=d, BLOCK_DV=d, BLOCK_M=64, num_warps=4,
+    )
+    descriptor = tensor_descriptor()
+    ensure_triton_allocator()
+    group = lay.q_heads // lay.kv_heads
+    causal = launch.has_right
+    spec = (not interpreting(),) * 2 if warp_spec is None else (
+        tuple(warp_spec) if isinstance(warp_spec, tuple) else (bool(warp_spec),) * 2)
+    common = dict(HEAD_DIM=d, CAUSAL=causal, BOTTOM_RIGHT=launch.bottom_right, HAS_LEFT=launch.has_left,
+                  DOT_PRECISION=dot_precision(q.dtype))
+    scale = launch.scale
+
+    def run_dkdv(cfg: KernelConfig):
+        box = [1, 1, cfg.block_m, d]
+        attention_bwd_dkdv_ws_kernel[(cdiv(lay.k_len, cfg.block_n), lay.batch * lay.kv_heads)](
+            descriptor(q, list(q.shape), list(q.stride()), box),
+            descriptor(dout, list(dout.shape), list(dout.stride()), box),
+            descriptor(stat, [2 * plane], [1], [cfg.block_m]), k, v, dk, dv,
+            *lay.strides(k), *lay.strides(v), *lay.strides(dk), *lay.strides(dv),
+            lay.kv_heads, group, lay.q_len, lay.k_len, pitch, plane, scale, scale * LOG2E, launch.left,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, WARP_SPEC=spec[0], num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **common,
+        )
+
+    def run_dq(cfg: KernelConfig):
+        box = [1, 1, cfg.block_n, d]
+        attention_bwd_dq_ws_kernel[(cdiv(lay.q_len, cfg.block_m), lay.batch * lay.q_heads)](
+            q, dout, descriptor(k, list(k.shape), list(k.stride()), box),
+            descriptor(v, list(v.shape), list(v.stride()), box), stat, dq,
+            *lay.strides(q), *lay.strides(dout), *lay.strides(dq),
+            lay.q_heads, group, lay.q_len, lay.k_len, pitch, plane, scale, scale * LOG2E, launch.left,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, K_TAIL=lay.k_len % cfg.block_n != 0, WARP_SPEC=spec[1],
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+        )
+
+    key = _shape_key(q, lay, launch, MASK_NONE)
+    for i, (kind, run, written) in enumerate((("dkdv_ws", run_dkdv, dk), ("dq_ws", run_dq, dq))):
+        if configs is not None:
+            run(configs[i])
+        else:
+            run(CONFIGS.pick(kind, key, lambda kind=kind: fitting_configs(kind, d, q.dtype, q.device), run,
+                             lambda written=written: written))
     return dq, dk, dv

@@ -1,0 +1,211 @@
+"""Exact attention backward for Hopper with warp specialisation: the dense fast path.
+
+The math of attention_bwd.py (probabilities recomputed from the saved log-sum-exp, fp32
+accumulation), written in the shape Triton's automatic warp specialisation on Hopper accepts
+(`tl.range(..., warp_specialize=True)`, triton >= 3.6), as attention_fwd_ws.py is for the forward:
+one branch-free loop per program whose loads are tensor-descriptor (TMA) loads, masks applied
+as selects, tiles loaded before the loop and results stored through descriptors made in the
+kernel. The compiler then runs a producer warp group issuing the loads and two consumer groups,
+each owning half of the program's rows (the M dimension of every product in the loop).
+
+Three kernels, no atomics (every gradient element is written by one program in a fixed order,
+so the bits do not depend on timing):
+  attention_bwd_ws_prep_kernel   delta = rowsum(dO * O) and the log-sum-exp in the log2
+                                 domain (+inf for rows that saw no key or lie past the end),
+                                 into two planes padded to whole 128-row tiles per head.
+  attention_bwd_dkdv_ws_kernel   one program owns BLOCK_N keys of one KV head and walks, in one
+                                 flat loop, every query head of its GQA group and the query tiles
+                                 that can see those keys; dk and dv stay in registers.
+  attention_bwd_dq_ws_kernel     one program owns BLOCK_M query rows and walks the key tiles
+                                 they can see (the forward's loop).
+
+Scope: dense (no varlen), no attn_mask, causal (top-left or bottom-right) or not, a causal
+sliding window (window_left), GQA, HEAD_DIM == HEAD_DIM_V in {64, 128}, 16-bit inputs, positive
+scale. Everything else runs attention_bwd.py.
+"""
+
+import triton
+import triton.language as tl
+
+from .attention_fwd import LOG2E_K, dense_program, dot, round_to
+
+STAT_ROWS: tl.constexpr = tl.constexpr(128)  # the stat planes' rows per head: a multiple of this
+
+
+@triton.jit
+def attention_bwd_ws_prep_kernel(
+    Out, DOut, LSE, Stat,
+    stride_ob, stride_oh, stride_om,
+    stride_dob, stride_doh, stride_dom,
+    stride_lb, stride_lh, stride_lm,
+    q_heads, q_len, q_pitch, stat_plane,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """Grid (q_pitch // BLOCK_M, batch * q_heads). Stat[pid_bh * q_pitch + row] = lse * log2(e)
+    (+inf where the row saw no key or row >= q_len); Stat[stat_plane + ...] = delta (0 there)."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // q_heads
+    head = pid_bh % q_heads
+    b64 = batch.to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    live = offs_m < q_len
+    cols = (offs_dv < HEAD_DIM_V)[None, :]
+    o = tl.load(Out + b64 * stride_ob + head.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om
+                + offs_dv[None, :], mask=live[:, None] & cols, other=0.0).to(tl.float32)
+    do = tl.load(DOut + b64 * stride_dob + head.to(tl.int64) * stride_doh + offs_m[:, None] * stride_dom
+                 + offs_dv[None, :], mask=live[:, None] & cols, other=0.0).to(tl.float32)
+    lse = tl.load(LSE + b64 * stride_lb + head.to(tl.int64) * stride_lh + offs_m * stride_lm, mask=live,
+                  other=float("-inf"))
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_K)
+    base = Stat + pid_bh.to(tl.int64) * q_pitch + offs_m
+    tl.store(base, lse2)
+    tl.store(base + stat_plane, tl.where(live, tl.sum(o * do, 1), 0.0))
+
+
+@triton.jit
+def visible(rows, cols, diag, window_left, k_len, CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr):
+    """Whether key cols[...] is visible to query row rows[...] (broadcast shapes): j < k_len, and
+    j <= i + diag (CAUSAL), i + diag <= j + window_left (HAS_LEFT)."""
+    keep = cols < k_len
+    if CAUSAL:
+        keep = keep & (cols <= rows + diag)
+    if HAS_LEFT:
+        keep = keep & (rows + diag <= cols + window_left)
+    return keep
+
+
+@triton.jit(do_not_specialize=["q_len", "k_len", "window_left"])
+def attention_bwd_dkdv_ws_kernel(
+    QDesc, DODesc, StatDesc, K, V, DK, DV,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    kv_heads, kv_group, q_len, k_len, q_pitch, stat_plane, scale, scale_log2, window_left,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_LEFT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WARP_SPEC: tl.constexpr,
+):
+    """Grid (key blocks, batch * kv_heads). QDesc/DODesc: host descriptors over Q/dO (B, Hq, Nq, D),
+    boxes (1, 1, BLOCK_M, HEAD_DIM); StatDesc: a host descriptor over the prep kernel's flat
+    planes, box (BLOCK_M,). dk and dv are summed over the group."""
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // kv_heads
+    kv_head = pid_bh % kv_heads
+    q_heads = kv_heads * kv_group
+    start_n = pid_n * BLOCK_N
+    diag = 0
+    if BOTTOM_RIGHT:
+        diag = k_len - q_len
+    b64 = batch.to(tl.int64)
+    h64 = kv_head.to(tl.int64)
+    k_desc = tl.make_tensor_descriptor(K + b64 * stride_kb + h64 * stride_kh, shape=[k_len, HEAD_DIM],
+                                       strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    v_desc = tl.make_tensor_descriptor(V + b64 * stride_vb + h64 * stride_vh, shape=[k_len, HEAD_DIM],
+                                       strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    dk_desc = tl.make_tensor_descriptor(DK + b64 * stride_dkb + h64 * stride_dkh, shape=[k_len, HEAD_DIM],
+                                        strides=[stride_dkn, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    dv_desc = tl.make_tensor_descriptor(DV + b64 * stride_dvb + h64 * stride_dvh, shape=[k_len, HEAD_DIM],
+                                        strides=[stride_dvn, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    k = k_desc.load([start_n, 0])
+    v = v_desc.load([start_n, 0])
+    # start_n is a multiple of BLOCK_N: OR adds (see attention_fwd_ws.ws_row_state on "+").
+    offs_n = start_n | tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+
+    # The query rows that can see keys [start_n, start_n + BLOCK_N): [lo, hi), lo a tile start.
+    lo = 0
+    hi = q_len
+    if CAUSAL:
+        lo = (tl.minimum(tl.maximum(start_n - diag, 0), q_len) // BLOCK_M) * BLOCK_M
+    if HAS_LEFT:
+        hi = tl.minimum(q_len, tl.maximum(start_n + BLOCK_N + window_left - diag, 0))
+    hi = tl.maximum(hi, lo)
+    n_tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
+
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    for t in tl.range(0, kv_group * n_tiles, warp_specialize=WARP_SPEC):
+        g = t // n_tiles
+        start_m = lo + (t - g * n_tiles) * BLOCK_M
+        head = kv_head * kv_group + g
+        q = QDesc.load([batch, head, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
+        do = DODesc.load([batch, head, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
+        row = (batch * q_heads + head) * q_pitch + start_m
+        lse2 = StatDesc.load([row])
+        delta = StatDesc.load([stat_plane + row])
+        s_t = dot(k, tl.trans(q), None, DOT_PRECISION) * scale_log2
+        if CAUSAL or HAS_LEFT:
+            keep = visible((start_m + offs_m)[None, :], offs_n[:, None], diag, window_left, k_len, CAUSAL, HAS_LEFT)
+            s_t = tl.where(keep, s_t, float("-inf"))
+        p_t = tl.math.exp2(s_t - lse2[None, :])
+        dv = dot(round_to(p_t, q.dtype, DOT_PRECISION), do, dv, DOT_PRECISION)
+        dp_t = dot(v, tl.trans(do), None, DOT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :]) * scale
+        dk = dot(round_to(ds_t, q.dtype, DOT_PRECISION), q, dk, DOT_PRECISION)
+
+    dk_desc.store([start_n, 0], round_to(dk, DK.dtype.element_ty, DOT_PRECISION))
+    dv_desc.store([start_n, 0], round_to(dv, DV.dtype.element_ty, DOT_PRECISION))
+
+
+@triton.jit(do_not_specialize=["q_len", "k_len", "window_left"])
+def attention_bwd_dq_ws_kernel(
+    Q, DOut, KDesc, VDesc, Stat, DQ,
+    stride_qb, stride_qh, stride_qm,
+    stride_dob, stride_doh, stride_dom,
+    stride_dqb, stride_dqh, stride_dqm,
+    q_heads, kv_group, q_len, k_len, q_pitch, stat_plane, scale, scale_log2, window_left,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_LEFT: tl.constexpr, K_TAIL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WARP_SPEC: tl.constexpr,
+):
+    """Grid (query blocks, batch * q_heads), last query block first. KDesc/VDesc: host descriptors
+    over K/V (B, Hkv, Nk, D), boxes (1, 1, BLOCK_N, HEAD_DIM). K_TAIL: k_len is not a multiple of
+    BLOCK_N."""
+    pid_bh, batch, head, kv_head, start_m, diag = dense_program(q_heads, kv_group, q_len, k_len, BLOCK_M,
+                                                                BOTTOM_RIGHT)
+    b64 = batch.to(tl.int64)
+    h64 = head.to(tl.int64)
+    q_desc = tl.make_tensor_descriptor(Q + b64 * stride_qb + h64 * stride_qh, shape=[q_len, HEAD_DIM],
+                                       strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    do_desc = tl.make_tensor_descriptor(DOut + b64 * stride_dob + h64 * stride_doh, shape=[q_len, HEAD_DIM],
+                                        strides=[stride_dom, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    dq_desc = tl.make_tensor_descriptor(DQ + b64 * stride_dqb + h64 * stride_dqh, shape=[q_len, HEAD_DIM],
+                                        strides=[stride_dqm, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    q = q_desc.load([start_m, 0])
+    do = do_desc.load([start_m, 0])
+    offs_m = start_m | tl.arange(0, BLOCK_M)
+    # Row statistics through descriptors made here (a host descriptor's (BLOCK_M,) box, or pointer
+    # loads, fail triton's warp specialisation pass: the consumer groups each take half the rows).
+    l_desc = tl.make_tensor_descriptor(Stat + pid_bh.to(tl.int64) * q_pitch, shape=[q_pitch], strides=[1],
+                                       block_shape=[BLOCK_M])
+    d_desc = tl.make_tensor_descriptor(Stat + stat_plane + pid_bh.to(tl.int64) * q_pitch, shape=[q_pitch],
+                                       strides=[1], block_shape=[BLOCK_M])
+    lse2 = l_desc.load([start_m])
+    delta = d_desc.load([start_m])
+    offs_n = tl.arange(0, BLOCK_N)
+
+    lo = 0
+    hi = k_len
+    if CAUSAL:
+        hi = tl.minimum(k_len, tl.maximum(start_m + BLOCK_M + diag, 0))
+    if HAS_LEFT:
+        lo = (tl.minimum(tl.maximum(start_m + diag - window_left, 0), hi) // BLOCK_N) * BLOCK_N
+
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
+        k = KDesc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        v = VDesc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        s = dot(q, tl.trans(k), None, DOT_PRECISION) * scale_log2
+        if CAUSAL or HAS_LEFT or K_TAIL:
+            keep = visible(offs_m[:, None], (start_n + offs_n)[None, :], diag, window_left, k_len, CAUSAL, HAS_LEFT)
+            s = tl.where(keep, s, float("-inf"))
+        p = tl.math.exp2(s - lse2[:, None])
+        dp = dot(do, tl.trans(v), None, DOT_PRECISION)
+        ds = p * (dp - delta[:, None]) * scale
+        dq = dot(round_to(ds, k.dtype, DOT_PRECISION), k, dq, DOT_PRECISION)
+
+    dq_desc.store([start_m, 0], round_to(dq, DQ.dtype.element_ty, DOT_PRECISION))
