@@ -86,15 +86,18 @@ HALF_CONFIGS = {
         "large_d": [KernelConfig(128, 32, 8, 2), KernelConfig(64, 16, 4, 2), KernelConfig(64, 16, 4, 1)],
     },
     # The warp-specialised backward (kernels/attention_bwd_ws.py): num_warps per consumer group;
-    # the rows of each product (keys for dk/dv, queries for dq) split between two groups.
+    # the rows of each product (keys for dk/dv, queries for dq) split between two groups. H100
+    # sweeps (benchmarks/NOTES.md, issue 17): 64/128/4/2 dk/dv fastest at both head dims;
+    # dq 128/64 at 4k and in windows, 128/128 at 16k and at head dim 64. 128/128 dk/dv is left
+    # out at head dim 128 (232 KB of shared memory and spills in an sm90 compile); 64/64 ran
+    # 40-60% slower.
     "dkdv_ws": {
-        # 128/128 is left out: 232 KB of shared memory and spills at head dim 128 (sm90 compile).
-        "small_d": [KernelConfig(64, 128, 4, 2), KernelConfig(64, 128, 4, 3), KernelConfig(64, 64, 4, 2)],
-        "mid_d": [KernelConfig(64, 128, 4, 2), KernelConfig(64, 128, 4, 3), KernelConfig(64, 64, 4, 2)],
+        "small_d": [KernelConfig(64, 128, 4, 2), KernelConfig(128, 128, 4, 2)],
+        "mid_d": [KernelConfig(64, 128, 4, 2), KernelConfig(64, 128, 4, 3)],
         "large_d": [KernelConfig(64, 128, 4, 2)],
     },
     "dq_ws": {
-        "small_d": [KernelConfig(128, 64, 4, 2), KernelConfig(128, 128, 4, 2)],
+        "small_d": [KernelConfig(128, 128, 4, 2), KernelConfig(128, 64, 4, 2)],
         "mid_d": [KernelConfig(128, 64, 4, 2), KernelConfig(128, 128, 4, 2), KernelConfig(128, 64, 4, 3)],
         "large_d": [KernelConfig(128, 64, 4, 2)],
     },
