@@ -810,11 +810,16 @@ WS_CASES = {
 }
 
 
-def spy_ws_launches(monkeypatch):
+def spy_launch(monkeypatch, name):
+    """Count the calls of tl_launch.<name>, which still runs."""
     calls = []
-    launch_ws = tl_launch._launch_fwd_ws
-    monkeypatch.setattr(tl_launch, "_launch_fwd_ws", lambda *a, **kw: (calls.append(1), launch_ws(*a, **kw))[1])
+    real = getattr(tl_launch, name)
+    monkeypatch.setattr(tl_launch, name, lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
     return calls
+
+
+def spy_ws_launches(monkeypatch):
+    return spy_launch(monkeypatch, "_launch_fwd_ws")
 
 
 @pytest.mark.parametrize("case", _runner_cases(WS_CASES))
@@ -903,10 +908,7 @@ BWD_WS_CASES = {
 
 
 def spy_bwd_ws(monkeypatch):
-    calls = []
-    real = tl_launch.launch_bwd_ws
-    monkeypatch.setattr(tl_launch, "launch_bwd_ws", lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
-    return calls
+    return spy_launch(monkeypatch, "launch_bwd_ws")
 
 
 @pytest.mark.parametrize("case", _runner_cases(BWD_WS_CASES))

@@ -65,6 +65,14 @@ def attention_bwd_ws_prep_kernel(
 
 
 @triton.jit
+def rows_desc(base, b64, h64, stride_b, stride_h, stride_n, n_rows, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """A descriptor made in the kernel over one (batch, head)'s (n_rows, HEAD_DIM) rows, with
+    (BLOCK, HEAD_DIM) boxes: rows past n_rows read as zeros and are not written."""
+    return tl.make_tensor_descriptor(base + b64 * stride_b + h64 * stride_h, shape=[n_rows, HEAD_DIM],
+                                     strides=[stride_n, 1], block_shape=[BLOCK, HEAD_DIM])
+
+
+@triton.jit
 def visible(rows, cols, diag, window_left, k_len, CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr):
     """Whether key cols[...] is visible to query row rows[...] (broadcast shapes): j < k_len, and
     j <= i + diag (CAUSAL), i + diag <= j + window_left (HAS_LEFT)."""
@@ -102,14 +110,10 @@ def attention_bwd_dkdv_ws_kernel(
         diag = k_len - q_len
     b64 = batch.to(tl.int64)
     h64 = kv_head.to(tl.int64)
-    k_desc = tl.make_tensor_descriptor(K + b64 * stride_kb + h64 * stride_kh, shape=[k_len, HEAD_DIM],
-                                       strides=[stride_kn, 1], block_shape=[BLOCK_N, HEAD_DIM])
-    v_desc = tl.make_tensor_descriptor(V + b64 * stride_vb + h64 * stride_vh, shape=[k_len, HEAD_DIM],
-                                       strides=[stride_vn, 1], block_shape=[BLOCK_N, HEAD_DIM])
-    dk_desc = tl.make_tensor_descriptor(DK + b64 * stride_dkb + h64 * stride_dkh, shape=[k_len, HEAD_DIM],
-                                        strides=[stride_dkn, 1], block_shape=[BLOCK_N, HEAD_DIM])
-    dv_desc = tl.make_tensor_descriptor(DV + b64 * stride_dvb + h64 * stride_dvh, shape=[k_len, HEAD_DIM],
-                                        strides=[stride_dvn, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    k_desc = rows_desc(K, b64, h64, stride_kb, stride_kh, stride_kn, k_len, HEAD_DIM, BLOCK_N)
+    v_desc = rows_desc(V, b64, h64, stride_vb, stride_vh, stride_vn, k_len, HEAD_DIM, BLOCK_N)
+    dk_desc = rows_desc(DK, b64, h64, stride_dkb, stride_dkh, stride_dkn, k_len, HEAD_DIM, BLOCK_N)
+    dv_desc = rows_desc(DV, b64, h64, stride_dvb, stride_dvh, stride_dvn, k_len, HEAD_DIM, BLOCK_N)
     k = k_desc.load([start_n, 0])
     v = v_desc.load([start_n, 0])
     # start_n is a multiple of BLOCK_N: OR adds (see attention_fwd_ws.ws_row_state on "+").
@@ -169,12 +173,9 @@ def attention_bwd_dq_ws_kernel(
                                                                 BOTTOM_RIGHT)
     b64 = batch.to(tl.int64)
     h64 = head.to(tl.int64)
-    q_desc = tl.make_tensor_descriptor(Q + b64 * stride_qb + h64 * stride_qh, shape=[q_len, HEAD_DIM],
-                                       strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_DIM])
-    do_desc = tl.make_tensor_descriptor(DOut + b64 * stride_dob + h64 * stride_doh, shape=[q_len, HEAD_DIM],
-                                        strides=[stride_dom, 1], block_shape=[BLOCK_M, HEAD_DIM])
-    dq_desc = tl.make_tensor_descriptor(DQ + b64 * stride_dqb + h64 * stride_dqh, shape=[q_len, HEAD_DIM],
-                                        strides=[stride_dqm, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    q_desc = rows_desc(Q, b64, h64, stride_qb, stride_qh, stride_qm, q_len, HEAD_DIM, BLOCK_M)
+    do_desc = rows_desc(DOut, b64, h64, stride_dob, stride_doh, stride_dom, q_len, HEAD_DIM, BLOCK_M)
+    dq_desc = rows_desc(DQ, b64, h64, stride_dqb, stride_dqh, stride_dqm, q_len, HEAD_DIM, BLOCK_M)
     q = q_desc.load([start_m, 0])
     do = do_desc.load([start_m, 0])
     offs_m = start_m | tl.arange(0, BLOCK_M)
