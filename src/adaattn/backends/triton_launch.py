@@ -254,9 +254,8 @@ def _check_variant(launch: AttentionLaunch, lay: RowLayout, q, k, v, mask_kind: 
     (raised, so the fallback runs, never a silent switch of kernel)."""
     if launch.variant == "ptr":
         return
-    ok = (not lay.varlen and mask_kind == MASK_NONE and launch.scale > 0 and lay.head_dim == block_d(lay.head_dim)
-          and lay.value_dim == lay.head_dim and q.dtype != torch.float32 and tensor_descriptor() is not None
-          and all(tma_ok(t) for t in (q, k, v)))
+    ok = (not lay.varlen and mask_kind == MASK_NONE and lay.head_dim == block_d(lay.head_dim)
+          and descriptor_scope(launch, q, k, v))
     if ok and launch.variant == "ws":
         ok = not launch.has_left and launch.right == 0 and lay.head_dim in (64, 128)
     if not ok:
@@ -451,25 +450,30 @@ def bwd_ws_here(q: torch.Tensor) -> bool:
     return want == "on"
 
 
+def descriptor_scope(launch: AttentionLaunch, *tensors) -> bool:
+    """What every tensor-descriptor kernel needs of a dense, unmasked call: a positive scale, 16-bit
+    inputs, one head dim for all the tensors, and each tensor as a descriptor takes it."""
+    d = tensors[0].shape[-1]
+    return (launch.scale > 0 and tensors[0].dtype != torch.float32 and all(t.shape[-1] == d for t in tensors)
+            and tensor_descriptor() is not None and all(tma_ok(t) for t in tensors))
+
+
 def bwd_ws_ok(dout, q, k, v, attn_mask, varlen: bool, launch: AttentionLaunch) -> bool:
-    """Whether the warp-specialised backward (kernels/attention_bwd_ws.py) takes this call: dense, no
-    mask, causal or not, a left window only under causal, equal head dims 64/128, 16-bit inputs,
-    a positive scale, tensor-descriptor alignment."""
-    if varlen or attn_mask is not None or launch.scale <= 0 or q.dtype == torch.float32:
+    """Whether the warp-specialised backward (kernels/attention_bwd_ws.py) takes this call (tensors
+    with a unit last stride): dense, no mask, causal or not, a left window only under causal,
+    head dim 64 or 128, and descriptor_scope."""
+    if varlen or attn_mask is not None or q.shape[-1] not in (64, 128):
         return False
     if (launch.has_right and launch.right != 0) or (launch.has_left and not launch.has_right):
         return False
-    d = q.shape[-1]
-    if d not in (64, 128) or k.shape[-1] != d or v.shape[-1] != d or dout.shape[-1] != d:
-        return False
-    return tensor_descriptor() is not None and all(tma_ok(last_dim_contiguous(t)) for t in (q, k, v, dout))
+    return descriptor_scope(launch, q, k, v, dout)
 
 
 def launch_bwd_ws(dout, q, k, v, out, lse, launch: AttentionLaunch, configs: Optional[tuple] = None,
-                  warp_spec: Optional[bool] = None):
+                  warp_spec: bool = True):
     """The warp-specialised backward: prep, dk/dv and dq kernels, no atomics (bitwise reproducible).
     Returns (dq, dk, dv). configs: (dkdv, dq) KernelConfigs to run instead of the tuned ones;
-    warp_spec: False runs the same loops unspecialised (None: specialised except in the interpreter)."""
+    warp_spec: False runs the same loops unspecialised (as the interpreter always does)."""
     from ..kernels.attention_bwd_ws import (
         attention_bwd_dkdv_ws_kernel,
         attention_bwd_dq_ws_kernel,
@@ -496,10 +500,8 @@ def launch_bwd_ws(dout, q, k, v, out, lse, launch: AttentionLaunch, configs: Opt
     ensure_triton_allocator()
     group = lay.q_heads // lay.kv_heads
     causal = launch.has_right
-    spec = (not interpreting(),) * 2 if warp_spec is None else (
-        tuple(warp_spec) if isinstance(warp_spec, tuple) else (bool(warp_spec),) * 2)
     common = dict(HEAD_DIM=d, CAUSAL=causal, BOTTOM_RIGHT=launch.bottom_right, HAS_LEFT=launch.has_left,
-                  DOT_PRECISION=dot_precision(q.dtype))
+                  DOT_PRECISION=dot_precision(q.dtype), WARP_SPEC=warp_spec and not interpreting())
     scale = launch.scale
 
     def run_dkdv(cfg: KernelConfig):
@@ -510,8 +512,8 @@ def launch_bwd_ws(dout, q, k, v, out, lse, launch: AttentionLaunch, configs: Opt
             descriptor(stat, [2 * plane], [1], [cfg.block_m]), k, v, dk, dv,
             *lay.strides(k), *lay.strides(v), *lay.strides(dk), *lay.strides(dv),
             lay.kv_heads, group, lay.q_len, lay.k_len, pitch, plane, scale, scale * LOG2E, launch.left,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, WARP_SPEC=spec[0], num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, **common,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **common,
         )
 
     def run_dq(cfg: KernelConfig):
@@ -521,7 +523,7 @@ def launch_bwd_ws(dout, q, k, v, out, lse, launch: AttentionLaunch, configs: Opt
             descriptor(v, list(v.shape), list(v.stride()), box), stat, dq,
             *lay.strides(q), *lay.strides(dout), *lay.strides(dq),
             lay.q_heads, group, lay.q_len, lay.k_len, pitch, plane, scale, scale * LOG2E, launch.left,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, K_TAIL=lay.k_len % cfg.block_n != 0, WARP_SPEC=spec[1],
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, K_TAIL=lay.k_len % cfg.block_n != 0,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
         )
 

@@ -27,7 +27,7 @@ scale. Everything else runs attention_bwd.py.
 import triton
 import triton.language as tl
 
-from .attention_fwd import LOG2E_K, dense_program, dot, round_to
+from .attention_fwd import LOG2E_K, dense_program, dot, position_keep, round_to
 
 STAT_ROWS: tl.constexpr = tl.constexpr(128)  # the stat planes' rows per head: a multiple of this
 
@@ -70,18 +70,6 @@ def rows_desc(base, b64, h64, stride_b, stride_h, stride_n, n_rows, HEAD_DIM: tl
     (BLOCK, HEAD_DIM) boxes: rows past n_rows read as zeros and are not written."""
     return tl.make_tensor_descriptor(base + b64 * stride_b + h64 * stride_h, shape=[n_rows, HEAD_DIM],
                                      strides=[stride_n, 1], block_shape=[BLOCK, HEAD_DIM])
-
-
-@triton.jit
-def visible(rows, cols, diag, window_left, k_len, CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr):
-    """Whether key cols[...] is visible to query row rows[...] (broadcast shapes): j < k_len, and
-    j <= i + diag (CAUSAL), i + diag <= j + window_left (HAS_LEFT)."""
-    keep = cols < k_len
-    if CAUSAL:
-        keep = keep & (cols <= rows + diag)
-    if HAS_LEFT:
-        keep = keep & (rows + diag <= cols + window_left)
-    return keep
 
 
 @triton.jit(do_not_specialize=["q_len", "k_len", "window_left"])
@@ -143,7 +131,9 @@ def attention_bwd_dkdv_ws_kernel(
         delta = StatDesc.load([stat_plane + row])
         s_t = dot(k, tl.trans(q), None, DOT_PRECISION) * scale_log2
         if CAUSAL or HAS_LEFT:
-            keep = visible((start_m + offs_m)[None, :], offs_n[:, None], diag, window_left, k_len, CAUSAL, HAS_LEFT)
+            # Rows past q_len need no check: their lse is +inf in the planes, so p = 0.
+            keep = position_keep((start_m + offs_m)[None, :], offs_n[:, None], q_len, k_len, diag, window_left, 0,
+                                 HAS_LEFT, CAUSAL, False)
             s_t = tl.where(keep, s_t, float("-inf"))
         p_t = tl.math.exp2(s_t - lse2[None, :])
         dv = dot(round_to(p_t, q.dtype, DOT_PRECISION), do, dv, DOT_PRECISION)
@@ -202,7 +192,8 @@ def attention_bwd_dq_ws_kernel(
         v = VDesc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         s = dot(q, tl.trans(k), None, DOT_PRECISION) * scale_log2
         if CAUSAL or HAS_LEFT or K_TAIL:
-            keep = visible(offs_m[:, None], (start_n + offs_n)[None, :], diag, window_left, k_len, CAUSAL, HAS_LEFT)
+            keep = position_keep(offs_m[:, None], (start_n + offs_n)[None, :], q_len, k_len, diag, window_left, 0,
+                                 HAS_LEFT, CAUSAL, False)
             s = tl.where(keep, s, float("-inf"))
         p = tl.math.exp2(s - lse2[:, None])
         dp = dot(do, tl.trans(v), None, DOT_PRECISION)

@@ -175,9 +175,12 @@ def key_tile_range(start_m, q_len, k_len, diag, window_left, window_right,
 
 @triton.jit
 def position_keep(q_idx, k_idx, q_len, k_len, diag, window_left, window_right,
-                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-    """True where query q_idx may see key k_idx (broadcast shapes), sequence ends included."""
-    keep = (k_idx < k_len) & (q_idx < q_len)
+                  HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, CHECK_ROWS: tl.constexpr = True):
+    """True where query q_idx may see key k_idx (broadcast shapes), sequence ends included (the
+    query end only with CHECK_ROWS: callers whose rows past the end get p = 0 anyway skip it)."""
+    keep = k_idx < k_len
+    if CHECK_ROWS:
+        keep = keep & (q_idx < q_len)
     pos = q_idx + diag
     if HAS_RIGHT:
         keep = keep & (k_idx <= pos + window_right)
