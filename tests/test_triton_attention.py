@@ -859,19 +859,25 @@ from adaattn.backends import triton_configs as tc
 from adaattn.kernels.attention_fwd_ws import attention_fwd_ws_kernel as kernel
 from sm90 import ws_kernel_rows
 
-def types_for(d, cfg):
-    def types(name):
-        if name.endswith("Desc"):
-            return f"tensordesc<bf16[1, 1, {cfg.block_n}, {d}]>"
-        if name == "LSE":
-            return "*fp32"
-        if name[0].isupper():
-            return "*bf16"
-        return "fp32" if name.startswith("scale") else "i32"
-    return types
+def types_for(varlen):
+    def for_d(d, cfg):
+        def types(name):
+            if name.endswith("Desc"):  # packed (varlen) K/V go as tensors: the kernel makes their descriptors
+                return "*bf16" if varlen else f"tensordesc<bf16[1, 1, {cfg.block_n}, {d}]>"
+            if name == "LSE":
+                return "*fp32"
+            if name in ("CuQ", "CuK"):
+                return "*i32"
+            if name[0].isupper():
+                return "*bf16"
+            return "fp32" if name.startswith("scale") else "i32"
+        return types
+    return for_d
 
-print(json.dumps(ws_kernel_rows(kernel, lambda d: tc.HALF_CONFIGS["fwd_ws"][tc.d_class(d)][0], types_for, {},
-                                {"tma": "cp.async.bulk.tensor", "wgmma": "wgmma"})))
+print(json.dumps([row for varlen in (False, True)
+                  for row in ws_kernel_rows(kernel, lambda d: tc.HALF_CONFIGS["fwd_ws"][tc.d_class(d)][0],
+                                            types_for(varlen), {"IS_VARLEN": varlen},
+                                            {"tma": "cp.async.bulk.tensor", "wgmma": "wgmma"})]))
 """
 
 
@@ -955,17 +961,20 @@ from adaattn.backends import triton_configs as tc
 from adaattn.kernels import attention_bwd_ws as m
 from sm90 import ws_kernel_rows
 
-def types_for(kind):
+def types_for(varlen):
     def for_d(d, cfg):
         def types(name):
+            # Packed (varlen) Q/dO/K/V go as tensors: the kernels make their descriptors.
             if name in ("QDesc", "DODesc"):
-                return f"tensordesc<bf16[1, 1, {cfg.block_m}, {d}]>"
+                return "*bf16" if varlen else f"tensordesc<bf16[1, 1, {cfg.block_m}, {d}]>"
             if name in ("KDesc", "VDesc"):
-                return f"tensordesc<bf16[1, 1, {cfg.block_n}, {d}]>"
+                return "*bf16" if varlen else f"tensordesc<bf16[1, 1, {cfg.block_n}, {d}]>"
             if name == "StatDesc":
                 return f"tensordesc<fp32[{cfg.block_m}]>"
             if name == "Stat":
                 return "*fp32"
+            if name in ("CuQ", "CuK"):
+                return "*i32"
             if name[0].isupper():
                 return "*bf16"
             return "fp32" if name.startswith("scale") else "i32"
@@ -974,9 +983,10 @@ def types_for(kind):
 
 rows = {}
 for kind, kernel in (("dkdv_ws", m.attention_bwd_dkdv_ws_kernel), ("dq_ws", m.attention_bwd_dq_ws_kernel)):
-    rows[kind] = ws_kernel_rows(kernel, lambda d, kind=kind: tc.HALF_CONFIGS[kind][tc.d_class(d)][0],
-                                types_for(kind), {"HAS_LEFT": False},
-                                {"tma": "cp.async.bulk.tensor", "wgmma": "wgmma"})
+    rows[kind] = [row for varlen in (False, True)
+                  for row in ws_kernel_rows(kernel, lambda d, kind=kind: tc.HALF_CONFIGS[kind][tc.d_class(d)][0],
+                                            types_for(varlen), {"HAS_LEFT": False, "IS_VARLEN": varlen},
+                                            {"tma": "cp.async.bulk.tensor", "wgmma": "wgmma"})]
 print(json.dumps(rows))
 """
 
@@ -1103,7 +1113,12 @@ def _packed(lengths_q, lengths_k, hq, hkv, d, dtype, seed):
 )
 @pytest.mark.parametrize("dq_mode", ["separate", "atomic"], indirect=True)
 def test_varlen_matches_per_sequence_reference(lengths_q, lengths_k, causal, window, align, dq_mode):
-    hq, hkv, d, dtype = 4, 2, 32, torch.bfloat16
+    check_varlen_case(lengths_q, lengths_k, 4, 2, 32, causal, window, align)
+
+
+def check_varlen_case(lengths_q, lengths_k, hq, hkv, d, causal, window, align, dtype=torch.bfloat16):
+    """varlen_attention forward and backward on packed sequences against float64 and SDPA per
+    sequence, through the varlen.triton runner."""
     q, k, v, cu_q, cu_k = _packed(lengths_q, lengths_k, hq, hkv, d, dtype, seed=sum(lengths_q))
     with stats.collect() as recs:
         out = adaattn.varlen_attention(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), is_causal=causal,
@@ -1129,6 +1144,29 @@ def test_varlen_matches_per_sequence_reference(lengths_q, lengths_k, causal, win
                 packed[j][sl] = t[0].transpose(0, 1)
     for name, ours, r, p in zip(("output", "dq", "dk", "dv"), (out, q.grad, k.grad, v.grad), refs, peers):
         assert_standard(ours, r, p, name)
+
+
+VARLEN_WS_CASES = {
+    # name: (lengths_q, lengths_k, hq, hkv, d, causal, window, align, whether the ws forward takes it)
+    "causal, empty and one-row documents": ([37, 1, 70, 0, 23], None, 2, 2, 64, True, None, "top_left", True),
+    "gqa, head dim 128": ([50, 33], None, 4, 2, 128, True, None, "top_left", True),
+    "bottom-right, keys longer": ([5, 30, 12], [20, 45, 7], 2, 1, 64, True, None, "bottom_right", True),
+    "not causal": ([40, 17], [21, 60], 2, 2, 64, False, None, "top_left", True),
+    "causal window: general forward": ([70, 44], None, 2, 2, 64, True, (9, 0), "top_left", False),
+}
+
+
+@pytest.mark.parametrize("case", list(VARLEN_WS_CASES))
+def test_varlen_runs_the_warp_specialised_kernels_and_matches_float64(monkeypatch, case):
+    # Packed documents through the warp-specialised forward (where it covers the call) and
+    # backward: descriptors made in the kernel over each sequence's rows, so no tile reads or
+    # writes the next document; empty documents included.
+    lengths_q, lengths_k, hq, hkv, d, causal, window, align, fwd_ws = VARLEN_WS_CASES[case]
+    fwd_calls = spy_ws_launches(monkeypatch)
+    bwd_calls = spy_bwd_ws(monkeypatch)
+    with settings.override(bwd_ws="on"):
+        check_varlen_case(lengths_q, lengths_k or lengths_q, hq, hkv, d, causal, window, align)
+    assert len(fwd_calls) == (1 if fwd_ws else 0) and len(bwd_calls) == 1
 
 
 def test_varlen_fallback_agrees_with_kernels(monkeypatch):

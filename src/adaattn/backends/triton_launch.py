@@ -225,20 +225,24 @@ def _shape_key(q, lay: RowLayout, launch: AttentionLaunch, mask_kind, mask_elem=
             lay.q_heads != lay.kv_heads, length_bucket(lay.q_len), length_bucket(lay.k_len))
 
 
-def _launch_fwd_ws(q, k, v, out, lse, lay: RowLayout, launch: AttentionLaunch) -> None:
+def _launch_fwd_ws(q, k, v, out, lse, lay: RowLayout, launch: AttentionLaunch, cu_q=None, cu_k=None) -> None:
     from ..kernels.attention_fwd_ws import attention_fwd_ws_kernel
 
     descriptor = tensor_descriptor()
 
+    def heads(t, cfg):
+        # Packed tensors go as they are: the kernel makes one descriptor per sequence.
+        return t if lay.varlen else descriptor(t, list(t.shape), list(t.stride()), [1, 1, cfg.block_n, lay.head_dim])
+
     def run(cfg: KernelConfig):
         ensure_triton_allocator()
-        box = [1, 1, cfg.block_n, lay.head_dim]
         attention_fwd_ws_kernel[(cdiv(lay.q_len, cfg.block_m), lay.batch * lay.q_heads)](
-            q, descriptor(k, list(k.shape), list(k.stride()), box),
-            descriptor(v, list(v.shape), list(v.stride()), box), out, lse, *lay.strides(q), *lay.strides(out),
-            *lse_strides(lse, lay), lay.q_heads, lay.q_heads // lay.kv_heads, lay.q_len, lay.k_len,
+            q, heads(k, cfg), heads(v, cfg), out, lse, cu_q if lay.varlen else q, cu_k if lay.varlen else q,
+            *lay.strides(q), *lay.strides(out), *lse_strides(lse, lay), *lay.strides(k)[1:], *lay.strides(v)[1:],
+            lay.q_heads, lay.q_heads // lay.kv_heads, lay.q_len, lay.k_len,
             launch.scale * LOG2E, HEAD_DIM=lay.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            CAUSAL=launch.has_right, BOTTOM_RIGHT=launch.bottom_right, K_TAIL=lay.k_len % cfg.block_n != 0,
+            CAUSAL=launch.has_right, BOTTOM_RIGHT=launch.bottom_right,
+            K_TAIL=lay.varlen or lay.k_len % cfg.block_n != 0, IS_VARLEN=lay.varlen,
             DOT_PRECISION=dot_precision(q.dtype), WARP_SPEC=not interpreting(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
@@ -254,8 +258,8 @@ def _check_variant(launch: AttentionLaunch, lay: RowLayout, q, k, v, mask_kind: 
     (raised, so the fallback runs, never a silent switch of kernel)."""
     if launch.variant == "ptr":
         return
-    ok = (not lay.varlen and mask_kind == MASK_NONE and lay.head_dim == block_d(lay.head_dim)
-          and descriptor_scope(launch, q, k, v))
+    ok = ((not lay.varlen or launch.variant == "ws") and mask_kind == MASK_NONE
+          and lay.head_dim == block_d(lay.head_dim) and descriptor_scope(launch, q, k, v))
     if ok and launch.variant == "ws":
         ok = not launch.has_left and launch.right == 0 and lay.head_dim in (64, 128)
     if not ok:
@@ -292,7 +296,7 @@ def launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     split = mask_kind == MASK_ADDITIVE and stats is not None and stats.numel() > 0
     _check_variant(launch, lay, q, k, v, mask_kind)
     if launch.variant == "ws":
-        _launch_fwd_ws(q, k, v, out, lse, lay, launch)
+        _launch_fwd_ws(q, k, v, out, lse, lay, launch, cu_seqlens_q, cu_seqlens_k)
         return out, lse
     from ..kernels.attention_fwd import attention_fwd_kernel
 
@@ -357,7 +361,8 @@ def launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, m
     dout, out = last_dim_contiguous(dout), last_dim_contiguous(out)
     if mode != "atomic_rotate" and bwd_ws_here(q) and bwd_ws_ok(dout, q, k, v, attn_mask, cu_seqlens_q is not None,
                                                                  launch):
-        return launch_bwd_ws(dout, q, k, v, out, lse, launch)
+        return launch_bwd_ws(dout, q, k, v, out, lse, launch, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     lay = row_layout(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     dq = new_output(q.shape, q.dtype, q.device)
     dk = new_output(k.shape, k.dtype, k.device)
@@ -460,9 +465,9 @@ def descriptor_scope(launch: AttentionLaunch, *tensors) -> bool:
 
 def bwd_ws_ok(dout, q, k, v, attn_mask, varlen: bool, launch: AttentionLaunch) -> bool:
     """Whether the warp-specialised backward (kernels/attention_bwd_ws.py) takes this call (tensors
-    with a unit last stride): dense, no mask, causal or not, a left window only under causal,
+    with a unit last stride): dense or packed varlen, no mask, causal or not, a left window only under causal,
     head dim 64 or 128, and descriptor_scope."""
-    if varlen or attn_mask is not None or q.shape[-1] not in (64, 128):
+    if attn_mask is not None or q.shape[-1] not in (64, 128):
         return False
     if (launch.has_right and launch.right != 0) or (launch.has_left and not launch.has_right):
         return False
@@ -470,10 +475,11 @@ def bwd_ws_ok(dout, q, k, v, attn_mask, varlen: bool, launch: AttentionLaunch) -
 
 
 def launch_bwd_ws(dout, q, k, v, out, lse, launch: AttentionLaunch, configs: Optional[tuple] = None,
-                  warp_spec: bool = True):
+                  warp_spec: bool = True, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
     """The warp-specialised backward: prep, dk/dv and dq kernels, no atomics (bitwise reproducible).
     Returns (dq, dk, dv). configs: (dkdv, dq) KernelConfigs to run instead of the tuned ones;
-    warp_spec: False runs the same loops unspecialised (as the interpreter always does)."""
+    warp_spec: False runs the same loops unspecialised (as the interpreter always does). Packed
+    (T, H, D) tensors come with cu_seqlens_q/k and max_seqlen_q/k, as in launch_bwd."""
     from ..kernels.attention_bwd_ws import (
         attention_bwd_dkdv_ws_kernel,
         attention_bwd_dq_ws_kernel,
@@ -482,34 +488,41 @@ def launch_bwd_ws(dout, q, k, v, out, lse, launch: AttentionLaunch, configs: Opt
 
     q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
     dout, out = last_dim_contiguous(dout), last_dim_contiguous(out)
-    lay = row_layout(q, k, v, None, None, None)
+    lay = row_layout(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     dq = new_output(q.shape, q.dtype, q.device)
     dk = new_output(k.shape, k.dtype, k.device)
     dv = new_output(v.shape, v.dtype, v.device)
-    if lay.batch * lay.q_heads == 0 or q.numel() == 0 or k.numel() == 0:
+    if lay.batch * lay.q_heads == 0 or q.numel() == 0 or k.numel() == 0 or lay.q_len == 0 or lay.k_len == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     d = lay.head_dim
+    varlen = lay.varlen
+    cu_q = cu_seqlens_q if varlen else q
+    cu_k = cu_seqlens_k if varlen else q
+    # Stat planes: whole 128-row tiles per (sequence, head), the longest sequence's length each.
     pitch = cdiv(lay.q_len, 128) * 128
     plane = lay.batch * lay.q_heads * pitch
     stat = torch.empty(2 * plane, dtype=torch.float32, device=q.device)
     attention_bwd_ws_prep_kernel[(pitch // 64, lay.batch * lay.q_heads)](
-        out, dout, lse, stat, *lay.strides(out), *lay.strides(dout), *lse_strides(lse, lay),
-        lay.q_heads, lay.q_len, pitch, plane, HEAD_DIM_V=d, BLOCK_DV=d, BLOCK_M=64, num_warps=4,
+        out, dout, lse, stat, cu_q, *lay.strides(out), *lay.strides(dout), *lse_strides(lse, lay),
+        lay.q_heads, lay.q_len, pitch, plane, HEAD_DIM_V=d, BLOCK_DV=d, BLOCK_M=64, IS_VARLEN=varlen, num_warps=4,
     )
     descriptor = tensor_descriptor()
     ensure_triton_allocator()
     group = lay.q_heads // lay.kv_heads
     causal = launch.has_right
     common = dict(HEAD_DIM=d, CAUSAL=causal, BOTTOM_RIGHT=launch.bottom_right, HAS_LEFT=launch.has_left,
-                  DOT_PRECISION=dot_precision(q.dtype), WARP_SPEC=warp_spec and not interpreting())
+                  IS_VARLEN=varlen, DOT_PRECISION=dot_precision(q.dtype), WARP_SPEC=warp_spec and not interpreting())
     scale = launch.scale
 
+    def heads(t, box_rows):
+        # Packed tensors go as they are: the kernels make one descriptor per sequence.
+        return t if varlen else descriptor(t, list(t.shape), list(t.stride()), [1, 1, box_rows, d])
+
     def run_dkdv(cfg: KernelConfig):
-        box = [1, 1, cfg.block_m, d]
         attention_bwd_dkdv_ws_kernel[(cdiv(lay.k_len, cfg.block_n), lay.batch * lay.kv_heads)](
-            descriptor(q, list(q.shape), list(q.stride()), box),
-            descriptor(dout, list(dout.shape), list(dout.stride()), box),
-            descriptor(stat, [2 * plane], [1], [cfg.block_m]), k, v, dk, dv,
+            heads(q, cfg.block_m), heads(dout, cfg.block_m),
+            descriptor(stat, [2 * plane], [1], [cfg.block_m]), k, v, dk, dv, cu_q, cu_k,
+            *lay.strides(q)[1:], *lay.strides(dout)[1:],
             *lay.strides(k), *lay.strides(v), *lay.strides(dk), *lay.strides(dv),
             lay.kv_heads, group, lay.q_len, lay.k_len, pitch, plane, scale, scale * LOG2E, launch.left,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -517,13 +530,11 @@ def launch_bwd_ws(dout, q, k, v, out, lse, launch: AttentionLaunch, configs: Opt
         )
 
     def run_dq(cfg: KernelConfig):
-        box = [1, 1, cfg.block_n, d]
         attention_bwd_dq_ws_kernel[(cdiv(lay.q_len, cfg.block_m), lay.batch * lay.q_heads)](
-            q, dout, descriptor(k, list(k.shape), list(k.stride()), box),
-            descriptor(v, list(v.shape), list(v.stride()), box), stat, dq,
-            *lay.strides(q), *lay.strides(dout), *lay.strides(dq),
+            q, dout, heads(k, cfg.block_n), heads(v, cfg.block_n), stat, dq, cu_q, cu_k,
+            *lay.strides(q), *lay.strides(dout), *lay.strides(dq), *lay.strides(k)[1:], *lay.strides(v)[1:],
             lay.q_heads, group, lay.q_len, lay.k_len, pitch, plane, scale, scale * LOG2E, launch.left,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, K_TAIL=lay.k_len % cfg.block_n != 0,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, K_TAIL=varlen or lay.k_len % cfg.block_n != 0,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
         )
 

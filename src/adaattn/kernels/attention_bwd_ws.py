@@ -19,7 +19,8 @@ so the bits do not depend on timing):
   attention_bwd_dq_ws_kernel     one program owns BLOCK_M query rows and walks the key tiles
                                  they can see (the forward's loop).
 
-Scope: dense (no varlen), no attn_mask, causal (top-left or bottom-right) or not, a causal
+Scope: dense or packed varlen (cu_seqlens; each sequence's rows through descriptors made in the
+kernel, so tiles never cross into the next sequence), no attn_mask, causal (top-left or bottom-right) or not, a causal
 sliding window (window_left), GQA, HEAD_DIM == HEAD_DIM_V in {64, 128}, 16-bit inputs, positive
 scale. Everything else runs attention_bwd.py.
 """
@@ -27,81 +28,87 @@ scale. Everything else runs attention_bwd.py.
 import triton
 import triton.language as tl
 
-from .attention_fwd import LOG2E_K, dense_program, dot, position_keep, round_to
+from .attention_fwd import LOG2E_K, dense_program, dot, position_keep, round_to, sequence_bounds
+from .attention_fwd_ws import heads_source, load_head_tile, seq_base, seq_rows_desc
 
 STAT_ROWS: tl.constexpr = tl.constexpr(128)  # the stat planes' rows per head: a multiple of this
 
 
 @triton.jit
 def attention_bwd_ws_prep_kernel(
-    Out, DOut, LSE, Stat,
+    Out, DOut, LSE, Stat, CuQ,
     stride_ob, stride_oh, stride_om,
     stride_dob, stride_doh, stride_dom,
     stride_lb, stride_lh, stride_lm,
     q_heads, q_len, q_pitch, stat_plane,
-    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
 ):
     """Grid (q_pitch // BLOCK_M, batch * q_heads). Stat[pid_bh * q_pitch + row] = lse * log2(e)
-    (+inf where the row saw no key or row >= q_len); Stat[stat_plane + ...] = delta (0 there)."""
+    (+inf where the row saw no key or lies past its sequence's end); Stat[stat_plane + ...] =
+    delta (0 there). Under IS_VARLEN rows are counted from the sequence's start (CuQ)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     batch = pid_bh // q_heads
     head = pid_bh % q_heads
-    b64 = batch.to(tl.int64)
+    q_start, q_len = sequence_bounds(CuQ, batch, q_len, IS_VARLEN)
+    o_base = seq_base(Out, batch, q_start, head, stride_ob, stride_oh, stride_om, IS_VARLEN)
+    do_base = seq_base(DOut, batch, q_start, head, stride_dob, stride_doh, stride_dom, IS_VARLEN)
+    l_base = seq_base(LSE, batch, q_start, head, stride_lb, stride_lh, stride_lm, IS_VARLEN)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
     live = offs_m < q_len
     cols = (offs_dv < HEAD_DIM_V)[None, :]
-    o = tl.load(Out + b64 * stride_ob + head.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om
-                + offs_dv[None, :], mask=live[:, None] & cols, other=0.0).to(tl.float32)
-    do = tl.load(DOut + b64 * stride_dob + head.to(tl.int64) * stride_doh + offs_m[:, None] * stride_dom
-                 + offs_dv[None, :], mask=live[:, None] & cols, other=0.0).to(tl.float32)
-    lse = tl.load(LSE + b64 * stride_lb + head.to(tl.int64) * stride_lh + offs_m * stride_lm, mask=live,
-                  other=float("-inf"))
+    o = tl.load(o_base + offs_m[:, None] * stride_om + offs_dv[None, :], mask=live[:, None] & cols,
+                other=0.0).to(tl.float32)
+    do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_dv[None, :], mask=live[:, None] & cols,
+                 other=0.0).to(tl.float32)
+    lse = tl.load(l_base + offs_m * stride_lm, mask=live, other=float("-inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_K)
     base = Stat + pid_bh.to(tl.int64) * q_pitch + offs_m
     tl.store(base, lse2)
     tl.store(base + stat_plane, tl.where(live, tl.sum(o * do, 1), 0.0))
 
 
-@triton.jit
-def rows_desc(base, b64, h64, stride_b, stride_h, stride_n, n_rows, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-    """A descriptor made in the kernel over one (batch, head)'s (n_rows, HEAD_DIM) rows, with
-    (BLOCK, HEAD_DIM) boxes: rows past n_rows read as zeros and are not written."""
-    return tl.make_tensor_descriptor(base + b64 * stride_b + h64 * stride_h, shape=[n_rows, HEAD_DIM],
-                                     strides=[stride_n, 1], block_shape=[BLOCK, HEAD_DIM])
-
-
 @triton.jit(do_not_specialize=["q_len", "k_len", "window_left"])
 def attention_bwd_dkdv_ws_kernel(
-    QDesc, DODesc, StatDesc, K, V, DK, DV,
+    QDesc, DODesc, StatDesc, K, V, DK, DV, CuQ, CuK,
+    stride_qh, stride_qm, stride_doh, stride_dom,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
     kv_heads, kv_group, q_len, k_len, q_pitch, stat_plane, scale, scale_log2, window_left,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_LEFT: tl.constexpr,
+    CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_LEFT: tl.constexpr, IS_VARLEN: tl.constexpr,
     DOT_PRECISION: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
     """Grid (key blocks, batch * kv_heads). QDesc/DODesc: host descriptors over Q/dO (B, Hq, Nq, D),
-    boxes (1, 1, BLOCK_M, HEAD_DIM); StatDesc: a host descriptor over the prep kernel's flat
-    planes, box (BLOCK_M,). dk and dv are summed over the group."""
+    boxes (1, 1, BLOCK_M, HEAD_DIM), or under IS_VARLEN the packed (T, Hq, D) tensors themselves
+    (heads_source; q_len/k_len are then the longest sequences, and each sequence's bounds come
+    from CuQ/CuK); the stride_q*/stride_do* arguments serve that case only. StatDesc: a host
+    descriptor over the prep kernel's flat planes, box (BLOCK_M,). dk and dv are summed over the
+    group."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)
     batch = pid_bh // kv_heads
     kv_head = pid_bh % kv_heads
     q_heads = kv_heads * kv_group
     start_n = pid_n * BLOCK_N
+    q_start, q_len = sequence_bounds(CuQ, batch, q_len, IS_VARLEN)
+    k_start, k_len = sequence_bounds(CuK, batch, k_len, IS_VARLEN)
     diag = 0
     if BOTTOM_RIGHT:
         diag = k_len - q_len
-    b64 = batch.to(tl.int64)
-    h64 = kv_head.to(tl.int64)
-    k_desc = rows_desc(K, b64, h64, stride_kb, stride_kh, stride_kn, k_len, HEAD_DIM, BLOCK_N)
-    v_desc = rows_desc(V, b64, h64, stride_vb, stride_vh, stride_vn, k_len, HEAD_DIM, BLOCK_N)
-    dk_desc = rows_desc(DK, b64, h64, stride_dkb, stride_dkh, stride_dkn, k_len, HEAD_DIM, BLOCK_N)
-    dv_desc = rows_desc(DV, b64, h64, stride_dvb, stride_dvh, stride_dvn, k_len, HEAD_DIM, BLOCK_N)
+    k_desc = seq_rows_desc(K, batch, k_start, kv_head, stride_kb, stride_kh, stride_kn, k_len, HEAD_DIM, BLOCK_N,
+                           IS_VARLEN)
+    v_desc = seq_rows_desc(V, batch, k_start, kv_head, stride_vb, stride_vh, stride_vn, k_len, HEAD_DIM, BLOCK_N,
+                           IS_VARLEN)
+    dk_desc = seq_rows_desc(DK, batch, k_start, kv_head, stride_dkb, stride_dkh, stride_dkn, k_len, HEAD_DIM,
+                            BLOCK_N, IS_VARLEN)
+    dv_desc = seq_rows_desc(DV, batch, k_start, kv_head, stride_dvb, stride_dvh, stride_dvn, k_len, HEAD_DIM,
+                            BLOCK_N, IS_VARLEN)
+    q_src = heads_source(QDesc, q_start, q_len, q_heads, stride_qh, stride_qm, HEAD_DIM, BLOCK_M, IS_VARLEN)
+    do_src = heads_source(DODesc, q_start, q_len, q_heads, stride_doh, stride_dom, HEAD_DIM, BLOCK_M, IS_VARLEN)
     k = k_desc.load([start_n, 0])
     v = v_desc.load([start_n, 0])
     # start_n is a multiple of BLOCK_N: OR adds (see attention_fwd_ws.ws_row_state on "+").
@@ -116,6 +123,10 @@ def attention_bwd_dkdv_ws_kernel(
     if HAS_LEFT:
         hi = tl.minimum(q_len, tl.maximum(start_n + BLOCK_N + window_left - diag, 0))
     hi = tl.maximum(hi, lo)
+    if IS_VARLEN:
+        # Blocks past this sequence's keys run no tile and store nothing (the descriptors end at
+        # k_len). An early return would be a branch, which the specialisation pass rejects.
+        hi = tl.where(start_n < k_len, hi, lo)
     n_tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
@@ -124,8 +135,8 @@ def attention_bwd_dkdv_ws_kernel(
         g = t // n_tiles
         start_m = lo + (t - g * n_tiles) * BLOCK_M
         head = kv_head * kv_group + g
-        q = QDesc.load([batch, head, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
-        do = DODesc.load([batch, head, start_m, 0]).reshape(BLOCK_M, HEAD_DIM)
+        q = load_head_tile(q_src, batch, head, start_m, HEAD_DIM, BLOCK_M, IS_VARLEN)
+        do = load_head_tile(do_src, batch, head, start_m, HEAD_DIM, BLOCK_M, IS_VARLEN)
         row = (batch * q_heads + head) * q_pitch + start_m
         lse2 = StatDesc.load([row])
         delta = StatDesc.load([stat_plane + row])
@@ -141,31 +152,43 @@ def attention_bwd_dkdv_ws_kernel(
         ds_t = p_t * (dp_t - delta[None, :]) * scale
         dk = dot(round_to(ds_t, q.dtype, DOT_PRECISION), q, dk, DOT_PRECISION)
 
-    dk_desc.store([start_n, 0], round_to(dk, DK.dtype.element_ty, DOT_PRECISION))
-    dv_desc.store([start_n, 0], round_to(dv, DV.dtype.element_ty, DOT_PRECISION))
+    if k_len > 0:  # an empty sequence's descriptors have one row: the next sequence's
+        dk_desc.store([start_n, 0], round_to(dk, DK.dtype.element_ty, DOT_PRECISION))
+        dv_desc.store([start_n, 0], round_to(dv, DV.dtype.element_ty, DOT_PRECISION))
 
 
 @triton.jit(do_not_specialize=["q_len", "k_len", "window_left"])
 def attention_bwd_dq_ws_kernel(
-    Q, DOut, KDesc, VDesc, Stat, DQ,
+    Q, DOut, KDesc, VDesc, Stat, DQ, CuQ, CuK,
     stride_qb, stride_qh, stride_qm,
     stride_dob, stride_doh, stride_dom,
     stride_dqb, stride_dqh, stride_dqm,
+    stride_kh, stride_kn, stride_vh, stride_vn,
     q_heads, kv_group, q_len, k_len, q_pitch, stat_plane, scale, scale_log2, window_left,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_LEFT: tl.constexpr, K_TAIL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WARP_SPEC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
     """Grid (query blocks, batch * q_heads), last query block first. KDesc/VDesc: host descriptors
-    over K/V (B, Hkv, Nk, D), boxes (1, 1, BLOCK_N, HEAD_DIM). K_TAIL: k_len is not a multiple of
-    BLOCK_N."""
+    over K/V (B, Hkv, Nk, D), boxes (1, 1, BLOCK_N, HEAD_DIM), or under IS_VARLEN the packed
+    (T, Hkv, D) tensors (heads_source; the stride_k*/stride_v* arguments serve that case only).
+    K_TAIL: some sequence's k_len is not a multiple of BLOCK_N."""
     pid_bh, batch, head, kv_head, start_m, diag = dense_program(q_heads, kv_group, q_len, k_len, BLOCK_M,
                                                                 BOTTOM_RIGHT)
-    b64 = batch.to(tl.int64)
-    h64 = head.to(tl.int64)
-    q_desc = rows_desc(Q, b64, h64, stride_qb, stride_qh, stride_qm, q_len, HEAD_DIM, BLOCK_M)
-    do_desc = rows_desc(DOut, b64, h64, stride_dob, stride_doh, stride_dom, q_len, HEAD_DIM, BLOCK_M)
-    dq_desc = rows_desc(DQ, b64, h64, stride_dqb, stride_dqh, stride_dqm, q_len, HEAD_DIM, BLOCK_M)
+    q_start, q_len = sequence_bounds(CuQ, batch, q_len, IS_VARLEN)
+    k_start, k_len = sequence_bounds(CuK, batch, k_len, IS_VARLEN)
+    if IS_VARLEN and BOTTOM_RIGHT:
+        diag = k_len - q_len
+    q_desc = seq_rows_desc(Q, batch, q_start, head, stride_qb, stride_qh, stride_qm, q_len, HEAD_DIM, BLOCK_M,
+                           IS_VARLEN)
+    do_desc = seq_rows_desc(DOut, batch, q_start, head, stride_dob, stride_doh, stride_dom, q_len, HEAD_DIM,
+                            BLOCK_M, IS_VARLEN)
+    dq_desc = seq_rows_desc(DQ, batch, q_start, head, stride_dqb, stride_dqh, stride_dqm, q_len, HEAD_DIM,
+                            BLOCK_M, IS_VARLEN)
+    k_src = heads_source(KDesc, k_start, k_len, q_heads // kv_group, stride_kh, stride_kn, HEAD_DIM, BLOCK_N,
+                         IS_VARLEN)
+    v_src = heads_source(VDesc, k_start, k_len, q_heads // kv_group, stride_vh, stride_vn, HEAD_DIM, BLOCK_N,
+                         IS_VARLEN)
     q = q_desc.load([start_m, 0])
     do = do_desc.load([start_m, 0])
     offs_m = start_m | tl.arange(0, BLOCK_M)
@@ -185,11 +208,14 @@ def attention_bwd_dq_ws_kernel(
         hi = tl.minimum(k_len, tl.maximum(start_m + BLOCK_M + diag, 0))
     if HAS_LEFT:
         lo = (tl.minimum(tl.maximum(start_m + diag - window_left, 0), hi) // BLOCK_N) * BLOCK_N
+    if IS_VARLEN:
+        # As in the dk/dv kernel: blocks past this sequence's rows run no tile, store nothing.
+        hi = tl.where(start_m < q_len, hi, lo)
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
-        k = KDesc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
-        v = VDesc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
+        k = load_head_tile(k_src, batch, kv_head, start_n, HEAD_DIM, BLOCK_N, IS_VARLEN)
+        v = load_head_tile(v_src, batch, kv_head, start_n, HEAD_DIM, BLOCK_N, IS_VARLEN)
         s = dot(q, tl.trans(k), None, DOT_PRECISION) * scale_log2
         if CAUSAL or HAS_LEFT or K_TAIL:
             keep = position_keep(offs_m[:, None], (start_n + offs_n)[None, :], q_len, k_len, diag, window_left, 0,
@@ -200,4 +226,5 @@ def attention_bwd_dq_ws_kernel(
         ds = p * (dp - delta[:, None]) * scale
         dq = dot(round_to(ds, k.dtype, DOT_PRECISION), k, dq, DOT_PRECISION)
 
-    dq_desc.store([start_m, 0], round_to(dq, DQ.dtype.element_ty, DOT_PRECISION))
+    if q_len > 0:  # as in the dk/dv kernel
+        dq_desc.store([start_m, 0], round_to(dq, DQ.dtype.element_ty, DOT_PRECISION))
