@@ -399,7 +399,7 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         raise ValueError(f"causal_alignment must be 'top_left' or 'bottom_right', got {causal_alignment!r}")
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
-    from .problem import check_scale, check_window, tma_aligned
+    from .problem import check_scale, check_window
 
     scale_f = check_scale(scale)
     left, right = window_sides(check_window(window))
@@ -416,7 +416,6 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         window_right=right, mask_kind="none", dropout_p=0.0,
         scale=default_scale(q.shape[-1]) if scale_f is None else scale_f, needs_grad=needs_grad,
         gqa=q.shape[1] != k.shape[1], varlen=True, bottom_right=causal_alignment == "bottom_right",
-        tma_aligned=tma_aligned(q, k, v),
     )
     plan = planner.get_plan(problem, pol, _compiling())
     out, failed = _first_that_runs(problem, plan, lambda r, launch: r.run_varlen(

@@ -82,7 +82,30 @@ class TritonRunner(Runner):
             reasons.append("takes dense (B, H, N, D) tensors; packed sequences go to varlen.triton.")
         if self.variant == "ptr" or reasons:
             return reasons
-        return variant_reasons(problem, self.variant)
+        # TMA and warp-specialised loads: what a tensor descriptor takes.
+        if problem.mask_kind != "none":
+            reasons.append("takes no attn_mask (tensor-descriptor loads).")
+        if problem.dtype == torch.float32:
+            reasons.append("takes float16/bfloat16 (tensor-descriptor loads).")
+        if problem.head_dim != block_d(problem.head_dim):
+            reasons.append(f"needs a power-of-two head_dim >= 16, got {problem.head_dim}.")
+        if problem.value_dim != problem.head_dim:
+            reasons.append(f"needs the value head_dim equal to head_dim, got {problem.value_dim} and "
+                           f"{problem.head_dim}.")
+        if not problem.tma_aligned:
+            reasons.append("needs q, k, v with unit last stride and 16-byte aligned base and strides.")
+        if not problem.scale > 0:
+            reasons.append("needs a positive scale.")
+        if self.variant == "ws":
+            if not hardware.warp_specialisation_available():
+                reasons.append("this triton has no warp specialisation (3.6 or newer).")
+            if problem.device_type == "cuda" and not interpreting() and hardware.arch("cuda", problem.device_index) != "sm90":
+                reasons.append("warp specialisation of these kernels runs on Hopper (sm90) only.")
+            if problem.window_left >= 0 or problem.window_right >= 0:
+                reasons.append("has no sliding window (causal is fine).")
+            if problem.head_dim not in (64, 128):
+                reasons.append(f"takes head_dim 64 or 128, got {problem.head_dim}.")
+        return reasons
 
     def prepare(self, problem, policy) -> AttentionLaunch:
         return make_launch(self.variant, problem.scale, problem.causal, problem.window_left, problem.window_right,
@@ -90,35 +113,6 @@ class TritonRunner(Runner):
 
     def run(self, query, key, value, attn_mask, problem, launch, label=None):
         return run_dense(query, key, value, attn_mask, launch)
-
-
-def variant_reasons(problem, variant: str) -> list[str]:
-    """Why the "tma" or "ws" forward cannot take a problem our kernels otherwise take (empty: it can):
-    what a tensor descriptor takes, and for "ws" what the warp-specialised kernel covers."""
-    reasons = []
-    if problem.mask_kind != "none":
-        reasons.append("takes no attn_mask (tensor-descriptor loads).")
-    if problem.dtype == torch.float32:
-        reasons.append("takes float16/bfloat16 (tensor-descriptor loads).")
-    if problem.head_dim != block_d(problem.head_dim):
-        reasons.append(f"needs a power-of-two head_dim >= 16, got {problem.head_dim}.")
-    if problem.value_dim != problem.head_dim:
-        reasons.append(f"needs the value head_dim equal to head_dim, got {problem.value_dim} and "
-                       f"{problem.head_dim}.")
-    if not problem.tma_aligned:
-        reasons.append("needs q, k, v with unit last stride and 16-byte aligned base and strides.")
-    if not problem.scale > 0:
-        reasons.append("needs a positive scale.")
-    if variant == "ws":
-        if not hardware.warp_specialisation_available():
-            reasons.append("this triton has no warp specialisation (3.6 or newer).")
-        if problem.device_type == "cuda" and not interpreting() and hardware.arch("cuda", problem.device_index) != "sm90":
-            reasons.append("warp specialisation of these kernels runs on Hopper (sm90) only.")
-        if problem.window_left >= 0 or problem.window_right >= 0:
-            reasons.append("has no sliding window (causal is fine).")
-        if problem.head_dim not in (64, 128):
-            reasons.append(f"takes head_dim 64 or 128, got {problem.head_dim}.")
-    return reasons
 
 
 def run_dense(query, key, value, attn_mask, launch: AttentionLaunch) -> torch.Tensor:

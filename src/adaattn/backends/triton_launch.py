@@ -225,24 +225,20 @@ def _shape_key(q, lay: RowLayout, launch: AttentionLaunch, mask_kind, mask_elem=
             lay.q_heads != lay.kv_heads, length_bucket(lay.q_len), length_bucket(lay.k_len))
 
 
-def _launch_fwd_ws(q, k, v, out, lse, lay: RowLayout, launch: AttentionLaunch, cu_q=None, cu_k=None) -> None:
+def _launch_fwd_ws(q, k, v, out, lse, lay: RowLayout, launch: AttentionLaunch) -> None:
     from ..kernels.attention_fwd_ws import attention_fwd_ws_kernel
 
     descriptor = tensor_descriptor()
 
-    def heads(t, cfg):
-        # Packed tensors go as they are: the kernel makes one descriptor per sequence.
-        return t if lay.varlen else descriptor(t, list(t.shape), list(t.stride()), [1, 1, cfg.block_n, lay.head_dim])
-
     def run(cfg: KernelConfig):
         ensure_triton_allocator()
+        box = [1, 1, cfg.block_n, lay.head_dim]
         attention_fwd_ws_kernel[(cdiv(lay.q_len, cfg.block_m), lay.batch * lay.q_heads)](
-            q, heads(k, cfg), heads(v, cfg), out, lse, cu_q if lay.varlen else q, cu_k if lay.varlen else q,
-            *lay.strides(q), *lay.strides(out), *lse_strides(lse, lay), *lay.strides(k)[1:], *lay.strides(v)[1:],
-            lay.q_heads, lay.q_heads // lay.kv_heads, lay.q_len, lay.k_len,
+            q, descriptor(k, list(k.shape), list(k.stride()), box),
+            descriptor(v, list(v.shape), list(v.stride()), box), out, lse, *lay.strides(q), *lay.strides(out),
+            *lse_strides(lse, lay), lay.q_heads, lay.q_heads // lay.kv_heads, lay.q_len, lay.k_len,
             launch.scale * LOG2E, HEAD_DIM=lay.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            CAUSAL=launch.has_right, BOTTOM_RIGHT=launch.bottom_right,
-            K_TAIL=lay.varlen or lay.k_len % cfg.block_n != 0, IS_VARLEN=lay.varlen,
+            CAUSAL=launch.has_right, BOTTOM_RIGHT=launch.bottom_right, K_TAIL=lay.k_len % cfg.block_n != 0,
             DOT_PRECISION=dot_precision(q.dtype), WARP_SPEC=not interpreting(),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
@@ -258,8 +254,8 @@ def _check_variant(launch: AttentionLaunch, lay: RowLayout, q, k, v, mask_kind: 
     (raised, so the fallback runs, never a silent switch of kernel)."""
     if launch.variant == "ptr":
         return
-    ok = ((not lay.varlen or launch.variant == "ws") and mask_kind == MASK_NONE
-          and lay.head_dim == block_d(lay.head_dim) and descriptor_scope(launch, q, k, v))
+    ok = (not lay.varlen and mask_kind == MASK_NONE and lay.head_dim == block_d(lay.head_dim)
+          and descriptor_scope(launch, q, k, v))
     if ok and launch.variant == "ws":
         ok = not launch.has_left and launch.right == 0 and lay.head_dim in (64, 128)
     if not ok:
@@ -296,7 +292,7 @@ def launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     split = mask_kind == MASK_ADDITIVE and stats is not None and stats.numel() > 0
     _check_variant(launch, lay, q, k, v, mask_kind)
     if launch.variant == "ws":
-        _launch_fwd_ws(q, k, v, out, lse, lay, launch, cu_seqlens_q, cu_seqlens_k)
+        _launch_fwd_ws(q, k, v, out, lse, lay, launch)
         return out, lse
     from ..kernels.attention_fwd import attention_fwd_kernel
 
@@ -465,8 +461,8 @@ def descriptor_scope(launch: AttentionLaunch, *tensors) -> bool:
 
 def bwd_ws_ok(dout, q, k, v, attn_mask, varlen: bool, launch: AttentionLaunch) -> bool:
     """Whether the warp-specialised backward (kernels/attention_bwd_ws.py) takes this call (tensors
-    with a unit last stride): dense or packed varlen, no mask, causal or not, a left window only under causal,
-    head dim 64 or 128, and descriptor_scope."""
+    with a unit last stride): dense or packed varlen, no mask, causal or not, a left window only
+    under causal, head dim 64 or 128, and descriptor_scope."""
     if attn_mask is not None or q.shape[-1] not in (64, 128):
         return False
     if (launch.has_right and launch.right != 0) or (launch.has_left and not launch.has_right):

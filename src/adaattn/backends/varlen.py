@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from .base import Runner
 from .masks import position_keep
-from .triton_attention import triton_reasons, unsupported_options, variant_reasons
+from .triton_attention import triton_reasons, unsupported_options
 from .triton_launch import AttentionLaunch, launch_id, make_launch
 
 OFFSET_DTYPES = (torch.int32, torch.int64)
@@ -76,10 +76,7 @@ class VarlenTritonRunner(Runner):
                               problem.value_dim) + unsupported_options(problem)
 
     def prepare(self, problem, policy) -> AttentionLaunch:
-        # The warp-specialised forward where it covers the call (Hopper; benchmarks/NOTES.md, issue 17),
-        # else the general kernel. The backward picks its kernels itself (launch_bwd).
-        variant = "ws" if not variant_reasons(problem, "ws") else "ptr"
-        return make_launch(variant, problem.scale, problem.causal, problem.window_left, problem.window_right,
+        return make_launch("ptr", problem.scale, problem.causal, problem.window_left, problem.window_right,
                            problem.bottom_right,
                            bool(policy.deterministic) or torch.are_deterministic_algorithms_enabled())
 

@@ -1,4 +1,4 @@
-"""Exact attention backward for Hopper with warp specialisation: the dense fast path.
+"""Exact attention backward for Hopper with warp specialisation: the dense and packed fast path.
 
 The math of attention_bwd.py (probabilities recomputed from the saved log-sum-exp, fp32
 accumulation), written in the shape Triton's automatic warp specialisation on Hopper accepts
@@ -20,16 +20,15 @@ so the bits do not depend on timing):
                                  they can see (the forward's loop).
 
 Scope: dense or packed varlen (cu_seqlens; each sequence's rows through descriptors made in the
-kernel, so tiles never cross into the next sequence), no attn_mask, causal (top-left or bottom-right) or not, a causal
-sliding window (window_left), GQA, HEAD_DIM == HEAD_DIM_V in {64, 128}, 16-bit inputs, positive
-scale. Everything else runs attention_bwd.py.
+kernel, so no tile crosses into the next sequence), no attn_mask, causal (top-left or
+bottom-right) or not, a causal sliding window (window_left), GQA, HEAD_DIM == HEAD_DIM_V in
+{64, 128}, 16-bit inputs, positive scale. Everything else runs attention_bwd.py.
 """
 
 import triton
 import triton.language as tl
 
 from .attention_fwd import LOG2E_K, dense_program, dot, position_keep, round_to, sequence_bounds
-from .attention_fwd_ws import heads_source, load_head_tile, seq_base, seq_rows_desc
 
 STAT_ROWS: tl.constexpr = tl.constexpr(128)  # the stat planes' rows per head: a multiple of this
 
@@ -67,6 +66,54 @@ def attention_bwd_ws_prep_kernel(
     base = Stat + pid_bh.to(tl.int64) * q_pitch + offs_m
     tl.store(base, lse2)
     tl.store(base + stat_plane, tl.where(live, tl.sum(o * do, 1), 0.0))
+
+
+@triton.jit
+def seq_base(base, batch, start, head, stride_b, stride_h, stride_n, IS_VARLEN: tl.constexpr):
+    """Where one (sequence, head)'s rows begin: batch * stride_b of a dense (B, H, N, D) tensor, or
+    the sequence's first row (start) of a packed (T, H, D) one."""
+    if IS_VARLEN:
+        return base + start.to(tl.int64) * stride_n + head.to(tl.int64) * stride_h
+    else:
+        return base + batch.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h
+
+
+@triton.jit
+def seq_rows_desc(base, batch, start, head, stride_b, stride_h, stride_n, n_rows, HEAD_DIM: tl.constexpr,
+                  BLOCK: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """A descriptor made in the kernel over one (sequence, head)'s (n_rows, HEAD_DIM) rows (seq_base),
+    with (BLOCK, HEAD_DIM) boxes: rows past n_rows read as zeros and are not written. A descriptor
+    cannot have 0 rows: an empty sequence gets 1 (the next sequence's first row), which its
+    kernel neither uses nor writes."""
+    return tl.make_tensor_descriptor(seq_base(base, batch, start, head, stride_b, stride_h, stride_n, IS_VARLEN),
+                                     shape=[tl.maximum(n_rows, 1), HEAD_DIM], strides=[stride_n, 1],
+                                     block_shape=[BLOCK, HEAD_DIM])
+
+
+@triton.jit
+def heads_source(src, start, n_rows, n_heads, stride_h, stride_n, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+                 IS_VARLEN: tl.constexpr):
+    """What the loops load (BLOCK, HEAD_DIM) tiles of any head from: src itself (a host descriptor
+    over a dense (B, H, N, D) tensor, boxes (1, 1, BLOCK, HEAD_DIM)), or under IS_VARLEN a
+    descriptor made here over one sequence of the packed tensor src, as (heads, rows, HEAD_DIM)
+    with boxes (1, BLOCK, HEAD_DIM): rows past the sequence read as zeros."""
+    if IS_VARLEN:
+        # (heads, rows, HEAD_DIM), not (rows, heads, HEAD_DIM): the box's last two dims must be the
+        # tile's, or its shared-memory swizzle is not the (BLOCK, HEAD_DIM) tile's after the reshape.
+        return tl.make_tensor_descriptor(src + start.to(tl.int64) * stride_n,
+                                         shape=[n_heads, tl.maximum(n_rows, 1), HEAD_DIM],
+                                         strides=[stride_h, stride_n, 1], block_shape=[1, BLOCK, HEAD_DIM])
+    else:
+        return src
+
+
+@triton.jit
+def load_head_tile(src, batch, head, start, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """A (BLOCK, HEAD_DIM) tile of rows [start, start + BLOCK) of one head from heads_source."""
+    if IS_VARLEN:
+        return src.load([head, start, 0]).reshape(BLOCK, HEAD_DIM)
+    else:
+        return src.load([batch, head, start, 0]).reshape(BLOCK, HEAD_DIM)
 
 
 @triton.jit(do_not_specialize=["q_len", "k_len", "window_left"])

@@ -7,9 +7,8 @@ specialisation on Hopper accepts (`tl.range(..., warp_specialize=True)`, triton 
 - a single key loop whose loads are tensor-descriptor (TMA) loads, and Q's load before the loop
   one too: Q's descriptor is made in the kernel over its (batch, head) slice (the pass splits
   its box between the consumer groups, which a host descriptor's fixed box does not allow), K's
-  and V's come from the host over (B, Hkv, Nk, D), or for packed sequences (varlen) are made in
-  the kernel over the sequence's rows; out-of-range rows read as zeros and strided inputs need
-  no copy;
+  and V's come from the host over (B, Hkv, Nk, D); out-of-range rows read as zeros and strided
+  inputs need no copy;
 - structured control flow only (no early return, no branch in the loop).
 
 The compiler then splits the program into a producer warp group that issues the TMA loads and
@@ -17,7 +16,7 @@ two consumer warp groups that each own half of the query rows: one group's softm
 the other's matrix products do, which the single-group kernel cannot overlap.
 
 Because the loop cannot branch, the causal and key-tail masks are applied to every tile as a
-select (constexpr-gated: a call with neither pays nothing). Scope: dense or packed varlen, no
+select (constexpr-gated: a call with neither pays nothing). Scope: dense (no varlen), no
 attn_mask, no sliding window, causal top-left or bottom-right, GQA, HEAD_DIM 64 or 128
 (== BLOCK_D), positive scale. Everything else runs the general kernel in attention_fwd.py.
 """
@@ -25,55 +24,7 @@ attn_mask, no sliding window, causal top-left or bottom-right, GQA, HEAD_DIM 64 
 import triton
 import triton.language as tl
 
-from .attention_fwd import LN2_K, dense_program, dot, round_to, sequence_bounds
-
-
-@triton.jit
-def seq_base(base, batch, start, head, stride_b, stride_h, stride_n, IS_VARLEN: tl.constexpr):
-    """Where one (sequence, head)'s rows begin: batch * stride_b of a dense (B, H, N, D) tensor, or
-    the sequence's first row (start) of a packed (T, H, D) one."""
-    if IS_VARLEN:
-        return base + start.to(tl.int64) * stride_n + head.to(tl.int64) * stride_h
-    else:
-        return base + batch.to(tl.int64) * stride_b + head.to(tl.int64) * stride_h
-
-
-@triton.jit
-def seq_rows_desc(base, batch, start, head, stride_b, stride_h, stride_n, n_rows, HEAD_DIM: tl.constexpr,
-                  BLOCK: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """A descriptor made in the kernel over one (sequence, head)'s (n_rows, HEAD_DIM) rows (seq_base),
-    with (BLOCK, HEAD_DIM) boxes: rows past n_rows read as zeros and are not written. A descriptor
-    cannot have 0 rows: an empty sequence gets 1 (the next sequence's first row), which its
-    kernel neither uses nor writes."""
-    return tl.make_tensor_descriptor(seq_base(base, batch, start, head, stride_b, stride_h, stride_n, IS_VARLEN),
-                                     shape=[tl.maximum(n_rows, 1), HEAD_DIM], strides=[stride_n, 1],
-                                     block_shape=[BLOCK, HEAD_DIM])
-
-
-@triton.jit
-def heads_source(src, start, n_rows, n_heads, stride_h, stride_n, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
-                 IS_VARLEN: tl.constexpr):
-    """What the loops load (BLOCK, HEAD_DIM) tiles of any head from: src itself (a host descriptor
-    over a dense (B, H, N, D) tensor, boxes (1, 1, BLOCK, HEAD_DIM)), or under IS_VARLEN a
-    descriptor made here over one sequence of the packed tensor src, as (heads, rows, HEAD_DIM)
-    with boxes (1, BLOCK, HEAD_DIM): rows past the sequence read as zeros."""
-    if IS_VARLEN:
-        # (heads, rows, HEAD_DIM), not (rows, heads, HEAD_DIM): the box's last two dims must be the
-        # tile's, or its shared-memory swizzle is not the (BLOCK, HEAD_DIM) tile's after the reshape.
-        return tl.make_tensor_descriptor(src + start.to(tl.int64) * stride_n,
-                                         shape=[n_heads, tl.maximum(n_rows, 1), HEAD_DIM],
-                                         strides=[stride_h, stride_n, 1], block_shape=[1, BLOCK, HEAD_DIM])
-    else:
-        return src
-
-
-@triton.jit
-def load_head_tile(src, batch, head, start, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """A (BLOCK, HEAD_DIM) tile of rows [start, start + BLOCK) of one head from heads_source."""
-    if IS_VARLEN:
-        return src.load([head, start, 0]).reshape(BLOCK, HEAD_DIM)
-    else:
-        return src.load([batch, head, start, 0]).reshape(BLOCK, HEAD_DIM)
+from .attention_fwd import LN2_K, dense_program, dot, round_to
 
 
 @triton.jit
@@ -115,54 +66,40 @@ def ws_row_state(start_m, diag, k_len, BLOCK_M: tl.constexpr, HEAD_DIM: tl.const
 
 @triton.jit(do_not_specialize=["q_len", "k_len"])
 def attention_fwd_ws_kernel(
-    Q, KDesc, VDesc, Out, LSE, CuQ, CuK,
+    Q, KDesc, VDesc, Out, LSE,
     stride_qb, stride_qh, stride_qm,
     stride_ob, stride_oh, stride_om,
     stride_lb, stride_lh, stride_lm,
-    stride_kh, stride_kn, stride_vh, stride_vn,
     q_heads, kv_group, q_len, k_len, scale_log2,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, K_TAIL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WARP_SPEC: tl.constexpr, IS_VARLEN: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
     """Grid (query blocks, batch * q_heads), last query block first. KDesc/VDesc: host tensor
     descriptors over K/V (B, Hkv, Nk, D) with (1, 1, BLOCK_N, HEAD_DIM) boxes (made on the device
     they would race: the producer warp group reads them, another group would write them).
-    K_TAIL: k_len is not a multiple of BLOCK_N (the last tile's padding keys are masked).
-    IS_VARLEN: packed (T, H, D) tensors, each sequence's bounds from CuQ/CuK (q_len/k_len are then
-    the longest); KDesc/VDesc are the packed K/V (heads_source, with the stride_k*/stride_v*
-    arguments), the lse (H, T)."""
+    K_TAIL: k_len is not a multiple of BLOCK_N (the last tile's padding keys are masked)."""
     pid_bh, batch, head, kv_head, start_m, diag = dense_program(q_heads, kv_group, q_len, k_len, BLOCK_M,
                                                                 BOTTOM_RIGHT)
-    q_start, q_len = sequence_bounds(CuQ, batch, q_len, IS_VARLEN)
-    k_start, k_len = sequence_bounds(CuK, batch, k_len, IS_VARLEN)
-    if IS_VARLEN and BOTTOM_RIGHT:
-        diag = k_len - q_len
 
-    # Q and Out through descriptors over this (sequence, head)'s (q_len, D) rows, made here: rows
+    b64 = batch.to(tl.int64)
+    # Q and Out through descriptors over this (batch, head)'s (q_len, D) rows, made here: rows
     # past q_len read as zeros and are not written. (This Q descriptor together with a masked
     # pointer store of Out measured NaN on the H100 under triton 3.6, either alone did not:
     # benchmarks/ws_bisect_gpu.py; (B, Hq, Nq, D) descriptors do not pass the warp
     # specialisation.)
-    q_desc = seq_rows_desc(Q, batch, q_start, head, stride_qb, stride_qh, stride_qm, q_len, HEAD_DIM, BLOCK_M,
-                           IS_VARLEN)
-    o_desc = seq_rows_desc(Out, batch, q_start, head, stride_ob, stride_oh, stride_om, q_len, HEAD_DIM, BLOCK_M,
-                           IS_VARLEN)
-    k_src = heads_source(KDesc, k_start, k_len, q_heads // kv_group, stride_kh, stride_kn, HEAD_DIM, BLOCK_N,
-                         IS_VARLEN)
-    v_src = heads_source(VDesc, k_start, k_len, q_heads // kv_group, stride_vh, stride_vn, HEAD_DIM, BLOCK_N,
-                         IS_VARLEN)
+    q_desc = tl.make_tensor_descriptor(Q + b64 * stride_qb + head.to(tl.int64) * stride_qh, shape=[q_len, HEAD_DIM],
+                                       strides=[stride_qm, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    o_desc = tl.make_tensor_descriptor(Out + b64 * stride_ob + head.to(tl.int64) * stride_oh,
+                                       shape=[q_len, HEAD_DIM], strides=[stride_om, 1],
+                                       block_shape=[BLOCK_M, HEAD_DIM])
 
     offs_m, last_key, m_i, l_i, acc, hi = ws_row_state(start_m, diag, k_len, BLOCK_M, HEAD_DIM, CAUSAL)
-    if IS_VARLEN:
-        # Blocks past this sequence's rows run no tile and store nothing (no early return: a
-        # branch, which the specialisation pass rejects).
-        hi = tl.where(start_m < q_len, hi, 0)
     offs_n = tl.arange(0, BLOCK_N)
     q = q_desc.load([start_m, 0])
 
     for start_n in tl.range(0, hi, BLOCK_N, warp_specialize=WARP_SPEC):
-        k = load_head_tile(k_src, batch, kv_head, start_n, HEAD_DIM, BLOCK_N, IS_VARLEN)
+        k = KDesc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         qk = dot(q, tl.trans(k), None, DOT_PRECISION)
         qk = visible_scores(qk, start_n, offs_n, last_key, k_len, CAUSAL, K_TAIL)
         # A positive scale keeps the argmax, so the max is taken on raw scores and scale and
@@ -173,14 +110,12 @@ def attention_fwd_ws_kernel(
         alpha = tl.math.exp2(m_i - m_shift)
         p = tl.math.exp2(qk * scale_log2 - m_shift[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_head_tile(v_src, batch, kv_head, start_n, HEAD_DIM, BLOCK_N, IS_VARLEN)
+        v = VDesc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         acc = dot(round_to(p, v.dtype, DOT_PRECISION), v, acc * alpha[:, None], DOT_PRECISION)
         m_i = m_new
 
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * LN2_K, float("-inf"))
-    if q_len > 0:  # an empty sequence's descriptor has one row: the next sequence's
-        o_desc.store([start_m, 0], round_to(out, Out.dtype.element_ty, DOT_PRECISION))
-    tl.store(seq_base(LSE, batch, q_start, head, stride_lb, stride_lh, stride_lm, IS_VARLEN) + offs_m * stride_lm, lse,
-             mask=offs_m < q_len)
+    o_desc.store([start_m, 0], round_to(out, Out.dtype.element_ty, DOT_PRECISION))
+    tl.store(LSE + b64 * stride_lb + head.to(tl.int64) * stride_lh + offs_m * stride_lm, lse, mask=offs_m < q_len)
