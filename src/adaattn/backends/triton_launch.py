@@ -146,6 +146,24 @@ class RowLayout:
             return (0, t.stride(1), t.stride(0))
         return (t.stride(0), t.stride(1), t.stride(2))
 
+    def offsets(self, cu_seqlens_q, cu_seqlens_k, like: torch.Tensor) -> tuple:
+        """The (CuQ, CuK) arguments of the kernels: the packed call's offsets, or for a dense call
+        any tensor (`like`: the kernels do not read it)."""
+        if self.varlen:
+            return cu_seqlens_q, cu_seqlens_k
+        return like, like
+
+
+def bwd_outputs(q, k, v, lay: RowLayout) -> tuple:
+    """((dq, dk, dv) shaped like q, k, v, whether the backward has no work); without work the
+    gradients are zeros already."""
+    grads = tuple(new_output(t.shape, t.dtype, t.device) for t in (q, k, v))
+    empty = lay.batch * lay.q_heads == 0 or q.numel() == 0 or k.numel() == 0 or lay.q_len == 0 or lay.k_len == 0
+    if empty:
+        for g in grads:
+            g.zero_()
+    return grads, empty
+
 
 def row_layout(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k) -> RowLayout:
     if cu_seqlens_q is not None:
@@ -299,8 +317,7 @@ def launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     # Q/K tiles are bd wide, V/Out tiles bdv: no padding spent on the smaller head dim. Equal
     # head dims give equal widths, so D == Dv compiles to the kernel it always was.
     bd, bdv = block_d(lay.head_dim), block_d(lay.value_dim)
-    cu_q = cu_seqlens_q if lay.varlen else q
-    cu_k = cu_seqlens_k if lay.varlen else q
+    cu_q, cu_k = lay.offsets(cu_seqlens_q, cu_seqlens_k, q)
     use_tma = launch.variant == "tma"
     head_major = launch.grid_order == "head_major"
     descriptor = tensor_descriptor() if use_tma else None
@@ -360,15 +377,12 @@ def launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, m
         return launch_bwd_ws(dout, q, k, v, out, lse, launch, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     lay = row_layout(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
-    dq = new_output(q.shape, q.dtype, q.device)
-    dk = new_output(k.shape, k.dtype, k.device)
-    dv = new_output(v.shape, v.dtype, v.device)
-    if lay.batch * lay.q_heads == 0 or q.numel() == 0 or k.numel() == 0 or lay.q_len == 0 or lay.k_len == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+    (dq, dk, dv), empty = bwd_outputs(q, k, v, lay)
+    if empty:
+        return dq, dk, dv
     mask, mask_strides, mask_kind = mask_args(attn_mask, lay, q)
     bd, bdv = block_d(lay.head_dim), block_d(lay.value_dim)  # Q/K/dQ/dK tiles; V/O/dO/dV tiles
-    cu_q = cu_seqlens_q if lay.varlen else q
-    cu_k = cu_seqlens_k if lay.varlen else q
+    cu_q, cu_k = lay.offsets(cu_seqlens_q, cu_seqlens_k, q)
     flags = dict(IS_VARLEN=lay.varlen, BOTTOM_RIGHT=launch.bottom_right, HAS_LEFT=launch.has_left,
                  HAS_RIGHT=launch.has_right, MASK_KIND=mask_kind, DOT_PRECISION=dot_precision(q.dtype))
     lse_st = lse_strides(lse, lay)
@@ -485,16 +499,14 @@ def launch_bwd_ws(dout, q, k, v, out, lse, launch: AttentionLaunch, configs: Opt
     q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
     dout, out = last_dim_contiguous(dout), last_dim_contiguous(out)
     lay = row_layout(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
-    dq = new_output(q.shape, q.dtype, q.device)
-    dk = new_output(k.shape, k.dtype, k.device)
-    dv = new_output(v.shape, v.dtype, v.device)
-    if lay.batch * lay.q_heads == 0 or q.numel() == 0 or k.numel() == 0 or lay.q_len == 0 or lay.k_len == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+    (dq, dk, dv), empty = bwd_outputs(q, k, v, lay)
+    if empty:
+        return dq, dk, dv
     d = lay.head_dim
     varlen = lay.varlen
-    cu_q = cu_seqlens_q if varlen else q
-    cu_k = cu_seqlens_k if varlen else q
-    # Stat planes: whole 128-row tiles per (sequence, head), the longest sequence's length each.
+    cu_q, cu_k = lay.offsets(cu_seqlens_q, cu_seqlens_k, q)
+    # Stat planes: whole 128-row tiles (the largest BLOCK_M) per (sequence, head), the longest
+    # sequence's length each, so a tile's statistics never leave its plane.
     pitch = cdiv(lay.q_len, 128) * 128
     plane = lay.batch * lay.q_heads * pitch
     stat = torch.empty(2 * plane, dtype=torch.float32, device=q.device)

@@ -30,8 +30,6 @@ import triton.language as tl
 
 from .attention_fwd import LOG2E_K, dense_program, dot, position_keep, round_to, sequence_bounds
 
-STAT_ROWS: tl.constexpr = tl.constexpr(128)  # the stat planes' rows per head: a multiple of this
-
 
 @triton.jit
 def attention_bwd_ws_prep_kernel(
