@@ -50,6 +50,10 @@ RUNNERS = ("sdpa", "triton")
 # 3 stages where the keys' pages are computed (a contiguous KVCache: the loads pipeline), else 2.
 BLOCK_N = 128
 PROGRAMS_PER_SM = {"native": 4, "fp8": 8, "int8": 8}
+# Tiles a program reads at least, unless that would leave SMs without one: short programs lose to
+# their pipeline's fill and to a wider merge (H100: head dim 64, B8 Hkv8 8k, 8 tiles a program
+# 145 us, 32 tiles 66 us against cuDNN's 64; benchmarks/NOTES.md, decode at head dim 64).
+MIN_TILES = {"native": 32, "fp8": 16, "int8": 16}
 WARPS = {"native": 8, "fp8": 4, "int8": 4}
 STAGES = {True: 3, False: 2}  # by contiguity
 MAX_TILE_ROWS = 128  # query rows of one KV head (GQA group x query_len) the kernel packs into a tile
@@ -181,6 +185,7 @@ def plan_decode(cache: PagedKVCache, seqs: Optional[Sequence[int]] = None, *, he
                 sms = 4
             work = cache.kv_heads * sum(-(-min(n + query_len, plan.max_len) // BLOCK_N) for n in now)
             per = max(1, -(-work // (PROGRAMS_PER_SM[cache.storage] * sms)))
+            per = max(per, min(MIN_TILES[cache.storage], -(-work // sms)))
         else:
             if not isinstance(splits, int) or splits < 1:
                 raise ValueError(f"splits must be a positive int, got {splits!r}")
