@@ -908,7 +908,7 @@ BWD_WS_CASES = {
 
 
 def spy_bwd_ws(monkeypatch):
-    return spy_launch(monkeypatch, "launch_bwd_ws")
+    return spy_launch(monkeypatch, "_launch_bwd_ws")
 
 
 @pytest.mark.parametrize("case", _runner_cases(BWD_WS_CASES))
@@ -1159,6 +1159,43 @@ def test_varlen_backward_runs_the_warp_specialised_kernels_and_matches_float64(m
     with settings.override(bwd_ws="on"):
         check_varlen_case(lengths_q, lengths_k or lengths_q, hq, hkv, d, causal, window, align)
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("runner,bwd_ws", [("varlen.triton", "off"), ("varlen.triton", "on"), ("varlen.sdpa", "off")])
+def test_varlen_rows_past_the_last_sequence_give_zeros_and_zero_gradients(runner, bwd_ws):
+    # Packed tensors may be longer than cu_seqlens[-1] (a buffer of fixed size): those rows belong
+    # to no sequence, give 0 as documented, and get zero gradients; the sequences' rows are as
+    # without the padding. (A fuzzer found them unwritten: NaN or garbage from the kernels.)
+    lengths = [20, 13]
+    q, k, v, cu_q, cu_k = _packed(lengths, lengths, 4, 2, 64, torch.float16, seed=31)
+    g = _gen(32)
+    pad = lambda t, n: torch.cat([t.detach(), _randn((n,) + tuple(t.shape[1:]), t.dtype, g)]).requires_grad_()
+    qp, kp, vp = pad(q, 5), pad(k, 3), pad(v, 3)
+    pol = adaattn.Policy(backends=(runner,))
+    with settings.override(bwd_ws=bwd_ws, poison_outputs=True):
+        out = adaattn.varlen_attention(q, k, v, cu_q, cu_k, 20, 20, is_causal=True, policy=pol)
+        outp = adaattn.varlen_attention(qp, kp, vp, cu_q, cu_k, 20, 20, is_causal=True, policy=pol)
+        dout = _randn(outp.shape, torch.float16, g)
+        grads = torch.autograd.grad(out, (q, k, v), dout[:33])
+        gradsp = torch.autograd.grad(outp, (qp, kp, vp), dout)
+    assert (outp[33:] == 0).all() and torch.equal(outp[:33], out)
+    for name, got, want in zip(("dq", "dk", "dv"), gradsp, grads):
+        assert (got[33:] == 0).all(), name
+        assert torch.equal(got[:33], want), name
+
+
+def test_varlen_without_any_work_is_still_differentiable():
+    # No sequence has both rows and keys: SDPA gives zeros with zero gradients, and so must a
+    # packed call (the fuzzer's autograd.grad raised "does not require grad").
+    q = torch.randn(5, 2, 16, device=DEVICE, requires_grad=True)
+    k = torch.randn(0, 2, 16, device=DEVICE, requires_grad=True)
+    v = torch.randn(0, 2, 16, device=DEVICE, requires_grad=True)
+    cu_q = torch.tensor([0, 5], dtype=torch.int32, device=DEVICE)
+    cu_k = torch.tensor([0, 0], dtype=torch.int32, device=DEVICE)
+    out = adaattn.varlen_attention(q, k, v, cu_q, cu_k, 5, 0)
+    assert (out == 0).all() and out.requires_grad
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert (dq == 0).all() and dk.shape == k.shape and dv.shape == v.shape
 
 
 def test_varlen_fallback_agrees_with_kernels(monkeypatch):

@@ -290,11 +290,42 @@ def stats_shape(q: torch.Tensor, attn_mask, varlen: bool) -> tuple:
     return (0,)
 
 
+def clear_packed_tail(t: torch.Tensor, cu: torch.Tensor, rows_dim: int = 0, fill: float = 0.0) -> None:
+    """Give the rows of packed `t` past its last sequence (cu[-1] .. t.shape[rows_dim], on the
+    device: no host read) the value `fill`. The attention kernels visit each sequence's rows only;
+    a packed tensor longer than cu[-1] has rows no sequence owns, which are 0 (outputs, gradients)
+    or -inf (log-sum-exps), as for a query that sees no key. t: (T, ...) or (H, T) (rows_dim=1)."""
+    total = t.shape[rows_dim]
+    if total == 0 or t.numel() == 0:
+        return
+    from ..kernels.attention_fwd import packed_tail_kernel
+
+    rows = t.movedim(rows_dim, 0)
+    if rows.dim() > 2:
+        rows = rows.flatten(1)  # (T, H, D) with whole rows: a view
+    if rows.data_ptr() != t.data_ptr() or (rows.dim() == 2 and rows.shape[1] > 1 and rows.stride(1) == 0):
+        ids = torch.arange(total, device=t.device)
+        t.masked_fill_((ids >= cu[-1]).view([-1 if d == rows_dim else 1 for d in range(t.dim())]), fill)
+        return
+    packed_tail_kernel[(cdiv(total, 64),)](rows, cu, cu.shape[0] - 1, total, rows.shape[1], rows.stride(0),
+                                           rows.stride(1), fill, BLOCK_R=64, BLOCK_C=128, num_warps=4)
+
+
 def launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                launch: AttentionLaunch, stats: Optional[torch.Tensor] = None):
     """Run the forward kernel; returns (out (..., Dv) like q, lse fp32 (B, Hq, Nq) or (Hq, T)).
     stats: a (2, *lse shape) fp32 tensor (stats_shape) the kernel fills with the row max and
-    log2 row sum under an additive mask, for launch_bwd; ignored without one."""
+    log2 row sum under an additive mask, for launch_bwd; ignored without one. Packed rows past
+    the last sequence give 0 (and an lse of -inf)."""
+    out, lse = _launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, launch, stats)
+    if cu_seqlens_q is not None:
+        clear_packed_tail(out, cu_seqlens_q)
+        clear_packed_tail(lse, cu_seqlens_q, rows_dim=1, fill=float("-inf"))
+    return out, lse
+
+
+def _launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                launch: AttentionLaunch, stats: Optional[torch.Tensor] = None):
     q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
     lay = row_layout(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     out = new_output(out_shape(q, v), q.dtype, q.device)
@@ -356,12 +387,29 @@ def launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     return out, lse
 
 
+def _clear_packed_grads(grads: tuple, cu_seqlens_q, cu_seqlens_k) -> tuple:
+    """Packed gradients: rows past the last sequence (of q for dq, of k/v for dk/dv) are 0."""
+    if cu_seqlens_q is not None:
+        dq, dk, dv = grads
+        clear_packed_tail(dq, cu_seqlens_q)
+        clear_packed_tail(dk, cu_seqlens_k)
+        clear_packed_tail(dv, cu_seqlens_k)
+    return grads
+
+
 def launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                launch: AttentionLaunch, stats: Optional[torch.Tensor] = None):
     """Run delta, dk/dv and dq kernels; returns (dq, dk, dv) shaped like q, k, v.
     launch.dq_mode "separate" is the one whose bits do not depend on timing. stats: what
     launch_fwd filled under an additive mask (recomputed probabilities then keep full precision
-    under large biases); without it the backward reads lse alone."""
+    under large biases); without it the backward reads lse alone. Packed rows past the last
+    sequence get 0."""
+    return _clear_packed_grads(_launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k,
+                                           max_seqlen_q, max_seqlen_k, launch, stats), cu_seqlens_q, cu_seqlens_k)
+
+
+def _launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                launch: AttentionLaunch, stats: Optional[torch.Tensor] = None):
     from ..kernels.attention_bwd import (
         attention_bwd_delta_kernel,
         attention_bwd_dkdv_kernel,
@@ -374,8 +422,8 @@ def launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, m
     dout, out = last_dim_contiguous(dout), last_dim_contiguous(out)
     if mode != "atomic_rotate" and bwd_ws_here(q) and bwd_ws_ok(dout, q, k, v, attn_mask, cu_seqlens_q is not None,
                                                                  launch):
-        return launch_bwd_ws(dout, q, k, v, out, lse, launch, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                             max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+        return _launch_bwd_ws(dout, q, k, v, out, lse, launch, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
     lay = row_layout(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     (dq, dk, dv), empty = bwd_outputs(q, k, v, lay)
     if empty:
@@ -490,6 +538,12 @@ def launch_bwd_ws(dout, q, k, v, out, lse, launch: AttentionLaunch, configs: Opt
     Returns (dq, dk, dv). configs: (dkdv, dq) KernelConfigs to run instead of the tuned ones;
     warp_spec: False runs the same loops unspecialised (as the interpreter always does). Packed
     (T, H, D) tensors come with cu_seqlens_q/k and max_seqlen_q/k, as in launch_bwd."""
+    return _clear_packed_grads(_launch_bwd_ws(dout, q, k, v, out, lse, launch, configs, warp_spec, cu_seqlens_q,
+                                              cu_seqlens_k, max_seqlen_q, max_seqlen_k), cu_seqlens_q, cu_seqlens_k)
+
+
+def _launch_bwd_ws(dout, q, k, v, out, lse, launch: AttentionLaunch, configs: Optional[tuple] = None,
+                   warp_spec: bool = True, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
     from ..kernels.attention_bwd_ws import (
         attention_bwd_dkdv_ws_kernel,
         attention_bwd_dq_ws_kernel,

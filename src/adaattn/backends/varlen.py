@@ -109,6 +109,11 @@ class VarlenSdpaRunner(Runner):
         groups = q.shape[1] // k.shape[1]
         bottom_right = problem.bottom_right
         out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            # Differentiable even where no sequence has both rows and keys (then every gradient is
+            # 0, as SDPA's): a zero that depends on q, k and v, exact whatever their values.
+            link = torch.where(torch.zeros((), dtype=torch.bool, device=q.device), q.sum() + k.sum() + v.sum(), 0.0)
+            out = out + link.to(out.dtype)
         for b in range(len(cu_q) - 1):
             qs = q[cu_q[b]:cu_q[b + 1]].transpose(0, 1)
             ks = k[cu_k[b]:cu_k[b + 1]].transpose(0, 1).repeat_interleave(groups, dim=0)

@@ -431,3 +431,20 @@ def attention_fwd_kernel(
             s_base += q_start.to(tl.int64) * stride_lm
         tl.store(s_base + offs_m * stride_lm, m_i, mask=offs_m < q_len)
         tl.store(s_base + stride_ls + offs_m * stride_lm, log2_sum, mask=offs_m < q_len)
+
+
+@triton.jit
+def packed_tail_kernel(X, Cu, last, total, n_cols, stride_r, stride_c, fill,
+                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Rows Cu[last] .. total of a packed tensor (rows past its last sequence, which no attention
+    program visits) get `fill`; grid (cdiv(total, BLOCK_R),): blocks before Cu[last] do nothing."""
+    start = tl.load(Cu + last)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = (rows >= start) & (rows < total)
+    if tl.max(live.to(tl.int32), 0) > 0:
+        cols = tl.arange(0, BLOCK_C)
+        base = X + rows.to(tl.int64)[:, None] * stride_r
+        for c0 in range(0, n_cols, BLOCK_C):
+            at = c0 + cols
+            tl.store(base + at.to(tl.int64)[None, :] * stride_c, tl.zeros([BLOCK_R, BLOCK_C], tl.float32) + fill,
+                     mask=live[:, None] & (at < n_cols)[None, :])

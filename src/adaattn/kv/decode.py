@@ -51,10 +51,11 @@ RUNNERS = ("sdpa", "triton")
 BLOCK_N = 128
 PROGRAMS_PER_SM = {"native": 4, "fp8": 8, "int8": 8}
 # Tiles a program reads at least, unless that would leave SMs without one: short programs lose to
-# their pipeline's fill and to a wider merge (H100: head dim 64, B8 Hkv8 8k, 8 tiles a program
-# 145 us, 32 tiles 66 us against cuDNN's 64; benchmarks/NOTES.md, decode at head dim 64).
-MIN_TILES = {"native": 32, "fp8": 16, "int8": 16}
-WARPS = {"native": 8, "fp8": 4, "int8": 4}
+# their pipeline's fill and to a wider merge. H100 kernel times (benchmarks/NOTES.md, decode at
+# head dim 64): bf16 head dim 64, B8 Hkv8 8k, 8 tiles a program 87.5 us, 32 tiles 65.5 (cuDNN 64);
+# head dim 128, B16 8k, 198.2 -> 195.9. Quantized pages gained nothing from longer programs.
+MIN_TILES = {"native": 32, "fp8": 8, "int8": 8}
+WARPS = {"native": 4, "fp8": 4, "int8": 4}  # native: 8 equal at head dim 128, 5-10% slower at 64 (and 3.5x at B1)
 STAGES = {True: 3, False: 2}  # by contiguity
 MAX_TILE_ROWS = 128  # query rows of one KV head (GQA group x query_len) the kernel packs into a tile
 
