@@ -1161,6 +1161,23 @@ def test_varlen_backward_runs_the_warp_specialised_kernels_and_matches_float64(m
     assert len(calls) == 1
 
 
+@pytest.mark.parametrize("bwd_ws,dq", [("off", "atomic"), ("off", "separate"), ("on", "separate")])
+def test_half_precision_gradients_at_a_small_scale_meet_the_standard(bwd_ws, dq):
+    # ds * scale cast to fp16 fell into subnormals at scale 1e-4 (a fuzzer: dq 5.6e-3 against
+    # SDPA's 5.5e-4): the kernels scale dq and dk in fp32 after the products, as FlashAttention.
+    g = _gen(40)
+    q = _randn((1, 2, 64, 64), torch.float16, g).requires_grad_()
+    k, v = (_randn((1, 2, 128, 64), torch.float16, g).requires_grad_() for _ in range(2))
+    dout = _randn((1, 2, 64, 64), torch.float16, g)
+    with settings.override(bwd_ws=bwd_ws, dq=dq):
+        out = adaattn.attention(q, k, v, scale=1e-4, policy=adaattn.Policy(backends=("triton",)))
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    refs = reference_grads(q, k, v, None, 1e-4, dout)[1:]
+    peers = sdpa_grads(q, k, v, None, 1e-4, dout)[1:]
+    for name, ours, r, p in zip(("dq", "dk", "dv"), grads, refs, peers):
+        assert_standard(ours, r, p, name)
+
+
 @pytest.mark.parametrize("runner,bwd_ws", [("varlen.triton", "off"), ("varlen.triton", "on"), ("varlen.sdpa", "off")])
 def test_varlen_rows_past_the_last_sequence_give_zeros_and_zero_gradients(runner, bwd_ws):
     # Packed tensors may be longer than cu_seqlens[-1] (a buffer of fixed size): those rows belong

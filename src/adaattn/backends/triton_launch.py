@@ -498,8 +498,11 @@ def _launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, 
     for kind, run in kernels:
         candidates = (lambda kind=kind: fitting_configs(kind, bd, q.dtype, q.device, mask_elem, bdv))
         run(CONFIGS.pick(kind, key + ((mode,) if atomic else ()), candidates, run))
-    if atomic and dq_acc is not dq:
-        dq.copy_(dq_acc)
+    if atomic:  # the kernels add unscaled ds k products (attention_bwd.dkdv_tile)
+        if dq_acc is dq:
+            dq.mul_(scale)
+        else:
+            dq.copy_(dq_acc.mul_(scale))
     return dq, dk, dv
 
 

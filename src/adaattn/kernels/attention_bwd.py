@@ -213,8 +213,10 @@ def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, m
         p_t = tl.math.exp2(s_t - lse[None, :])
     dv = dot(round_to(p_t, do.dtype, DOT_PRECISION), do, dv, DOT_PRECISION)
     dp_t = dot(v, tl.trans(do), None, DOT_PRECISION)
-    # Scaled before the cast: ds * scale is the true score gradient and stays in range.
-    ds_t = p_t * (dp_t - delta[None, :]) * scale
+    # The scale is applied to dk (and dq) in fp32 after the products, as FlashAttention does: a
+    # small scale made ds * scale subnormal in half precision before the cast (a fuzzer found dq
+    # and dk 10x off at scale 1e-4), and a large one can overflow it.
+    ds_t = p_t * (dp_t - delta[None, :])
     ds_c = round_to(ds_t, q.dtype, DOT_PRECISION)
     dk = dot(ds_c, q, dk, DOT_PRECISION)
     if ATOMIC_DQ:
@@ -391,8 +393,8 @@ def attention_bwd_dkdv_kernel(
                                BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, ROTATE,
                                False)
 
-    store_rows(dk_base + offs_n[:, None] * stride_dkn + offs_d[None, :], round_to(dk, DK.dtype.element_ty, DOT_PRECISION),
-               offs_n, k_len, offs_d, HEAD_DIM, BLOCK_D)
+    store_rows(dk_base + offs_n[:, None] * stride_dkn + offs_d[None, :],
+               round_to(dk * scale, DK.dtype.element_ty, DOT_PRECISION), offs_n, k_len, offs_d, HEAD_DIM, BLOCK_D)
     store_rows(dv_base + offs_n[:, None] * stride_dvn + offs_dv[None, :],
                round_to(dv, DV.dtype.element_ty, DOT_PRECISION), offs_n, k_len, offs_dv, HEAD_DIM_V, BLOCK_DV)
 
@@ -420,7 +422,7 @@ def dq_tile(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, start_n,
     else:
         p = tl.math.exp2(s - row_a[:, None])
     dp = dot(do, tl.trans(v), None, DOT_PRECISION)
-    ds = p * (dp - delta[:, None]) * scale
+    ds = p * (dp - delta[:, None])  # scaled in the dq epilogue (dkdv_tile says why)
     dq = dot(round_to(ds, k.dtype, DOT_PRECISION), k, dq, DOT_PRECISION)
     return dq
 
@@ -557,5 +559,5 @@ def attention_bwd_dq_kernel(
                      offs_d, offs_dv, q_len, k_len, diag, window_left, window_right, stride_kn, stride_vn, stride_mm,
                      stride_mn, scale, scale_log2, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, HAS_LEFT,
                      HAS_RIGHT, MASK_KIND, DOT_PRECISION, False)
-    store_rows(dq_base + offs_m[:, None] * stride_dqm + offs_d[None, :], round_to(dq, DQ.dtype.element_ty, DOT_PRECISION),
-               offs_m, q_len, offs_d, HEAD_DIM, BLOCK_D)
+    store_rows(dq_base + offs_m[:, None] * stride_dqm + offs_d[None, :],
+               round_to(dq * scale, DQ.dtype.element_ty, DOT_PRECISION), offs_m, q_len, offs_d, HEAD_DIM, BLOCK_D)

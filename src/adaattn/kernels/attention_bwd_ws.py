@@ -194,11 +194,11 @@ def attention_bwd_dkdv_ws_kernel(
         p_t = tl.math.exp2(s_t - lse2[None, :])
         dv = dot(round_to(p_t, q.dtype, DOT_PRECISION), do, dv, DOT_PRECISION)
         dp_t = dot(v, tl.trans(do), None, DOT_PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :]) * scale
+        ds_t = p_t * (dp_t - delta[None, :])  # scaled in the epilogue (attention_bwd.dkdv_tile says why)
         dk = dot(round_to(ds_t, q.dtype, DOT_PRECISION), q, dk, DOT_PRECISION)
 
     if k_len > 0:  # an empty sequence's descriptors have one row: the next sequence's
-        dk_desc.store([start_n, 0], round_to(dk, DK.dtype.element_ty, DOT_PRECISION))
+        dk_desc.store([start_n, 0], round_to(dk * scale, DK.dtype.element_ty, DOT_PRECISION))
         dv_desc.store([start_n, 0], round_to(dv, DV.dtype.element_ty, DOT_PRECISION))
 
 
@@ -268,8 +268,8 @@ def attention_bwd_dq_ws_kernel(
             s = tl.where(keep, s, float("-inf"))
         p = tl.math.exp2(s - lse2[:, None])
         dp = dot(do, tl.trans(v), None, DOT_PRECISION)
-        ds = p * (dp - delta[:, None]) * scale
+        ds = p * (dp - delta[:, None])
         dq = dot(round_to(ds, k.dtype, DOT_PRECISION), k, dq, DOT_PRECISION)
 
     if q_len > 0:  # as in the dk/dv kernel
-        dq_desc.store([start_m, 0], round_to(dq, DQ.dtype.element_ty, DOT_PRECISION))
+        dq_desc.store([start_m, 0], round_to(dq * scale, DQ.dtype.element_ty, DOT_PRECISION))
