@@ -51,11 +51,13 @@ RUNNERS = ("sdpa", "triton")
 BLOCK_N = 128
 PROGRAMS_PER_SM = {"native": 4, "fp8": 8, "int8": 8}
 # Tiles a program reads at least, unless that would leave SMs without one: short programs lose to
-# their pipeline's fill and to a wider merge. H100 kernel times (benchmarks/NOTES.md, decode at
-# head dim 64): bf16 head dim 64, B8 Hkv8 8k, 8 tiles a program 87.5 us, 32 tiles 65.5 (cuDNN 64);
-# head dim 128, B16 8k, 198.2 -> 195.9. Quantized pages gained nothing from longer programs.
-MIN_TILES = {"native": 32, "fp8": 8, "int8": 8}
-WARPS = {"native": 4, "fp8": 4, "int8": 4}  # native: 8 equal at head dim 128, 5-10% slower at 64 (and 3.5x at B1)
+# their pipeline's fill and to a wider merge. H100, bf16 pages (benchmarks/NOTES.md, decode at head
+# dim 64): head dim 64, B8 Hkv8 8k, 0.906x -> 0.979x cuDNN in CUDA graphs; head dim 128, B16 8k,
+# 2.72 -> 2.76 TB/s. Quantized pages keep the occupancy rule alone: longer programs moved the
+# shipped GPT's bits per byte through an FP8 cache from +0.095% to +0.102% of exact (the P of keys
+# far under a longer split's running max loses precision in fp16), and INT8 ran slower.
+MIN_TILES = {"native": 32, "fp8": 1, "int8": 1}
+WARPS = {"native": 8, "fp8": 4, "int8": 4}
 STAGES = {True: 3, False: 2}  # by contiguity
 MAX_TILE_ROWS = 128  # query rows of one KV head (GQA group x query_len) the kernel packs into a tile
 
