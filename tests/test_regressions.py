@@ -340,3 +340,30 @@ def test_cli_version_prints_the_package_version(capsys):
     rc, out, err = _cli(["--version"], capsys)
     assert rc == 0, (rc, out, err)
     assert out.strip() == f"adaattn {adaattn.__version__}" == "adaattn 0.1.0"
+
+
+# ------------------------------------------- fuzzer finds: inputs that are not plain 4-D, CPU
+
+
+@pytest.mark.parametrize("shapes", [((2, 4, 48, 64), (1, 4, 48, 64)), ((4, 48, 64), (4, 48, 64)),
+                                    ((2, 2, 4, 48, 64), (2, 2, 4, 48, 64))], ids=["kv-batch-1", "3-D", "5-D"])
+def test_cpu_calls_on_broadcast_or_non_4d_inputs_are_as_accurate_as_sdpa_on_them(shapes):
+    # torch runs its math kernel for such inputs on the CPU; adaattn flattens them to 4-D, where
+    # torch would pick its fused kernel, whose bf16 gradients were up to 200x less accurate.
+    shq, shk = shapes
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(shq, generator=g).bfloat16()
+    k, v = (torch.randn(shk, generator=g).bfloat16() for _ in range(2))
+    v = v * 100
+    out_shape = torch.broadcast_shapes(shq[:-2], shk[:-2]) + shq[-2:]
+    dout = torch.randn(out_shape, generator=g).bfloat16()
+    got = {}
+    for name, fn in (("ours", adaattn.attention), ("sdpa", F.scaled_dot_product_attention)):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        o = fn(qq, kk, vv, scale=10.0)
+        got[name] = [o] + list(torch.autograd.grad(o, (qq, kk, vv), dout))
+    qq, kk, vv = (t.double().requires_grad_() for t in (q, k, v))
+    o = torch.softmax(qq @ kk.transpose(-1, -2) * 10.0, -1) @ vv
+    ref = [o] + list(torch.autograd.grad(o, (qq, kk, vv), dout.double()))
+    for name, ours, peer, r in zip(("out", "dq", "dk", "dv"), got["ours"], got["sdpa"], ref):
+        assert_within_standard(ours, r.detach(), peer, name)

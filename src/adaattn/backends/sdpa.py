@@ -95,6 +95,14 @@ class SdpaRunner(Runner):
         return reasons
 
     def run(self, query, key, value, attn_mask, problem, launch, label=None):
+        # torch on the CPU runs its math kernel for inputs that are not plain 4-D (or broadcast
+        # along a leading dim): the fused CPU kernel needs equal 4-D shapes. Those inputs come
+        # here flattened to 4-D, where torch would pick the fused one, whose half-precision
+        # gradients are 2-200x less accurate: keep torch's choice (a fuzzer compared the two).
+        math_like_torch = self.kernel is None and problem.out_lead is not None and query.device.type == "cpu"
+        if math_like_torch:
+            with sdpa_kernel(SDPBackend.MATH):
+                return self._run(query, key, value, attn_mask, problem)
         if (
             self.direct is not None
             and problem.mask_kind == "none"
@@ -107,6 +115,9 @@ class SdpaRunner(Runner):
             and not torch.compiler.is_compiling()  # dynamo cannot wrap these ops' SymInt outputs
         ):
             return self.direct(query, key, value, problem)
+        return self._run(query, key, value, attn_mask, problem)
+
+    def _run(self, query, key, value, attn_mask, problem):
         causal = problem.causal
         # A non-positive scale with is_causal gives NaN in torch's kernels (CPU math and fused,
         # torch 2.13): the causal mask goes in as a boolean mask instead.
