@@ -188,17 +188,23 @@ def plan_decode(cache: PagedKVCache, seqs: Optional[Sequence[int]] = None, *, he
                 sms = 4
             work = cache.kv_heads * sum(-(-min(n + query_len, plan.max_len) // BLOCK_N) for n in now)
             per = max(1, -(-work // (PROGRAMS_PER_SM[cache.storage] * sms)))
-            per = max(per, min(MIN_TILES[cache.storage], -(-work // sms)))
+            floor = min(MIN_TILES[cache.storage], -(-work // sms))
         else:
             if not isinstance(splits, int) or splits < 1:
                 raise ValueError(f"splits must be a positive int, got {splits!r}")
             per = -(-tiles // splits)
+            floor = 1
         plan.block_n, plan.tiles_per_split, plan.splits = BLOCK_N, per, -(-tiles // per)
         plan.num_warps = WARPS[cache.storage]
         # A KVCache's sequence b owns pages b*P.. b*P+P-1 in order: keys' pages are computed, not read.
         plan.contiguous = isinstance(cache, KVCache)
         plan.num_stages = STAGES[plan.contiguous]
     _plan_sparse(plan, cache, now, policy, sparse)
+    if plan.runner == "triton" and not plan.sparse and floor > plan.tiles_per_split:
+        # (Not for sparse steps: they size their programs as this figure times the pages fraction
+        # they last read, and the floor would give each fraction a split of its own.)
+        plan.tiles_per_split = floor
+        plan.splits = -(-tiles // floor)
     return plan
 
 
