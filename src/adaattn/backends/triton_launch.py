@@ -290,25 +290,40 @@ def stats_shape(q: torch.Tensor, attn_mask, varlen: bool) -> tuple:
     return (0,)
 
 
-def clear_packed_tail(t: torch.Tensor, cu: torch.Tensor, rows_dim: int = 0, fill: float = 0.0) -> None:
-    """Give the rows of packed `t` past its last sequence (cu[-1] .. t.shape[rows_dim], on the
-    device: no host read) the value `fill`. The attention kernels visit each sequence's rows only;
-    a packed tensor longer than cu[-1] has rows no sequence owns, which are 0 (outputs, gradients)
-    or -inf (log-sum-exps), as for a query that sees no key. t: (T, ...) or (H, T) (rows_dim=1)."""
-    total = t.shape[rows_dim]
-    if total == 0 or t.numel() == 0:
-        return
+def clear_packed_tails(*parts: tuple) -> None:
+    """Give the rows of packed tensors past their last sequence the value each asks for, in one
+    launch, on the device (no host read). parts: up to three (t, cu, rows_dim, fill): t (T, ...)
+    with rows_dim 0, or an lse (H, T) with rows_dim 1; rows cu[-1] .. T get `fill`. The attention
+    kernels visit each sequence's rows only; a packed tensor longer than cu[-1] has rows no
+    sequence owns, which are 0 (outputs, gradients) or -inf (log-sum-exps), as for a query that
+    sees no key."""
     from ..kernels.attention_fwd import packed_tail_kernel
 
-    rows = t.movedim(rows_dim, 0)
-    if rows.dim() > 2:
-        rows = rows.flatten(1)  # (T, H, D) with whole rows: a view
-    if rows.data_ptr() != t.data_ptr() or (rows.dim() == 2 and rows.shape[1] > 1 and rows.stride(1) == 0):
-        ids = torch.arange(total, device=t.device)
-        t.masked_fill_((ids >= cu[-1]).view([-1 if d == rows_dim else 1 for d in range(t.dim())]), fill)
+    views = []
+    for t, cu, rows_dim, fill in parts:
+        total = t.shape[rows_dim]
+        if total == 0 or t.numel() == 0:
+            continue
+        rows = t.movedim(rows_dim, 0)
+        if rows.dim() > 2:
+            rows = rows.flatten(1)  # (T, H, D) with whole rows: a view
+        if rows.dim() == 1:
+            rows = rows[:, None]
+        if rows.data_ptr() != t.data_ptr() or (rows.shape[1] > 1 and rows.stride(1) == 0):
+            ids = torch.arange(total, device=t.device)  # not a view of t: torch, on the device
+            t.masked_fill_((ids >= cu[-1]).view([-1 if d == rows_dim else 1 for d in range(t.dim())]), fill)
+            continue
+        views.append((rows, cu, float(fill)))
+    if not views:
         return
-    packed_tail_kernel[(cdiv(total, 64),)](rows, cu, cu.shape[0] - 1, total, rows.shape[1], rows.stride(0),
-                                           rows.stride(1), fill, BLOCK_R=64, BLOCK_C=128, num_warps=4)
+    n = len(views)
+    views += [views[0]] * (3 - n)
+    (x0, c0, f0), (x1, c1, f1), (x2, c2, f2) = views
+    longest = max(v[0].shape[0] for v in views)
+    packed_tail_kernel[(cdiv(longest, 64), n)](
+        x0, x1, x2, c0, c1, c2, c0.shape[0] - 1, x0.shape[0], x1.shape[0], x2.shape[0],
+        x0.shape[1], x1.shape[1], x2.shape[1], *x0.stride(), *x1.stride(), *x2.stride(), f0, f1, f2,
+        BLOCK_R=64, BLOCK_C=128, num_warps=4)
 
 
 def launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -319,8 +334,7 @@ def launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     the last sequence give 0 (and an lse of -inf)."""
     out, lse = _launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, launch, stats)
     if cu_seqlens_q is not None:
-        clear_packed_tail(out, cu_seqlens_q)
-        clear_packed_tail(lse, cu_seqlens_q, rows_dim=1, fill=float("-inf"))
+        clear_packed_tails((out, cu_seqlens_q, 0, 0.0), (lse, cu_seqlens_q, 1, float("-inf")))
     return out, lse
 
 
@@ -391,9 +405,7 @@ def _clear_packed_grads(grads: tuple, cu_seqlens_q, cu_seqlens_k) -> tuple:
     """Packed gradients: rows past the last sequence (of q for dq, of k/v for dk/dv) are 0."""
     if cu_seqlens_q is not None:
         dq, dk, dv = grads
-        clear_packed_tail(dq, cu_seqlens_q)
-        clear_packed_tail(dk, cu_seqlens_k)
-        clear_packed_tail(dv, cu_seqlens_k)
+        clear_packed_tails((dq, cu_seqlens_q, 0, 0.0), (dk, cu_seqlens_k, 0, 0.0), (dv, cu_seqlens_k, 0, 0.0))
     return grads
 
 

@@ -434,11 +434,9 @@ def attention_fwd_kernel(
 
 
 @triton.jit
-def packed_tail_kernel(X, Cu, last, total, n_cols, stride_r, stride_c, fill,
-                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Rows Cu[last] .. total of a packed tensor (rows past its last sequence, which no attention
-    program visits) get `fill`; grid (cdiv(total, BLOCK_R),): blocks before Cu[last] do nothing."""
-    start = tl.load(Cu + last)
+def fill_packed_tail(X, start, total, n_cols, stride_r, stride_c, fill, BLOCK_R: tl.constexpr,
+                     BLOCK_C: tl.constexpr):
+    """This program's block of rows of X (rows start .. total get `fill`, the rest stay)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     live = (rows >= start) & (rows < total)
     if tl.max(live.to(tl.int32), 0) > 0:
@@ -448,3 +446,20 @@ def packed_tail_kernel(X, Cu, last, total, n_cols, stride_r, stride_c, fill,
             at = c0 + cols
             tl.store(base + at.to(tl.int64)[None, :] * stride_c, tl.zeros([BLOCK_R, BLOCK_C], tl.float32) + fill,
                      mask=live[:, None] & (at < n_cols)[None, :])
+
+
+@triton.jit
+def packed_tail_kernel(X0, X1, X2, Cu0, Cu1, Cu2, last,
+                       total0, total1, total2, cols0, cols1, cols2,
+                       stride_r0, stride_c0, stride_r1, stride_c1, stride_r2, stride_c2, fill0, fill1, fill2,
+                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Rows Cu[last] .. total of up to three packed tensors (rows past the last sequence, which no
+    attention program visits) get their `fill`, one launch for all; grid (cdiv(longest total,
+    BLOCK_R), tensors): blocks before Cu[last] do nothing."""
+    which = tl.program_id(1)
+    if which == 0:
+        fill_packed_tail(X0, tl.load(Cu0 + last), total0, cols0, stride_r0, stride_c0, fill0, BLOCK_R, BLOCK_C)
+    elif which == 1:
+        fill_packed_tail(X1, tl.load(Cu1 + last), total1, cols1, stride_r1, stride_c1, fill1, BLOCK_R, BLOCK_C)
+    else:
+        fill_packed_tail(X2, tl.load(Cu2 + last), total2, cols2, stride_r2, stride_c2, fill2, BLOCK_R, BLOCK_C)
