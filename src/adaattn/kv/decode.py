@@ -59,6 +59,10 @@ PROGRAMS_PER_SM = {"native": 4, "fp8": 8, "int8": 8}
 MIN_TILES = {"native": 32, "fp8": 1, "int8": 1}
 WARPS = {"native": 8, "fp8": 4, "int8": 4}
 STAGES = {True: 3, False: 2}  # by contiguity
+# (warps, stages) for native pages of head dim <= 64, contiguous or paged. H100, CUDA-graph kernel
+# times (benchmarks/NOTES.md, decode at head dim 64): B8 Hkv8 32k 217.6 -> 206.0 us, B16 32k
+# 446.7 -> 397.5, 8k 65.2 -> 66.1, paged 8k 91.7 -> 87.7; at head dim 128 the defaults stay best.
+SMALL_HEAD_NATIVE = (4, 4)
 MAX_TILE_ROWS = 128  # query rows of one KV head (GQA group x query_len) the kernel packs into a tile
 
 
@@ -199,6 +203,8 @@ def plan_decode(cache: PagedKVCache, seqs: Optional[Sequence[int]] = None, *, he
         # A KVCache's sequence b owns pages b*P.. b*P+P-1 in order: keys' pages are computed, not read.
         plan.contiguous = isinstance(cache, KVCache)
         plan.num_stages = STAGES[plan.contiguous]
+        if cache.storage == "native" and max(cache.head_dim, cache.value_dim) <= 64:
+            plan.num_warps, plan.num_stages = SMALL_HEAD_NATIVE
     _plan_sparse(plan, cache, now, policy, sparse)
     if plan.runner == "triton" and not plan.sparse and floor > plan.tiles_per_split:
         # (Not for sparse steps: they size their programs as this figure times the pages fraction
