@@ -59,10 +59,11 @@ PROGRAMS_PER_SM = {"native": 4, "fp8": 8, "int8": 8}
 MIN_TILES = {"native": 32, "fp8": 1, "int8": 1}
 WARPS = {"native": 8, "fp8": 4, "int8": 4}
 STAGES = {True: 3, False: 2}  # by contiguity
-# (warps, stages) for native pages of head dim <= 64, contiguous or paged. H100, CUDA-graph kernel
-# times (benchmarks/NOTES.md, decode at head dim 64): B8 Hkv8 32k 217.6 -> 206.0 us, B16 32k
-# 446.7 -> 397.5, 8k 65.2 -> 66.1, paged 8k 91.7 -> 87.7; at head dim 128 the defaults stay best.
-SMALL_HEAD_NATIVE = (4, 4)
+# Warps for native pages of head dim <= 64 (stages as above). H100, CUDA-graph kernel times, 8 ->
+# 4 warps (benchmarks/NOTES.md, decode at head dim 64): B16 Hkv8 32k 446.7 -> 417.3 us, ragged
+# 1k..32k 125.9 -> 122.0 (B16: 236.5 -> 224.7), 8k 65.2 -> 64.5, paged ragged 125.1 -> 123.2.
+# (4 stages: 32k better still, ragged 6% worse; 2 stages: 8k 20% worse.)
+SMALL_HEAD_NATIVE_WARPS = 4
 MAX_TILE_ROWS = 128  # query rows of one KV head (GQA group x query_len) the kernel packs into a tile
 
 
@@ -204,7 +205,7 @@ def plan_decode(cache: PagedKVCache, seqs: Optional[Sequence[int]] = None, *, he
         plan.contiguous = isinstance(cache, KVCache)
         plan.num_stages = STAGES[plan.contiguous]
         if cache.storage == "native" and max(cache.head_dim, cache.value_dim) <= 64:
-            plan.num_warps, plan.num_stages = SMALL_HEAD_NATIVE
+            plan.num_warps = SMALL_HEAD_NATIVE_WARPS
     _plan_sparse(plan, cache, now, policy, sparse)
     if plan.runner == "triton" and not plan.sparse and floor > plan.tiles_per_split:
         # (Not for sparse steps: they size their programs as this figure times the pages fraction
