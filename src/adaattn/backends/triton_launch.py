@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import math
+
 import torch
 
 from .. import hardware, settings
@@ -401,6 +403,18 @@ def _launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     return out, lse
 
 
+DS_SCALE_FLOOR = 2.0 ** -6
+
+
+def ds_scales(scale: float) -> tuple[float, float]:
+    """(ds scale, post scale) of a backward launch: ds goes to the products times the softmax
+    scale, kept at DS_SCALE_FLOOR or more in magnitude (half precision's range: a near-overflow ds
+    needs the scale, a tiny scale made it subnormal), and dq/dk are multiplied by the rest in fp32
+    (kernels/attention_bwd.py, dkdv_tile)."""
+    ds = math.copysign(max(abs(scale), DS_SCALE_FLOOR), scale) if scale else DS_SCALE_FLOOR
+    return ds, scale / ds
+
+
 def _clear_packed_grads(grads: tuple, cu_seqlens_q, cu_seqlens_k) -> tuple:
     """Packed gradients: rows past the last sequence (of q for dq, of k/v for dk/dv) are 0."""
     if cu_seqlens_q is not None:
@@ -456,7 +470,8 @@ def _launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, 
         marks = torch.zeros(lay.batch * lay.q_heads, dtype=torch.int32, device=q.device)
         split = dict(Stats=stats, Flags=marks, SPLIT_STATS=True)
         flags.update(split, stride_ls=stats.stride(0))
-    left, right, scale = launch.left, launch.right, launch.scale
+    left, right = launch.left, launch.right
+    scale, post_scale = ds_scales(launch.scale)
 
     delta = torch.empty_like(lse)
     # Atomic dq: an fp32 accumulator the delta kernel zeroes (dq itself when it is fp32).
@@ -486,10 +501,10 @@ def _launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, 
             *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(dout), *lse_st,
             *lay.strides(dk), *lay.strides(dv), *dq_acc_strides, *mask_strides,
             lay.kv_heads, lay.q_heads // lay.kv_heads, lay.q_len, lay.k_len,
-            scale, scale * LOG2E, left, right,
+            scale, launch.scale * LOG2E, left, right,
             HEAD_DIM=lay.head_dim, BLOCK_D=bd, HEAD_DIM_V=lay.value_dim, BLOCK_DV=bdv,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, ATOMIC_DQ=atomic, ROTATE=mode == "atomic_rotate",
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+            post_scale=post_scale, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
         )
 
     def run_dq(cfg: KernelConfig):
@@ -499,9 +514,10 @@ def _launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, 
             *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(dout), *lse_st,
             *lay.strides(dq), *mask_strides,
             lay.q_heads, lay.q_heads // lay.kv_heads, lay.q_len, lay.k_len,
-            scale, scale * LOG2E, left, right,
+            scale, launch.scale * LOG2E, left, right,
             HEAD_DIM=lay.head_dim, BLOCK_D=bd, HEAD_DIM_V=lay.value_dim, BLOCK_DV=bdv,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, post_scale=post_scale, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **flags,
         )
 
     mask_elem = mask.element_size() if mask_kind else 0
@@ -510,11 +526,11 @@ def _launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, 
     for kind, run in kernels:
         candidates = (lambda kind=kind: fitting_configs(kind, bd, q.dtype, q.device, mask_elem, bdv))
         run(CONFIGS.pick(kind, key + ((mode,) if atomic else ()), candidates, run))
-    if atomic:  # the kernels add unscaled ds k products (attention_bwd.dkdv_tile)
+    if atomic:  # the kernels add ds k products with ds at the ds scale (attention_bwd.dkdv_tile)
         if dq_acc is dq:
-            dq.mul_(scale)
+            dq.mul_(post_scale)
         else:
-            dq.copy_(dq_acc.mul_(scale))
+            dq.copy_(dq_acc.mul_(post_scale))
     return dq, dk, dv
 
 
@@ -589,7 +605,7 @@ def _launch_bwd_ws(dout, q, k, v, out, lse, launch: AttentionLaunch, configs: Op
     causal = launch.has_right
     common = dict(HEAD_DIM=d, CAUSAL=causal, BOTTOM_RIGHT=launch.bottom_right, HAS_LEFT=launch.has_left,
                   IS_VARLEN=varlen, DOT_PRECISION=dot_precision(q.dtype), WARP_SPEC=warp_spec and not interpreting())
-    scale = launch.scale
+    scale, post_scale = ds_scales(launch.scale)
 
     def heads(t, box_rows):
         # Packed tensors go as they are: the kernels make one descriptor per sequence.
@@ -601,18 +617,18 @@ def _launch_bwd_ws(dout, q, k, v, out, lse, launch: AttentionLaunch, configs: Op
             descriptor(stat, [2 * plane], [1], [cfg.block_m]), k, v, dk, dv, cu_q, cu_k,
             *lay.strides(q)[1:], *lay.strides(dout)[1:],
             *lay.strides(k), *lay.strides(v), *lay.strides(dk), *lay.strides(dv),
-            lay.kv_heads, group, lay.q_len, lay.k_len, pitch, plane, scale, scale * LOG2E, launch.left,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **common,
+            lay.kv_heads, group, lay.q_len, lay.k_len, pitch, plane, scale, launch.scale * LOG2E, launch.left,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, post_scale=post_scale, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **common,
         )
 
     def run_dq(cfg: KernelConfig):
         attention_bwd_dq_ws_kernel[(cdiv(lay.q_len, cfg.block_m), lay.batch * lay.q_heads)](
             q, dout, heads(k, cfg.block_n), heads(v, cfg.block_n), stat, dq, cu_q, cu_k,
             *lay.strides(q), *lay.strides(dout), *lay.strides(dq), *lay.strides(k)[1:], *lay.strides(v)[1:],
-            lay.q_heads, group, lay.q_len, lay.k_len, pitch, plane, scale, scale * LOG2E, launch.left,
+            lay.q_heads, group, lay.q_len, lay.k_len, pitch, plane, scale, launch.scale * LOG2E, launch.left,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, K_TAIL=varlen or lay.k_len % cfg.block_n != 0,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+            post_scale=post_scale, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
         )
 
     key = _shape_key(q, lay, launch, MASK_NONE)

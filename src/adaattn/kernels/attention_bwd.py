@@ -213,10 +213,11 @@ def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, m
         p_t = tl.math.exp2(s_t - lse[None, :])
     dv = dot(round_to(p_t, do.dtype, DOT_PRECISION), do, dv, DOT_PRECISION)
     dp_t = dot(v, tl.trans(do), None, DOT_PRECISION)
-    # The scale is applied to dk (and dq) in fp32 after the products, as FlashAttention does: a
-    # small scale made ds * scale subnormal in half precision before the cast (a fuzzer found dq
-    # and dk 10x off at scale 1e-4), and a large one can overflow it.
-    ds_t = p_t * (dp_t - delta[None, :])
+    # ds goes to the products times `scale`, the launch's ds scale: the softmax scale, kept at
+    # 2^-6 or more in magnitude, with the rest (post_scale) applied to dk and dq in fp32. The
+    # softmax scale keeps ds in half precision's range for near-overflow inputs; a tiny one (1e-4)
+    # made it subnormal (a fuzzer: fp16 dq and dk 10x SDPA's error).
+    ds_t = p_t * (dp_t - delta[None, :]) * scale
     ds_c = round_to(ds_t, q.dtype, DOT_PRECISION)
     dk = dot(ds_c, q, dk, DOT_PRECISION)
     if ATOMIC_DQ:
@@ -315,7 +316,7 @@ def attention_bwd_dkdv_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ATOMIC_DQ: tl.constexpr = False, ROTATE: tl.constexpr = False,
-    Stats=None, Flags=None, stride_ls=0, SPLIT_STATS: tl.constexpr = False,
+    Stats=None, Flags=None, stride_ls=0, SPLIT_STATS: tl.constexpr = False, post_scale=1.0,
 ):
     """Grid: (key blocks, batch * kv_heads). dk (B, Hkv, Nk, D) and dv (B, Hkv, Nk, Dv), summed
     over the group.
@@ -394,7 +395,8 @@ def attention_bwd_dkdv_kernel(
                                False)
 
     store_rows(dk_base + offs_n[:, None] * stride_dkn + offs_d[None, :],
-               round_to(dk * scale, DK.dtype.element_ty, DOT_PRECISION), offs_n, k_len, offs_d, HEAD_DIM, BLOCK_D)
+               round_to(dk * post_scale, DK.dtype.element_ty, DOT_PRECISION), offs_n, k_len, offs_d, HEAD_DIM,
+               BLOCK_D)
     store_rows(dv_base + offs_n[:, None] * stride_dvn + offs_dv[None, :],
                round_to(dv, DV.dtype.element_ty, DOT_PRECISION), offs_n, k_len, offs_dv, HEAD_DIM_V, BLOCK_DV)
 
@@ -422,7 +424,7 @@ def dq_tile(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, start_n,
     else:
         p = tl.math.exp2(s - row_a[:, None])
     dp = dot(do, tl.trans(v), None, DOT_PRECISION)
-    ds = p * (dp - delta[:, None])  # scaled in the dq epilogue (dkdv_tile says why)
+    ds = p * (dp - delta[:, None]) * scale  # the ds scale (dkdv_tile says why)
     dq = dot(round_to(ds, k.dtype, DOT_PRECISION), k, dq, DOT_PRECISION)
     return dq
 
@@ -491,7 +493,7 @@ def attention_bwd_dq_kernel(
     IS_VARLEN: tl.constexpr, BOTTOM_RIGHT: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    Stats=None, Flags=None, stride_ls=0, SPLIT_STATS: tl.constexpr = False,
+    Stats=None, Flags=None, stride_ls=0, SPLIT_STATS: tl.constexpr = False, post_scale=1.0,
 ):
     """Grid: (query blocks, batch * q_heads). dq is (B, Hq, Nq, D); dO (B, Hq, Nq, Dv)."""
     # Query blocks run last-first: under causal masks the last blocks do the most work, and
@@ -560,4 +562,5 @@ def attention_bwd_dq_kernel(
                      stride_mn, scale, scale_log2, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, HAS_LEFT,
                      HAS_RIGHT, MASK_KIND, DOT_PRECISION, False)
     store_rows(dq_base + offs_m[:, None] * stride_dqm + offs_d[None, :],
-               round_to(dq * scale, DQ.dtype.element_ty, DOT_PRECISION), offs_m, q_len, offs_d, HEAD_DIM, BLOCK_D)
+               round_to(dq * post_scale, DQ.dtype.element_ty, DOT_PRECISION), offs_m, q_len, offs_d, HEAD_DIM,
+               BLOCK_D)

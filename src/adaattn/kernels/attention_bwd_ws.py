@@ -125,7 +125,7 @@ def attention_bwd_dkdv_ws_kernel(
     kv_heads, kv_group, q_len, k_len, q_pitch, stat_plane, scale, scale_log2, window_left,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_LEFT: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WARP_SPEC: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WARP_SPEC: tl.constexpr, post_scale=1.0,
 ):
     """Grid (key blocks, batch * kv_heads). QDesc/DODesc: host descriptors over Q/dO (B, Hq, Nq, D),
     boxes (1, 1, BLOCK_M, HEAD_DIM), or under IS_VARLEN the packed (T, Hq, D) tensors themselves
@@ -194,11 +194,11 @@ def attention_bwd_dkdv_ws_kernel(
         p_t = tl.math.exp2(s_t - lse2[None, :])
         dv = dot(round_to(p_t, q.dtype, DOT_PRECISION), do, dv, DOT_PRECISION)
         dp_t = dot(v, tl.trans(do), None, DOT_PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])  # scaled in the epilogue (attention_bwd.dkdv_tile says why)
+        ds_t = p_t * (dp_t - delta[None, :]) * scale  # the ds scale (attention_bwd.dkdv_tile says why)
         dk = dot(round_to(ds_t, q.dtype, DOT_PRECISION), q, dk, DOT_PRECISION)
 
     if k_len > 0:  # an empty sequence's descriptors have one row: the next sequence's
-        dk_desc.store([start_n, 0], round_to(dk * scale, DK.dtype.element_ty, DOT_PRECISION))
+        dk_desc.store([start_n, 0], round_to(dk * post_scale, DK.dtype.element_ty, DOT_PRECISION))
         dv_desc.store([start_n, 0], round_to(dv, DV.dtype.element_ty, DOT_PRECISION))
 
 
@@ -212,7 +212,7 @@ def attention_bwd_dq_ws_kernel(
     q_heads, kv_group, q_len, k_len, q_pitch, stat_plane, scale, scale_log2, window_left,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_LEFT: tl.constexpr, K_TAIL: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPEC: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPEC: tl.constexpr, post_scale=1.0,
 ):
     """Grid (query blocks, batch * q_heads), last query block first. KDesc/VDesc: host descriptors
     over K/V (B, Hkv, Nk, D), boxes (1, 1, BLOCK_N, HEAD_DIM), or under IS_VARLEN the packed
@@ -268,8 +268,8 @@ def attention_bwd_dq_ws_kernel(
             s = tl.where(keep, s, float("-inf"))
         p = tl.math.exp2(s - lse2[:, None])
         dp = dot(do, tl.trans(v), None, DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
+        ds = p * (dp - delta[:, None]) * scale
         dq = dot(round_to(ds, k.dtype, DOT_PRECISION), k, dq, DOT_PRECISION)
 
     if q_len > 0:  # as in the dk/dv kernel
-        dq_desc.store([start_m, 0], round_to(dq * scale, DQ.dtype.element_ty, DOT_PRECISION))
+        dq_desc.store([start_m, 0], round_to(dq * post_scale, DQ.dtype.element_ty, DOT_PRECISION))
