@@ -12,10 +12,9 @@ accumulation.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
-
-import math
 
 import torch
 
