@@ -293,8 +293,9 @@ def stats_shape(q: torch.Tensor, attn_mask, varlen: bool) -> tuple:
 
 def clear_packed_tails(*parts: tuple) -> None:
     """Give the rows of packed tensors past their last sequence the value each asks for, in one
-    launch, on the device (no host read). parts: up to three (t, cu, rows_dim, fill): t (T, ...)
-    with rows_dim 0, or an lse (H, T) with rows_dim 1; rows cu[-1] .. T get `fill`. The attention
+    launch, on the device (no host read). parts: up to three (t, cu, rows_dim, fill): t a
+    contiguous (T, ...) with rows_dim 0, or a contiguous lse (H, T) with rows_dim 1, as the
+    launches allocate them; rows cu[-1] .. T get `fill`. The attention
     kernels visit each sequence's rows only; a packed tensor longer than cu[-1] has rows no
     sequence owns, which are 0 (outputs, gradients) or -inf (log-sum-exps), as for a query that
     sees no key."""
@@ -305,16 +306,8 @@ def clear_packed_tails(*parts: tuple) -> None:
         total = t.shape[rows_dim]
         if total == 0 or t.numel() == 0:
             continue
-        rows = t.movedim(rows_dim, 0)
-        if rows.dim() > 2:
-            rows = rows.flatten(1)  # (T, H, D) with whole rows: a view
-        if rows.dim() == 1:
-            rows = rows[:, None]
-        if rows.data_ptr() != t.data_ptr() or (rows.shape[1] > 1 and rows.stride(1) == 0):
-            ids = torch.arange(total, device=t.device)  # not a view of t: torch, on the device
-            t.masked_fill_((ids >= cu[-1]).view([-1 if d == rows_dim else 1 for d in range(t.dim())]), fill)
-            continue
-        views.append((rows, cu, float(fill)))
+        assert t.is_contiguous(), "packed outputs and gradients are allocated contiguous"
+        views.append((t.movedim(rows_dim, 0).flatten(1), cu, float(fill)))  # (T, rest): a view of t
     if not views:
         return
     n = len(views)

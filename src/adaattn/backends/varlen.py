@@ -109,11 +109,7 @@ class VarlenSdpaRunner(Runner):
         groups = q.shape[1] // k.shape[1]
         bottom_right = problem.bottom_right
         out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-            # Differentiable even where no sequence has both rows and keys (then every gradient is
-            # 0, as SDPA's): a zero that depends on q, k and v, exact whatever their values.
-            link = torch.where(torch.zeros((), dtype=torch.bool, device=q.device), q.sum() + k.sum() + v.sum(), 0.0)
-            out = out + link.to(out.dtype)
+        wrote = False
         for b in range(len(cu_q) - 1):
             qs = q[cu_q[b]:cu_q[b + 1]].transpose(0, 1)
             ks = k[cu_k[b]:cu_k[b + 1]].transpose(0, 1).repeat_interleave(groups, dim=0)
@@ -129,6 +125,12 @@ class VarlenSdpaRunner(Runner):
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=keep, scale=problem.scale)
                 o = torch.where(keep.any(-1, keepdim=True), o, torch.zeros_like(o))
             out[cu_q[b]:cu_q[b + 1]] = o.transpose(0, 1)
+            wrote = True
+        if not wrote and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            # No sequence had both rows and keys: still differentiable (every gradient 0, as
+            # SDPA's), through a zero that depends on q, k and v, exact whatever their values.
+            link = torch.where(torch.zeros((), dtype=torch.bool, device=q.device), q.sum() + k.sum() + v.sum(), 0.0)
+            out = out + link.to(out.dtype)
         return out
 
 

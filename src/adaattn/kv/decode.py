@@ -184,6 +184,7 @@ def plan_decode(cache: PagedKVCache, seqs: Optional[Sequence[int]] = None, *, he
         why = "asked for"
     seq_ids = cache.seq_ids(seqs)  # made once per list: a fresh host-to-device copy would wait for the GPU's queue
     plan = DecodePlan(runner, why, seqs, seq_ids, heads, query_len, int(max_len))
+    _plan_sparse(plan, cache, now, policy, sparse)
     if runner == "triton":
         tiles = -(-plan.max_len // BLOCK_N)
         if splits is None:
@@ -193,12 +194,14 @@ def plan_decode(cache: PagedKVCache, seqs: Optional[Sequence[int]] = None, *, he
                 sms = 4
             work = cache.kv_heads * sum(-(-min(n + query_len, plan.max_len) // BLOCK_N) for n in now)
             per = max(1, -(-work // (PROGRAMS_PER_SM[cache.storage] * sms)))
-            floor = min(MIN_TILES[cache.storage], -(-work // sms))
+            if not plan.sparse:
+                # (Not for sparse steps: they size their programs as this figure times the pages
+                # fraction they last read, and the floor would give each fraction a split of its own.)
+                per = max(per, min(MIN_TILES[cache.storage], -(-work // sms)))
         else:
             if not isinstance(splits, int) or splits < 1:
                 raise ValueError(f"splits must be a positive int, got {splits!r}")
             per = -(-tiles // splits)
-            floor = 1
         plan.block_n, plan.tiles_per_split, plan.splits = BLOCK_N, per, -(-tiles // per)
         plan.num_warps = WARPS[cache.storage]
         # A KVCache's sequence b owns pages b*P.. b*P+P-1 in order: keys' pages are computed, not read.
@@ -206,12 +209,6 @@ def plan_decode(cache: PagedKVCache, seqs: Optional[Sequence[int]] = None, *, he
         plan.num_stages = STAGES[plan.contiguous]
         if cache.storage == "native" and max(cache.head_dim, cache.value_dim) <= 64:
             plan.num_warps = SMALL_HEAD_NATIVE_WARPS
-    _plan_sparse(plan, cache, now, policy, sparse)
-    if plan.runner == "triton" and not plan.sparse and floor > plan.tiles_per_split:
-        # (Not for sparse steps: they size their programs as this figure times the pages fraction
-        # they last read, and the floor would give each fraction a split of its own.)
-        plan.tiles_per_split = floor
-        plan.splits = -(-tiles // floor)
     return plan
 
 
