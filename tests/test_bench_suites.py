@@ -136,7 +136,8 @@ def test_hf_suite_runs_a_tiny_llama_on_the_cpu(tmp_path):
     rows = json.loads(next(tmp_path.glob("hf-bench-*.json")).read_text())["rows"]
     assert {(r["phase"], r["peer"]) for r in rows if r["error"] is None} == {
         *((p, i) for p in ("prefill", "generate") for i in ("sdpa", "eager", "adaattn")),
-        ("generate", "adaattn + Cache"), ("generate", "adaattn + Cache fp8")}
+        ("generate", "adaattn + Cache"), ("generate", "adaattn + Cache fp8"),
+        ("generate", "adaattn + Cache (uncompiled)"), ("generate", "sdpa + StaticCache")}
     same = {r["peer"]: r.get("tokens_equal_to_eager") for r in rows if r["phase"] == "generate"}
     assert same["sdpa"] == same["adaattn"] == same["adaattn + Cache"] == 1.0, same
 

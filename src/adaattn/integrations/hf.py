@@ -28,7 +28,8 @@ adaattn.stats say which decode runner ran and why.
 from __future__ import annotations
 
 import functools
-from typing import Iterable
+import weakref
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
@@ -68,10 +69,21 @@ def attention_forward(
     _check_unsupported(kwargs)
     handle = getattr(key, "_adaattn_kv", None)
     if handle is not None:  # keys and values of an adaattn Cache (see Cache below)
-        out = handle.decode(query, attention_mask, dropout, scaling)
+        window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
+        out = handle.decode(query, attention_mask, dropout, scaling, window is not None)
         if out is not None:
             return out.transpose(1, 2).contiguous(), None
         key, value = handle.dense()
+        if handle.token is not None:  # a compiled step: the whole cache, masked by the mask transformers built
+            if attention_mask is None:
+                raise RuntimeError("a compiled step over an adaattn Cache that needs a mask (after a padded or "
+                                   "windowed prompt) got none")
+            if attention_mask.dtype != torch.bool and attention_mask.dtype != query.dtype:
+                attention_mask = attention_mask.to(query.dtype)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                query, key, value, attn_mask=attention_mask, dropout_p=0.0, scale=scaling,
+                enable_gqa=query.shape[1] != key.shape[1])
+            return out.transpose(1, 2).contiguous(), None
     q_len, kv_len = query.shape[2], key.shape[2]
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
@@ -228,28 +240,55 @@ register()
 
 class _Handle:
     """What an adaattn Cache layer's update() hands the attention function, attached to the key
-    tensor it returns: the cache, the layer, the length before this update and the new states."""
+    tensor it returns: the cache, the layer, the length before this update (None in a compiled
+    step, which reads no host state), the new states, and in a compiled step the append's token
+    (the output of the append op, which orders the reads of the cache after it)."""
 
-    __slots__ = ("cache", "layer", "before", "key_states", "value_states")
+    __slots__ = ("cache", "layer", "before", "key_states", "value_states", "token")
 
-    def __init__(self, cache, layer, before, key_states, value_states):
+    def __init__(self, cache, layer, before, key_states, value_states, token=None):
         self.cache, self.layer, self.before = cache, layer, before
-        self.key_states, self.value_states = key_states, value_states
+        self.key_states, self.value_states, self.token = key_states, value_states, token
 
-    def decode(self, query, mask, dropout, scaling):
+    def decode(self, query, mask, dropout, scaling, windowed=False):
         """decode_attention over the cache for a decode step (a few rows, no padding mask); None
-        for anything else."""
+        for anything else.
+
+        A decode step needs no mask of its own: bottom-right causal over each sequence's length
+        is what it means. Without compile (a Cache(compile=False)), transformers passes None for
+        such a step, and a mask means something else (padding). A compileable Cache makes
+        transformers build a mask for every decode step (static shapes): there the step takes
+        the decode kernel where the layer's prompt came with no mask (no padding, no window)."""
+        cache, layer = self.cache, self.layer
         t, g = query.shape[2], query.shape[1] // self.key_states.shape[1]
-        if self.before == 0 or mask is not None or dropout or t * g > DECODE_ROWS:
+        small = t * g <= DECODE_ROWS and not dropout
+        if self.token is not None:  # inside a compiled step
+            if not small:
+                raise NotImplementedError(
+                    f"a compiled step over an adaattn Cache takes up to {DECODE_ROWS} query rows per KV head "
+                    f"(GQA group x new tokens), got {t * g}; transformers' generate() compiles only the decode "
+                    f"steps, whose prompts run uncompiled")
+            if cache._masked[layer] or windowed:
+                return None
+            return _decode_op(query, self.token, cache._state(layer), scaling)
+        if self.before == 0:
+            cache._masked[layer] = mask is not None or windowed
+            return None
+        if not small or windowed or (mask is not None and (cache._masked[layer] or not cache.is_compileable)):
             return None
         from ..kv import decode_attention
 
-        plan = self.cache._plan(query, self.layer)
-        return decode_attention(query, self.cache.kvs[self.layer], 0, scale=scaling, plan=plan)
+        plan = cache._plan(query, layer)
+        return decode_attention(query, cache.kvs[layer], 0, scale=scaling, plan=plan)
 
     def dense(self):
         """Keys and values for the usual attention: a prompt's own states, else the whole history
-        (views of a contiguous native cache; gathered and dequantized otherwise)."""
+        (views of a contiguous native cache; gathered and dequantized otherwise). In a compiled
+        step: the whole cache up to max_cache_len, gathered after the append."""
+        if self.token is not None:
+            cache = self.cache
+            return _gather_op(self.token, cache._state(self.layer), self.key_states.dtype, len(cache.seqs),
+                              cache.max_cache_len)
         if self.before == 0:
             return self.key_states, self.value_states
         kv = self.cache.kvs[self.layer]
@@ -257,24 +296,92 @@ class _Handle:
         return kv.gather(0, self.cache.seqs, n, dtype=self.key_states.dtype)
 
 
+# Compiled steps (torch.compile of a model's forward, as transformers' generate() does for a
+# compileable cache): the cache's append, decode and gather are custom ops, opaque to the
+# compiler, whose Python runs when a graph is recorded and not when it is replayed (CUDA graphs).
+# They find their cache through its tensors (`state`: the layer's lengths, K and V pools, and
+# scales), which are static addresses: a new Cache gives new addresses, and CUDA-graph trees record
+# again rather than replay into another cache's memory. The append returns a token that the
+# decode and gather take, so that the compiler orders them after it.
+_OWNERS: dict = {}  # lengths.data_ptr() -> (weakref to the Cache, layer)
+
+
+def _owner(state):
+    entry = _OWNERS.get(state[0].data_ptr())
+    cache = entry[0]() if entry is not None else None
+    if cache is None or [t.data_ptr() for t in cache._state(entry[1])] != [t.data_ptr() for t in state]:
+        raise RuntimeError("adaattn Cache op: these tensors belong to no live adaattn Cache")
+    return cache, entry[1]
+
+
+@torch.library.custom_op("adaattn::hf_cache_append", mutates_args=())
+def _append_op(key: torch.Tensor, value: torch.Tensor, state: list[torch.Tensor]) -> torch.Tensor:
+    cache, layer = _owner(state)
+    cache._append_now(layer, key, value)
+    return key.new_empty(0)
+
+
+@_append_op.register_fake
+def _(key, value, state):
+    return key.new_empty(0)
+
+
+@torch.library.custom_op("adaattn::hf_cache_decode", mutates_args=())
+def _decode_op(query: torch.Tensor, token: torch.Tensor, state: list[torch.Tensor],
+               scale: Optional[float]) -> torch.Tensor:
+    cache, layer = _owner(state)
+    return cache._decode_now(query, layer, scale)
+
+
+@_decode_op.register_fake
+def _(query, token, state, scale):
+    return query.new_empty(*query.shape[:3], state[2].shape[-1])
+
+
+@torch.library.custom_op("adaattn::hf_cache_gather", mutates_args=())
+def _gather_op(token: torch.Tensor, state: list[torch.Tensor], dtype: torch.dtype, batch: int, length: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    cache, layer = _owner(state)
+    k, v = cache.kvs[layer].gather(0, cache.seqs, length, dtype=dtype)
+    return k.contiguous(), v.contiguous()
+
+
+@_gather_op.register_fake
+def _(token, state, dtype, batch, length):
+    hkv = state[1].shape[2]  # pools are (pages, page size, Hkv, D)
+    return (state[1].new_empty(batch, hkv, length, state[1].shape[3], dtype=dtype),
+            state[2].new_empty(batch, hkv, length, state[2].shape[3], dtype=dtype))
+
+
 DECODE_ROWS = 64  # a step whose query rows (T x GQA group) fit one tile of the decode kernel
 
 
 def Cache(max_cache_len: int, storage: str = "native", paged: bool = False, page_size: int = 64,
-          decode_runner: str | None = None):
+          decode_runner: str | None = None, compile: bool = True):
     """A transformers Cache backed by adaattn.kv: pass it as `past_key_values` to generate() or
     forward() of a model loaded with attn_implementation="adaattn".
 
     max_cache_len: tokens per sequence it holds (prompt + new tokens); storage: "native" (the
     model dtype), "fp8" or "int8" (quantized once at append, per (page, KV head) scales); paged:
-    a PagedKVCache whose pages are taken as sequences grow (else a contiguous KVCache); page_size:
-    tokens per page; decode_runner: "triton", "sdpa" or None (the plan's choice).
+    a PagedKVCache (pages from a pool, each sequence's reserved at its first update) instead of a
+    contiguous KVCache; page_size: tokens per page; decode_runner: "triton", "sdpa" or None (the
+    plan's choice).
+
+    compile: the cache is compileable (`is_compileable`), as transformers' StaticCache: on CUDA,
+    generate() then compiles the model's decode step (torch.compile, mode "reduce-overhead": one
+    CUDA graph per step, which removes the host time of transformers' Python per layer) and runs
+    the prompt uncompiled. Masks get static shapes (max_cache_len keys); a decode step after a
+    prompt without padding runs the split-KV kernel and takes the mask transformers built as the
+    causal mask it is; after a padded or windowed prompt it attends the whole cache under that
+    mask. The first generate() compiles (tens of seconds); later calls with the same shapes reuse
+    the compiled step (a new Cache records its CUDA graph again, a `reset()` one replays it).
+    compile=False: generate() runs every step uncompiled, with masks as long as the keys.
 
     Keys and values go to the cache at each layer's update; the attention function reads them from
-    there. With another attn_implementation, a native contiguous cache still works (update returns
-    views of it); a quantized or paged one returns NaN placeholders, so that a model that bypasses
-    adaattn's attention fails loudly instead of reading wrong keys. Beam search (reorder_cache) and
-    crop are refused."""
+    there. With another attn_implementation, a native contiguous cache still works uncompiled
+    (update returns views of it); a quantized or paged one, or any in a compiled step, returns NaN
+    placeholders, so that a model that bypasses adaattn's attention fails loudly instead of reading
+    wrong keys. Beam search (reorder_cache) and crop are refused."""
     from ..kv.cache import STORAGES
     from ..kv.decode import RUNNERS
 
@@ -285,7 +392,13 @@ def Cache(max_cache_len: int, storage: str = "native", paged: bool = False, page
     for name, value in (("max_cache_len", max_cache_len), ("page_size", page_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return _cache_class()(max_cache_len, storage, bool(paged), page_size, decode_runner)
+    if not isinstance(compile, bool):
+        raise TypeError(f"compile must be a bool, got {type(compile).__name__}")
+    return _cache_class()(max_cache_len, storage, bool(paged), page_size, decode_runner, compile)
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
 
 
 @functools.lru_cache(maxsize=None)
@@ -298,6 +411,10 @@ def _cache_class():
             super().__init__()
             self.owner, self.idx = owner, idx
 
+        @property
+        def is_compileable(self):
+            return self.owner.is_compileable
+
         def lazy_initialization(self, key_states, value_states):
             pass
 
@@ -305,7 +422,7 @@ def _cache_class():
             return self.owner._update(self.idx, key_states, value_states)
 
         def get_mask_sizes(self, query_length):
-            return self.get_seq_length() + query_length, 0
+            return self.owner.get_mask_sizes(query_length, self.idx)
 
         def get_seq_length(self):
             return self.owner.get_seq_length(self.idx)
@@ -325,42 +442,74 @@ def _cache_class():
                                       "generation")
 
     class AdaattnCache(HFCache):
-        is_compileable = False
-
-        def __init__(self, max_cache_len, storage, paged, page_size, decode_runner):
+        def __init__(self, max_cache_len, storage, paged, page_size, decode_runner, compile):
             super().__init__(layers=[])
             self._capacity, self.storage, self.paged, self.page_size = max_cache_len, storage, paged, page_size
-            self.decode_runner = decode_runner
+            self.decode_runner, self._compile = decode_runner, compile
             self.kvs: list = []  # one single-layer adaattn.kv cache per model layer, made at its first update
             self.seqs: tuple[int, ...] = ()
             self._plans: dict = {}
+            self._masked: list[bool] = []  # per layer: its prompt came with a mask (padding) or a window
+            self._stale = False  # compiled steps advanced the device lengths, not the host mirrors
 
         @property
         def max_cache_len(self) -> int:  # a read-only property of transformers' Cache in some versions
             return self._capacity
 
+        @property
+        def is_compileable(self) -> bool:
+            return self._compile
+
+        def _state(self, layer):
+            """The tensors the compiled-step ops take for `layer` (see _OWNERS)."""
+            kv = self.kvs[layer]
+            state = [kv.lengths, kv.k[0], kv.v[0]]
+            if kv.storage != "native":
+                state += [kv.k_scale[0], kv.v_scale[0]]
+            return state
+
+        def _sync(self):
+            """The host mirrors of the lengths, from the device, after compiled steps."""
+            for kv in self.kvs:
+                if kv is not None:
+                    kv.sync()
+            self._stale = False
+            longest = max((kv.length(s) for kv in self.kvs if kv is not None for s in self.seqs), default=0)
+            if longest > self.max_cache_len:
+                raise ValueError(f"max_cache_len={self.max_cache_len} is too short: compiled steps appended up to "
+                                 f"{longest} tokens, and those past it were not kept (the steps that read them "
+                                 f"were wrong); make the Cache with max_cache_len >= prompt + new tokens")
+
         def _update(self, layer, key_states, value_states):
+            if _compiling():
+                return self._update_compiled(layer, key_states, value_states)
             from ..kv import KVCache, PagedKVCache
 
+            if self._stale:
+                self._sync()
             b, hkv, t, d = key_states.shape
             if self.kvs and b != len(self.seqs):
                 raise ValueError(f"this Cache holds a batch of {len(self.seqs)}, got {b}")
             while len(self.kvs) <= layer:
                 self.kvs.append(None)
+                self._masked.append(False)
             kv = self.kvs[layer]
             if kv is None:
                 if self.paged:
-                    pages = b * -(-self.max_cache_len // self.page_size)
-                    kv = PagedKVCache(1, hkv, d, pages, self.page_size, value_dim=value_states.shape[3],
+                    per_seq = -(-self.max_cache_len // self.page_size)
+                    kv = PagedKVCache(1, hkv, d, b * per_seq, self.page_size, value_dim=value_states.shape[3],
                                       dtype=key_states.dtype, device=key_states.device, storage=self.storage,
                                       max_seqs=b)
-                    seqs = tuple(kv.add() for _ in range(b))
+                    seqs = tuple(kv.add(reserve=self.max_cache_len) for _ in range(b))  # (no allocation in steps)
                 else:
                     kv = KVCache(1, b, hkv, self.max_cache_len, d, value_dim=value_states.shape[3],
                                  dtype=key_states.dtype, device=key_states.device, storage=self.storage,
                                  page_size=self.page_size)
                     seqs = tuple(range(b))
                 self.kvs[layer], self.seqs = kv, seqs
+                for x in self._state(layer):  # fixed addresses: CUDA graphs replay over them
+                    torch._dynamo.mark_static_address(x, guard=False)
+                _OWNERS[kv.lengths.data_ptr()] = (weakref.ref(self), layer)
             before = kv.length(self.seqs[0])
             if before + t > self.max_cache_len:
                 raise ValueError(f"max_cache_len={self.max_cache_len} is too short: layer {layer} would hold "
@@ -370,11 +519,64 @@ def _cache_class():
             if isinstance(kv, KVCache) and self.storage == "native":
                 keys, values = kv.keys(0)[:, :, :n], kv.values(0)[:, :, :n]
             else:
-                nan = torch.full((1, 1, 1, 1), float("nan"), dtype=key_states.dtype, device=key_states.device)
-                keys, values = nan.expand(b, hkv, n, d), nan.expand(b, hkv, n, value_states.shape[3])
+                keys, values = self._placeholders(key_states, value_states, n)
             keys = keys.view_as(keys)  # a tensor object of its own, to carry the handle
             keys._adaattn_kv = _Handle(self, layer, before, key_states, value_states)
             return keys, values
+
+        @staticmethod
+        def _placeholders(key_states, value_states, n):
+            b, hkv, _, d = key_states.shape
+            nan = torch.full((1, 1, 1, 1), float("nan"), dtype=key_states.dtype, device=key_states.device)
+            return nan.expand(b, hkv, n, d), nan.expand(b, hkv, n, value_states.shape[3])
+
+        def _update_compiled(self, layer, key_states, value_states):
+            if layer >= len(self.kvs) or self.kvs[layer] is None:
+                raise RuntimeError("a compiled forward over an empty adaattn Cache: run the prompt uncompiled "
+                                   "first (transformers' generate() does)")
+            token = _append_op(key_states, value_states, self._state(layer))
+            self._stale = True
+            keys, values = self._placeholders(key_states, value_states, self.max_cache_len)
+            keys = keys.view_as(keys)
+            keys._adaattn_kv = _Handle(self, layer, None, key_states, value_states, token)
+            return keys, values
+
+        def _append_now(self, layer, key, value):
+            """The append op's body: the append kernel reads and advances only the device lengths
+            (a replayed graph runs no Python); the torch append (CPU) keeps the host mirror too."""
+            from ..kv import PagedKVCache
+
+            kv = self.kvs[layer]
+            if kv.append_runner == "triton":
+                kv._append_kernel(0, self.seqs, key, value)
+            else:
+                kv.sync()
+                PagedKVCache.append(kv, 0, self.seqs, key, value)  # KVCache's own takes no seqs first
+
+        def _decode_now(self, query, layer, scale):
+            """The decode op's body: one plan per step shape for every length up to max_cache_len
+            (lengths are read on the device, so a replayed graph serves every step)."""
+            from ..kv import decode_attention, plan_decode
+
+            kv = self.kvs[layer]
+            t, hq = query.shape[2], query.shape[1]
+            key = ("static", t, hq, query.dtype)
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._plans[key] = plan_decode(kv, self.seqs, heads=hq, query_len=t, dtype=query.dtype,
+                                                      runner=self.decode_runner, max_len=self.max_cache_len)
+            self._last_plan, self._last_compiled = plan, True
+            if plan.runner == "triton":
+                return decode_attention(query, kv, 0, scale=scale, plan=plan)
+            # The SDPA runner reads host lengths, which replays do not advance: the whole cache under
+            # a mask of the device lengths instead.
+            k, v = kv.gather(0, self.seqs, self.max_cache_len, dtype=query.dtype)
+            n = kv.lengths[0, plan.seq_ids.long()]
+            keys = torch.arange(self.max_cache_len, device=query.device)
+            rows = torch.arange(t, device=query.device)
+            visible = keys[None, None, :] <= (n[:, None, None] - t + rows[None, :, None])
+            return torch.nn.functional.scaled_dot_product_attention(
+                query, k, v, attn_mask=visible[:, None], scale=scale, enable_gqa=hq != kv.kv_heads)
 
         def _plan(self, query, layer):
             """One plan per step shape and length bucket (a power of two), shared by every layer and
@@ -391,12 +593,17 @@ def _cache_class():
                     self._plans.clear()
                 plan = self._plans[key] = plan_decode(self.kvs[layer], self.seqs, heads=hq, query_len=t, dtype=query.dtype,
                                                       runner=self.decode_runner, max_len=bucket)
-            self._last_plan = plan
+            self._last_plan, self._last_compiled = plan, False
             return plan
 
         def explain(self) -> str:
             plan = getattr(self, "_last_plan", None)
-            return "no decode step has run yet" if plan is None else plan.explain()
+            if plan is None:
+                return "no decode step has run yet"
+            if not self._last_compiled:
+                return plan.explain()
+            how = "" if plan.runner == "triton" else " (SDPA over the whole cache, masked by the device lengths)"
+            return plan.explain() + f"; in a compiled step{how}, planned for max_cache_len"
 
         def reset(self):
             for kv in self.kvs:
@@ -405,17 +612,28 @@ def _cache_class():
                 if self.paged:
                     for s in reversed(self.seqs):
                         kv.free(s)
-                    assert tuple(kv.add() for _ in self.seqs) == self.seqs  # freed ids come back in order
+                    assert tuple(kv.add(reserve=self.max_cache_len) for _ in self.seqs) == self.seqs  # freed ids come back in order
                 else:
                     kv.reset()
             self._plans.clear()
+            self._masked = [False] * len(self._masked)
+            self._stale = False
 
-        def get_seq_length(self, layer_idx: int = 0) -> int:
+        def get_seq_length(self, layer_idx: int = 0):
+            """Tokens cached in the layer: an int, or with a compileable cache a 0-dim device tensor
+            (as transformers' StaticCache: no host sync between compiled steps)."""
             if layer_idx >= len(self.kvs) or self.kvs[layer_idx] is None:
                 return 0
-            return self.kvs[layer_idx].length(self.seqs[0])
+            kv = self.kvs[layer_idx]
+            if self._compile:
+                return kv.lengths[0, self.seqs[0]].long()
+            if self._stale:
+                self._sync()
+            return kv.length(self.seqs[0])
 
         def get_mask_sizes(self, query_length: int, layer_idx: int = 0):
+            if self._compile:  # static shapes: the mask covers every slot (as StaticCache's)
+                return self.max_cache_len, 0
             return self.get_seq_length(layer_idx) + query_length, 0
 
         def get_max_length(self, layer_idx=None) -> int:

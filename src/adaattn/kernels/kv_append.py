@@ -123,7 +123,7 @@ def append_kernel(
     stride_cs, stride_ch, stride_cd,
     stride_ts, stride_tp,
     stride_bp, stride_bh,  # summaries: unit stride along D
-    T, HKV, CHUNKS,
+    T, HKV, CHUNKS, MAX_PAGES,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGE: tl.constexpr, BLOCK_P: tl.constexpr, STORAGE: tl.constexpr, QMAX: tl.constexpr,
     INTERPRET: tl.constexpr = False, SUMMARIES: tl.constexpr = False,
@@ -138,7 +138,7 @@ def append_kernel(
     first = index * PAGE
     lo = tl.maximum(first, start)
     hi = tl.minimum(first + PAGE, start + T)
-    if lo < hi:
+    if (lo < hi) & (index < MAX_PAGES):  # (past the block table's width nothing is written: no page is the sequence's)
         page = tl.load(TABLE + seq * stride_ts + index * stride_tp).to(tl.int64)
         slots = tl.arange(0, BLOCK_P)
         pos = first + slots

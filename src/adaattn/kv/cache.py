@@ -249,7 +249,7 @@ class PagedKVCache:
             self._count, sums, mins, maxs, *key.stride(), *value.stride(), *k_pool.stride(), *v_pool.stride(),
             *(ks.stride() if quantized else (0, 0)), *(kc.stride() if quantized else (0, 0, 0)),
             *self.block_table.stride(), *(sums.stride()[:2] if self.summaries else (0, 0)),
-            t, hkv, chunks,
+            t, hkv, chunks, self.max_pages_per_seq,
             D=d, DV=value.shape[3], BLOCK_D=next_power_of_2(d), BLOCK_DV=next_power_of_2(value.shape[3]),
             PAGE=self.page_size, BLOCK_P=next_power_of_2(self.page_size),
             STORAGE=STORAGES.index(self.storage), QMAX=QMAX.get(self.storage, 1.0), INTERPRET=interpreting(),

@@ -13,8 +13,9 @@ from ..peers import optional_module
 NAME = "hf"
 HELP = ("a Llama-shaped transformers model from a config (GQA; no download), attn_implementation adaattn vs sdpa "
         "vs eager: prefill tokens/s and generate() tokens/s (--prompt-len, --new-tokens), generate also with adaattn's "
-        "Cache (bf16 and fp8) and the fraction of new tokens equal to eager's; x sdpa. Runs on the CPU too, with a "
-        "tiny model")
+        "Cache (bf16 and fp8; compiled decode steps on CUDA, and uncompiled), with transformers' StaticCache over sdpa "
+        "(its compiled path), and the fraction of new tokens equal to eager's; x sdpa. Runs on the CPU too, with a "
+        "tiny model (where transformers compiles nothing)")
 NEEDS_CUDA = False
 IMPLEMENTATIONS = ("sdpa", "eager", "adaattn")
 # Llama-shaped sizes: issue 16's model on CUDA (16 layers, d=2048, 32 query and 8 KV heads, ~0.9B
@@ -76,6 +77,8 @@ def _maker(phase, size, batch, prompt, new, dtype, device, cache):
         if phase == "prefill":
             return peers, None
         peers += [_peer(model, "adaattn", phase, ids, new, cache=storage) for storage in ("native", "fp8")]
+        peers += [_peer(model, "adaattn", phase, ids, new, cache="native", compile=False),
+                  _peer(model, "sdpa", phase, ids, new, cache="static")]
         model.set_attn_implementation("eager")
         eager = _generate(model, ids, new)[:, prompt:]
 
@@ -95,9 +98,12 @@ def _generate(model, ids, new, cache=None):
                           do_sample=False, pad_token_id=0, **kw)
 
 
-def _peer(model, impl, phase, ids, new, cache: str | None = None) -> Peer:
-    """`impl` on the model; with `cache` ("native", "fp8"), generate() with a fresh adaattn Cache of
-    that storage per call (made inside the timed call: a server makes one per request)."""
+def _peer(model, impl, phase, ids, new, cache: str | None = None, compile: bool = True) -> Peer:
+    """`impl` on the model; with `cache` ("native", "fp8"), generate() with an adaattn Cache of that
+    storage (compileable unless compile=False), made once per peer and reset before each call, as
+    a server keeps one per batch and resets it per request (a compiled step then replays its CUDA
+    graph; a new Cache would record it again); cache="static": transformers' StaticCache, which
+    generate() makes once and resets alike, and compiles on CUDA."""
     @contextlib.contextmanager
     def switched():  # once around the peer's calls: switching is not what is timed
         model.set_attn_implementation(impl)
@@ -107,12 +113,25 @@ def _peer(model, impl, phase, ids, new, cache: str | None = None) -> Peer:
     def prefill():
         return model(ids, use_cache=False).logits
 
+    held = {}
+
     def generate():
         if cache is None:
             return _generate(model, ids, new)
-        from ...integrations.hf import Cache
+        if cache == "static":
+            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                                  do_sample=False, pad_token_id=0, cache_implementation="static")
+        if "cache" not in held:
+            from ...integrations.hf import Cache
 
-        return _generate(model, ids, new, Cache(ids.shape[1] + new, storage=cache))
+            held["cache"] = Cache(ids.shape[1] + new, storage=cache, compile=compile)
+        held["cache"].reset()
+        return _generate(model, ids, new, held["cache"])
 
-    name = impl if cache is None else f"{impl} + Cache{'' if cache == 'native' else ' ' + cache}"
+    if cache is None:
+        name = impl
+    elif cache == "static":
+        name = f"{impl} + StaticCache"
+    else:
+        name = f"{impl} + Cache{'' if cache == 'native' else ' ' + cache}{'' if compile else ' (uncompiled)'}"
     return Peer(name, prefill if phase == "prefill" else generate, context=switched)
