@@ -11,7 +11,7 @@ pytestmark = pytest.mark.gpu
 
 transformers = pytest.importorskip("transformers")
 
-import adaattn  # noqa: E402
+import adaattn.integrations.hf  # noqa: E402,F401  (registers "adaattn")
 from adaattn.integrations import hf  # noqa: E402
 
 
