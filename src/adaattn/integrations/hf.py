@@ -567,7 +567,10 @@ def _cache_class():
                                                       runner=self.decode_runner, max_len=self.max_cache_len)
             self._last_plan, self._last_compiled = plan, True
             if plan.runner == "triton":
-                return decode_attention(query, kv, 0, scale=scale, plan=plan)
+                try:
+                    return decode_attention(query, kv, 0, scale=scale, plan=plan)
+                finally:  # the split buffers live only in the call: a CUDA graph's pool may hold no tensor of ours
+                    plan._scratch.clear()
             # The SDPA runner reads host lengths, which replays do not advance: the whole cache under
             # a mask of the device lengths instead.
             k, v = kv.gather(0, self.seqs, self.max_cache_len, dtype=query.dtype)
