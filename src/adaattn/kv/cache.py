@@ -323,7 +323,10 @@ class PagedKVCache:
         """Keys and values of `seqs` as (S, Hkv, length, D) tensors in `dtype` (default the
         model dtype; quantized pages dequantized), padded past each sequence's own length."""
         dtype = self.dtype if dtype is None else dtype
-        sid = torch.as_tensor(seqs, dtype=torch.long, device=self.device)
+        if isinstance(seqs, torch.Tensor):
+            sid = seqs.to(device=self.device, dtype=torch.long)
+        else:  # the device copy made once per list (no host-to-device copy in a captured step)
+            sid = self.seq_ids([int(s) for s in seqs]).long()
         pages = -(-length // self.page_size)
         table = self.block_table[sid, :pages].long()  # (S, P)
         out = []
