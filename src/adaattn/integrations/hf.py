@@ -19,10 +19,12 @@ adaattn's own KV cache for generate():
     cache = adaattn.integrations.hf.Cache(max_cache_len=4096, storage="fp8")   # or "native", "int8"; paged=True
     model.generate(ids, past_key_values=cache, max_new_tokens=64)
 
-With attn_implementation="adaattn", decode steps (a few query rows, no padding mask) run
-adaattn.kv.decode_attention over the cache (the split-KV kernel on CUDA), with one plan shared by
-all layers of a step; prompts run the usual attention on their own keys. `cache.explain()` and
-adaattn.stats say which decode runner ran and why.
+With attn_implementation="adaattn", decode steps (a few query rows, after a prompt without
+padding) run adaattn.kv.decode_attention over the cache (the split-KV kernel on CUDA), with one
+plan shared by all layers of a step; prompts run the usual attention on their own keys. The Cache
+is compileable: on CUDA, generate() compiles its decode steps into CUDA graphs (see Cache).
+`cache.explain()` and adaattn.stats say which decode runner ran and why (in a compiled step, stats
+see the calls that recorded the graph, not its replays).
 """
 
 from __future__ import annotations
