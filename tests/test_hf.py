@@ -321,3 +321,85 @@ def test_cache_refuses_what_it_cannot_do():
     cache.update(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), 0)
     with pytest.raises(NotImplementedError, match="beam search"):
         cache.layers[0].reorder_cache(torch.tensor([0]))
+
+
+def _compile_config():
+    """transformers' compile of decode steps, forced on the CPU (it compiles only on accelerators by
+    default), with dynamo and AOT autograd but no inductor: the graph is what a GPU's would be."""
+    cfg = getattr(transformers, "CompileConfig", None)
+    if cfg is None or not hasattr(cfg, "_compile_all_devices"):
+        pytest.skip("this transformers has no CompileConfig that compiles on the CPU")
+    cc = cfg(backend="aot_eager", fullgraph=True)
+    cc._compile_all_devices = True
+    return cc
+
+
+@pytest.mark.parametrize("storage,paged,runner,padded", [("native", False, None, False), ("int8", True, None, False),
+                                                         ("fp8", False, "triton", False), ("native", True, None, True)])
+def test_compiled_decode_steps_give_the_uncompiled_tokens(storage, paged, runner, padded):
+    """generate() compiles the decode step over a compileable Cache (the default): one graph, the
+    cache's append and decode (or the gathered cache under the mask, after a padded prompt) inside
+    it as custom ops, and the tokens of the uncompiled Cache and of "sdpa"; a second Cache, and
+    the same one reset, reuse the graph."""
+    if runner == "triton":
+        from helpers import NEEDS_CUDA_OR_INTERPRETER
+
+        if NEEDS_CUDA_OR_INTERPRETER.args[0]:
+            pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    graphs = counters["stats"]["unique_graphs"]
+    model = _tiny_llama()
+    ids = torch.randint(3, 512, (2, 40), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    if padded:
+        ids[0, :5], mask[0, :5] = 0, 0
+    kw = dict(attention_mask=mask, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0,
+              output_scores=True, return_dict_in_generate=True)
+    want = model.generate(ids, **kw)
+    model.set_attn_implementation("adaattn")
+    plain = model.generate(ids, past_key_values=hf.Cache(64, storage, paged, 16, runner, compile=False), **kw)
+    cache = hf.Cache(64, storage, paged, 16, runner)
+    assert cache.is_compileable and cache.layers == [] or all(layer.is_compileable for layer in cache.layers)
+    cc = _compile_config()
+    got = model.generate(ids, past_key_values=cache, compile_config=cc, **kw)
+    assert counters["stats"]["unique_graphs"] == graphs + 1
+    assert torch.equal(got.sequences, plain.sequences)
+    torch.testing.assert_close(torch.stack(got.scores), torch.stack(plain.scores), atol=1e-4, rtol=1e-4)
+    if storage == "native":
+        assert torch.equal(got.sequences, want.sequences)
+    if not padded:
+        assert "compiled step" in cache.explain() and f"kv.{runner or 'sdpa'}" in cache.explain()
+    n = cache.get_seq_length()
+    assert isinstance(n, torch.Tensor) and int(n) == 49  # a device tensor, as StaticCache's
+    assert cache.get_mask_sizes(1, 0) == (64, 0)  # static mask shapes
+    cache.reset()
+    again = model.generate(ids, past_key_values=cache, compile_config=cc, **kw)
+    other = model.generate(ids, past_key_values=hf.Cache(64, storage, paged, 16, runner), compile_config=cc, **kw)
+    assert torch.equal(again.sequences, got.sequences) and torch.equal(other.sequences, got.sequences)
+    assert counters["stats"]["unique_graphs"] == graphs + 1  # no recompile for a reset or a new Cache
+
+
+def test_an_uncompiled_cache_keeps_host_lengths_and_masks_as_long_as_the_keys():
+    cache = hf.Cache(64, compile=False)
+    assert not cache.is_compileable
+    cache.update(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), 0)
+    assert cache.get_seq_length() == 3 and isinstance(cache.get_seq_length(), int)
+    assert cache.get_mask_sizes(1, 0) == (4, 0)
+    with pytest.raises(TypeError, match="compile must be a bool"):
+        hf.Cache(64, compile="yes")
+
+
+def test_a_compiled_forward_over_an_empty_cache_or_a_long_chunk_is_refused():
+    model = _tiny_llama()
+    model.set_attn_implementation("adaattn")
+    step = torch.compile(model.forward, backend="aot_eager", fullgraph=True)
+    ids = torch.randint(3, 512, (1, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        with pytest.raises(Exception, match="run the prompt uncompiled first"):
+            step(ids, past_key_values=hf.Cache(128))
+        cache = hf.Cache(128)
+        model(ids, past_key_values=cache)
+        with pytest.raises(Exception, match="up to 64 query rows per KV head"):  # 40 tokens x a GQA group of 2
+            step(ids, past_key_values=cache)
