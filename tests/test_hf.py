@@ -360,8 +360,8 @@ def test_compiled_decode_steps_give_the_uncompiled_tokens(storage, paged, runner
     want = model.generate(ids, **kw)
     model.set_attn_implementation("adaattn")
     plain = model.generate(ids, past_key_values=hf.Cache(64, storage, paged, 16, runner, compile=False), **kw)
-    cache = hf.Cache(64, storage, paged, 16, runner)
-    assert cache.is_compileable and cache.layers == [] or all(layer.is_compileable for layer in cache.layers)
+    cache = hf.Cache(64, storage, paged, 16, runner, compile=True)  # (the default only where CUDA is)
+    assert cache.is_compileable
     cc = _compile_config()
     got = model.generate(ids, past_key_values=cache, compile_config=cc, **kw)
     assert counters["stats"]["unique_graphs"] == graphs + 1
@@ -376,7 +376,8 @@ def test_compiled_decode_steps_give_the_uncompiled_tokens(storage, paged, runner
     assert cache.get_mask_sizes(1, 0) == (64, 0)  # static mask shapes
     cache.reset()
     again = model.generate(ids, past_key_values=cache, compile_config=cc, **kw)
-    other = model.generate(ids, past_key_values=hf.Cache(64, storage, paged, 16, runner), compile_config=cc, **kw)
+    other = model.generate(ids, past_key_values=hf.Cache(64, storage, paged, 16, runner, compile=True),
+                           compile_config=cc, **kw)
     assert torch.equal(again.sequences, got.sequences) and torch.equal(other.sequences, got.sequences)
     assert counters["stats"]["unique_graphs"] == graphs + 1  # no recompile for a reset or a new Cache
 
@@ -387,6 +388,7 @@ def test_an_uncompiled_cache_keeps_host_lengths_and_masks_as_long_as_the_keys():
     cache.update(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), 0)
     assert cache.get_seq_length() == 3 and isinstance(cache.get_seq_length(), int)
     assert cache.get_mask_sizes(1, 0) == (4, 0)
+    assert hf.Cache(64).is_compileable == torch.cuda.is_available()
     with pytest.raises(TypeError, match="compile must be a bool"):
         hf.Cache(64, compile="yes")
 
@@ -403,3 +405,100 @@ def test_a_compiled_forward_over_an_empty_cache_or_a_long_chunk_is_refused():
         model(ids, past_key_values=cache)
         with pytest.raises(Exception, match="up to 64 query rows per KV head"):  # 40 tokens x a GQA group of 2
             step(ids, past_key_values=cache)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_a_chunk_with_padding_inside_keeps_its_mask_in_later_steps(compile):
+    """A prompt without padding, then a chunk whose 2-D mask pads one token, then a decode step:
+    the padded key stays out of every later step (a compileable cache's steps get a mask each,
+    which then says more than causality)."""
+    model = _tiny_llama()
+    ids = torch.randint(3, 512, (2, 40), generator=torch.Generator().manual_seed(1))
+    more = torch.randint(3, 512, (2, 3), generator=torch.Generator().manual_seed(2))
+    last = torch.randint(3, 512, (2, 1), generator=torch.Generator().manual_seed(3))
+    masks = [torch.ones(2, n, dtype=torch.long) for n in (40, 43, 44)]
+    masks[1][0, 40] = masks[2][0, 40] = 0  # sequence 0's first new token is padding
+
+    def run(cache):
+        with torch.no_grad():
+            model(ids, attention_mask=masks[0], past_key_values=cache)
+            a = model(more, attention_mask=masks[1], past_key_values=cache).logits
+            return a, model(last, attention_mask=masks[2], past_key_values=cache).logits
+
+    want = run(transformers.DynamicCache(config=model.config))
+    model.set_attn_implementation("adaattn")
+    cache = hf.Cache(64, compile=compile)
+    got = run(cache)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
+    if compile:
+        assert "more than the causal mask" in cache.explain()
+
+
+def test_another_attention_implementation_reads_the_cache_uncompiled_and_is_refused_compiled():
+    model = _tiny_llama()  # "sdpa"
+    ids = torch.randint(3, 512, (2, 40), generator=torch.Generator().manual_seed(1))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=10, min_new_tokens=10, do_sample=False,
+              pad_token_id=0)
+    want = model.generate(ids, **kw)
+    got = model.generate(ids, past_key_values=hf.Cache(64, compile=True), **kw)  # static masks, keys of 64
+    assert torch.equal(got, want)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="attn_implementation='adaattn'"):
+        model.generate(ids, past_key_values=hf.Cache(64, compile=True), compile_config=_compile_config(), **kw)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_compiled_steps_past_max_cache_len_are_reported_at_reset(paged):
+    torch._dynamo.reset()
+    model = _tiny_llama()
+    model.set_attn_implementation("adaattn")
+    ids = torch.randint(3, 512, (1, 40), generator=torch.Generator().manual_seed(1))
+    kw = dict(attention_mask=torch.ones_like(ids), min_new_tokens=8, do_sample=False, pad_token_id=0,
+              compile_config=_compile_config())
+    cache = hf.Cache(45, paged=paged, page_size=16, compile=True)
+    try:
+        model.generate(ids, past_key_values=cache, max_new_tokens=8, **kw)
+    except ValueError as e:  # the paged cache's torch append (the CPU's) refuses a page past the table
+        assert "would need" in str(e) and paged
+    else:
+        with pytest.raises(ValueError, match="max_cache_len=45 was too short for the last generate"):
+            cache.reset()
+    cache.reset()
+    model.generate(ids, past_key_values=cache, max_new_tokens=4, **{**kw, "min_new_tokens": 4})
+    assert int(cache.get_seq_length()) == 43
+    cache.reset()  # (nothing to report)
+
+
+@pytest.mark.parametrize("window", [4096, 16])
+def test_windowed_models_decode_over_the_cache_as_sdpa(window):
+    cfg = transformers.MistralConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                                     sliding_window=window, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    ids = torch.randint(3, 512, (2, 40), generator=torch.Generator().manual_seed(1))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=10, min_new_tokens=10, do_sample=False,
+              pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    want = model.generate(ids, **kw)
+    model.set_attn_implementation("adaattn")
+    for compile in (False, True):
+        cache = hf.Cache(64, compile=compile)
+        got = model.generate(ids, past_key_values=cache, **kw)
+        assert torch.equal(got.sequences, want.sequences)
+        torch.testing.assert_close(torch.stack(got.scores), torch.stack(want.scores), atol=1e-4, rtol=1e-4)
+        if window > 64:  # a window the cache never reaches: the decode kernel's steps
+            assert "decode runner kv." in cache.explain()
+
+
+def test_dropped_caches_leave_no_entries_behind():
+    import gc
+
+    from adaattn.integrations.hf import _OWNERS
+
+    gc.collect()
+    before = len(_OWNERS)
+    for _ in range(5):
+        hf.Cache(16).update(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8), 0)
+    gc.collect()
+    assert len(_OWNERS) == before

@@ -72,7 +72,7 @@ def attention_forward(
     handle = getattr(key, "_adaattn_kv", None)
     if handle is not None:  # keys and values of an adaattn Cache (see Cache below)
         window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-        out = handle.decode(query, attention_mask, dropout, scaling, window is not None)
+        out = handle.decode(query, attention_mask, dropout, scaling, window)
         if out is not None:
             return out.transpose(1, 2).contiguous(), None
         key, value = handle.dense()
@@ -252,31 +252,43 @@ class _Handle:
         self.cache, self.layer, self.before = cache, layer, before
         self.key_states, self.value_states, self.token = key_states, value_states, token
 
-    def decode(self, query, mask, dropout, scaling, windowed=False):
-        """decode_attention over the cache for a decode step (a few rows, no padding mask); None
-        for anything else.
+    def decode(self, query, mask, dropout, scaling, window=None):
+        """decode_attention over the cache for a decode step; None for anything else (the usual
+        attention then runs over the cache's keys, under the mask).
 
         A decode step needs no mask of its own: bottom-right causal over each sequence's length
-        is what it means. Without compile (a Cache(compile=False)), transformers passes None for
-        such a step, and a mask means something else (padding). A compileable Cache makes
-        transformers build a mask for every decode step (static shapes): there the step takes
-        the decode kernel where the layer's prompt came with no mask (no padding, no window)."""
+        is what it means. Uncompiled caches (compile=False) take a step of a few rows without a
+        mask, as transformers passes none for a step without padding. A compileable cache makes
+        transformers build a mask for every step (static shapes); there a step of one new token
+        takes the kernel where every mask the layer got for its longer chunks (the prompt's first)
+        was the plain causal one, and no window shorter than the cache applies: its mask then
+        holds nothing but the sequence's length."""
         cache, layer = self.cache, self.layer
         t, g = query.shape[2], query.shape[1] // self.key_states.shape[1]
-        small = t * g <= DECODE_ROWS and not dropout
+        windowed = window is not None and window < cache.max_cache_len
         if self.token is not None:  # inside a compiled step
-            if not small:
+            if dropout:
+                raise NotImplementedError("dropout in a compiled step over an adaattn Cache: run it uncompiled")
+            if t * g > DECODE_ROWS:
                 raise NotImplementedError(
                     f"a compiled step over an adaattn Cache takes up to {DECODE_ROWS} query rows per KV head "
                     f"(GQA group x new tokens), got {t * g}; transformers' generate() compiles only the decode "
                     f"steps, whose prompts run uncompiled")
-            if cache._masked[layer] or windowed:
+            if t > 1 or cache._masked[layer] or windowed:
+                cache._dense_why = _dense_why(t, cache._masked[layer], window)
                 return None
             return _decode_op(query, self.token, cache._state(layer), scaling)
-        if self.before == 0:
-            cache._masked[layer] = mask is not None or windowed
+        cache._seen[layer] = True
+        if t > 1 or self.before == 0:  # a prompt or a chunk: does its mask say more than causality?
+            cache._masked[layer] |= not _plain_causal(mask, self.before, t, self.before + t)
+        if self.before == 0 or dropout or t * g > DECODE_ROWS:
             return None
-        if not small or windowed or (mask is not None and (cache._masked[layer] or not cache.is_compileable)):
+        if cache.is_compileable:
+            if t > 1 or cache._masked[layer] or windowed:
+                cache._dense_why = _dense_why(t, cache._masked[layer], window)
+                return None
+        elif mask is not None:
+            cache._dense_why = "a step with a mask (padding): the usual attention over the cache, under the mask"
             return None
         from ..kv import decode_attention
 
@@ -306,6 +318,11 @@ class _Handle:
 # again rather than replay into another cache's memory. The append returns a token that the
 # decode and gather take, so that the compiler orders them after it.
 _OWNERS: dict = {}  # lengths.data_ptr() -> (weakref to the Cache, layer)
+
+
+def _forget(ptr: int, ref) -> None:
+    if _OWNERS.get(ptr, (None,))[0] is ref:  # (a later cache may hold the address by now)
+        del _OWNERS[ptr]
 
 
 def _owner(state):
@@ -358,8 +375,28 @@ def _(token, state, dtype, batch, length):
 DECODE_ROWS = 64  # a step whose query rows (T x GQA group) fit one tile of the decode kernel
 
 
+def _dense_why(t: int, masked: bool, window) -> str:
+    what = ("a step of several new tokens" if t > 1 else "a prompt with more than the causal mask (padding)"
+            if masked else f"a window of {window} keys, shorter than the cache")
+    return f"{what}: the usual attention over the whole cache, under transformers' mask"
+
+
+def _plain_causal(mask, before: int, t: int, n: int) -> bool:
+    """Whether `mask` (None, bool or additive, broadcastable to (B, H, t, >= n)) lets query row i
+    of a chunk of t rows after `before` cached tokens see exactly keys 0 .. before + i of the n
+    there are (a host sync: called for prompts and chunks, not for decode steps)."""
+    if mask is None:
+        return True
+    m = mask[..., :n]
+    visible = (torch.arange(n, device=m.device)[None, :]
+               <= before + torch.arange(t, device=m.device)[:, None])  # (t, n)
+    if m.dtype == torch.bool:
+        return bool((m == visible).all())
+    return bool(torch.where(visible, m == 0, m <= torch.finfo(m.dtype).min / 2).all())
+
+
 def Cache(max_cache_len: int, storage: str = "native", paged: bool = False, page_size: int = 64,
-          decode_runner: str | None = None, compile: bool = True):
+          decode_runner: str | None = None, compile: bool | None = None):
     """A transformers Cache backed by adaattn.kv: pass it as `past_key_values` to generate() or
     forward() of a model loaded with attn_implementation="adaattn".
 
@@ -369,21 +406,25 @@ def Cache(max_cache_len: int, storage: str = "native", paged: bool = False, page
     contiguous KVCache; page_size: tokens per page; decode_runner: "triton", "sdpa" or None (the
     plan's choice).
 
-    compile: the cache is compileable (`is_compileable`), as transformers' StaticCache: on CUDA,
-    generate() then compiles the model's decode step (torch.compile, mode "reduce-overhead": one
-    CUDA graph per step, which removes the host time of transformers' Python per layer) and runs
-    the prompt uncompiled. Masks get static shapes (max_cache_len keys); a decode step after a
-    prompt without padding runs the split-KV kernel and takes the mask transformers built as the
-    causal mask it is; after a padded or windowed prompt it attends the whole cache under that
-    mask. The first generate() compiles (tens of seconds); later calls with the same shapes reuse
-    the compiled step (a new Cache records its CUDA graph again, a `reset()` one replays it).
-    compile=False: generate() runs every step uncompiled, with masks as long as the keys.
+    compile: whether the cache is compileable (`is_compileable`), as transformers' StaticCache;
+    None (the default) means where CUDA is. generate() then compiles the model's decode step on
+    the GPU (torch.compile, mode "reduce-overhead": one CUDA graph per step, which removes the host
+    time of transformers' Python per layer) and runs the prompt uncompiled. Masks get static
+    shapes (max_cache_len keys). A step of one new token after prompts with no more than the
+    causal mask (no padding) and no window shorter than the cache runs the split-KV kernel, the
+    mask transformers built holding nothing else; other steps attend the whole cache under the
+    mask. The first generate() compiles (tens of seconds); keep the Cache and reset() it between
+    requests, so that later calls replay the recorded CUDA graph: a new Cache records it again
+    (torch stops re-recording after cudagraph_unexpected_rerecord_limit, 128). max_cache_len must
+    hold prompt + new tokens: compiled steps cannot raise, and tokens past it are not kept (the
+    steps that needed them are wrong); the next reset() or uncompiled update raises ValueError
+    saying so. compile=False: every step uncompiled, masks as long as the keys.
 
     Keys and values go to the cache at each layer's update; the attention function reads them from
-    there. With another attn_implementation, a native contiguous cache still works uncompiled
-    (update returns views of it); a quantized or paged one, or any in a compiled step, returns NaN
-    placeholders, so that a model that bypasses adaattn's attention fails loudly instead of reading
-    wrong keys. Beam search (reorder_cache) and crop are refused."""
+    there. With another attn_implementation, a native contiguous cache works uncompiled (update
+    returns views of it); a quantized or paged one returns NaN placeholders, so that a model that
+    bypasses adaattn's attention fails loudly instead of reading wrong keys, and a compiled step
+    after such a prompt raises. Beam search (reorder_cache) and crop are refused."""
     from ..kv.cache import STORAGES
     from ..kv.decode import RUNNERS
 
@@ -394,8 +435,10 @@ def Cache(max_cache_len: int, storage: str = "native", paged: bool = False, page
     for name, value in (("max_cache_len", max_cache_len), ("page_size", page_size)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if not isinstance(compile, bool):
-        raise TypeError(f"compile must be a bool, got {type(compile).__name__}")
+    if compile is not None and not isinstance(compile, bool):
+        raise TypeError(f"compile must be a bool or None, got {type(compile).__name__}")
+    if compile is None:
+        compile = torch.cuda.is_available()
     return _cache_class()(max_cache_len, storage, bool(paged), page_size, decode_runner, compile)
 
 
@@ -451,7 +494,8 @@ def _cache_class():
             self.kvs: list = []  # one single-layer adaattn.kv cache per model layer, made at its first update
             self.seqs: tuple[int, ...] = ()
             self._plans: dict = {}
-            self._masked: list[bool] = []  # per layer: its prompt came with a mask (padding) or a window
+            self._masked: list[bool] = []  # per layer: a prompt or chunk came with more than the causal mask
+            self._seen: list[bool] = []  # per layer: adaattn's attention function read the cache
             self._stale = False  # compiled steps advanced the device lengths, not the host mirrors
 
         @property
@@ -495,13 +539,14 @@ def _cache_class():
             while len(self.kvs) <= layer:
                 self.kvs.append(None)
                 self._masked.append(False)
+                self._seen.append(False)
             kv = self.kvs[layer]
             if kv is None:
                 if self.paged:
                     per_seq = -(-self.max_cache_len // self.page_size)
                     kv = PagedKVCache(1, hkv, d, b * per_seq, self.page_size, value_dim=value_states.shape[3],
                                       dtype=key_states.dtype, device=key_states.device, storage=self.storage,
-                                      max_seqs=b)
+                                      max_seqs=b, max_pages_per_seq=per_seq)
                     seqs = tuple(kv.add(reserve=self.max_cache_len) for _ in range(b))  # (no allocation in steps)
                 else:
                     kv = KVCache(1, b, hkv, self.max_cache_len, d, value_dim=value_states.shape[3],
@@ -511,13 +556,15 @@ def _cache_class():
                 self.kvs[layer], self.seqs = kv, seqs
                 for x in self._state(layer):  # fixed addresses: CUDA graphs replay over them
                     torch._dynamo.mark_static_address(x, guard=False)
-                _OWNERS[kv.lengths.data_ptr()] = (weakref.ref(self), layer)
+                ref = weakref.ref(self)
+                _OWNERS[kv.lengths.data_ptr()] = (ref, layer)
+                weakref.finalize(self, _forget, kv.lengths.data_ptr(), ref)
             before = kv.length(self.seqs[0])
             if before + t > self.max_cache_len:
                 raise ValueError(f"max_cache_len={self.max_cache_len} is too short: layer {layer} would hold "
                                  f"{before + t} tokens")
             PagedKVCache.append(kv, 0, self.seqs, key_states, value_states)  # KVCache's own takes no seqs first
-            n = before + t
+            n = self.max_cache_len if self._compile else before + t  # (as long as the masks transformers builds)
             if isinstance(kv, KVCache) and self.storage == "native":
                 keys, values = kv.keys(0)[:, :, :n], kv.values(0)[:, :, :n]
             else:
@@ -536,6 +583,9 @@ def _cache_class():
             if layer >= len(self.kvs) or self.kvs[layer] is None:
                 raise RuntimeError("a compiled forward over an empty adaattn Cache: run the prompt uncompiled "
                                    "first (transformers' generate() does)")
+            if not self._seen[layer]:
+                raise RuntimeError("a compiled step over an adaattn Cache needs the model's attention to be "
+                                   "attn_implementation='adaattn' (its prompt ran another attention function)")
             token = _append_op(key_states, value_states, self._state(layer))
             self._stale = True
             keys, values = self._placeholders(key_states, value_states, self.max_cache_len)
@@ -604,13 +654,15 @@ def _cache_class():
         def explain(self) -> str:
             plan = getattr(self, "_last_plan", None)
             if plan is None:
-                return "no decode step has run yet"
+                return getattr(self, "_dense_why", None) or "no decode step has run yet"
             if not self._last_compiled:
                 return plan.explain()
             how = "" if plan.runner == "triton" else " (SDPA over the whole cache, masked by the device lengths)"
             return plan.explain() + f"; in a compiled step{how}, planned for max_cache_len"
 
         def reset(self):
+            # Compiled steps cannot raise: an overflow they met is reported here (one host read).
+            longest = max((int(kv.lengths.max()) for kv in self.kvs if kv is not None), default=0) if self._stale else 0
             for kv in self.kvs:
                 if kv is None:
                     continue
@@ -622,7 +674,14 @@ def _cache_class():
                     kv.reset()
             self._plans.clear()
             self._masked = [False] * len(self._masked)
+            self._seen = [False] * len(self._seen)
+            self._last_plan = self._dense_why = None
             self._stale = False
+            if longest > self.max_cache_len:
+                raise ValueError(f"max_cache_len={self.max_cache_len} was too short for the last generate(): "
+                                 f"compiled steps appended up to {longest} tokens, and the steps past max_cache_len "
+                                 f"were wrong; make the Cache with max_cache_len >= prompt + new tokens (this Cache "
+                                 f"is reset and usable)")
 
         def get_seq_length(self, layer_idx: int = 0):
             """Tokens cached in the layer: an int, or with a compileable cache a 0-dim device tensor
