@@ -67,5 +67,7 @@ def test_compiled_steps_past_max_cache_len_are_reported():
     ids = torch.randint(3, 512, (1, 100), generator=torch.Generator().manual_seed(2)).cuda()
     cache = hf.Cache(112)
     _generate(model, ids, torch.ones_like(ids), cache)  # 123 tokens into 112 (no page past the cache's own)
-    with pytest.raises(ValueError, match="max_cache_len=112 is too short"):
-        cache._sync()
+    with pytest.raises(ValueError, match="max_cache_len=112 was too short for the last generate"):
+        cache.reset()
+    _generate(model, ids[:, :80], torch.ones_like(ids[:, :80]), cache)  # reset and usable: 80 + 23 tokens fit
+    assert int(cache.get_seq_length()) == 103
