@@ -675,7 +675,7 @@ def _cache_class():
             self._plans.clear()
             self._masked = [False] * len(self._masked)
             self._seen = [False] * len(self._seen)
-            self._last_plan = self._dense_why = None
+            # (_last_plan stays: a compiled step replays what it recorded, running no Python to say so)
             self._stale = False
             if longest > self.max_cache_len:
                 raise ValueError(f"max_cache_len={self.max_cache_len} was too short for the last generate(): "
