@@ -280,6 +280,7 @@ class _Handle:
             return _decode_op(query, self.token, cache._state(layer), scaling)
         cache._seen[layer] = True
         if t > 1 or self.before == 0:  # a prompt or a chunk: does its mask say more than causality?
+            # (for any cache: a user may compile the forward over a Cache(compile=False) too)
             cache._masked[layer] |= not _plain_causal(mask, self.before, t, self.before + t)
         if self.before == 0 or dropout or t * g > DECODE_ROWS:
             return None
@@ -515,16 +516,17 @@ def _cache_class():
             return state
 
         def _sync(self):
-            """The host mirrors of the lengths, from the device, after compiled steps."""
+            """The host mirrors of the lengths, from the device, after compiled steps; a ValueError
+            where those steps went past max_cache_len (they cannot raise themselves)."""
             for kv in self.kvs:
                 if kv is not None:
                     kv.sync()
             self._stale = False
             longest = max((kv.length(s) for kv in self.kvs if kv is not None for s in self.seqs), default=0)
             if longest > self.max_cache_len:
-                raise ValueError(f"max_cache_len={self.max_cache_len} is too short: compiled steps appended up to "
-                                 f"{longest} tokens, and those past it were not kept (the steps that read them "
-                                 f"were wrong); make the Cache with max_cache_len >= prompt + new tokens")
+                raise ValueError(f"max_cache_len={self.max_cache_len} was too short for the last generate(): "
+                                 f"compiled steps appended up to {longest} tokens, and the steps past max_cache_len "
+                                 f"were wrong; make the Cache with max_cache_len >= prompt + new tokens")
 
         def _update(self, layer, key_states, value_states):
             if _compiling():
@@ -609,6 +611,7 @@ def _cache_class():
             """The decode op's body: one plan per step shape for every length up to max_cache_len
             (lengths are read on the device, so a replayed graph serves every step)."""
             from ..kv import decode_attention, plan_decode
+            from ..kv.decode import sdpa_gathered
 
             kv = self.kvs[layer]
             t, hq = query.shape[2], query.shape[1]
@@ -625,13 +628,8 @@ def _cache_class():
                     plan._scratch.clear()
             # The SDPA runner reads host lengths, which replays do not advance: the whole cache under
             # a mask of the device lengths instead.
-            k, v = kv.gather(0, self.seqs, self.max_cache_len, dtype=query.dtype)
-            n = kv.lengths[0, plan.seq_ids.long()]
-            keys = torch.arange(self.max_cache_len, device=query.device)
-            rows = torch.arange(t, device=query.device)
-            visible = keys[None, None, :] <= (n[:, None, None] - t + rows[None, :, None])
-            return torch.nn.functional.scaled_dot_product_attention(
-                query, k, v, attn_mask=visible[:, None], scale=scale, enable_gqa=hq != kv.kv_heads)
+            return sdpa_gathered(query, kv, 0, self.seqs, kv.lengths[0, plan.seq_ids.long()], self.max_cache_len,
+                                 scale)
 
         def _plan(self, query, layer):
             """One plan per step shape and length bucket (a power of two), shared by every layer and
@@ -661,8 +659,12 @@ def _cache_class():
             return plan.explain() + f"; in a compiled step{how}, planned for max_cache_len"
 
         def reset(self):
-            # Compiled steps cannot raise: an overflow they met is reported here (one host read).
-            longest = max((int(kv.lengths.max()) for kv in self.kvs if kv is not None), default=0) if self._stale else 0
+            overflow = None
+            if self._stale:  # an overflow in compiled steps is reported here, after the reset
+                try:
+                    self._sync()
+                except ValueError as e:
+                    overflow = e
             for kv in self.kvs:
                 if kv is None:
                     continue
@@ -676,12 +678,8 @@ def _cache_class():
             self._masked = [False] * len(self._masked)
             self._seen = [False] * len(self._seen)
             # (_last_plan stays: a compiled step replays what it recorded, running no Python to say so)
-            self._stale = False
-            if longest > self.max_cache_len:
-                raise ValueError(f"max_cache_len={self.max_cache_len} was too short for the last generate(): "
-                                 f"compiled steps appended up to {longest} tokens, and the steps past max_cache_len "
-                                 f"were wrong; make the Cache with max_cache_len >= prompt + new tokens (this Cache "
-                                 f"is reset and usable)")
+            if overflow is not None:
+                raise ValueError(f"{overflow} (this Cache is reset and usable)")
 
         def get_seq_length(self, layer_idx: int = 0):
             """Tokens cached in the layer: an int, or with a compileable cache a 0-dim device tensor

@@ -362,12 +362,20 @@ def _sdpa(query, cache, layer, plan, lengths, scale):
             return F.scaled_dot_product_attention(query, k, v, scale=scale, enable_gqa=gqa)
         visible = torch.ones(t, longest, dtype=torch.bool, device=query.device).tril(longest - t)
         return F.scaled_dot_product_attention(query, k, v, attn_mask=visible, scale=scale, enable_gqa=gqa)
-    k, v = cache.gather(layer, plan.seqs, longest, dtype=query.dtype)
-    n = torch.tensor(lengths, device=query.device)
+    return sdpa_gathered(query, cache, layer, plan.seqs, torch.tensor(lengths, device=query.device), longest, scale)
+
+
+def sdpa_gathered(query, cache, layer, seqs, lengths: torch.Tensor, longest: int, scale):
+    """SDPA of `query` (S, Hq, T, D) over the first `longest` tokens of each sequence's pages,
+    gathered (quantized pages dequantized), bottom-right causal under `lengths` (S,), a device
+    tensor: nothing is read on the host, so a captured call serves every length up to `longest`."""
+    t = query.shape[2]
+    k, v = cache.gather(layer, seqs, longest, dtype=query.dtype)
     keys = torch.arange(longest, device=query.device)
     rows = torch.arange(t, device=query.device)
-    visible = keys[None, None, :] <= (n[:, None, None] - t + rows[None, :, None])  # (S, T, L)
-    return F.scaled_dot_product_attention(query, k, v, attn_mask=visible[:, None], scale=scale, enable_gqa=gqa)
+    visible = keys[None, None, :] <= (lengths[:, None, None] - t + rows[None, :, None])  # (S, T, L)
+    return F.scaled_dot_product_attention(query, k, v, attn_mask=visible[:, None], scale=scale,
+                                          enable_gqa=query.shape[1] != cache.kv_heads)
 
 
 def _split_kv(query, cache, layer, plan, scale, sel=None, count=None, pages=1.0):

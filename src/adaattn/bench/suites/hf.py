@@ -92,8 +92,9 @@ def _maker(phase, size, batch, prompt, new, dtype, device, cache):
 
 
 @torch.no_grad()
-def _generate(model, ids, new, cache=None):
-    kw = {} if cache is None else {"past_key_values": cache}
+def _generate(model, ids, new, cache=None, **kw):
+    if cache is not None:
+        kw["past_key_values"] = cache
     return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                           do_sample=False, pad_token_id=0, **kw)
 
@@ -119,8 +120,7 @@ def _peer(model, impl, phase, ids, new, cache: str | None = None, compile: bool 
         if cache is None:
             return _generate(model, ids, new)
         if cache == "static":
-            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                                  do_sample=False, pad_token_id=0, cache_implementation="static")
+            return _generate(model, ids, new, cache_implementation="static")
         if "cache" not in held:
             from ...integrations.hf import Cache
 
