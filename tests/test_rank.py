@@ -398,7 +398,7 @@ def test_thresholds_follow_errors_pooled_over_verified_calls():
     for call, noise in enumerate((0.01, 0.03)):
         ctl.verified = call + 1
         g = torch.Generator(device="cpu").manual_seed(ctl.verified)
-        r = rank.stratified_rows(n, rank.SAMPLE_ROWS, g)
+        r = rank.stratified_rows(n, rank.verification_rows(n), g)
         rows[call] = r
         out = (exact + noise * exact.std() * torch.randn_like(exact)).to(torch.bfloat16)
         theta0 = ctl.theta.clone()
@@ -417,3 +417,26 @@ def test_thresholds_follow_errors_pooled_over_verified_calls():
         step = (rank.TARGET * tol / want).clamp(0.25, 2.0)
         assert torch.allclose(ctl.theta.double(), (theta0.double() * step).clamp(rank.THETA_MIN, rank.THETA_MAX),
                               rtol=1e-4)
+
+
+def test_verified_calls_sample_a_share_of_the_rows_that_holds_at_long_lengths(monkeypatch):
+    # Errors of trained heads sit in few rows: the rows checked grow with the length (one in 32,
+    # 512 to 4096), so a verified call at 128k sees as many of them as one at 16k.
+    assert [rank.verification_rows(n) for n in (300, 16384, 32768, 65536, 131072, 1 << 20)] == \
+        [512, 512, 1024, 2048, 4096, 4096]
+    torch.manual_seed(12)
+    n = 40000
+    q, k, v = (torch.randn(1, 1, n, 16, dtype=torch.bfloat16) for _ in range(3))
+    ctl = rank.RankController("rows", 5e-2, 1.0, 1, q.device)
+    ctl.verified = 1
+    seen = []
+
+    def rows_of_v(q, k, v, rows, *args, **kw):  # the exact rows themselves are tested elsewhere
+        seen.append(rows)
+        return v.index_select(2, rows).float(), None
+
+    monkeypatch.setattr(rank.analysis, "exact_rows", rows_of_v)
+    info = ctl._check(q, k, v, v.clone(), 0.25, True, None, None, None)
+    assert info["errors_measured_on"] == f"{n // 32} sampled rows per head"
+    assert seen[0].numel() == n // 32 and seen[0].unique().numel() == n // 32
+    assert info["head_errors"] == [0.0]

@@ -33,9 +33,14 @@ VERIFY_MARGIN = 1.0  # a head whose sampled rows measure over tolerance * this i
 THETA0 = 0.5  # a site's first thresholds: this fraction of the tolerance
 SLOWER = 0.97  # a site whose analysis + kernel measure over this share of the exact time runs exact
 EXACT_RETIME = 8  # the exact runner is timed again every this many verified calls
-# Sampled rows per verified call. Errors of trained heads sit in few rows (at 128k, layer 7 of
-# the 32k GPT: 0.1% of rows hold 57-65% of the squared error; benchmarks/NOTES.md).
+# Sampled rows per verified call: one in ROWS_PER_SAMPLE of the rows, at least SAMPLE_ROWS and
+# at most MAX_SAMPLE_ROWS. Errors of trained heads sit in few rows (at 128k, layer 7 of the 32k
+# GPT: 0.1% of rows hold 57-65% of the squared error; benchmarks/NOTES.md), so a fixed count sees
+# fewer of them as sequences grow: 512 rows at 128k left a head at 1.7x the tolerance (0.0169 at
+# 1e-2); 4096 kept every head within it, for 2% more tiles.
 SAMPLE_ROWS = 512
+ROWS_PER_SAMPLE = 32
+MAX_SAMPLE_ROWS = 4096
 POOL_DECAY = 0.5  # weight of a verified call's sampled errors at the next one (see _check)
 THETA_MIN, THETA_MAX = 1e-5, 0.5
 
@@ -49,6 +54,11 @@ def stratified_rows(n: int, count: int, generator: torch.Generator) -> torch.Ten
     edges = torch.linspace(0, n, count + 1).long()
     width = (edges[1:] - edges[:-1]).clamp(min=1)
     return (edges[:-1] + (torch.rand(count, generator=generator) * width).long().clamp(max=width - 1)).clamp(max=n - 1)
+
+
+def verification_rows(n: int) -> int:
+    """Query rows a verified call samples at sequence length n (all of them when n is smaller)."""
+    return min(MAX_SAMPLE_ROWS, max(SAMPLE_ROWS, n // ROWS_PER_SAMPLE))
 
 
 def _relative(d2: torch.Tensor, r2: torch.Tensor) -> torch.Tensor:
@@ -154,7 +164,7 @@ class RankController:
         """Sampled exact rows: per-head errors, redo of heads over the tolerance, new thresholds."""
         n = q.shape[2]
         g = torch.Generator(device="cpu").manual_seed(self.verified)
-        rows = stratified_rows(n, SAMPLE_ROWS, g).to(q.device)
+        rows = stratified_rows(n, verification_rows(n), g).to(q.device)
         ref, _ = analysis.exact_rows(q, k, v, rows, None, scale, causal, need_p=False)
         d2 = (out.index_select(2, rows).float() - ref).pow(2).sum((0, 2, 3))
         r2 = ref.pow(2).sum((0, 2, 3))
