@@ -440,21 +440,3 @@ def test_verified_calls_sample_a_share_of_the_rows_that_holds_at_long_lengths(mo
     assert info["errors_measured_on"] == f"{n // 32} sampled rows per head"
     assert seen[0].numel() == n // 32 and seen[0].unique().numel() == n // 32
     assert info["head_errors"] == [0.0]
-
-
-def test_a_sites_first_verified_calls_that_measure_slower_than_exact_measure_again_next_call():
-    # Early timings can hold compiles or launches to an idle GPU: the first REMEASURE_FIRST verified
-    # calls that measure slower send the site exact for one call only; later ones until the next
-    # verified call (every round(1 / verify) calls).
-    ctl = rank.RankController("judge", 5e-2, 0.05, 2, torch.device("cpu"))
-    ctl.exact_ms = 1.0
-    for verified in range(1, rank.REMEASURE_FIRST + 2):
-        ctl.calls, ctl.verified = 10 * verified, verified
-        ctl._next_verify = ctl.calls + 20  # as _verify_now scheduled it
-        ctl.rank_ms = 1.5
-        ctl._judge_time()
-        assert ctl.runs_exact and ctl.slower == (1.5, 1.0)
-        assert ctl._next_verify == (ctl.calls + 1 if verified <= rank.REMEASURE_FIRST else ctl.calls + 20)
-    ctl.rank_ms = 0.5  # faster: the site keeps its plan (run() clears runs_exact on verified calls)
-    ctl._judge_time()
-    assert ctl.slower is None

@@ -33,7 +33,6 @@ VERIFY_MARGIN = 1.0  # a head whose sampled rows measure over tolerance * this i
 THETA0 = 0.5  # a site's first thresholds: this fraction of the tolerance
 SLOWER = 0.97  # a site whose analysis + kernel measure over this share of the exact time runs exact
 EXACT_RETIME = 8  # the exact runner is timed again every this many verified calls
-REMEASURE_FIRST = 3  # a site's first verified calls that measure slower than exact measure again next call
 # Sampled rows per verified call: one in ROWS_PER_SAMPLE of the rows, at least SAMPLE_ROWS and
 # at most MAX_SAMPLE_ROWS. Errors of trained heads sit in few rows (at 128k, layer 7 of the 32k
 # GPT: 0.1% of rows hold 57-65% of the squared error; benchmarks/NOTES.md), so a fixed count sees
@@ -149,24 +148,17 @@ class RankController:
             end.synchronize()
             self.rank_ms = start.elapsed_time(planned) + launch.elapsed_time(end)
             info["measured_ms"], info["exact_ms"] = self.rank_ms, self.exact_ms
-            self._judge_time()
+            if self.exact_ms is not None and self.rank_ms > SLOWER * self.exact_ms:
+                # Analysis and kernel together measure no faster than exact here: exact runs
+                # until the next verified call measures again. The site's first timing may include
+                # compiling the kernels for this shape, so then the next call measures again.
+                self.runs_exact = True
+                self.slower = (self.rank_ms, self.exact_ms)
+                if self.verified == 1:
+                    self._next_verify = self.calls + 1
+            else:
+                self.slower = None
         return out, info
-
-    def _judge_time(self) -> None:
-        """After a timed (verified) call: where analysis and kernel together measured no faster
-        than exact (over SLOWER of its time), exact runs until the next verified call measures
-        again. A site's first REMEASURE_FIRST verified calls measure again on the next call: their
-        times may include compiling kernels for this shape, or launches issued to an idle GPU
-        right after the previous verified call's read-back (seen on the H100: a 32k site's second
-        verified call measured 1.80 ms, where its steady calls take 0.63 ms, and the next 19 calls
-        ran exact)."""
-        if self.exact_ms is not None and self.rank_ms > SLOWER * self.exact_ms:
-            self.runs_exact = True
-            self.slower = (self.rank_ms, self.exact_ms)
-            if self.verified <= REMEASURE_FIRST:
-                self._next_verify = self.calls + 1
-        else:
-            self.slower = None
 
     def _check(self, q, k, v, out, scale, causal, exact, problem, label, redo=None) -> dict:
         """Sampled exact rows: per-head errors, redo of heads over the tolerance, new thresholds."""
