@@ -265,7 +265,6 @@ class _Handle:
         holds nothing but the sequence's length."""
         cache, layer = self.cache, self.layer
         t, g = query.shape[2], query.shape[1] // self.key_states.shape[1]
-        windowed = window is not None and window < cache.max_cache_len
         if self.token is not None:  # inside a compiled step
             if dropout:
                 raise NotImplementedError("dropout in a compiled step over an adaattn Cache: run it uncompiled")
@@ -274,8 +273,7 @@ class _Handle:
                     f"a compiled step over an adaattn Cache takes up to {DECODE_ROWS} query rows per KV head "
                     f"(GQA group x new tokens), got {t * g}; transformers' generate() compiles only the decode "
                     f"steps, whose prompts run uncompiled")
-            if t > 1 or cache._masked[layer] or windowed:
-                cache._dense_why = _dense_why(t, cache._masked[layer], window)
+            if self._dense(t, window):
                 return None
             return _decode_op(query, self.token, cache._state(layer), scaling)
         cache._seen[layer] = True
@@ -285,8 +283,7 @@ class _Handle:
         if self.before == 0 or dropout or t * g > DECODE_ROWS:
             return None
         if cache.is_compileable:
-            if t > 1 or cache._masked[layer] or windowed:
-                cache._dense_why = _dense_why(t, cache._masked[layer], window)
+            if self._dense(t, window):
                 return None
         elif mask is not None:
             cache._dense_why = "a step with a mask (padding): the usual attention over the cache, under the mask"
@@ -295,6 +292,17 @@ class _Handle:
 
         plan = cache._plan(query, layer)
         return decode_attention(query, cache.kvs[layer], 0, scale=scaling, plan=plan)
+
+    def _dense(self, t, window) -> bool:
+        """Whether a step over a compileable cache attends the whole cache under transformers' mask
+        instead of running the kernel (several new tokens, a layer whose prompt or chunks had more
+        than the causal mask, a window shorter than the cache); cache._dense_why then says which."""
+        cache = self.cache
+        masked = cache._masked[self.layer]
+        if t > 1 or masked or (window is not None and window < cache.max_cache_len):
+            cache._dense_why = _dense_why(t, masked, window)
+            return True
+        return False
 
     def dense(self):
         """Keys and values for the usual attention: a prompt's own states, else the whole history
@@ -443,10 +451,6 @@ def Cache(max_cache_len: int, storage: str = "native", paged: bool = False, page
     return _cache_class()(max_cache_len, storage, bool(paged), page_size, decode_runner, compile)
 
 
-def _compiling() -> bool:
-    return torch.compiler.is_compiling()
-
-
 @functools.lru_cache(maxsize=None)
 def _cache_class():
     """The Cache class, made once (transformers is imported only when a Cache is asked for)."""
@@ -529,7 +533,7 @@ def _cache_class():
                                  f"were wrong; make the Cache with max_cache_len >= prompt + new tokens")
 
         def _update(self, layer, key_states, value_states):
-            if _compiling():
+            if torch.compiler.is_compiling():
                 return self._update_compiled(layer, key_states, value_states)
             from ..kv import KVCache, PagedKVCache
 

@@ -365,16 +365,21 @@ def _sdpa(query, cache, layer, plan, lengths, scale):
     return sdpa_gathered(query, cache, layer, plan.seqs, torch.tensor(lengths, device=query.device), longest, scale)
 
 
-def sdpa_gathered(query, cache, layer, seqs, lengths: torch.Tensor, longest: int, scale):
+def sdpa_gathered(query, cache, layer, seqs, lengths: torch.Tensor, longest: int, scale,
+                  pages: Optional[torch.Tensor] = None):
     """SDPA of `query` (S, Hq, T, D) over the first `longest` tokens of each sequence's pages,
     gathered (quantized pages dequantized), bottom-right causal under `lengths` (S,), a device
-    tensor: nothing is read on the host, so a captured call serves every length up to `longest`."""
+    tensor: nothing is read on the host, so a captured call serves every length up to `longest`.
+    pages: (S, Hq, ceil(longest / page size)) bool, the pages each head may read (None: all)."""
     t = query.shape[2]
     k, v = cache.gather(layer, seqs, longest, dtype=query.dtype)
     keys = torch.arange(longest, device=query.device)
     rows = torch.arange(t, device=query.device)
     visible = keys[None, None, :] <= (lengths[:, None, None] - t + rows[None, :, None])  # (S, T, L)
-    return F.scaled_dot_product_attention(query, k, v, attn_mask=visible[:, None], scale=scale,
+    mask = visible[:, None]
+    if pages is not None:
+        mask = mask & pages[:, :, None, keys // cache.page_size]  # (S, Hq, T, L)
+    return F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale,
                                           enable_gqa=query.shape[1] != cache.kv_heads)
 
 

@@ -264,21 +264,15 @@ def kept_mask(sel: torch.Tensor, count: torch.Tensor, maxp: int) -> torch.Tensor
 def sparse_reference(query, cache, layer, seq_ids, sel, count, scale, lengths):
     """Attention over the kept pages only, by torch's SDPA over the gathered cache with the
     unkept pages masked: the CPU path (it reads every page; it is for correctness, not speed)."""
-    import torch.nn.functional as F
+    from .decode import sdpa_gathered  # (decode imports this module)
 
-    s, hq, t, d = query.shape
-    hkv, p = cache.kv_heads, cache.page_size
+    s, hq = query.shape[:2]
+    hkv = cache.kv_heads
     longest = max(lengths)
-    maxp = -(-longest // p)
-    k, v = cache.gather(layer, [int(x) for x in seq_ids.tolist()], longest, dtype=query.dtype)
-    keep = kept_mask(sel, count, maxp).view(s, hkv, maxp)
-    keep = keep.repeat_interleave(hq // hkv, 1)  # (S, Hq, P)
-    keys = torch.arange(longest, device=query.device)
-    n = torch.tensor(lengths, device=query.device)
-    rows = torch.arange(t, device=query.device)
-    visible = keys[None, None, :] <= (n[:, None, None] - t + rows[None, :, None])  # (S, T, L)
-    mask = visible[:, None] & keep[:, :, None, keys // p]  # (S, Hq, T, L)
-    return F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale, enable_gqa=hq != hkv)
+    maxp = -(-longest // cache.page_size)
+    keep = kept_mask(sel, count, maxp).view(s, hkv, maxp).repeat_interleave(hq // hkv, 1)  # (S, Hq, P)
+    return sdpa_gathered(query, cache, layer, seq_ids, torch.tensor(lengths, device=query.device), longest, scale,
+                         pages=keep)
 
 
 def should_verify(site_: SparseSite, policy, query: torch.Tensor) -> bool:
