@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 
 import contextlib  # noqa: E402
 import math  # noqa: E402
+import warnings  # noqa: E402
 from dataclasses import replace  # noqa: E402
 
 import pytest  # noqa: E402
@@ -1453,3 +1454,151 @@ def test_gpu_varlen():
 def test_gpu_gradients_at_the_gpt_training_shape(n):
     # The shipped GPT: 6 query heads over 2 KV heads of 64, causal, bf16, context 8192.
     check_case(b=1, hq=6, hkv=2, nq=n, nk=n, d=64, dtype=torch.bfloat16, causal=True, seed=n)
+
+
+# The Gluon forward (kernels/attention_fwd_gluon.py): one of the triton.ws runner's kernels on
+# Hopper. It does not run in the interpreter; the CPU checks that it compiles for sm90 into the
+# three partitions it is written as, and the GPU holds it to the standard.
+
+GLUON_SM90_COMPILE = r'''
+import json, re, subprocess, tempfile, os
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from adaattn.backends.triton_configs import HALF_CONFIGS
+from adaattn.kernels.attention_fwd_gluon import attention_fwd_gluon_kernel as fn
+
+rows = []
+for d, d_class in ((64, "small_d"), (128, "mid_d")):
+    for cfg in HALF_CONFIGS["fwd_gluon"][d_class]:
+        causal = cfg.num_stages == 3  # both mask forms over the configs
+        half = cfg.block_m // 2
+        ql = gl.NVMMASharedLayout.get_default_for([1, 1, half, d], gl.bfloat16)
+        kl = gl.NVMMASharedLayout.get_default_for([1, 1, cfg.block_n, d], gl.bfloat16)
+        consts = dict(HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, CAUSAL=causal,
+                      BOTTOM_RIGHT=causal)
+        sig = {}
+        for name in fn.arg_names:
+            if name in consts:
+                sig[name] = "constexpr"
+            elif name in ("q_desc", "o_desc"):
+                sig[name] = f"tensordesc<bf16[1,1,{half},{d}],{ql!r}>"
+            elif name in ("k_desc", "v_desc"):
+                sig[name] = f"tensordesc<bf16[1,1,{cfg.block_n},{d}],{kl!r}>"
+            else:
+                sig[name] = {"LSE": "*fp32", "scale_log2": "fp32"}.get(name, "i32")
+        c = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=cfg.num_warps))
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(c.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+        m = re.search(r"STACK:(\d+)", usage)
+        ptx = c.asm["ptx"]
+        rows.append({"d": d, "cfg": str(cfg), "smem": c.metadata.shared, "stack": int(m.group(1)) if m else None,
+                     "threads": [int(t) for t in re.findall(r"reqntid (\d+)", ptx)],
+                     "regs": sorted(set(int(r) for r in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))),
+                     "wgmma": ptx.count("wgmma.mma_async"), "tma": "cp.async.bulk.tensor" in ptx})
+print(json.dumps(rows))
+'''
+
+
+@pytest.mark.slow
+def test_gluon_forward_compiles_for_sm90_into_its_partitions():
+    """Every Gluon config compiles for sm90 with this triton: two consumer warp groups and a loader
+    (12 warps, registers moved to the consumers), wgmma products and TMA copies, within shared
+    memory, and without spills beyond a few registers (triton 3.6, where it is measured: none;
+    triton 3.9: 112 bytes a thread at D=128 BN128/s2)."""
+    from adaattn import hardware
+
+    if not hardware.gluon_available():
+        pytest.skip("this triton has no Gluon warp_specialize over (function, args) pairs")
+    import sm90
+
+    rows = sm90.run_json(GLUON_SM90_COMPILE)
+    assert len(rows) == 4
+    for r in rows:
+        assert r["threads"] == [384] and r["wgmma"] > 0 and r["tma"], r
+        assert 240 in r["regs"] and 24 in r["regs"], r
+        assert r["smem"] <= 232448 and (r["stack"] or 0) <= 128, r
+
+
+def test_gluon_forward_setting_is_checked():
+    with pytest.raises(ValueError, match="fwd_gluon"):
+        settings.Settings(fwd_gluon="on")
+    assert settings.from_environment({"ADAATTN_TRITON_FWD_GLUON": "off"}).fwd_gluon == "off"
+
+
+def test_gluon_forward_is_not_used_off_hopper_or_in_the_interpreter():
+    from adaattn.backends import triton_launch
+
+    assert not triton_launch.gluon_fwd_here(torch.zeros(1))
+
+
+GLUON_CFGS = {64: [KernelConfig(128, 128, 4, 3, "gluon"), KernelConfig(128, 128, 4, 2, "gluon")],
+              128: [KernelConfig(128, 128, 4, 2, "gluon"), KernelConfig(128, 64, 4, 3, "gluon")]}
+
+
+def _gluon_here() -> bool:
+    from adaattn.backends import triton_launch
+
+    return torch.cuda.is_available() and triton_launch.gluon_fwd_here(torch.zeros(1, device="cuda"))
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("ci", [0, 1])
+@pytest.mark.parametrize(
+    "b,hq,hkv,nq,nk,d,dtype,causal,align",
+    [
+        (1, 2, 2, 128, 128, 128, torch.bfloat16, False, "top_left"),
+        (2, 4, 2, 1000, 1000, 128, torch.bfloat16, True, "top_left"),
+        (1, 4, 4, 777, 1500, 64, torch.bfloat16, True, "bottom_right"),
+        (1, 4, 4, 1500, 777, 64, torch.float16, True, "bottom_right"),
+        (1, 4, 4, 1500, 777, 128, torch.float16, True, "top_left"),
+        (2, 8, 2, 2048, 2048, 128, torch.bfloat16, True, "top_left"),
+        (1, 2, 1, 17, 300, 64, torch.bfloat16, False, "top_left"),
+        (1, 2, 1, 300, 17, 128, torch.bfloat16, True, "top_left"),
+        (1, 2, 2, 1, 4100, 128, torch.bfloat16, False, "top_left"),
+    ],
+)
+def test_gpu_gluon_forward_meets_the_standard(b, hq, hkv, nq, nk, d, dtype, causal, align, ci):
+    """Each Gluon config, forced, through the triton.ws runner; gradients through the backward
+    from its log-sum-exp."""
+    if not _gluon_here():
+        pytest.skip("the Gluon forward runs on Hopper with triton >= 3.6 only")
+    ran = []
+    with triton_tuner.forced_configs(fwd_ws=GLUON_CFGS[d][ci]), warnings.catch_warnings():
+        warnings.simplefilter("error")  # a Gluon failure would warn and run the Triton kernel
+        check_case(b=b, hq=hq, hkv=hkv, nq=nq, nk=nk, d=d, dtype=dtype, causal=causal, align=align,
+                   policy=adaattn.Policy(backends=("triton.ws",)), ran=ran, seed=nq + nk + d + ci)
+    assert ran == ["triton.ws"]
+
+
+@gpu
+@needs_cuda
+def test_gpu_gluon_forward_failure_falls_back_to_the_triton_kernel_with_one_warning(monkeypatch):
+    if not _gluon_here():
+        pytest.skip("the Gluon forward runs on Hopper with triton >= 3.6 only")
+    from adaattn.backends import triton_launch
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("compile failure")
+
+    monkeypatch.setattr(triton_launch, "_launch_fwd_gluon", broken)
+    monkeypatch.setattr(triton_launch, "_GLUON_BROKEN", [])
+    g = _gen(21)
+    q, k, v = (_randn((1, 4, 500, 128), torch.bfloat16, g) for _ in range(3))
+    policy = adaattn.Policy(backends=("triton.ws",))
+    with triton_tuner.forced_configs(fwd_ws=GLUON_CFGS[128][0]):
+        with pytest.warns(RuntimeWarning, match="Gluon forward failed"):
+            out = adaattn.attention(q, k, v, is_causal=True, policy=policy)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            again = adaattn.attention(q, k, v, is_causal=True, policy=policy)
+    assert not triton_launch.gluon_fwd_here(q)
+    peer = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert_standard(out, reference_attention(q, k, v, is_causal=True), peer, "output")
+    assert torch.equal(out, again)

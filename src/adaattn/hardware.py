@@ -154,6 +154,7 @@ def max_shared_memory(index: int | None) -> int:
 
 
 _warp_specialisation: list[bool] = []
+_gluon: list[bool] = []
 
 
 @_constant  # called while torch.compile plans a call: evaluated, not traced (it imports triton)
@@ -169,6 +170,24 @@ def warp_specialisation_available() -> bool:
         except Exception:
             _warp_specialisation.append(False)
     return _warp_specialisation[0]
+
+
+@_constant
+def gluon_available() -> bool:
+    """Triton's Gluon with Hopper wgmma, TMA and warp_specialize over (function, args) pairs
+    (triton 3.6 and newer); imports triton."""
+    if not _gluon:
+        try:
+            import inspect
+
+            from triton.experimental.gluon import language as gl
+            from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma  # noqa: F401
+            from triton.experimental.gluon.nvidia.hopper import TensorDescriptor  # noqa: F401
+
+            _gluon.append("functions_and_args" in inspect.signature(gl.warp_specialize).parameters)
+        except Exception:
+            _gluon.append(False)
+    return _gluon[0]
 
 
 def format_report(rep: dict) -> str:

@@ -8,6 +8,8 @@ Every plan is cached under the settings it was made with (`current()` is part of
     ADAATTN_TRITON_DQ            how our backward makes dq: atomic (default), separate, atomic_rotate
     ADAATTN_TRITON_BWD_WS        auto (default: the warp-specialised backward where it applies, on
                                  Hopper), on (wherever it applies, the CPU interpreter included), off
+    ADAATTN_TRITON_FWD_GLUON     auto (default: the triton.ws runner's configs include the Gluon
+                                 kernel on Hopper, and the tuner times both kernels), off
     ADAATTN_TRITON_FWD_GRID      query_major (default) or head_major launch grid of our forward
     ADAATTN_TRITON_EXP_FMA       0 (default), 2, 4: share of exp2 on the FMA units (one in N)
     ADAATTN_FP8_LEVEL_QK         auto (default: FP8 on Hopper), int8, fp8: Q.K^T of the fp8 level
@@ -30,6 +32,7 @@ GRID_ORDERS = ("query_major", "head_major")
 EXP_FMA_SHARES = ("0", "2", "4")
 FP8_LEVEL_QK = ("auto", "int8", "fp8")
 BWD_WS = ("auto", "on", "off")
+FWD_GLUON = ("auto", "off")
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class Settings:
     autotune: bool = True
     dq: str = "atomic"  # measured fastest on the H100 (results/2026-11-22-triton-variants-h100.json)
     bwd_ws: str = "auto"  # kernels/attention_bwd_ws.py; benchmarks/NOTES.md (issue 17) has its figures
+    fwd_gluon: str = "auto"  # kernels/attention_fwd_gluon.py
     fwd_grid: str = "query_major"
     exp_fma: str = "0"
     fp8_level_qk: str = "auto"
@@ -49,7 +53,8 @@ class Settings:
 
     def __post_init__(self) -> None:
         for name, allowed in (("dq", DQ_MODES), ("fwd_grid", GRID_ORDERS), ("exp_fma", EXP_FMA_SHARES),
-                              ("fp8_level_qk", FP8_LEVEL_QK), ("bwd_ws", BWD_WS)):
+                              ("fp8_level_qk", FP8_LEVEL_QK), ("bwd_ws", BWD_WS),
+                              ("fwd_gluon", FWD_GLUON)):
             value = getattr(self, name)
             if str(value) not in allowed:
                 raise ValueError(f"setting {name} must be one of {allowed}, got {value!r}")
@@ -68,6 +73,7 @@ _ENV = {
     "autotune": ("ADAATTN_TRITON_AUTOTUNE", lambda s: s != "0"),
     "dq": ("ADAATTN_TRITON_DQ", str),
     "bwd_ws": ("ADAATTN_TRITON_BWD_WS", str),
+    "fwd_gluon": ("ADAATTN_TRITON_FWD_GLUON", str),
     "fwd_grid": ("ADAATTN_TRITON_FWD_GRID", str),
     "exp_fma": ("ADAATTN_TRITON_EXP_FMA", str),
     "fp8_level_qk": ("ADAATTN_FP8_LEVEL_QK", str),

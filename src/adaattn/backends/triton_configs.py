@@ -23,9 +23,13 @@ class KernelConfig:
     block_n: int
     num_warps: int = 4
     num_stages: int = 2
+    # "" for the kernel of the kind; "gluon": the Gluon kernel of the same kind
+    # (kernels/attention_fwd_gluon.py for "fwd_ws"), which the tuner times beside it.
+    impl: str = ""
 
     def __str__(self) -> str:
-        return f"BM{self.block_m}/BN{self.block_n}/w{self.num_warps}/s{self.num_stages}"
+        tail = f"/{self.impl}" if self.impl else ""
+        return f"BM{self.block_m}/BN{self.block_n}/w{self.num_warps}/s{self.num_stages}{tail}"
 
 
 # One small config for the CPU interpreter: BLOCK_M != BLOCK_N exercises the tile ranges.
@@ -60,6 +64,15 @@ HALF_CONFIGS = {
         "small_d": [KernelConfig(128, 128, 4, 2), KernelConfig(128, 64, 4, 2)],
         "mid_d": [KernelConfig(128, 128, 4, 2), KernelConfig(128, 64, 4, 2)],
         "large_d": [KernelConfig(128, 64, 4, 2)],
+    },
+    # The Gluon forward (kernels/attention_fwd_gluon.py), tried first where it runs: num_warps is
+    # per consumer group (two groups of 64 rows and a one-warp loader). H100 probe
+    # (benchmarks/NOTES.md, "A Gluon forward"): BN128/s2 fastest not causal and under GQA at
+    # D=128, BN64/s3 on causal calls; BN128/s3 at D=64. 128/128/s3 at D=128 needs 229 KB.
+    "fwd_gluon": {
+        "small_d": [KernelConfig(128, 128, 4, 3, "gluon"), KernelConfig(128, 128, 4, 2, "gluon")],
+        "mid_d": [KernelConfig(128, 128, 4, 2, "gluon"), KernelConfig(128, 64, 4, 3, "gluon")],
+        "large_d": [],
     },
     # dk/dv accumulators live in registers all along: small query tiles keep them there.
     "dkdv": {
@@ -125,7 +138,7 @@ def shared_memory_estimate(kind: str, cfg: KernelConfig, block_d: int, elem: int
     the width of V, dO and the output tiles."""
     bm, bn, stages = cfg.block_m, cfg.block_n, max(cfg.num_stages, 1)
     qk, vo = block_d, block_dv or block_d
-    if kind in ("fwd", "fwd_ws"):  # q resident; k and v pipelined
+    if kind in ("fwd", "fwd_ws", "fwd_gluon"):  # q resident; k and v pipelined
         resident, pipelined = bm * qk, bn * (qk + vo)
     elif kind in ("dkdv", "dkdv_ws"):  # k and v resident; q and do pipelined
         resident, pipelined = bn * (qk + vo), bm * (qk + vo)

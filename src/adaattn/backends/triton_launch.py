@@ -245,11 +245,15 @@ def _shape_key(q, lay: RowLayout, launch: AttentionLaunch, mask_kind, mask_elem=
 
 
 def _launch_fwd_ws(q, k, v, out, lse, lay: RowLayout, launch: AttentionLaunch) -> None:
+    """The triton.ws runner's forward: the warp-specialised Triton kernel, and on Hopper the Gluon
+    kernel too (kernels/attention_fwd_gluon.py; its configs come first, and the tuner times both
+    kernels per shape class). A Gluon launch that fails (a triton whose Gluon differs) warns once,
+    and the Triton kernel runs from then on."""
     from ..kernels.attention_fwd_ws import attention_fwd_ws_kernel
 
     descriptor = tensor_descriptor()
 
-    def run(cfg: KernelConfig):
+    def run_triton(cfg: KernelConfig):
         ensure_triton_allocator()
         box = [1, 1, cfg.block_n, lay.head_dim]
         attention_fwd_ws_kernel[(cdiv(lay.q_len, cfg.block_m), lay.batch * lay.q_heads)](
@@ -262,10 +266,74 @@ def _launch_fwd_ws(q, k, v, out, lse, lay: RowLayout, launch: AttentionLaunch) -
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
-    key = _shape_key(q, lay, launch, MASK_NONE)
-    cfg = CONFIGS.pick("fwd_ws", key, lambda: fitting_configs("fwd_ws", lay.head_dim, q.dtype, q.device), run,
-                       lambda: out)
+    def run(cfg: KernelConfig):
+        if cfg.impl == "gluon":
+            _launch_fwd_gluon(q, k, v, out, lse, lay, launch, cfg)
+        else:
+            run_triton(cfg)
+
+    def candidates() -> list:
+        triton_configs = fitting_configs("fwd_ws", lay.head_dim, q.dtype, q.device)
+        if not gluon_fwd_here(q):
+            return triton_configs
+        return fitting_configs("fwd_gluon", lay.head_dim, q.dtype, q.device) + triton_configs
+
+    key = _shape_key(q, lay, launch, MASK_NONE) + (gluon_fwd_here(q),)
+    cfg = CONFIGS.pick("fwd_ws", key, candidates, run, lambda: out)
+    if cfg.impl == "gluon":
+        try:
+            run(cfg)
+            return
+        except Exception as e:  # a compile or launch failure of the Gluon kernel on this triton
+            _gluon_failed(e)
+            cfg = CONFIGS.pick("fwd_ws", key[:-1] + (False,),
+                               lambda: fitting_configs("fwd_ws", lay.head_dim, q.dtype, q.device), run, lambda: out)
     run(cfg)
+
+
+_GLUON_BROKEN: list = []
+
+
+def _gluon_failed(e: BaseException) -> None:
+    import warnings
+
+    if not _GLUON_BROKEN:
+        warnings.warn(f"adaattn triton: the Gluon forward failed ({type(e).__name__}: {str(e).strip()[:200]}); "
+                      "the warp-specialised Triton forward runs instead from now on.", RuntimeWarning, stacklevel=3)
+    _GLUON_BROKEN.append(True)
+
+
+def gluon_fwd_here(q: torch.Tensor) -> bool:
+    """Whether triton.ws calls on q's device may run the Gluon forward: Hopper (sm90), not the
+    interpreter, a triton whose Gluon has warp_specialize over (function, args) pairs (3.6 and
+    newer), the setting not "off", and no failure of it in this process."""
+    if _GLUON_BROKEN or settings.current().fwd_gluon == "off":
+        return False
+    if not q.is_cuda or interpreting() or hardware.arch("cuda", q.device.index) != "sm90":
+        return False
+    return hardware.gluon_available()
+
+
+def _launch_fwd_gluon(q, k, v, out, lse, lay: RowLayout, launch: AttentionLaunch, cfg: KernelConfig) -> None:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from ..kernels.attention_fwd_gluon import attention_fwd_gluon_kernel
+
+    elem = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    d, half = lay.head_dim, cfg.block_m // 2
+
+    def desc(t, rows):
+        box = [1, 1, rows, d]
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), box,
+                                gl.NVMMASharedLayout.get_default_for(box, elem))
+
+    attention_fwd_gluon_kernel[(cdiv(lay.q_len, cfg.block_m), lay.batch * lay.q_heads)](
+        desc(q, half), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(out, half), lse, *lse_strides(lse, lay),
+        lay.q_heads, lay.q_heads // lay.kv_heads, lay.q_len, lay.k_len, launch.scale * LOG2E,
+        HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, CAUSAL=launch.has_right,
+        BOTTOM_RIGHT=launch.bottom_right, num_warps=cfg.num_warps,
+    )
 
 
 def _check_variant(launch: AttentionLaunch, lay: RowLayout, q, k, v, mask_kind: int) -> None:
