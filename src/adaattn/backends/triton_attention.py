@@ -1,7 +1,9 @@
 """Our exact fused attention in Triton: the runners (one per forward variant) and `triton_attention`.
 
-    triton.ws    warp-specialised forward (kernels/attention_fwd_ws.py): Hopper, dense bf16/fp16,
-                 no mask, no sliding window (causal is fine), head_dim 64/128, TMA-aligned tensors
+    triton.ws    warp-specialised forward (kernels/attention_fwd_ws.py, and on Hopper with Gluon
+                 kernels/attention_fwd_gluon.py, the tuner keeping the faster): Hopper, dense
+                 bf16/fp16, no mask, no sliding window (causal is fine), head_dim 64/128,
+                 TMA-aligned tensors
     triton.tma   tensor-descriptor (TMA) K/V loads: dense, no mask, power-of-two head_dim,
                  TMA-aligned tensors
     triton.ptr   pointer loads (cp.async pipelining): everything the kernels take
