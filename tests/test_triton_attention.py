@@ -318,7 +318,8 @@ def test_invisible_tiles_are_skipped_not_just_masked():
         assert rel_err(out[:, :, 32:], ref[:, :, 32:]) < 1e-5
 
 
-@pytest.mark.xfail(DEVICE == "cpu", strict=True, reason=(
+@pytest.mark.xfail(DEVICE == "cpu", strict=False, reason=(
+    "not strict: a clean-clone CI run at 12775f8 passed it (XPASS) where three before failed it; "
     "fails before the runner refactor too (2e4aa85): fp32 dv err 3.6e-5 > 2*err(torch) 7.6e-6 under the interpreter; "
     "the backward recomputes p = exp2(s*scale*log2e - lse*log2e) from the natural-log lse the forward stored as "
     "(m2 + log2 l)*ln2: the round trip of a |lse| ~ 1e2 value costs ~1e-5 relative in p"))
