@@ -18,12 +18,16 @@ import pytest
 
 
 def compile_for_sm90(kernel, consts: dict, types: dict, divisible, num_warps: int, num_stages: int) -> dict:
-    """Compile `kernel` with `consts` (unknown names ignored), argument types from
-    types(name) (a Triton type string), and 16-divisibility hints where divisible(name, type)
-    says so. Returns ptx, ttgir, shared memory bytes and the per-thread stack (spill) bytes."""
+    """Compile `kernel` (@triton.jit or @gluon.jit) with `consts` (unknown names ignored), argument
+    types from types(name) (a Triton type string), and 16-divisibility hints where
+    divisible(name, type) says so. Returns ptx, ttgir, shared memory bytes and the per-thread stack
+    (spill) bytes."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    if type(kernel).__name__ == "GluonJITFunction":
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
 
     consts = {name: value for name, value in consts.items() if name in kernel.arg_names}
     sig, attrs = {}, {}

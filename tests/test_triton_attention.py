@@ -1462,13 +1462,11 @@ def test_gpu_gradients_at_the_gpt_training_shape(n):
 # three partitions it is written as, and the GPU holds it to the standard.
 
 GLUON_SM90_COMPILE = r'''
-import json, re, subprocess, tempfile, os
-import triton
-from triton.backends.compiler import GPUTarget
+import json, re
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon._runtime import GluonASTSource
 from adaattn.backends.triton_configs import HALF_CONFIGS
 from adaattn.kernels.attention_fwd_gluon import attention_fwd_gluon_kernel as fn
+from sm90 import compile_for_sm90
 
 rows = []
 for d, d_class in ((64, "small_d"), (128, "mid_d")):
@@ -1477,28 +1475,14 @@ for d, d_class in ((64, "small_d"), (128, "mid_d")):
         half = cfg.block_m // 2
         ql = gl.NVMMASharedLayout.get_default_for([1, 1, half, d], gl.bfloat16)
         kl = gl.NVMMASharedLayout.get_default_for([1, 1, cfg.block_n, d], gl.bfloat16)
-        consts = dict(HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, CAUSAL=causal,
-                      BOTTOM_RIGHT=causal)
-        sig = {}
-        for name in fn.arg_names:
-            if name in consts:
-                sig[name] = "constexpr"
-            elif name in ("q_desc", "o_desc"):
-                sig[name] = f"tensordesc<bf16[1,1,{half},{d}],{ql!r}>"
-            elif name in ("k_desc", "v_desc"):
-                sig[name] = f"tensordesc<bf16[1,1,{cfg.block_n},{d}],{kl!r}>"
-            else:
-                sig[name] = {"LSE": "*fp32", "scale_log2": "fp32"}.get(name, "i32")
-        c = triton.compile(GluonASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
-                           options=dict(num_warps=cfg.num_warps))
-        tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(c.asm["cubin"])
-            f.flush()
-            usage = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
-        m = re.search(r"STACK:(\d+)", usage)
-        ptx = c.asm["ptx"]
-        rows.append({"d": d, "cfg": str(cfg), "smem": c.metadata.shared, "stack": int(m.group(1)) if m else None,
+        types = {"q_desc": f"tensordesc<bf16[1,1,{half},{d}],{ql!r}>", "LSE": "*fp32", "scale_log2": "fp32",
+                 "k_desc": f"tensordesc<bf16[1,1,{cfg.block_n},{d}],{kl!r}>"}
+        types["o_desc"], types["v_desc"] = types["q_desc"], types["k_desc"]
+        c = compile_for_sm90(fn, dict(HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages,
+                                      CAUSAL=causal, BOTTOM_RIGHT=causal),
+                             lambda name: types.get(name, "i32"), lambda name, t: False, cfg.num_warps, cfg.num_stages)
+        ptx = c["ptx"]
+        rows.append({"d": d, "cfg": str(cfg), "smem": c["smem"], "stack": c["stack"],
                      "threads": [int(t) for t in re.findall(r"reqntid (\d+)", ptx)],
                      "regs": sorted(set(int(r) for r in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))),
                      "wgmma": ptx.count("wgmma.mma_async"), "tma": "cp.async.bulk.tensor" in ptx})
@@ -1538,8 +1522,8 @@ def test_gluon_forward_is_not_used_off_hopper_or_in_the_interpreter():
     assert not triton_launch.gluon_fwd_here(torch.zeros(1))
 
 
-GLUON_CFGS = {64: [KernelConfig(128, 128, 4, 3, "gluon"), KernelConfig(128, 128, 4, 2, "gluon")],
-              128: [KernelConfig(128, 128, 4, 2, "gluon"), KernelConfig(128, 64, 4, 3, "gluon")]}
+def gluon_config(d: int, i: int) -> KernelConfig:
+    return tc.HALF_CONFIGS["fwd_gluon"][tc.d_class(d)][i]
 
 
 def _gluon_here() -> bool:
@@ -1571,7 +1555,7 @@ def test_gpu_gluon_forward_meets_the_standard(b, hq, hkv, nq, nk, d, dtype, caus
     if not _gluon_here():
         pytest.skip("the Gluon forward runs on Hopper with triton >= 3.6 only")
     ran = []
-    with triton_tuner.forced_configs(fwd_ws=GLUON_CFGS[d][ci]), warnings.catch_warnings():
+    with triton_tuner.forced_configs(fwd_ws=gluon_config(d, ci)), warnings.catch_warnings():
         warnings.simplefilter("error")  # a Gluon failure would warn and run the Triton kernel
         check_case(b=b, hq=hq, hkv=hkv, nq=nq, nk=nk, d=d, dtype=dtype, causal=causal, align=align,
                    policy=adaattn.Policy(backends=("triton.ws",)), ran=ran, seed=nq + nk + d + ci)
@@ -1593,7 +1577,7 @@ def test_gpu_gluon_forward_failure_falls_back_to_the_triton_kernel_with_one_warn
     g = _gen(21)
     q, k, v = (_randn((1, 4, 500, 128), torch.bfloat16, g) for _ in range(3))
     policy = adaattn.Policy(backends=("triton.ws",))
-    with triton_tuner.forced_configs(fwd_ws=GLUON_CFGS[128][0]):
+    with triton_tuner.forced_configs(fwd_ws=gluon_config(128, 0)):
         with pytest.warns(RuntimeWarning, match="Gluon forward failed"):
             out = adaattn.attention(q, k, v, is_causal=True, policy=policy)
         with warnings.catch_warnings():

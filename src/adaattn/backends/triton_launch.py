@@ -272,24 +272,24 @@ def _launch_fwd_ws(q, k, v, out, lse, lay: RowLayout, launch: AttentionLaunch) -
         else:
             run_triton(cfg)
 
-    def candidates() -> list:
-        triton_configs = fitting_configs("fwd_ws", lay.head_dim, q.dtype, q.device)
-        if not gluon_fwd_here(q):
-            return triton_configs
-        return fitting_configs("fwd_gluon", lay.head_dim, q.dtype, q.device) + triton_configs
+    def pick(gluon: bool) -> KernelConfig:
+        """The tuned config among the Triton kernel's, and the Gluon kernel's first where it runs."""
+        def candidates() -> list:
+            triton_configs = fitting_configs("fwd_ws", lay.head_dim, q.dtype, q.device)
+            return (fitting_configs("fwd_gluon", lay.head_dim, q.dtype, q.device) if gluon else []) + triton_configs
 
-    key = _shape_key(q, lay, launch, MASK_NONE) + (gluon_fwd_here(q),)
-    cfg = CONFIGS.pick("fwd_ws", key, candidates, run, lambda: out)
+        cfg = CONFIGS.pick("fwd_ws", _shape_key(q, lay, launch, MASK_NONE) + (gluon,), candidates, run, lambda: out)
+        if cfg.impl == "gluon" and not gluon:  # a forced Gluon config after a failure: the Triton kernel's first
+            cfg = fitting_configs("fwd_ws", lay.head_dim, q.dtype, q.device)[0]
+        return cfg
+
+    cfg = pick(gluon_fwd_here(q))
     if cfg.impl == "gluon":
         try:
-            run(cfg)
-            return
+            return run(cfg)
         except Exception as e:  # a compile or launch failure of the Gluon kernel on this triton
             _gluon_failed(e)
-            cfg = CONFIGS.pick("fwd_ws", key[:-1] + (False,),
-                               lambda: fitting_configs("fwd_ws", lay.head_dim, q.dtype, q.device), run, lambda: out)
-            if cfg.impl == "gluon":  # a forced Gluon config: the Triton kernel's first one instead
-                cfg = fitting_configs("fwd_ws", lay.head_dim, q.dtype, q.device)[0]
+            cfg = pick(False)
     run(cfg)
 
 

@@ -144,16 +144,6 @@ def _consume(q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, o_desc, 
 
 
 @gluon.jit
-def _consume_second(q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, o_desc, LSE, lse_off, stride_lm,
-                    q_len, k_len, start_m, diag, n_tiles, first_masked, scale_log2, batch, head,
-                    HEAD_DIM: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    CAUSAL: gl.constexpr):
-    _consume(q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, o_desc, LSE, lse_off, stride_lm, q_len,
-             k_len, start_m, diag, n_tiles, first_masked, scale_log2, batch, head, HEAD_DIM, HALF, BLOCK_N, STAGES,
-             CAUSAL, 1)
-
-
-@gluon.jit
 def attention_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, stride_lm,
                                q_heads, kv_group, q_len, k_len, scale_log2,
                                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -198,9 +188,9 @@ def attention_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, s
         (_consume, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, o_desc, LSE, lse_off, stride_lm,
                     q_len, k_len, start_m, diag, n_tiles, first_masked, scale_log2, batch, head, HEAD_DIM, HALF,
                     BLOCK_N, STAGES, CAUSAL, 0)),
-        (_consume_second, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, o_desc, LSE, lse_off,
-                           stride_lm, q_len, k_len, start_m, diag, n_tiles, first_masked, scale_log2, batch, head,
-                           HEAD_DIM, HALF, BLOCK_N, STAGES, CAUSAL)),
+        (_consume, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, o_desc, LSE, lse_off, stride_lm,
+                    q_len, k_len, start_m, diag, n_tiles, first_masked, scale_log2, batch, head, HEAD_DIM, HALF,
+                    BLOCK_N, STAGES, CAUSAL, 1)),
         (_load_partition, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, batch,
                            head, kv_head, start_m, n_tiles, BLOCK_N, STAGES, HALF)),
     ], [4, 1], [240, 24])
