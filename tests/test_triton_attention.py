@@ -1578,7 +1578,7 @@ def test_gpu_gluon_forward_failure_falls_back_to_the_triton_kernel_with_one_warn
     q, k, v = (_randn((1, 4, 500, 128), torch.bfloat16, g) for _ in range(3))
     policy = adaattn.Policy(backends=("triton.ws",))
     with triton_tuner.forced_configs(fwd_ws=gluon_config(128, 0)):
-        with pytest.warns(RuntimeWarning, match="Gluon forward failed"):
+        with pytest.warns(RuntimeWarning, match="Gluon kernel failed"):
             out = adaattn.attention(q, k, v, is_causal=True, policy=policy)
         with warnings.catch_warnings():
             warnings.simplefilter("error")

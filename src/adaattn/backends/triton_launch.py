@@ -12,6 +12,7 @@ accumulation.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Optional
@@ -288,7 +289,7 @@ def _launch_fwd_ws(q, k, v, out, lse, lay: RowLayout, launch: AttentionLaunch) -
         try:
             return run(cfg)
         except Exception as e:  # a compile or launch failure of the Gluon kernel on this triton
-            _gluon_failed(e)
+            gluon_failed(e)
             cfg = pick(False)
     run(cfg)
 
@@ -296,17 +297,20 @@ def _launch_fwd_ws(q, k, v, out, lse, lay: RowLayout, launch: AttentionLaunch) -
 _GLUON_BROKEN: list = []
 
 
-def _gluon_failed(e: BaseException) -> None:
+def gluon_failed(e: BaseException) -> None:
+    """A Gluon kernel failed to compile or launch (a triton whose Gluon differs): one warning, and
+    no Gluon kernel runs in this process from then on (the Triton kernels of the same runners do)."""
     import warnings
 
     if not _GLUON_BROKEN:
-        warnings.warn(f"adaattn triton: the Gluon forward failed ({type(e).__name__}: {str(e).strip()[:200]}); "
-                      "the warp-specialised Triton forward runs instead from now on.", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"adaattn triton: a Gluon kernel failed ({type(e).__name__}: {str(e).strip()[:200]}); "
+                      "the Triton kernels run instead from now on.", RuntimeWarning, stacklevel=3)
     _GLUON_BROKEN.append(True)
 
 
 def gluon_fwd_here(q: torch.Tensor) -> bool:
-    """Whether triton.ws calls on q's device may run the Gluon forward: Hopper (sm90), not the
+    """Whether calls on q's device may run the Gluon forwards (the exact one of triton.ws, the fp8
+    one of triton.quant.ws): Hopper (sm90), not the
     interpreter, a triton whose Gluon has warp_specialize over (function, args) pairs (3.6 and
     newer), the setting not "off", and no failure of it in this process."""
     if _GLUON_BROKEN or settings.current().fwd_gluon == "off":
@@ -316,19 +320,26 @@ def gluon_fwd_here(q: torch.Tensor) -> bool:
     return hardware.gluon_available()
 
 
-def _launch_fwd_gluon(q, k, v, out, lse, lay: RowLayout, launch: AttentionLaunch, cfg: KernelConfig) -> None:
+@functools.lru_cache(maxsize=None)
+def shared_layout(box: tuple, dtype: torch.dtype):
+    """The NVMMA shared layout of a Gluon kernel's TMA box, made once per box and dtype (a host
+    cost of every call otherwise)."""
     from triton.experimental.gluon import language as gl
+
+    elem = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(box), elem)
+
+
+def _launch_fwd_gluon(q, k, v, out, lse, lay: RowLayout, launch: AttentionLaunch, cfg: KernelConfig) -> None:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ..kernels.attention_fwd_gluon import attention_fwd_gluon_kernel
 
-    elem = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     d, half = lay.head_dim, cfg.block_m // 2
 
     def desc(t, rows):
-        box = [1, 1, rows, d]
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), box,
-                                gl.NVMMASharedLayout.get_default_for(box, elem))
+        box = (1, 1, rows, d)
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), list(box), shared_layout(box, t.dtype))
 
     attention_fwd_gluon_kernel[(cdiv(lay.q_len, cfg.block_m), lay.batch * lay.q_heads)](
         desc(q, half), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(out, half), lse, *lse_strides(lse, lay),

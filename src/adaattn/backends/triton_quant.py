@@ -33,8 +33,11 @@ from .triton_launch import (
     WindowSides,
     dot_precision,
     ensure_triton_allocator,
+    gluon_failed,
+    gluon_fwd_here,
     mask_args,
     new_output,
+    shared_layout,
     tensor_descriptor,
     tma_ok,
 )
@@ -83,6 +86,11 @@ INTERPRET_QUANT = KernelConfig(32, 16, 1, 1)
 # H100, bf16 B=2 H=16 D=128 (benchmarks/NOTES.md, fourth session): 256 keys per tile ran the
 # kernel 1.17x / 1.29x cuDNN at N=4096 / 16384 against 1.01x / 1.24x with 128, same error.
 FP8_WS_CONFIGS = [KernelConfig(128, 256, 4, 2), KernelConfig(128, 128, 4, 2), KernelConfig(128, 64, 4, 2)]
+# The Gluon fp8 kernel (kernels/attention_quant_gluon.py), timed beside the Triton one where it
+# runs (Hopper, a triton with Gluon): BLOCK_M 128 in two groups of 64 rows, num_warps of one
+# group. H100, bf16 B2 H16 D128 (benchmarks/NOTES.md, "An FP8 Gluon forward"): 256-key tiles
+# 1.26x / 1.27x cuDNN at 16k / 16k causal against 1.14x / 1.12x with 128.
+FP8_GLUON_CONFIGS = [KernelConfig(128, 256, 4, 2, "gluon"), KernelConfig(128, 128, 4, 2, "gluon")]
 # The warp-specialised qk8 kernel: the exact warp-specialised forward's candidates. (With 3
 # stages, 128/128/4/3, it compiles under triton 3.6 and wrote NaN on the H100: fifth session.)
 QK8_WS_CONFIGS = [KernelConfig(128, 128, 4, 2), KernelConfig(128, 64, 4, 2)]
@@ -324,33 +332,46 @@ class QuantKernelLaunch(WindowSides):
 _KINDS = [(f"quant_{name}", f"quant_{name}" + ("_fp8qk" if i == LEVEL_FP8 else "")) for i, name in enumerate(LEVELS)]
 
 
-def _fp8_ws_ok(launch: QuantKernelLaunch, q, out, attn_mask, head_levels, level: int) -> bool:
-    """Whether the warp-specialised fp8 kernel (kernels/attention_quant_ws.py) runs this launch:
-    the warp-specialised runner ("triton.quant.ws"), the fp8 level with FP8 Q.K^T for
-    every head (no head-level array), no mask, not causal, no window, positive scale, Hopper (or the
-    CPU interpreter), and Out as TMA takes it (16-byte aligned base and strides; Q is copied)."""
+def _fp8_ws_kernels(launch: QuantKernelLaunch, q, out, attn_mask, head_levels, level: int) -> tuple[bool, bool]:
+    """Which warp-specialised fp8 kernels may run this launch: (the Gluon one,
+    kernels/attention_quant_gluon.py; the Triton one, kernels/attention_quant_ws.py). Both need
+    the warp-specialised runner ("triton.quant.ws"), the fp8 level with FP8 Q.K^T for every head
+    (no head-level array), no mask, no window, positive scale, Hopper (the Triton one also the
+    CPU interpreter), and Out as TMA takes it (16-byte aligned base and strides; Q is copied).
+    Causal (top-left or bottom-right): the Gluon kernel, which masks only the diagonal tiles; the
+    Triton one only with ADAATTN_FP8_WS_CAUSAL=1 (its mask, a select on every tile of the
+    branch-free loop, made it slower than the general kernel: H100, 4k, 0.475 vs 0.379 ms). A
+    forced "quant_fp8_ws" config runs its own kernel (a Gluon one where Gluon runs, else the
+    Triton kernel's first config)."""
     if not launch.allow_ws or tensor_descriptor() is None:
-        return False
+        return False, False
     if level != LEVEL_FP8 or not launch.fp8_qk or head_levels is not None or attn_mask is not None:
-        return False
-    # Causal calls run the general kernel: the causal mask, applied to every tile of the
-    # branch-free loop, made this kernel slower than the general one there (H100, 4k: 0.475 vs
-    # 0.379 ms with INT8 Q.K^T).
-    if launch.has_left or (launch.has_right and not (settings.current().fp8_ws_causal and launch.right == 0)):
-        return False
-    if not launch.scale > 0 or q.shape[-1] not in SUPPORTED_HEAD_DIMS:
-        return False
-    return ws_device_ok(q.device) and tma_ok(out)
+        return False, False
+    if launch.has_left or (launch.has_right and launch.right != 0):
+        return False, False
+    if not launch.scale > 0 or q.shape[-1] not in SUPPORTED_HEAD_DIMS or not (ws_device_ok(q.device) and tma_ok(out)):
+        return False, False
+    current = settings.current()
+    gluon = gluon_fwd_here(q) and out.dtype in (torch.float16, torch.bfloat16)
+    triton = not launch.has_right or current.fp8_ws_causal
+    forced = current.forced("quant_fp8_ws")  # a forced config picks its kernel
+    if forced is not None:
+        if forced.impl == "gluon" and gluon:
+            triton = False
+        elif forced.impl != "gluon":
+            gluon = False
+    return gluon, triton
 
 
 def _ws_config(kind: str, configs: list, q, hkv: int, nk: int, causal_right: bool, bottom_right: bool,
-               launch, out) -> KernelConfig:
+               launch, out, extra: tuple = ()) -> KernelConfig:
     """The config of a warp-specialised quantized launch: forced (or INTERPRET_QUANT) under the
     interpreter, else timed once per shape class."""
     if interpreting():
         return settings.current().forced(kind) or INTERPRET_QUANT
     b, hq, nq, d = q.shape
-    key = (q.device.index, q.dtype, d, causal_right, bottom_right, hq != hkv, length_bucket(nq), length_bucket(nk))
+    key = (q.device.index, q.dtype, d, causal_right, bottom_right, hq != hkv, length_bucket(nq), length_bucket(nk),
+           *extra)
     return CONFIGS.pick(kind, key, configs, launch, lambda: out)
 
 
@@ -370,9 +391,12 @@ def _qk8_ws_ok(launch: QuantKernelLaunch, q, v, out, attn_mask, head_levels, lev
 
 
 def _launch_quant_ws(level: int, q, v, prepared: "Prepared", out, scale: float, causal_right: bool,
-                     bottom_right: bool) -> None:
-    """One warp-specialised quantized launch (kernels/attention_quant_ws.py) for every head at
-    `level`: qk8 (INT8 Q.K^T, P.V with V as it is) or fp8 (FP8 Q.K^T and P.V)."""
+                     bottom_right: bool, kernels: tuple[bool, bool] = (False, True)) -> bool:
+    """One warp-specialised quantized launch for every head at `level`: qk8 (INT8 Q.K^T, P.V with
+    V as it is; kernels/attention_quant_ws.py) or fp8 (FP8 Q.K^T and P.V; the Gluon kernel of
+    kernels/attention_quant_gluon.py and the Triton one of attention_quant_ws.py, as `kernels`
+    (gluon, triton) allows, the tuner timing both). False when none ran: a Gluon failure (one
+    warning) where the Triton kernel may not take the call; the general kernel runs it then."""
     b, hq, nq, d = q.shape
     hkv, nk = prepared.hkv, prepared.nk
     fp8 = level == LEVEL_FP8
@@ -385,6 +409,9 @@ def _launch_quant_ws(level: int, q, v, prepared: "Prepared", out, scale: float, 
     def launch(cfg: KernelConfig):
         kq, kscale, vq, v_scale, v_mean, n_blocks = prepared.get(qk_mode, pv_mode, cfg.block_n, qrows)
         qrows.ensure()
+        if cfg.impl == "gluon":
+            return _launch_fp8_gluon(qrows, kq, kscale, vq, v_scale, v_mean, n_blocks, out, hkv, nk, scale,
+                                     causal_right, bottom_right, cfg)
         ensure_triton_allocator()
         grid = (_cdiv(nq, cfg.block_m), b * hq)
         descriptor = tensor_descriptor()
@@ -405,8 +432,55 @@ def _launch_quant_ws(level: int, q, v, prepared: "Prepared", out, scale: float, 
                                                                  [1, 1, cfg.block_n, d]),
                 kscale, *rest, **meta)
 
-    kind, configs = ("quant_fp8_ws", FP8_WS_CONFIGS) if fp8 else ("quant_qk8_ws", QK8_WS_CONFIGS)
-    launch(_ws_config(kind, configs, q, hkv, nk, causal_right, bottom_right, launch, out))
+    if not fp8:
+        launch(_ws_config("quant_qk8_ws", QK8_WS_CONFIGS, q, hkv, nk, causal_right, bottom_right, launch, out))
+        return True
+
+    def pick(gluon: bool, triton: bool) -> Optional[KernelConfig]:
+        configs = (FP8_GLUON_CONFIGS if gluon else []) + (FP8_WS_CONFIGS if triton else [])
+        if not configs:
+            return None
+        cfg = _ws_config("quant_fp8_ws", configs, q, hkv, nk, causal_right, bottom_right, launch, out,
+                         extra=(gluon, triton))
+        if cfg.impl == "gluon" and not gluon:  # a forced Gluon config where it cannot run: the Triton kernel's first
+            return configs[0]
+        return cfg
+
+    gluon, triton = kernels
+    cfg = pick(gluon, triton)
+    if cfg is not None and cfg.impl == "gluon":
+        try:
+            launch(cfg)
+            return True
+        except Exception as e:  # a compile or launch failure of the Gluon kernel on this triton
+            gluon_failed(e)
+            cfg = pick(False, triton)
+    if cfg is None:
+        return False
+    launch(cfg)
+    return True
+
+
+def _launch_fp8_gluon(qrows: "QuantizedQ", kq, kscale, vq, v_scale, v_mean, n_blocks: int, out, hkv: int, nk: int,
+                      scale: float, causal_right: bool, bottom_right: bool, cfg: KernelConfig) -> None:
+    """The Gluon fp8 kernel over the pre-pass's outputs (kernels/attention_quant_gluon.py)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from ..kernels.attention_quant_gluon import attention_fp8_gluon_kernel
+
+    b, hq, nq, d = out.shape
+    half = cfg.block_m // 2
+
+    def desc(t, *box):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), list(box), shared_layout(box, t.dtype))
+
+    attention_fp8_gluon_kernel[(_cdiv(nq, cfg.block_m), b * hq)](
+        desc(qrows.qq, 1, 1, half, d), desc(kq, 1, 1, cfg.block_n, d), desc(vq, 1, 1, d, cfg.block_n),
+        desc(out, 1, 1, half, d),
+        qrows.scales, kscale, v_scale, v_mean, hq, hq // hkv, nq, qrows.pitch, nk, n_blocks, scale * LOG2E,
+        HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, CAUSAL=causal_right,
+        BOTTOM_RIGHT=bottom_right, num_warps=cfg.num_warps,
+    )
 
 
 def fp8_level_uses_fp8_qk(q, attn_mask, causal: bool, window_left: int, window_right: int) -> bool:
@@ -431,10 +505,11 @@ def launch_level(q, k, v, prepared: Prepared, out, attn_mask, head_levels: Optio
     mask, mask_strides, mask_kind = mask_args(attn_mask, lay, q)
     has_left, has_right = launch.has_left, launch.has_right
     left, right = max(launch.window_left, 0), launch.right
-    if lse is None and (_fp8_ws_ok(launch, q, out, attn_mask, head_levels, level)
-                        or _qk8_ws_ok(launch, q, v, out, attn_mask, head_levels, level)):
-        _launch_quant_ws(level, q, v, prepared, out, scale, has_right, bottom_right)
-        return
+    if lse is None:
+        fp8_kernels = _fp8_ws_kernels(launch, q, out, attn_mask, head_levels, level)
+        if any(fp8_kernels) or _qk8_ws_ok(launch, q, v, out, attn_mask, head_levels, level):
+            if _launch_quant_ws(level, q, v, prepared, out, scale, has_right, bottom_right, fp8_kernels):
+                return
     exp_share = launch.exp_fma
     interp = interpreting()
 

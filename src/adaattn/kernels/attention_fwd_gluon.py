@@ -35,9 +35,11 @@ LN2 = gl.constexpr(0.6931471805599453)
 
 
 @gluon.jit
-def _load_partition(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
+def load_tiles(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
                     batch, head, kv_head, start_m, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    HALF: gl.constexpr):
+                    HALF: gl.constexpr, V_T: gl.constexpr = False):
+    """Q's two halves once, then the K and V tiles of the key loop (V_T: V is stored transposed,
+    (B, H, D, N), and its tile is the (D, BLOCK_N) box at key j * BLOCK_N)."""
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
     _tma_load(q_desc, [batch, head, start_m, 0], q_bar, q_bufs.index(0))
     _tma_load(q_desc, [batch, head, start_m + HALF, 0], q_bar, q_bufs.index(1))
@@ -48,11 +50,14 @@ def _load_partition(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_rea
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
         _tma_load(k_desc, [batch, kv_head, j * BLOCK_N, 0], k_ready.index(s), k_bufs.index(s))
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        _tma_load(v_desc, [batch, kv_head, j * BLOCK_N, 0], v_ready.index(s), v_bufs.index(s))
+        if V_T:
+            _tma_load(v_desc, [batch, kv_head, 0, j * BLOCK_N], v_ready.index(s), v_bufs.index(s))
+        else:
+            _tma_load(v_desc, [batch, kv_head, j * BLOCK_N, 0], v_ready.index(s), v_bufs.index(s))
 
 
 @gluon.jit
-def _visible(s, j, start_m, diag, k_len, s_layout: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+def visible(s, j, start_m, diag, k_len, s_layout: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
              CAUSAL: gl.constexpr):
     """Scores of key tile j with keys past k_len, and past each row's last key (causal), at -inf."""
     cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -92,7 +97,7 @@ def _consume(q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, o_desc, 
                           is_async=True)
         s = warpgroup_mma_wait(0, deps=(s, ))
         if first_masked == 0:
-            s = _visible(s, 0, my_start, diag, k_len, s_layout, HALF, BLOCK_N, CAUSAL)
+            s = visible(s, 0, my_start, diag, k_len, s_layout, HALF, BLOCK_N, CAUSAL)
         # A positive scale keeps the argmax: the max is taken on raw scores, scale and shift
         # fold into one FMA per score. A row with no visible key keeps m = -inf and p = 0.
         m_i = gl.maximum(m_i, gl.max(s, 1) * scale_log2)
@@ -111,7 +116,7 @@ def _consume(q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, o_desc, 
             # wgmma groups retire in order: one left outstanding means QK^T of tile j is done.
             s = warpgroup_mma_wait(1, deps=(s_next, ))
             if j >= first_masked:
-                s = _visible(s, j, my_start, diag, k_len, s_layout, HALF, BLOCK_N, CAUSAL)
+                s = visible(s, j, my_start, diag, k_len, s_layout, HALF, BLOCK_N, CAUSAL)
             m_new = gl.maximum(m_i, gl.max(s, 1) * scale_log2)
             m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = gl.exp2(m_i - m_shift)
@@ -144,15 +149,11 @@ def _consume(q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, o_desc, 
 
 
 @gluon.jit
-def attention_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, stride_lm,
-                               q_heads, kv_group, q_len, k_len, scale_log2,
-                               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                               STAGES: gl.constexpr, CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr):
-    """Grid (query blocks, batch * q_heads), last query block first; launched with num_warps=4
-    (the first consumer group; the second and the loader are worker partitions). Descriptors
-    (host, 4-D over (B, H, N, D)): Q and Out with (1, 1, BLOCK_M // 2, HEAD_DIM) boxes, K and V
-    with (1, 1, BLOCK_N, HEAD_DIM)."""
-    HALF: gl.constexpr = BLOCK_M // 2
+def program_tiles(q_heads, kv_group, q_len, k_len, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                  CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr):
+    """A program's place on the grid (query blocks, batch * q_heads), last query block first, and
+    its key tiles: (batch, head, kv_head, start_m, diag, first_masked, n_tiles). Tiles before
+    first_masked are visible to every row of the program (no select)."""
     pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
     pid_bh = gl.program_id(1)
     head = pid_bh % q_heads
@@ -163,14 +164,17 @@ def attention_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, s
     if BOTTOM_RIGHT:
         diag = k_len - q_len
     hi = k_len
-    # Tiles before first_masked are visible to every row of the program: no select.
     first_masked = k_len // BLOCK_N
     if CAUSAL:
         hi = gl.minimum(k_len, gl.maximum(start_m + BLOCK_M + diag, 0))
         first_masked = gl.minimum(first_masked, gl.maximum(start_m + diag + 1, 0) // BLOCK_N)
-    n_tiles = gl.cdiv(hi, BLOCK_N)
-    lse_off = batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
+    return batch, head, kv_head, start_m, diag, first_masked, gl.cdiv(hi, BLOCK_N)
 
+
+@gluon.jit
+def tile_ring(q_desc, k_desc, v_desc, STAGES: gl.constexpr):
+    """Shared memory of a program: Q's two halves, rings of STAGES K and V tiles, and their
+    barriers (a K/V buffer is released by both consumer groups)."""
     q_bufs = gl.allocate_shared_memory(q_desc.dtype, [2] + q_desc.block_type.shape, q_desc.layout)
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
@@ -182,7 +186,25 @@ def attention_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, s
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_empty.index(i), count=2)  # both consumer groups release a buffer
+        mbarrier.init(kv_empty.index(i), count=2)
+    return q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty
+
+
+@gluon.jit
+def attention_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, stride_lm,
+                               q_heads, kv_group, q_len, k_len, scale_log2,
+                               HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                               STAGES: gl.constexpr, CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr):
+    """Grid (query blocks, batch * q_heads), last query block first; launched with num_warps=4
+    (the first consumer group; the second and the loader are worker partitions). Descriptors
+    (host, 4-D over (B, H, N, D)): Q and Out with (1, 1, BLOCK_M // 2, HEAD_DIM) boxes, K and V
+    with (1, 1, BLOCK_N, HEAD_DIM)."""
+    HALF: gl.constexpr = BLOCK_M // 2
+    batch, head, kv_head, start_m, diag, first_masked, n_tiles = program_tiles(q_heads, kv_group, q_len, k_len,
+                                                                               BLOCK_M, BLOCK_N, CAUSAL,
+                                                                               BOTTOM_RIGHT)
+    lse_off = batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
+    q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty = tile_ring(q_desc, k_desc, v_desc, STAGES)
 
     gl.warp_specialize([
         (_consume, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, o_desc, LSE, lse_off, stride_lm,
@@ -191,6 +213,6 @@ def attention_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, s
         (_consume, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, o_desc, LSE, lse_off, stride_lm,
                     q_len, k_len, start_m, diag, n_tiles, first_masked, scale_log2, batch, head, HEAD_DIM, HALF,
                     BLOCK_N, STAGES, CAUSAL, 1)),
-        (_load_partition, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, batch,
+        (load_tiles, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, batch,
                            head, kv_head, start_m, n_tiles, BLOCK_N, STAGES, HALF)),
     ], [4, 1], [240, 24])
