@@ -821,8 +821,9 @@ def test_gpu_fp8_gluon_failure_falls_back_with_one_warning(monkeypatch, causal):
             warnings.simplefilter("error")
             again = tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], causal=causal, fp8_qk=True)
     assert not tq.gluon_fwd_here(q)
-    assert torch.equal(out, again)
     block = tq.FP8_WS_CONFIGS[0].block_n if not causal else tq.QUANT_CONFIGS[128][0].block_n
     keep = torch.arange(300)[None, :] <= torch.arange(300)[:, None] if causal else None
     sim = simulate_attention(q.cpu(), k.cpu(), v.cpu(), qk="fp8", pv="fp8", block_n=block, keep=keep)
-    assert rel_err(out.cpu(), sim.to(q.dtype).double()) <= 5e-3
+    for got in (out, again):
+        assert torch.isfinite(got).all()
+        assert rel_err(got.cpu(), sim.to(q.dtype).double()) <= 5e-3
