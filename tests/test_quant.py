@@ -814,14 +814,15 @@ def test_gpu_fp8_gluon_failure_falls_back_with_one_warning(monkeypatch, causal):
     monkeypatch.setattr(tq, "_launch_fp8_gluon", broken)
     monkeypatch.setattr(triton_launch, "_GLUON_BROKEN", [])
     q, k, v = _inputs(1, 4, 2, 300, 300, 128, torch.bfloat16, seed=9, v_shift=0.3)
-    with triton_tuner.forced_configs(quant_fp8_ws=tq.FP8_GLUON_CONFIGS[0]):
+    general = tq.QUANT_CONFIGS[128][0]  # the general kernel's key block, for the simulation
+    with triton_tuner.forced_configs(quant_fp8_ws=tq.FP8_GLUON_CONFIGS[0], quant_fp8_fp8qk=general):
         with pytest.warns(RuntimeWarning, match="Gluon kernel failed"):
             out = tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], causal=causal, fp8_qk=True)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             again = tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], causal=causal, fp8_qk=True)
     assert not tq.gluon_fwd_here(q)
-    block = tq.FP8_WS_CONFIGS[0].block_n if not causal else tq.QUANT_CONFIGS[128][0].block_n
+    block = tq.FP8_WS_CONFIGS[0].block_n if not causal else general.block_n
     keep = torch.arange(300)[None, :] <= torch.arange(300)[:, None] if causal else None
     sim = simulate_attention(q.cpu(), k.cpu(), v.cpu(), qk="fp8", pv="fp8", block_n=block, keep=keep)
     for got in (out, again):
