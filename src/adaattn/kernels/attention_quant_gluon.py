@@ -6,11 +6,10 @@ Math (adaptive/quant_reference.py simulates it in float64): Q per row and K per 
 keys in E4M3 (the pre-pass's outputs, K smoothed by its mean), Q.K^T in FP8 on the tensor cores;
 P scaled into E4M3's range by folding log2(448) into the subtracted max and rounded to E4M3; V
 smoothed by its mean, E4M3 with one scale per key block, stored transposed (D, N) as the FP8
-product needs it. The P.V products accumulate in the product's fp32 accumulator, rescaled
-between tiles by the softmax correction and the ratio of the tiles' V scales (the Triton kernel's
-`acc * c + dot(p, v)` compiles to the same accumulating product). Starting each tile's product
-from zero and adding it in fp32 measured no more accurate against the simulation and 10-20%
-slower, and its extra 64 registers a thread rule out 256-key tiles (benchmarks/NOTES.md).
+product needs it. Each tile's P.V product starts from zero and is added in fp32: Hopper's FP8
+product keeps about 14 bits when it adds into its accumulator, and accumulating the whole key
+loop there measured 2.5x the error at 16k keys (0.133 against 0.054 on random inputs, H100;
+benchmarks/NOTES.md, "An FP8 Gluon forward"), though 10% faster with 256-key tiles.
 
 Partitions: two consumer warp groups of 64 query rows each, out of step; in each, the Q.K^T of
 tile j is issued before the P.V of tile j - 1, so the softmax of tile j runs under that product;
@@ -68,9 +67,10 @@ def _consume_fp8(q_bufs, k_bufs, v_bufs, o_bufs, p_bufs, q_bar, k_ready, v_ready
                  STAGES: gl.constexpr, CAUSAL: gl.constexpr, GROUP: gl.constexpr):
     """One consumer warp group: rows start_m + GROUP * HALF .. + HALF of the program.
 
-    acc is kept in units of the V scale of the tile whose product goes into it next, relative to
-    that tile's max: after the product of tile j - 1 is done and the softmax of tile j known, acc
-    is rescaled by alpha_j * vs_{j-1} / vs_j, and the product of tile j goes into it."""
+    Each tile's P.V product starts from zero and is added to acc in fp32: acc is kept in units of
+    the V scale of the last tile added and relative to that tile's max, so adding the product of
+    tile j - 1 (known after the softmax of tile j was started) is one FMA per element with the
+    rescale alpha_{j-1} * vs_{j-2} / vs_{j-1}."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 32])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -86,6 +86,7 @@ def _consume_fp8(q_bufs, k_bufs, v_bufs, o_bufs, p_bufs, q_bar, k_ready, v_ready
     q_scale = gl.load(QScale + q_row0 + rows, mask=rows < q_len, other=1.0) * scale_log2
     q = q_bufs.index(GROUP).reshape([HALF, HEAD_DIM])
     s_zero = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
+    o_zero = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
     acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
     m_i = gl.full([HALF], float("-inf"), gl.float32, row_s)
     l_i = gl.zeros([HALF], gl.float32, row_s)
@@ -100,33 +101,39 @@ def _consume_fp8(q_bufs, k_bufs, v_bufs, o_bufs, p_bufs, q_bar, k_ready, v_ready
                                 BLOCK_N, CAUSAL)
         l_i = gl.sum(p, 1)
         _stage_p(p, p_smem)
+        alpha_prev = gl.convert_layout(alpha, row_o)  # the rescale of the product added next
         for j in range(1, n_tiles):
             st = j % STAGES
             pst = (j - 1) % STAGES
-            vs = gl.load(vs_base + j)
+            vs = gl.load(vs_base + j - 1)
             mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
             mbarrier.wait(v_ready.index(pst), ((j - 1) // STAGES) & 1)
             s_next = warpgroup_mma(q, k_bufs.index(st).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
                                    use_acc=False, is_async=True)
-            acc = warpgroup_mma(p_smem, v_bufs.index(pst).reshape([HEAD_DIM, BLOCK_N]).permute((1, 0)), acc,
-                                is_async=True)
+            pv = warpgroup_mma(p_smem, v_bufs.index(pst).reshape([HEAD_DIM, BLOCK_N]).permute((1, 0)), o_zero,
+                               use_acc=False, is_async=True)
             s = warpgroup_mma_wait(1, deps=(s_next, ))
             p, alpha, m_new = _scores(s, j, my_start, diag, k_len, first_masked, q_scale, ks_base, m_i, s_layout,
                                       HALF, BLOCK_N, CAUSAL)
             l_i = l_i * alpha + gl.sum(p, 1)
             m_i = m_new
             p8 = p.to(gl.float8e4nv)
-            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            pv = warpgroup_mma_wait(0, deps=(pv, ))
             mbarrier.arrive(kv_empty.index(pst), count=1)
             _stage_p(p8, p_smem)  # the product that read the previous P is done
-            acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o) * (vs_prev / vs), 1)
+            acc = acc * gl.expand_dims(alpha_prev * (vs_prev / vs), 1) + pv
             vs_prev = vs
-        lst = (n_tiles - 1) % STAGES
-        mbarrier.wait(v_ready.index(lst), ((n_tiles - 1) // STAGES) & 1)
-        acc = warpgroup_mma(p_smem, v_bufs.index(lst).reshape([HEAD_DIM, BLOCK_N]).permute((1, 0)), acc,
-                            is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
+            alpha_prev = gl.convert_layout(alpha, row_o)
+        last = n_tiles - 1
+        lst = last % STAGES
+        vs = gl.load(vs_base + last)
+        mbarrier.wait(v_ready.index(lst), (last // STAGES) & 1)
+        pv = warpgroup_mma(p_smem, v_bufs.index(lst).reshape([HEAD_DIM, BLOCK_N]).permute((1, 0)), o_zero,
+                           use_acc=False, is_async=True)
+        pv = warpgroup_mma_wait(0, deps=(pv, ))
         mbarrier.arrive(kv_empty.index(lst), count=1)
+        acc = acc * gl.expand_dims(alpha_prev * (vs_prev / vs), 1) + pv
+        vs_prev = vs
     seen = gl.convert_layout(l_i > 0.0, row_o)
     factor = vs_prev / gl.where(seen, gl.convert_layout(l_i, row_o), 1.0)
     v_mean = gl.load(VMean + stat + gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout)))
