@@ -8,12 +8,13 @@ Every plan is cached under the settings it was made with (`current()` is part of
     ADAATTN_TRITON_DQ            how our backward makes dq: atomic (default), separate, atomic_rotate
     ADAATTN_TRITON_BWD_WS        auto (default: the warp-specialised backward where it applies, on
                                  Hopper), on (wherever it applies, the CPU interpreter included), off
-    ADAATTN_TRITON_FWD_GLUON     auto (default: the triton.ws runner's configs include the Gluon
-                                 kernel on Hopper, and the tuner times both kernels), off
+    ADAATTN_TRITON_FWD_GLUON     auto (default: on Hopper the Gluon forwards run, the exact one
+                                 of triton.ws and the fp8 one of triton.quant.ws, each timed beside
+                                 the Triton kernel), off
     ADAATTN_TRITON_FWD_GRID      query_major (default) or head_major launch grid of our forward
     ADAATTN_TRITON_EXP_FMA       0 (default), 2, 4: share of exp2 on the FMA units (one in N)
     ADAATTN_FP8_LEVEL_QK         auto (default: FP8 on Hopper), int8, fp8: Q.K^T of the fp8 level
-    ADAATTN_FP8_WS_CAUSAL=1      causal fp8-level calls may run the warp-specialised fp8 kernel
+    ADAATTN_FP8_WS_CAUSAL=1      causal fp8-level calls may run the warp-specialised Triton fp8 kernel
     ADAATTN_TRITON_FWD           gone: the forward variants are runners ("triton.ws", "triton.tma",
                                  "triton.ptr"); pin one with Policy(backends=(name,)). Setting it warns.
 """
@@ -43,7 +44,7 @@ class Settings:
     autotune: bool = True
     dq: str = "atomic"  # measured fastest on the H100 (results/2026-11-22-triton-variants-h100.json)
     bwd_ws: str = "auto"  # kernels/attention_bwd_ws.py; benchmarks/NOTES.md (issue 17) has its figures
-    fwd_gluon: str = "auto"  # kernels/attention_fwd_gluon.py
+    fwd_gluon: str = "auto"  # kernels/attention_fwd_gluon.py and attention_quant_gluon.py
     fwd_grid: str = "query_major"
     exp_fma: str = "0"
     fp8_level_qk: str = "auto"
