@@ -57,6 +57,13 @@ def load_tiles(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v
 
 
 @gluon.jit
+def issue_qk(q, k_bufs, st, s_zero, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Issue Q.K^T of the K tile in buffer st (asynchronous; the caller waits on it)."""
+    return warpgroup_mma(q, k_bufs.index(st).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero, use_acc=False,
+                         is_async=True)
+
+
+@gluon.jit
 def visible(s, j, start_m, diag, k_len, s_layout: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
              CAUSAL: gl.constexpr):
     """Scores of key tile j with keys past k_len, and past each row's last key (causal), at -inf."""
@@ -93,8 +100,7 @@ def _consume(q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, o_desc, 
     mbarrier.wait(q_bar, 0)
     if n_tiles > 0:
         mbarrier.wait(k_ready.index(0), 0)
-        s = warpgroup_mma(q, k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero, use_acc=False,
-                          is_async=True)
+        s = issue_qk(q, k_bufs, 0, s_zero, HEAD_DIM, BLOCK_N)
         s = warpgroup_mma_wait(0, deps=(s, ))
         if first_masked == 0:
             s = visible(s, 0, my_start, diag, k_len, s_layout, HALF, BLOCK_N, CAUSAL)
@@ -109,8 +115,7 @@ def _consume(q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, o_desc, 
             pst = (j - 1) % STAGES
             mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
             mbarrier.wait(v_ready.index(pst), ((j - 1) // STAGES) & 1)
-            s_next = warpgroup_mma(q, k_bufs.index(st).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
-                                   use_acc=False, is_async=True)
+            s_next = issue_qk(q, k_bufs, st, s_zero, HEAD_DIM, BLOCK_N)
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc = warpgroup_mma(p_op, v_bufs.index(pst).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
             # wgmma groups retire in order: one left outstanding means QK^T of tile j is done.

@@ -26,7 +26,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, warpgroup_mma, \
     warpgroup_mma_wait
 
-from .attention_fwd_gluon import _tma_store, load_tiles, program_tiles, tile_ring, visible
+from .attention_fwd_gluon import _tma_store, issue_qk, load_tiles, program_tiles, tile_ring, visible
 
 # A barrier of the partition's warps: gl.thread_barrier in triton 3.6, gl.barrier in 3.9.
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -94,8 +94,7 @@ def _consume_fp8(q_bufs, k_bufs, v_bufs, o_bufs, p_bufs, q_bar, k_ready, v_ready
     mbarrier.wait(q_bar, 0)
     if n_tiles > 0:
         mbarrier.wait(k_ready.index(0), 0)
-        s = warpgroup_mma(q, k_bufs.index(0).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero, use_acc=False,
-                          is_async=True)
+        s = issue_qk(q, k_bufs, 0, s_zero, HEAD_DIM, BLOCK_N)
         s = warpgroup_mma_wait(0, deps=(s, ))
         p, alpha, m_i = _scores(s, 0, my_start, diag, k_len, first_masked, q_scale, ks_base, m_i, s_layout, HALF,
                                 BLOCK_N, CAUSAL)
@@ -108,8 +107,7 @@ def _consume_fp8(q_bufs, k_bufs, v_bufs, o_bufs, p_bufs, q_bar, k_ready, v_ready
             vs = gl.load(vs_base + j - 1)
             mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
             mbarrier.wait(v_ready.index(pst), ((j - 1) // STAGES) & 1)
-            s_next = warpgroup_mma(q, k_bufs.index(st).reshape([BLOCK_N, HEAD_DIM]).permute((1, 0)), s_zero,
-                                   use_acc=False, is_async=True)
+            s_next = issue_qk(q, k_bufs, st, s_zero, HEAD_DIM, BLOCK_N)
             pv = warpgroup_mma(p_smem, v_bufs.index(pst).reshape([HEAD_DIM, BLOCK_N]).permute((1, 0)), o_zero,
                                use_acc=False, is_async=True)
             s = warpgroup_mma_wait(1, deps=(s_next, ))
