@@ -443,7 +443,7 @@ def _launch_quant_ws(level: int, q, v, prepared: "Prepared", out, scale: float, 
             return None
         cfg = _ws_config("quant_fp8_ws", configs, q, hkv, nk, causal_right, bottom_right, launch, out,
                          extra=(gluon, triton))
-        if cfg.impl == "gluon" and not gluon:  # a forced Gluon config where it cannot run: the Triton kernel's first
+        if cfg.impl == "gluon" and not gluon:  # forced where Gluon cannot run: the Triton kernel's first
             return configs[0]
         return cfg
 
