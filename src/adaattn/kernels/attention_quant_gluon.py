@@ -171,12 +171,12 @@ def attention_fp8_gluon_kernel(q_desc, k_desc, v_desc, o_desc, QScale, KScale, V
                                        gl.NVMMASharedLayout.get_default_for([BLOCK_M // 2, BLOCK_N], gl.float8e4nv))
 
     gl.warp_specialize([
-        (_consume_fp8, (q_bufs, k_bufs, v_bufs, o_bufs, p_bufs, q_bar, k_ready, v_ready, kv_empty, o_desc, QScale, q_row0, KScale,
-                        VScale, VMean, scale_row, stat, q_len, k_len, start_m, diag, n_tiles, first_masked,
-                        scale_log2, batch, head, HEAD_DIM, HALF, BLOCK_N, STAGES, CAUSAL, 0)),
-        (_consume_fp8, (q_bufs, k_bufs, v_bufs, o_bufs, p_bufs, q_bar, k_ready, v_ready, kv_empty, o_desc, QScale, q_row0, KScale,
-                        VScale, VMean, scale_row, stat, q_len, k_len, start_m, diag, n_tiles, first_masked,
-                        scale_log2, batch, head, HEAD_DIM, HALF, BLOCK_N, STAGES, CAUSAL, 1)),
+        (_consume_fp8, (q_bufs, k_bufs, v_bufs, o_bufs, p_bufs, q_bar, k_ready, v_ready, kv_empty, o_desc, QScale,
+                        q_row0, KScale, VScale, VMean, scale_row, stat, q_len, k_len, start_m, diag, n_tiles,
+                        first_masked, scale_log2, batch, head, HEAD_DIM, HALF, BLOCK_N, STAGES, CAUSAL, 0)),
+        (_consume_fp8, (q_bufs, k_bufs, v_bufs, o_bufs, p_bufs, q_bar, k_ready, v_ready, kv_empty, o_desc, QScale,
+                        q_row0, KScale, VScale, VMean, scale_row, stat, q_len, k_len, start_m, diag, n_tiles,
+                        first_masked, scale_log2, batch, head, HEAD_DIM, HALF, BLOCK_N, STAGES, CAUSAL, 1)),
         (load_tiles, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, batch,
                       head, kv_head, start_m, n_tiles, BLOCK_N, STAGES, HALF, True)),
     ], [4, 1], [240, 24])
