@@ -29,7 +29,7 @@ from adaattn.backends.reference import reference_attention  # noqa: E402
 from adaattn.kernels.attention_quant import INT_BIAS, biased_float, to_fp8  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from helpers import DEVICE, NEEDS_CUDA_OR_INTERPRETER, keep_mask, rel_err  # noqa: E402
+from helpers import DEVICE, NEEDS_CUDA_OR_INTERPRETER, break_gluon, gluon_here, keep_mask, rel_err  # noqa: E402
 
 pytestmark = NEEDS_CUDA_OR_INTERPRETER
 
@@ -744,11 +744,6 @@ def test_gpu_kernels_match_simulation_at_medium_size(level, fp8_qk, causal):
     assert math.isfinite(rel_err(out.cpu(), sim))
 
 
-def _fp8_gluon_here() -> bool:
-    return torch.cuda.is_available() and tq.ws_device_ok(torch.device("cuda")) and tq.gluon_fwd_here(
-        torch.zeros(1, device="cuda"))
-
-
 FP8_GLUON_CASES = [
     # (b, hq, hkv, nq, nk, d), dtype, causal, bottom_right
     ((1, 4, 2, 1000, 1000, 128), torch.bfloat16, False, False),
@@ -769,7 +764,7 @@ FP8_GLUON_CASES = [
 def test_gpu_fp8_gluon_kernel_matches_its_simulation(case, ci, monkeypatch):
     """Each Gluon fp8 config, forced, against the float64 simulation with its key block (measured
     on the H100: at most 4.1e-3, the Triton kernel's figure on the same inputs)."""
-    if not _fp8_gluon_here():
+    if not gluon_here():
         pytest.skip("the Gluon fp8 kernel runs on Hopper with a triton that has Gluon")
     (b, hq, hkv, nq, nk, d), dtype, causal, bottom_right = FP8_GLUON_CASES[case]
     cfg = tq.FP8_GLUON_CONFIGS[ci]
@@ -800,19 +795,13 @@ def test_gpu_fp8_gluon_kernel_matches_its_simulation(case, ci, monkeypatch):
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_fp8_gluon_failure_falls_back_with_one_warning(monkeypatch, causal):
     """A Gluon failure (under a forced Gluon config) warns once; the Triton fp8 kernel's first
-    config (not causal) or the general kernel (causal) runs the call, with the simulation's
-    result (float64 exact attention within the fp8 level's error)."""
-    if not _fp8_gluon_here():
+    config (not causal) or the general kernel (causal) runs the call, within the fp8 level's error
+    of float64 exact attention."""
+    if not gluon_here():
         pytest.skip("the Gluon fp8 kernel runs on Hopper with a triton that has Gluon")
     import warnings
 
-    from adaattn.backends import triton_launch
-
-    def broken(*args, **kwargs):
-        raise RuntimeError("compile failure")
-
-    monkeypatch.setattr(tq, "_launch_fp8_gluon", broken)
-    monkeypatch.setattr(triton_launch, "_GLUON_BROKEN", [])
+    break_gluon(monkeypatch, tq, "_launch_fp8_gluon")
     q, k, v = _inputs(1, 4, 2, 300, 300, 128, torch.bfloat16, seed=9, v_shift=0.3)
     with triton_tuner.forced_configs(quant_fp8_ws=tq.FP8_GLUON_CONFIGS[0]):
         with pytest.warns(RuntimeWarning, match="Gluon kernel failed"):

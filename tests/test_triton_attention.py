@@ -39,7 +39,7 @@ from adaattn.kernels import attention_bwd as bwd_kernels  # noqa: E402
 from adaattn.kernels import attention_fwd as fwd_kernels  # noqa: E402
 from adaattn.problem import Problem, validate  # noqa: E402
 
-from helpers import keep_mask, rel_err  # noqa: E402
+from helpers import break_gluon, gluon_here, keep_mask, rel_err  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.skipif(
@@ -1526,12 +1526,6 @@ def gluon_config(d: int, i: int) -> KernelConfig:
     return tc.HALF_CONFIGS["fwd_gluon"][tc.d_class(d)][i]
 
 
-def _gluon_here() -> bool:
-    from adaattn.backends import triton_launch
-
-    return torch.cuda.is_available() and triton_launch.gluon_fwd_here(torch.zeros(1, device="cuda"))
-
-
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("ci", [0, 1])
@@ -1552,7 +1546,7 @@ def _gluon_here() -> bool:
 def test_gpu_gluon_forward_meets_the_standard(b, hq, hkv, nq, nk, d, dtype, causal, align, ci):
     """Each Gluon config, forced, through the triton.ws runner; gradients through the backward
     from its log-sum-exp."""
-    if not _gluon_here():
+    if not gluon_here():
         pytest.skip("the Gluon forward runs on Hopper with triton >= 3.6 only")
     ran = []
     with triton_tuner.forced_configs(fwd_ws=gluon_config(d, ci)), warnings.catch_warnings():
@@ -1565,15 +1559,11 @@ def test_gpu_gluon_forward_meets_the_standard(b, hq, hkv, nq, nk, d, dtype, caus
 @gpu
 @needs_cuda
 def test_gpu_gluon_forward_failure_falls_back_to_the_triton_kernel_with_one_warning(monkeypatch):
-    if not _gluon_here():
+    if not gluon_here():
         pytest.skip("the Gluon forward runs on Hopper with triton >= 3.6 only")
     from adaattn.backends import triton_launch
 
-    def broken(*args, **kwargs):
-        raise RuntimeError("compile failure")
-
-    monkeypatch.setattr(triton_launch, "_launch_fwd_gluon", broken)
-    monkeypatch.setattr(triton_launch, "_GLUON_BROKEN", [])
+    break_gluon(monkeypatch, triton_launch, "_launch_fwd_gluon")
     g = _gen(21)
     q, k, v = (_randn((1, 4, 500, 128), torch.bfloat16, g) for _ in range(3))
     policy = adaattn.Policy(backends=("triton.ws",))

@@ -23,8 +23,9 @@ class KernelConfig:
     block_n: int
     num_warps: int = 4
     num_stages: int = 2
-    # "" for the kernel of the kind; "gluon": the Gluon kernel of the same kind
-    # (kernels/attention_fwd_gluon.py for "fwd_ws"), which the tuner times beside it.
+    # "" for the kernel of the kind; "gluon": the Gluon kernel of the same kind, which the tuner
+    # times beside it (kernels/attention_fwd_gluon.py for "fwd_ws", attention_quant_gluon.py
+    # for "quant_fp8_ws").
     impl: str = ""
 
     def __str__(self) -> str:

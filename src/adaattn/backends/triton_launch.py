@@ -284,14 +284,25 @@ def _launch_fwd_ws(q, k, v, out, lse, lay: RowLayout, launch: AttentionLaunch) -
             cfg = fitting_configs("fwd_ws", lay.head_dim, q.dtype, q.device)[0]
         return cfg
 
-    cfg = pick(gluon_fwd_here(q))
-    if cfg.impl == "gluon":
+    run_gluon_first(pick, run, gluon_fwd_here(q))
+
+
+def run_gluon_first(pick, run, gluon: bool) -> bool:
+    """Run the config pick(gluon) chooses. A Gluon config that fails to compile or launch warns
+    once (gluon_failed), and the config pick(False) chooses runs instead. False when pick gives
+    None (no kernel of the runner takes the call): nothing ran."""
+    cfg = pick(gluon)
+    if cfg is not None and cfg.impl == "gluon":
         try:
-            return run(cfg)
+            run(cfg)
+            return True
         except Exception as e:  # a compile or launch failure of the Gluon kernel on this triton
             gluon_failed(e)
             cfg = pick(False)
+    if cfg is None:
+        return False
     run(cfg)
+    return True
 
 
 _GLUON_BROKEN: list = []
@@ -310,9 +321,9 @@ def gluon_failed(e: BaseException) -> None:
 
 def gluon_fwd_here(q: torch.Tensor) -> bool:
     """Whether calls on q's device may run the Gluon forwards (the exact one of triton.ws, the fp8
-    one of triton.quant.ws): Hopper (sm90), not the
-    interpreter, a triton whose Gluon has warp_specialize over (function, args) pairs (3.6 and
-    newer), the setting not "off", and no failure of it in this process."""
+    one of triton.quant.ws): Hopper (sm90), not the interpreter, a triton whose Gluon has
+    warp_specialize over (function, args) pairs (3.6 and newer), the setting not "off", and no
+    Gluon failure in this process."""
     if _GLUON_BROKEN or settings.current().fwd_gluon == "off":
         return False
     if not q.is_cuda or interpreting() or hardware.arch("cuda", q.device.index) != "sm90":

@@ -33,10 +33,10 @@ from .triton_launch import (
     WindowSides,
     dot_precision,
     ensure_triton_allocator,
-    gluon_failed,
     gluon_fwd_here,
     mask_args,
     new_output,
+    run_gluon_first,
     shared_layout,
     tensor_descriptor,
     tma_ok,
@@ -448,18 +448,7 @@ def _launch_quant_ws(level: int, q, v, prepared: "Prepared", out, scale: float, 
         return cfg
 
     gluon, triton = kernels
-    cfg = pick(gluon, triton)
-    if cfg is not None and cfg.impl == "gluon":
-        try:
-            launch(cfg)
-            return True
-        except Exception as e:  # a compile or launch failure of the Gluon kernel on this triton
-            gluon_failed(e)
-            cfg = pick(False, triton)
-    if cfg is None:
-        return False
-    launch(cfg)
-    return True
+    return run_gluon_first(lambda g: pick(g, triton), launch, gluon)
 
 
 def _launch_fp8_gluon(qrows: "QuantizedQ", kq, kscale, vq, v_scale, v_mean, n_blocks: int, out, hkv: int, nk: int,
