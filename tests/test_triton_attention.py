@@ -1577,3 +1577,158 @@ def test_gpu_gluon_forward_failure_falls_back_to_the_triton_kernel_with_one_warn
     peer = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert_standard(out, reference_attention(q, k, v, is_causal=True), peer, "output")
     assert torch.equal(out, again)
+
+
+# The Gluon backward (kernels/attention_bwd_gluon.py): on Hopper, timed beside the warp-specialised
+# pair for dense calls that may add dq atomically. Like the Gluon forward it does not run in the
+# interpreter: the CPU checks its sm90 compile, the GPU holds it to the standard.
+
+GLUON_BWD_SM90_COMPILE = r'''
+import json, re
+from triton.experimental.gluon import language as gl
+from adaattn.backends.triton_configs import HALF_CONFIGS
+from adaattn.kernels.attention_bwd_gluon import attention_bwd_gluon_kernel as fn
+from sm90 import compile_for_sm90
+
+def desc(dtype, name, box):
+    lay = gl.NVMMASharedLayout.get_default_for(box, getattr(gl, dtype))
+    return f"tensordesc<{name}[{','.join(map(str, box))}],{lay!r}>"
+
+rows = []
+for d, d_class in ((64, "small_d"), (128, "mid_d")):
+    for cfg in HALF_CONFIGS["bwd_gluon"][d_class]:
+        for causal, left in ((False, False), (True, False), (True, True)):
+            bm, half = cfg.block_m, cfg.block_n // 2
+            types = {"q_desc": desc("bfloat16", "bf16", [1, 1, bm, d]), "k_desc": desc("bfloat16", "bf16", [1, 1, half, d]),
+                     "dq_desc": desc("float32", "fp32", [1, 1, bm, d]), "stat_desc": desc("float32", "fp32", [bm]),
+                     "scale": "fp32", "scale_log2": "fp32", "post_scale": "fp32"}
+            types["do_desc"] = types["q_desc"]
+            types["v_desc"] = types["dk_desc"] = types["dv_desc"] = types["k_desc"]
+            # The launch's choices (triton_launch._run_bwd_gluon): P through shared memory and dq in
+            # two column halves at head dim 128.
+            c = compile_for_sm90(fn, dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages,
+                                          CAUSAL=causal, BOTTOM_RIGHT=causal, HAS_LEFT=left, P_SMEM=d > 64,
+                                          DQ_SPLIT=2 if d > 64 else 1),
+                                 lambda name: types.get(name, "i32"), lambda name, t: False, cfg.num_warps,
+                                 cfg.num_stages)
+            ptx = c["ptx"]
+            rows.append({"d": d, "cfg": str(cfg), "causal": causal, "left": left, "smem": c["smem"],
+                         "stack": c["stack"], "threads": [int(t) for t in re.findall(r"reqntid (\d+)", ptx)],
+                         "regs": sorted(set(int(r) for r in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))),
+                         "wgmma": ptx.count("wgmma.mma_async"), "reduce": "cp.reduce.async.bulk.tensor" in ptx,
+                         "tma": "cp.async.bulk.tensor" in ptx})
+print(json.dumps(rows))
+'''
+
+
+@pytest.mark.slow
+def test_gluon_backward_compiles_for_sm90_into_its_partitions():
+    """Every Gluon backward config compiles for sm90 with this triton, causal, not and windowed:
+    two consumer warp groups and a loader, wgmma products, TMA loads and TMA reductions of dq,
+    within the shared memory the configs table estimates for it, and with spills of a few
+    registers at most (triton 3.6, measured: none at D=64, 56-88 bytes a thread at D=128; triton
+    3.9: up to 216 at D=128)."""
+    from adaattn import hardware
+
+    if not hardware.gluon_available():
+        pytest.skip("this triton has no Gluon warp_specialize over (function, args) pairs")
+    import sm90
+
+    rows = sm90.run_json(GLUON_BWD_SM90_COMPILE)
+    assert len(rows) == 6
+    for r in rows:
+        assert r["threads"] == [384] and r["wgmma"] > 0 and r["tma"] and r["reduce"], r
+        assert 240 in r["regs"] and 24 in r["regs"], r
+        assert (r["stack"] or 0) <= (0 if r["d"] == 64 else 256), r
+        cfg = tc.HALF_CONFIGS["bwd_gluon"][tc.d_class(r["d"])][0]
+        assert r["smem"] <= tc.shared_memory_estimate("bwd_gluon", cfg, r["d"], 2) <= 232448, r
+
+
+def test_gluon_backward_setting_is_checked():
+    with pytest.raises(ValueError, match="bwd_gluon"):
+        settings.Settings(bwd_gluon="on")
+    assert settings.from_environment({"ADAATTN_TRITON_BWD_GLUON": "off"}).bwd_gluon == "off"
+
+
+def test_gluon_backward_is_not_used_off_hopper_or_in_the_interpreter():
+    from adaattn.backends import triton_launch
+
+    assert not triton_launch.gluon_bwd_here(torch.zeros(1))
+
+
+def count_gluon_backward(monkeypatch) -> list:
+    """Calls of the Gluon backward's launch from now on (one entry per call)."""
+    from adaattn.backends import triton_launch
+
+    calls, real = [], triton_launch._run_bwd_gluon
+
+    def counted(*args, **kwargs):
+        calls.append(True)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton_launch, "_run_bwd_gluon", counted)
+    return calls
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize(
+    "b,hq,hkv,nq,nk,d,dtype,causal,align,window",
+    [
+        (2, 4, 4, 300, 300, 128, torch.bfloat16, True, "top_left", None),
+        (1, 8, 2, 1000, 1000, 128, torch.bfloat16, True, "top_left", None),
+        (2, 4, 4, 257, 513, 64, torch.float16, True, "bottom_right", None),
+        (2, 4, 4, 513, 257, 128, torch.bfloat16, False, "top_left", None),
+        (1, 4, 2, 700, 1300, 128, torch.float16, False, "top_left", None),
+        (1, 4, 4, 1024, 1024, 128, torch.bfloat16, True, "top_left", (100, 0)),
+        (1, 4, 4, 999, 1200, 64, torch.bfloat16, True, "bottom_right", (257, 0)),
+        (1, 2, 1, 1, 700, 128, torch.bfloat16, False, "top_left", None),
+        (1, 2, 2, 64, 64, 64, torch.bfloat16, True, "top_left", None),
+        (1, 6, 2, 2048, 2048, 64, torch.bfloat16, True, "top_left", None),
+    ],
+)
+def test_gpu_gluon_backward_meets_the_standard(monkeypatch, b, hq, hkv, nq, nk, d, dtype, causal, align, window):
+    """The Gluon backward, forced, under the forward of a Triton runner (triton.ws, or triton.tma
+    where a window is set): gradients against float64 and torch's own."""
+    if not gluon_here():
+        pytest.skip("the Gluon backward runs on Hopper with triton >= 3.6 only")
+    calls = count_gluon_backward(monkeypatch)
+    cfg = tc.HALF_CONFIGS["bwd_gluon"][tc.d_class(d)][0]
+    policy = adaattn.Policy(backends=("triton.ws" if window is None else "triton.tma",))
+    with triton_tuner.forced_configs(bwd_gluon=cfg), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a Gluon failure would warn and run the pair
+        check_case(b=b, hq=hq, hkv=hkv, nq=nq, nk=nk, d=d, dtype=dtype, causal=causal, align=align, window=window,
+                   policy=policy, seed=nq + nk + d)
+    assert calls
+
+
+@gpu
+@needs_cuda
+def test_gpu_gluon_backward_is_not_used_for_deterministic_gradients(monkeypatch):
+    """dq through TMA reductions is not bitwise reproducible: deterministic calls run the pair."""
+    if not gluon_here():
+        pytest.skip("the Gluon backward runs on Hopper with triton >= 3.6 only")
+    calls = count_gluon_backward(monkeypatch)
+    g = _gen(31)
+    q, k, v = (_randn((1, 4, 700, 128), torch.bfloat16, g) for _ in range(3))
+    with triton_tuner.forced_configs(bwd_gluon=tc.HALF_CONFIGS["bwd_gluon"]["mid_d"][0]):
+        assert_bitwise_deterministic_gradients(q, k, v, _randn((1, 4, 700, 128), torch.bfloat16, g))
+    assert not calls
+
+
+@gpu
+@needs_cuda
+def test_gpu_gluon_backward_failure_falls_back_to_the_pair_with_one_warning(monkeypatch):
+    if not gluon_here():
+        pytest.skip("the Gluon backward runs on Hopper with triton >= 3.6 only")
+    from adaattn.backends import triton_launch
+
+    break_gluon(monkeypatch, triton_launch, "_run_bwd_gluon")
+    policy = adaattn.Policy(backends=("triton.ws",))
+    with triton_tuner.forced_configs(bwd_gluon=tc.HALF_CONFIGS["bwd_gluon"]["mid_d"][0]):
+        with pytest.warns(RuntimeWarning, match="Gluon kernel failed"):
+            check_case(b=1, hq=4, nq=500, d=128, dtype=torch.bfloat16, causal=True, policy=policy, seed=5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            check_case(b=1, hq=4, nq=500, d=128, dtype=torch.bfloat16, causal=True, policy=policy, seed=6)
+    assert not triton_launch.gluon_bwd_here(torch.zeros(1, device="cuda"))

@@ -11,6 +11,9 @@ Every plan is cached under the settings it was made with (`current()` is part of
     ADAATTN_TRITON_FWD_GLUON     auto (default: on Hopper the Gluon forwards run, the exact one
                                  of triton.ws and the fp8 one of triton.quant.ws, each timed beside
                                  the Triton kernel), off
+    ADAATTN_TRITON_BWD_GLUON     auto (default: on Hopper the Gluon backward, dq added by TMA
+                                 reductions, is timed beside the warp-specialised pair for
+                                 non-deterministic dense calls), off
     ADAATTN_TRITON_FWD_GRID      query_major (default) or head_major launch grid of our forward
     ADAATTN_TRITON_EXP_FMA       0 (default), 2, 4: share of exp2 on the FMA units (one in N)
     ADAATTN_FP8_LEVEL_QK         auto (default: FP8 on Hopper), int8, fp8: Q.K^T of the fp8 level
@@ -34,6 +37,7 @@ EXP_FMA_SHARES = ("0", "2", "4")
 FP8_LEVEL_QK = ("auto", "int8", "fp8")
 BWD_WS = ("auto", "on", "off")
 FWD_GLUON = ("auto", "off")
+BWD_GLUON = ("auto", "off")
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,7 @@ class Settings:
     dq: str = "atomic"  # measured fastest on the H100 (results/2026-11-22-triton-variants-h100.json)
     bwd_ws: str = "auto"  # kernels/attention_bwd_ws.py; benchmarks/NOTES.md (issue 17) has its figures
     fwd_gluon: str = "auto"  # kernels/attention_fwd_gluon.py and attention_quant_gluon.py
+    bwd_gluon: str = "auto"  # kernels/attention_bwd_gluon.py
     fwd_grid: str = "query_major"
     exp_fma: str = "0"
     fp8_level_qk: str = "auto"
@@ -55,7 +60,7 @@ class Settings:
     def __post_init__(self) -> None:
         for name, allowed in (("dq", DQ_MODES), ("fwd_grid", GRID_ORDERS), ("exp_fma", EXP_FMA_SHARES),
                               ("fp8_level_qk", FP8_LEVEL_QK), ("bwd_ws", BWD_WS),
-                              ("fwd_gluon", FWD_GLUON)):
+                              ("fwd_gluon", FWD_GLUON), ("bwd_gluon", BWD_GLUON)):
             value = getattr(self, name)
             if str(value) not in allowed:
                 raise ValueError(f"setting {name} must be one of {allowed}, got {value!r}")
@@ -75,6 +80,7 @@ _ENV = {
     "dq": ("ADAATTN_TRITON_DQ", str),
     "bwd_ws": ("ADAATTN_TRITON_BWD_WS", str),
     "fwd_gluon": ("ADAATTN_TRITON_FWD_GLUON", str),
+    "bwd_gluon": ("ADAATTN_TRITON_BWD_GLUON", str),
     "fwd_grid": ("ADAATTN_TRITON_FWD_GRID", str),
     "exp_fma": ("ADAATTN_TRITON_EXP_FMA", str),
     "fp8_level_qk": ("ADAATTN_FP8_LEVEL_QK", str),

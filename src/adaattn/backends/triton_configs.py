@@ -75,6 +75,14 @@ HALF_CONFIGS = {
         "mid_d": [KernelConfig(128, 128, 4, 2, "gluon"), KernelConfig(128, 64, 4, 3, "gluon")],
         "large_d": [],
     },
+    # The Gluon backward (kernels/attention_bwd_gluon.py), timed beside the warp-specialised
+    # pair (BWD_WS_PAIR) for calls that may add dq atomically: 64 query rows a tile, 128 keys a
+    # program (64 per consumer group). 231 KB of shared memory at D=128 (P and dS through it).
+    "bwd_gluon": {
+        "small_d": [KernelConfig(64, 128, 4, 2, "gluon")],
+        "mid_d": [KernelConfig(64, 128, 4, 2, "gluon")],
+        "large_d": [],
+    },
     # dk/dv accumulators live in registers all along: small query tiles keep them there.
     "dkdv": {
         "small_d": [KernelConfig(32, 128, 8, 2), KernelConfig(64, 128, 8, 2), KernelConfig(32, 64, 4, 2)],
@@ -125,6 +133,8 @@ FP32_CONFIGS = {
     "dq": [KernelConfig(32, 16, 4, 1), KernelConfig(16, 32, 4, 1)],
 }
 DELTA_CONFIG = KernelConfig(64, 64, 4, 1)
+# The "bwd_gluon" candidate that runs the warp-specialised pair (dkdv_ws, dq_ws, each tuned).
+BWD_WS_PAIR = KernelConfig(0, 0, 0, 0, "ws")
 
 
 def d_class(block_d: int) -> str:
@@ -139,6 +149,9 @@ def shared_memory_estimate(kind: str, cfg: KernelConfig, block_d: int, elem: int
     the width of V, dO and the output tiles."""
     bm, bn, stages = cfg.block_m, cfg.block_n, max(cfg.num_stages, 1)
     qk, vo = block_d, block_dv or block_d
+    if kind == "bwd_gluon":  # K and V; P and dS per group; fp32 dq per group; Q, dO and their statistics
+        resident = bn * (qk + vo) * elem + 2 * bm * bn * elem + 2 * bm * qk * 4
+        return resident + stages * (bm * (qk + vo) * elem + 2 * bm * 4) + 1024
     if kind in ("fwd", "fwd_ws", "fwd_gluon"):  # q resident; k and v pipelined
         resident, pipelined = bm * qk, bn * (qk + vo)
     elif kind in ("dkdv", "dkdv_ws"):  # k and v resident; q and do pipelined

@@ -22,6 +22,7 @@ import torch
 from .. import hardware, settings
 from ..problem import tma_aligned
 from .triton_configs import (
+    BWD_WS_PAIR,
     DELTA_CONFIG,
     INTERPRET_CONFIGS,
     KernelConfig,
@@ -324,7 +325,17 @@ def gluon_fwd_here(q: torch.Tensor) -> bool:
     one of triton.quant.ws): Hopper (sm90), not the interpreter, a triton whose Gluon has
     warp_specialize over (function, args) pairs (3.6 and newer), the setting not "off", and no
     Gluon failure in this process."""
-    if _GLUON_BROKEN or settings.current().fwd_gluon == "off":
+    return _gluon_here(q, settings.current().fwd_gluon)
+
+
+def gluon_bwd_here(q: torch.Tensor) -> bool:
+    """Whether backward calls on q's device may run the Gluon backward (kernels/attention_bwd_gluon.py):
+    as gluon_fwd_here, under the bwd_gluon setting."""
+    return _gluon_here(q, settings.current().bwd_gluon)
+
+
+def _gluon_here(q: torch.Tensor, setting: str) -> bool:
+    if _GLUON_BROKEN or setting == "off":
         return False
     if not q.is_cuda or interpreting() or hardware.arch("cuda", q.device.index) != "sm90":
         return False
@@ -337,7 +348,8 @@ def shared_layout(box: tuple, dtype: torch.dtype):
     cost of every call otherwise)."""
     from triton.experimental.gluon import language as gl
 
-    elem = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}[dtype]
+    elem = {torch.float8_e4m3fn: gl.float8e4nv, torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
+            torch.float32: gl.float32}[dtype]
     return gl.NVMMASharedLayout.get_default_for(list(box), elem)
 
 
@@ -659,11 +671,7 @@ def launch_bwd_ws(dout, q, k, v, out, lse, launch: AttentionLaunch, configs: Opt
 
 def _launch_bwd_ws(dout, q, k, v, out, lse, launch: AttentionLaunch, configs: Optional[tuple] = None,
                    warp_spec: bool = True, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
-    from ..kernels.attention_bwd_ws import (
-        attention_bwd_dkdv_ws_kernel,
-        attention_bwd_dq_ws_kernel,
-        attention_bwd_ws_prep_kernel,
-    )
+    from ..kernels.attention_bwd_ws import attention_bwd_dkdv_ws_kernel, attention_bwd_dq_ws_kernel
 
     q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
     dout, out = last_dim_contiguous(dout), last_dim_contiguous(out)
@@ -674,15 +682,7 @@ def _launch_bwd_ws(dout, q, k, v, out, lse, launch: AttentionLaunch, configs: Op
     d = lay.head_dim
     varlen = lay.varlen
     cu_q, cu_k = lay.offsets(cu_seqlens_q, cu_seqlens_k, q)
-    # Stat planes: whole 128-row tiles (the largest BLOCK_M) per (sequence, head), the longest
-    # sequence's length each, so a tile's statistics never leave its plane.
-    pitch = cdiv(lay.q_len, 128) * 128
-    plane = lay.batch * lay.q_heads * pitch
-    stat = torch.empty(2 * plane, dtype=torch.float32, device=q.device)
-    attention_bwd_ws_prep_kernel[(pitch // 64, lay.batch * lay.q_heads)](
-        out, dout, lse, stat, cu_q, *lay.strides(out), *lay.strides(dout), *lse_strides(lse, lay),
-        lay.q_heads, lay.q_len, pitch, plane, HEAD_DIM_V=d, BLOCK_DV=d, BLOCK_M=64, IS_VARLEN=varlen, num_warps=4,
-    )
+    stat, pitch, plane = _bwd_stat_planes(out, dout, lse, lay, cu_q)
     descriptor = tensor_descriptor()
     ensure_triton_allocator()
     group = lay.q_heads // lay.kv_heads
@@ -716,10 +716,97 @@ def _launch_bwd_ws(dout, q, k, v, out, lse, launch: AttentionLaunch, configs: Op
         )
 
     key = _shape_key(q, lay, launch, MASK_NONE)
-    for i, (kind, run, written) in enumerate((("dkdv_ws", run_dkdv, dk), ("dq_ws", run_dq, dq))):
-        if configs is not None:
-            run(configs[i])
+
+    def run_pair():
+        for i, (kind, run, written) in enumerate((("dkdv_ws", run_dkdv, dk), ("dq_ws", run_dq, dq))):
+            if configs is not None:
+                run(configs[i])
+            else:
+                run(CONFIGS.pick(kind, key, lambda kind=kind: fitting_configs(kind, d, q.dtype, q.device), run,
+                                 lambda written=written: written))
+
+    if configs is not None or varlen or not warp_spec or launch.dq_mode == "separate" or not gluon_bwd_here(q):
+        run_pair()
+        return dq, dk, dv
+
+    # Dense and free to add dq atomically: the Gluon backward is timed beside the pair.
+    def run(cfg: KernelConfig):
+        if cfg.impl == "gluon":
+            _run_bwd_gluon(dq, dk, dv, dout, q, k, v, stat, pitch, plane, lay, launch, cfg)
         else:
-            run(CONFIGS.pick(kind, key, lambda kind=kind: fitting_configs(kind, d, q.dtype, q.device), run,
-                             lambda written=written: written))
+            run_pair()
+
+    def pick(gluon: bool) -> KernelConfig:
+        if not gluon:
+            return BWD_WS_PAIR
+        return CONFIGS.pick("bwd_gluon", key, lambda: fitting_configs("bwd_gluon", d, q.dtype, q.device) + [BWD_WS_PAIR],
+                            run, lambda: dq)
+
+    run_gluon_first(pick, run, True)
     return dq, dk, dv
+
+
+def _bwd_stat_planes(out, dout, lse, lay: RowLayout, cu_q) -> tuple:
+    """The prep kernel's planes of a backward (kernels/attention_bwd_ws.py): (stat, pitch, plane),
+    lse in the log2 domain at stat[bh * pitch + row] and delta at stat[plane + bh * pitch + row]. Whole
+    128-row tiles (the largest BLOCK_M) per (sequence, head), the longest sequence's length each,
+    so a tile's statistics never leave its plane."""
+    from ..kernels.attention_bwd_ws import attention_bwd_ws_prep_kernel
+
+    pitch = cdiv(lay.q_len, 128) * 128
+    plane = lay.batch * lay.q_heads * pitch
+    stat = torch.empty(2 * plane, dtype=torch.float32, device=out.device)
+    attention_bwd_ws_prep_kernel[(pitch // 64, lay.batch * lay.q_heads)](
+        out, dout, lse, stat, cu_q, *lay.strides(out), *lay.strides(dout), *lse_strides(lse, lay),
+        lay.q_heads, lay.q_len, pitch, plane, HEAD_DIM_V=lay.head_dim, BLOCK_DV=lay.head_dim, BLOCK_M=64,
+        IS_VARLEN=lay.varlen, num_warps=4,
+    )
+    return stat, pitch, plane
+
+
+def launch_bwd_gluon(dout, q, k, v, out, lse, launch: AttentionLaunch, cfg: KernelConfig,
+                     variant: Optional[dict] = None):
+    """The Gluon backward alone on dense (B, H, N, D) tensors (tests and probes; calls reach it
+    through launch_bwd, which times it beside the warp-specialised pair): returns (dq, dk, dv).
+    variant: the kernel's optional constexprs (DQ_SPLIT, P_SMEM) where a probe sets them."""
+    q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
+    dout, out = last_dim_contiguous(dout), last_dim_contiguous(out)
+    lay = row_layout(q, k, v, None, 0, 0)
+    (dq, dk, dv), empty = bwd_outputs(q, k, v, lay)
+    if not empty:
+        stat, pitch, plane = _bwd_stat_planes(out, dout, lse, lay, q)
+        _run_bwd_gluon(dq, dk, dv, dout, q, k, v, stat, pitch, plane, lay, launch, cfg, variant)
+    return dq, dk, dv
+
+
+def _run_bwd_gluon(dq, dk, dv, dout, q, k, v, stat, pitch, plane, lay: RowLayout, launch: AttentionLaunch,
+                   cfg: KernelConfig, variant: Optional[dict] = None) -> None:
+    """kernels/attention_bwd_gluon.py into dq, dk, dv (dense, unit last strides) from the prep
+    kernel's planes: one kernel adds dq into a zeroed fp32 accumulator by TMA reductions, and dq
+    is converted from it. dq's bits depend on the order of the reductions: never for a
+    deterministic launch. P goes through shared memory at head dim 128 (in registers it spills),
+    and dq's product runs in two column halves there (fewer live registers; 1-2% faster)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from ..kernels.attention_bwd_gluon import attention_bwd_gluon_kernel
+
+    d, bm, bn = lay.head_dim, cfg.block_m, cfg.block_n
+    dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+
+    def desc(t, box):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), list(box), shared_layout(box, t.dtype))
+
+    scale, post_scale = ds_scales(launch.scale)
+    rows, keys = (1, 1, bm, d), (1, 1, bn // 2, d)
+    consts = dict(P_SMEM=d > 64, DQ_SPLIT=2 if d > 64 else 1)
+    consts.update(variant or {})
+    attention_bwd_gluon_kernel[(cdiv(lay.k_len, bn), lay.batch * lay.kv_heads)](
+        desc(q, rows), desc(dout, rows), desc(k, keys), desc(v, keys), desc(dk, keys), desc(dv, keys),
+        desc(dq_acc, rows), desc(stat, (bm,)), lay.kv_heads, lay.q_heads // lay.kv_heads, lay.q_len, lay.k_len,
+        pitch, plane, scale, launch.scale * LOG2E, launch.left, post_scale, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn,
+        STAGES=cfg.num_stages, CAUSAL=launch.has_right, BOTTOM_RIGHT=launch.bottom_right,
+        HAS_LEFT=launch.has_left, num_warps=cfg.num_warps, **consts,
+    )
+    if post_scale != 1.0:
+        dq_acc.mul_(post_scale)
+    dq.copy_(dq_acc)
