@@ -1692,14 +1692,14 @@ def test_gpu_gluon_backward_meets_the_standard(monkeypatch, b, hq, hkv, nq, nk, 
     where a window is set): gradients against float64 and torch's own."""
     if not gluon_here():
         pytest.skip("the Gluon backward runs on Hopper with triton >= 3.6 only")
-    calls = count_gluon_backward(monkeypatch)
+    calls, ran = count_gluon_backward(monkeypatch), []
     cfg = tc.HALF_CONFIGS["bwd_gluon"][tc.d_class(d)][0]
-    policy = adaattn.Policy(backends=("triton.ws" if window is None else "triton.tma",))
+    runner = "triton.ws" if window is None else "triton.tma"
     with triton_tuner.forced_configs(bwd_gluon=cfg), warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a Gluon failure would warn and run the pair
         check_case(b=b, hq=hq, hkv=hkv, nq=nq, nk=nk, d=d, dtype=dtype, causal=causal, align=align, window=window,
-                   policy=policy, seed=nq + nk + d)
-    assert calls
+                   policy=adaattn.Policy(backends=(runner,)), ran=ran, seed=nq + nk + d)
+    assert ran == [runner] and calls
 
 
 @gpu
@@ -1727,8 +1727,8 @@ def test_gpu_gluon_backward_failure_falls_back_to_the_pair_with_one_warning(monk
     policy = adaattn.Policy(backends=("triton.ws",))
     with triton_tuner.forced_configs(bwd_gluon=tc.HALF_CONFIGS["bwd_gluon"]["mid_d"][0]):
         with pytest.warns(RuntimeWarning, match="Gluon kernel failed"):
-            check_case(b=1, hq=4, nq=500, d=128, dtype=torch.bfloat16, causal=True, policy=policy, seed=5)
+            check_case(b=1, hq=4, nq=500, d=128, dtype=torch.bfloat16, causal=True, policy=policy, ran=[], seed=5)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            check_case(b=1, hq=4, nq=500, d=128, dtype=torch.bfloat16, causal=True, policy=policy, seed=6)
+            check_case(b=1, hq=4, nq=500, d=128, dtype=torch.bfloat16, causal=True, policy=policy, ran=[], seed=6)
     assert not triton_launch.gluon_bwd_here(torch.zeros(1, device="cuda"))
