@@ -1510,16 +1510,19 @@ def test_gluon_forward_compiles_for_sm90_into_its_partitions():
         assert r["smem"] <= 232448 and (r["stack"] or 0) <= 128, r
 
 
-def test_gluon_forward_setting_is_checked():
-    with pytest.raises(ValueError, match="fwd_gluon"):
-        settings.Settings(fwd_gluon="on")
-    assert settings.from_environment({"ADAATTN_TRITON_FWD_GLUON": "off"}).fwd_gluon == "off"
+@pytest.mark.parametrize("field,variable", [("fwd_gluon", "ADAATTN_TRITON_FWD_GLUON"),
+                                            ("bwd_gluon", "ADAATTN_TRITON_BWD_GLUON")])
+def test_gluon_settings_are_checked(field, variable):
+    with pytest.raises(ValueError, match=field):
+        settings.Settings(**{field: "on"})
+    assert getattr(settings.from_environment({variable: "off"}), field) == "off"
 
 
-def test_gluon_forward_is_not_used_off_hopper_or_in_the_interpreter():
+@pytest.mark.parametrize("here", ["gluon_fwd_here", "gluon_bwd_here"])
+def test_gluon_kernels_are_not_used_off_hopper_or_in_the_interpreter(here):
     from adaattn.backends import triton_launch
 
-    assert not triton_launch.gluon_fwd_here(torch.zeros(1))
+    assert not getattr(triton_launch, here)(torch.zeros(1))
 
 
 def gluon_config(d: int, i: int) -> KernelConfig:
@@ -1642,18 +1645,6 @@ def test_gluon_backward_compiles_for_sm90_into_its_partitions():
         assert (r["stack"] or 0) <= (0 if r["d"] == 64 else 256), r
         cfg = tc.HALF_CONFIGS["bwd_gluon"][tc.d_class(r["d"])][0]
         assert r["smem"] <= tc.shared_memory_estimate("bwd_gluon", cfg, r["d"], 2) <= 232448, r
-
-
-def test_gluon_backward_setting_is_checked():
-    with pytest.raises(ValueError, match="bwd_gluon"):
-        settings.Settings(bwd_gluon="on")
-    assert settings.from_environment({"ADAATTN_TRITON_BWD_GLUON": "off"}).bwd_gluon == "off"
-
-
-def test_gluon_backward_is_not_used_off_hopper_or_in_the_interpreter():
-    from adaattn.backends import triton_launch
-
-    assert not triton_launch.gluon_bwd_here(torch.zeros(1))
 
 
 def count_gluon_backward(monkeypatch) -> list:
