@@ -72,6 +72,15 @@ def test_train_counts_three_and_a_half_forward_flops_of_causal_attention():
     assert cases[0].work == 3.5 * 2 * 2 * 16 * 4096 * 4096 * 128
 
 
+def test_train_times_the_deterministic_backward_beside_the_default_one():
+    from adaattn.bench.peers import Call
+    from adaattn.bench.suites import train
+
+    q = torch.zeros(1, 2, 8, 16, requires_grad=True)
+    names = [p.name for p in train.train_peers(Call(q, q, q, causal=True, backward=True))]
+    assert names[-2:] == ["triton", "triton deterministic"] and "adaattn" in names
+
+
 def test_decode_figure_is_the_bytes_of_k_and_v():
     everything = _cases(["--suite", "decode"])
     cases = _cases(["--suite", "decode", "--decode-parts", "dense"])
