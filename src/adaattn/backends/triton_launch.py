@@ -739,8 +739,8 @@ def _launch_bwd_ws(dout, q, k, v, out, lse, launch: AttentionLaunch, configs: Op
     def pick(gluon: bool) -> KernelConfig:
         if not gluon:
             return BWD_WS_PAIR
-        return CONFIGS.pick("bwd_gluon", key, lambda: fitting_configs("bwd_gluon", d, q.dtype, q.device) + [BWD_WS_PAIR],
-                            run, lambda: dq)
+        return CONFIGS.pick("bwd_gluon", key,
+                            lambda: fitting_configs("bwd_gluon", d, q.dtype, q.device) + [BWD_WS_PAIR], run, lambda: dq)
 
     run_gluon_first(pick, run, True)
     return dq, dk, dv
@@ -764,23 +764,8 @@ def _bwd_stat_planes(out, dout, lse, lay: RowLayout, cu_q) -> tuple:
     return stat, pitch, plane
 
 
-def launch_bwd_gluon(dout, q, k, v, out, lse, launch: AttentionLaunch, cfg: KernelConfig,
-                     variant: Optional[dict] = None):
-    """The Gluon backward alone on dense (B, H, N, D) tensors (tests and probes; calls reach it
-    through launch_bwd, which times it beside the warp-specialised pair): returns (dq, dk, dv).
-    variant: the kernel's optional constexprs (DQ_SPLIT, P_SMEM) where a probe sets them."""
-    q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
-    dout, out = last_dim_contiguous(dout), last_dim_contiguous(out)
-    lay = row_layout(q, k, v, None, 0, 0)
-    (dq, dk, dv), empty = bwd_outputs(q, k, v, lay)
-    if not empty:
-        stat, pitch, plane = _bwd_stat_planes(out, dout, lse, lay, q)
-        _run_bwd_gluon(dq, dk, dv, dout, q, k, v, stat, pitch, plane, lay, launch, cfg, variant)
-    return dq, dk, dv
-
-
 def _run_bwd_gluon(dq, dk, dv, dout, q, k, v, stat, pitch, plane, lay: RowLayout, launch: AttentionLaunch,
-                   cfg: KernelConfig, variant: Optional[dict] = None) -> None:
+                   cfg: KernelConfig) -> None:
     """kernels/attention_bwd_gluon.py into dq, dk, dv (dense, unit last strides) from the prep
     kernel's planes: one kernel adds dq into a zeroed fp32 accumulator by TMA reductions, and dq
     is converted from it. dq's bits depend on the order of the reductions: never for a
@@ -798,14 +783,12 @@ def _run_bwd_gluon(dq, dk, dv, dout, q, k, v, stat, pitch, plane, lay: RowLayout
 
     scale, post_scale = ds_scales(launch.scale)
     rows, keys = (1, 1, bm, d), (1, 1, bn // 2, d)
-    consts = dict(P_SMEM=d > 64, DQ_SPLIT=2 if d > 64 else 1)
-    consts.update(variant or {})
     attention_bwd_gluon_kernel[(cdiv(lay.k_len, bn), lay.batch * lay.kv_heads)](
         desc(q, rows), desc(dout, rows), desc(k, keys), desc(v, keys), desc(dk, keys), desc(dv, keys),
         desc(dq_acc, rows), desc(stat, (bm,)), lay.kv_heads, lay.q_heads // lay.kv_heads, lay.q_len, lay.k_len,
         pitch, plane, scale, launch.scale * LOG2E, launch.left, post_scale, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn,
         STAGES=cfg.num_stages, CAUSAL=launch.has_right, BOTTOM_RIGHT=launch.bottom_right,
-        HAS_LEFT=launch.has_left, num_warps=cfg.num_warps, **consts,
+        HAS_LEFT=launch.has_left, P_SMEM=d > 64, DQ_SPLIT=2 if d > 64 else 1, num_warps=cfg.num_warps,
     )
     if post_scale != 1.0:
         dq_acc.mul_(post_scale)

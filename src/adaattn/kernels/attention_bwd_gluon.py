@@ -53,8 +53,8 @@ _tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_36
 
 
 @gluon.jit
-def _load_bwd(q_desc, do_desc, k_desc, v_desc, stat_desc, k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, kv_bar,
-              q_ready, do_ready, qdo_empty, batch, kv_head, kv_group, q_heads, q_pitch, stat_plane, start_n, lo,
+def _load_bwd(q_desc, do_desc, k_desc, v_desc, stat_desc, k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs,
+              kv_bar, q_ready, do_ready, qdo_empty, batch, kv_head, kv_group, q_heads, q_pitch, stat_plane, start_n, lo,
               n_tiles, BLOCK_M: gl.constexpr, HALF: gl.constexpr, STAGES: gl.constexpr):
     """K and V halves once, then the Q and dO tiles of the loop, each with its rows' statistics
     (lse2 with Q, delta with dO)."""
@@ -79,9 +79,9 @@ def _load_bwd(q_desc, do_desc, k_desc, v_desc, stat_desc, k_bufs, v_bufs, q_bufs
 
 
 @gluon.jit
-def _consume_bwd(k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, p_bufs, dq_bufs, kv_bar, q_ready, do_ready, qdo_empty,
-                 dk_desc, dv_desc, dq_desc, batch, kv_head, kv_group, start_n,
-                 diag, lo, n_tiles, scale, scale_log2, window_left, post_scale,
+def _consume_bwd(k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, p_bufs, dq_bufs, kv_bar, q_ready,
+                 do_ready, qdo_empty, dk_desc, dv_desc, dq_desc, batch, kv_head, kv_group, start_n, diag, lo, n_tiles,
+                 scale, scale_log2, window_left, post_scale,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, HALF: gl.constexpr, STAGES: gl.constexpr,
                  CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, DQ_SPLIT: gl.constexpr, P_SMEM: gl.constexpr,
                  GROUP: gl.constexpr):
@@ -149,7 +149,6 @@ def _consume_bwd(k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
             fence_async_shared()
             _barrier()
             dv = warpgroup_mma(p_smem, do_smem, dv, is_async=True)
-            p_op = dv
         else:
             p_op = gl.convert_layout(p_t.to(dtype), a_layout)
             dv = warpgroup_mma(p_op, do_smem, dv, is_async=True)
@@ -166,7 +165,10 @@ def _consume_bwd(k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
             dq = warpgroup_mma(ds_smem.permute((1, 0)), k_smem.slice(c * DQ_COLS, DQ_COLS, 1), dq_zero,
                                use_acc=False, is_async=True)
             if c == DQ_SPLIT - 1:
-                dv, dk, dq, p_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, p_op))
+                if P_SMEM:
+                    dv, dk, dq = warpgroup_mma_wait(0, deps=(dv, dk, dq))
+                else:  # P's registers stay reserved until dV's product is done
+                    dv, dk, dq, p_op = warpgroup_mma_wait(0, deps=(dv, dk, dq, p_op))
                 mbarrier.arrive(qdo_empty.index(st), count=1)
             else:
                 dq = warpgroup_mma_wait(0, deps=(dq, ))
@@ -197,8 +199,8 @@ def attention_bwd_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc
     the loader are worker partitions). Descriptors (host, 4-D over (B, H, N, D)): Q and dO with
     (1, 1, BLOCK_M, D) boxes; K, V, dK and dV with (1, 1, BLOCK_N // 2, D); dq_desc over the fp32
     accumulator (B, Hq, Nq, D), zeroed, box (1, 1, BLOCK_M, D); stat_desc over the prep kernel's
-    flat planes (attention_bwd_ws_prep_kernel, q_pitch a multiple of BLOCK_M), box (BLOCK_M,). dK is multiplied by post_scale
-    here; the accumulator is left at the ds scale."""
+    flat planes (attention_bwd_ws_prep_kernel, q_pitch a multiple of BLOCK_M), box (BLOCK_M,). dK
+    is multiplied by post_scale here; the accumulator is left at the ds scale."""
     HALF: gl.constexpr = BLOCK_N // 2
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -240,13 +242,16 @@ def attention_bwd_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc
         mbarrier.init(do_ready.index(i), count=1)
         mbarrier.init(qdo_empty.index(i), count=2)
 
+    # (Each consumer's arguments in full: a tuple built from a shared one would lose the constexprs.)
     gl.warp_specialize([
-        (_consume_bwd, (k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, p_bufs, dq_bufs, kv_bar, q_ready, do_ready, qdo_empty,
-                        dk_desc, dv_desc, dq_desc, batch, kv_head, kv_group, start_n, diag, lo, n_tiles, scale, scale_log2, window_left, post_scale, HEAD_DIM, BLOCK_M,
-                        HALF, STAGES, CAUSAL, HAS_LEFT, DQ_SPLIT, P_SMEM, 0)),
-        (_consume_bwd, (k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, p_bufs, dq_bufs, kv_bar, q_ready, do_ready, qdo_empty,
-                        dk_desc, dv_desc, dq_desc, batch, kv_head, kv_group, start_n, diag, lo, n_tiles, scale, scale_log2, window_left, post_scale, HEAD_DIM, BLOCK_M,
-                        HALF, STAGES, CAUSAL, HAS_LEFT, DQ_SPLIT, P_SMEM, 1)),
+        (_consume_bwd, (k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, p_bufs, dq_bufs, kv_bar,
+                        q_ready, do_ready, qdo_empty, dk_desc, dv_desc, dq_desc, batch, kv_head, kv_group, start_n,
+                        diag, lo, n_tiles, scale, scale_log2, window_left, post_scale, HEAD_DIM, BLOCK_M, HALF,
+                        STAGES, CAUSAL, HAS_LEFT, DQ_SPLIT, P_SMEM, 0)),
+        (_consume_bwd, (k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, p_bufs, dq_bufs, kv_bar,
+                        q_ready, do_ready, qdo_empty, dk_desc, dv_desc, dq_desc, batch, kv_head, kv_group, start_n,
+                        diag, lo, n_tiles, scale, scale_log2, window_left, post_scale, HEAD_DIM, BLOCK_M, HALF,
+                        STAGES, CAUSAL, HAS_LEFT, DQ_SPLIT, P_SMEM, 1)),
         (_load_bwd, (q_desc, do_desc, k_desc, v_desc, stat_desc, k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs,
                      delta_bufs, kv_bar, q_ready, do_ready, qdo_empty, batch, kv_head, kv_group, q_heads, q_pitch,
                      stat_plane, start_n, lo, n_tiles, BLOCK_M, HALF, STAGES)),
