@@ -803,7 +803,13 @@ WS_CASES = {
     "rows before the first key": (dict(nq=90, nk=40, d=64, causal=True, align="bottom_right", seed=63), True),
     "head dim 128, two batches": (dict(b=2, nq=50, nk=70, d=128, seed=64), True),
     "one key": (dict(nq=5, nk=1, d=64, seed=65), True),
-    "window: general kernel": (dict(nq=90, d=64, window=(20, 0), seed=66), False),
+    "left window": (dict(nq=90, d=64, window=(20, 0), seed=66), True),
+    "left window, causal, gqa bottom-right": (dict(hq=4, hkv=2, nq=40, nk=90, d=64, causal=True, window=(17, 0),
+                                                   align="bottom_right", seed=71), True),
+    "left window, rows before the first key": (dict(nq=90, nk=40, d=128, causal=True, window=(9, 0),
+                                                    align="bottom_right", seed=72), True),
+    "left window, no right bound": (dict(nq=70, nk=100, d=64, window=(30, None), seed=73), True),
+    "right window: general kernel": (dict(nq=90, d=64, window=(20, 5), seed=74), False),
     "bool mask: general kernel": (dict(nq=60, nk=80, d=64, attn_mask=_fully_masked_row_mask(60, 80, 67), seed=67),
                                   False),
     "fp32: general kernel": (dict(nq=50, d=64, dtype=torch.float32, causal=True, seed=68), False),
@@ -1304,11 +1310,13 @@ def test_runners_decline_with_reasons(monkeypatch):
         for runner in (tma, ws):
             assert any(why in r for r in runner.supports(_problem(**over), policy)), (runner, over)
     # What only the warp-specialised forward declines.
-    for over, why in ((dict(window_left=8), "sliding window"), (dict(window_right=0), "sliding window"),
+    for over, why in ((dict(window_left=8, window_right=4), "left window only"),
                       (dict(head_dim=32, value_dim=32), "head_dim 64 or 128")):
         assert tma.supports(_problem(**over), policy) == []
         assert any(why in r for r in ws.supports(_problem(**over), policy)), over
-    assert ws.supports(_problem(causal=True, head_dim=128, value_dim=128), policy) == []
+    for over in (dict(causal=True), dict(window_left=8), dict(window_left=8, window_right=0),
+                 dict(causal=True, window_left=8, window_right=4)):  # a left window, the right bound at most causal
+        assert ws.supports(_problem(head_dim=128, value_dim=128, **over), policy) == [], over
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     for runner in runners.values():
         assert any("CUDA" in r for r in runner.supports(_problem(device_type="cpu", device_index=None), policy))
@@ -1472,6 +1480,7 @@ rows = []
 for d, d_class in ((64, "small_d"), (128, "mid_d")):
     for cfg in HALF_CONFIGS["fwd_gluon"][d_class]:
         causal = cfg.num_stages == 3  # both mask forms over the configs
+        left = causal and d == 128  # and a left window under causal
         half = cfg.block_m // 2
         ql = gl.NVMMASharedLayout.get_default_for([1, 1, half, d], gl.bfloat16)
         kl = gl.NVMMASharedLayout.get_default_for([1, 1, cfg.block_n, d], gl.bfloat16)
@@ -1479,10 +1488,10 @@ for d, d_class in ((64, "small_d"), (128, "mid_d")):
                  "k_desc": f"tensordesc<bf16[1,1,{cfg.block_n},{d}],{kl!r}>"}
         types["o_desc"], types["v_desc"] = types["q_desc"], types["k_desc"]
         c = compile_for_sm90(fn, dict(HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages,
-                                      CAUSAL=causal, BOTTOM_RIGHT=causal),
+                                      CAUSAL=causal, BOTTOM_RIGHT=causal, HAS_LEFT=left),
                              lambda name: types.get(name, "i32"), lambda name, t: False, cfg.num_warps, cfg.num_stages)
         ptx = c["ptx"]
-        rows.append({"d": d, "cfg": str(cfg), "smem": c["smem"], "stack": c["stack"],
+        rows.append({"d": d, "cfg": str(cfg), "left": left, "smem": c["smem"], "stack": c["stack"],
                      "threads": [int(t) for t in re.findall(r"reqntid (\d+)", ptx)],
                      "regs": sorted(set(int(r) for r in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))),
                      "wgmma": ptx.count("wgmma.mma_async"), "tma": "cp.async.bulk.tensor" in ptx})
@@ -1533,28 +1542,32 @@ def gluon_config(d: int, i: int) -> KernelConfig:
 @needs_cuda
 @pytest.mark.parametrize("ci", [0, 1])
 @pytest.mark.parametrize(
-    "b,hq,hkv,nq,nk,d,dtype,causal,align",
+    "b,hq,hkv,nq,nk,d,dtype,causal,align,window",
     [
-        (1, 2, 2, 128, 128, 128, torch.bfloat16, False, "top_left"),
-        (2, 4, 2, 1000, 1000, 128, torch.bfloat16, True, "top_left"),
-        (1, 4, 4, 777, 1500, 64, torch.bfloat16, True, "bottom_right"),
-        (1, 4, 4, 1500, 777, 64, torch.float16, True, "bottom_right"),
-        (1, 4, 4, 1500, 777, 128, torch.float16, True, "top_left"),
-        (2, 8, 2, 2048, 2048, 128, torch.bfloat16, True, "top_left"),
-        (1, 2, 1, 17, 300, 64, torch.bfloat16, False, "top_left"),
-        (1, 2, 1, 300, 17, 128, torch.bfloat16, True, "top_left"),
-        (1, 2, 2, 1, 4100, 128, torch.bfloat16, False, "top_left"),
+        (1, 2, 2, 128, 128, 128, torch.bfloat16, False, "top_left", None),
+        (2, 4, 2, 1000, 1000, 128, torch.bfloat16, True, "top_left", None),
+        (1, 4, 4, 777, 1500, 64, torch.bfloat16, True, "bottom_right", None),
+        (1, 4, 4, 1500, 777, 64, torch.float16, True, "bottom_right", None),
+        (1, 4, 4, 1500, 777, 128, torch.float16, True, "top_left", None),
+        (2, 8, 2, 2048, 2048, 128, torch.bfloat16, True, "top_left", None),
+        (1, 2, 1, 17, 300, 64, torch.bfloat16, False, "top_left", None),
+        (1, 2, 1, 300, 17, 128, torch.bfloat16, True, "top_left", None),
+        (1, 2, 2, 1, 4100, 128, torch.bfloat16, False, "top_left", None),
+        (1, 4, 2, 2000, 2000, 128, torch.bfloat16, True, "top_left", (300, 0)),
+        (1, 4, 4, 1000, 1700, 64, torch.float16, True, "bottom_right", (129, 0)),
+        (1, 4, 4, 1700, 1000, 128, torch.bfloat16, True, "bottom_right", (64, 0)),
+        (1, 2, 2, 777, 900, 128, torch.bfloat16, False, "top_left", (200, None)),
     ],
 )
-def test_gpu_gluon_forward_meets_the_standard(b, hq, hkv, nq, nk, d, dtype, causal, align, ci):
-    """Each Gluon config, forced, through the triton.ws runner; gradients through the backward
-    from its log-sum-exp."""
+def test_gpu_gluon_forward_meets_the_standard(b, hq, hkv, nq, nk, d, dtype, causal, align, window, ci):
+    """Each Gluon config, forced, through the triton.ws runner (left windows included); gradients
+    through the backward from its log-sum-exp."""
     if not gluon_here():
         pytest.skip("the Gluon forward runs on Hopper with triton >= 3.6 only")
     ran = []
     with triton_tuner.forced_configs(fwd_ws=gluon_config(d, ci)), warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a Gluon failure would warn and run the Triton kernel
-        check_case(b=b, hq=hq, hkv=hkv, nq=nq, nk=nk, d=d, dtype=dtype, causal=causal, align=align,
+        check_case(b=b, hq=hq, hkv=hkv, nq=nq, nk=nk, d=d, dtype=dtype, causal=causal, align=align, window=window,
                    policy=adaattn.Policy(backends=("triton.ws",)), ran=ran, seed=nq + nk + d + ci)
     assert ran == ["triton.ws"]
 
@@ -1679,13 +1692,13 @@ def count_gluon_backward(monkeypatch) -> list:
     ],
 )
 def test_gpu_gluon_backward_meets_the_standard(monkeypatch, b, hq, hkv, nq, nk, d, dtype, causal, align, window):
-    """The Gluon backward, forced, under the forward of a Triton runner (triton.ws, or triton.tma
-    where a window is set): gradients against float64 and torch's own."""
+    """The Gluon backward, forced, under the triton.ws runner's forward (windows included):
+    gradients against float64 and torch's own."""
     if not gluon_here():
         pytest.skip("the Gluon backward runs on Hopper with triton >= 3.6 only")
     calls, ran = count_gluon_backward(monkeypatch), []
     cfg = tc.HALF_CONFIGS["bwd_gluon"][tc.d_class(d)][0]
-    runner = "triton.ws" if window is None else "triton.tma"
+    runner = "triton.ws"
     with triton_tuner.forced_configs(bwd_gluon=cfg), warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # a Gluon failure would warn and run the pair
         check_case(b=b, hq=hq, hkv=hkv, nq=nq, nk=nk, d=d, dtype=dtype, causal=causal, align=align, window=window,

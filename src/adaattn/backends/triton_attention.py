@@ -2,7 +2,8 @@
 
     triton.ws    warp-specialised forward (kernels/attention_fwd_ws.py, and on Hopper with Gluon
                  kernels/attention_fwd_gluon.py, the tuner keeping the faster): Hopper, dense
-                 bf16/fp16, no mask, no sliding window (causal is fine), head_dim 64/128,
+                 bf16/fp16, no mask, causal or not, a left window (no right one past the
+                 diagonal), head_dim 64/128,
                  TMA-aligned tensors
     triton.tma   tensor-descriptor (TMA) K/V loads: dense, no mask, power-of-two head_dim,
                  TMA-aligned tensors
@@ -103,8 +104,8 @@ class TritonRunner(Runner):
                 reasons.append("this triton has no warp specialisation (3.6 or newer).")
             if problem.device_type == "cuda" and not interpreting() and hardware.arch("cuda", problem.device_index) != "sm90":
                 reasons.append("warp specialisation of these kernels runs on Hopper (sm90) only.")
-            if problem.window_left >= 0 or problem.window_right >= 0:
-                reasons.append("has no sliding window (causal is fine).")
+            if not problem.causal and problem.window_right > 0:
+                reasons.append("takes a left window only (a right window past the diagonal is not implemented).")
             if problem.head_dim not in (64, 128):
                 reasons.append(f"takes head_dim 64 or 128, got {problem.head_dim}.")
         return reasons

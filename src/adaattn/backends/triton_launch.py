@@ -262,9 +262,9 @@ def _launch_fwd_ws(q, k, v, out, lse, lay: RowLayout, launch: AttentionLaunch) -
             q, descriptor(k, list(k.shape), list(k.stride()), box),
             descriptor(v, list(v.shape), list(v.stride()), box), out, lse, *lay.strides(q), *lay.strides(out),
             *lse_strides(lse, lay), lay.q_heads, lay.q_heads // lay.kv_heads, lay.q_len, lay.k_len,
-            launch.scale * LOG2E, HEAD_DIM=lay.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            launch.scale * LOG2E, launch.left, HEAD_DIM=lay.head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             CAUSAL=launch.has_right, BOTTOM_RIGHT=launch.bottom_right, K_TAIL=lay.k_len % cfg.block_n != 0,
-            DOT_PRECISION=dot_precision(q.dtype), WARP_SPEC=not interpreting(),
+            DOT_PRECISION=dot_precision(q.dtype), WARP_SPEC=not interpreting(), HAS_LEFT=launch.has_left,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
 
@@ -366,9 +366,9 @@ def _launch_fwd_gluon(q, k, v, out, lse, lay: RowLayout, launch: AttentionLaunch
 
     attention_fwd_gluon_kernel[(cdiv(lay.q_len, cfg.block_m), lay.batch * lay.q_heads)](
         desc(q, half), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(out, half), lse, *lse_strides(lse, lay),
-        lay.q_heads, lay.q_heads // lay.kv_heads, lay.q_len, lay.k_len, launch.scale * LOG2E,
+        lay.q_heads, lay.q_heads // lay.kv_heads, lay.q_len, lay.k_len, launch.scale * LOG2E, launch.left,
         HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, CAUSAL=launch.has_right,
-        BOTTOM_RIGHT=launch.bottom_right, num_warps=cfg.num_warps,
+        BOTTOM_RIGHT=launch.bottom_right, HAS_LEFT=launch.has_left, num_warps=cfg.num_warps,
     )
 
 
@@ -379,8 +379,8 @@ def _check_variant(launch: AttentionLaunch, lay: RowLayout, q, k, v, mask_kind: 
         return
     ok = (not lay.varlen and mask_kind == MASK_NONE and lay.head_dim == block_d(lay.head_dim)
           and descriptor_scope(launch, q, k, v))
-    if ok and launch.variant == "ws":
-        ok = not launch.has_left and launch.right == 0 and lay.head_dim in (64, 128)
+    if ok and launch.variant == "ws":  # a left window, and no right bound past the causal one
+        ok = launch.right == 0 and lay.head_dim in (64, 128)
     if not ok:
         raise ValueError(f"the {launch.variant} forward cannot run this launch (mask, window, head dim, dtype or "
                          "alignment); the planner should not have chosen it")

@@ -12,11 +12,11 @@ hand instead of left to Triton's automatic warp specialisation:
 - a one-warp loader partition: Q once, then K and V tiles by TMA into a ring of STAGES buffers,
   a buffer reused once both consumer groups have released it.
 
-Masks cost only the tiles that need them: the causal diagonal tiles and a key-tail tile take a
-select behind a runtime branch, which the automatic pass does not allow (it selects on every
-tile). Scope as the warp-specialised kernel: dense (B, H, N, D) 16-bit tensors with TMA-aligned
-strides, no attn_mask, no window, causal top-left or bottom-right, GQA, HEAD_DIM 64 or 128, a
-positive scale. Not run by the interpreter: on the CPU the warp-specialised kernel stands in.
+Masks cost only the tiles that need them: the causal diagonal tiles and a key-tail tile, and with a left window the tiles at its edge, take a select behind a runtime branch,
+which the automatic pass does not allow (it selects on every tile); a window's key loop starts
+at its first visible tile. Scope as the warp-specialised kernel: dense (B, H, N, D) 16-bit
+tensors with TMA-aligned strides, no attn_mask, causal top-left or bottom-right or not, a left
+window, GQA, HEAD_DIM 64 or 128, a positive scale. Not run by the interpreter: on the CPU the warp-specialised kernel stands in.
 
 Measured on an H100 (benchmarks/NOTES.md, 2026-11-24, "A Gluon forward"): 2-9% faster than the
 warp-specialised kernel at every yardstick shape.
@@ -37,9 +37,10 @@ LN2 = gl.constexpr(0.6931471805599453)
 @gluon.jit
 def load_tiles(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
                     batch, head, kv_head, start_m, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    HALF: gl.constexpr, V_T: gl.constexpr = False):
-    """Q's two halves once, then the K and V tiles of the key loop (V_T: V is stored transposed,
-    (B, H, D, N), and its tile is the (D, BLOCK_N) box at key j * BLOCK_N)."""
+                    HALF: gl.constexpr, V_T: gl.constexpr = False, lo=0):
+    """Q's two halves once, then the K and V tiles of the key loop, key tiles lo .. lo + n_tiles
+    (V_T: V is stored transposed, (B, H, D, N), and its tile is the (D, BLOCK_N) box at key
+    (lo + j) * BLOCK_N)."""
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
     _tma_load(q_desc, [batch, head, start_m, 0], q_bar, q_bufs.index(0))
     _tma_load(q_desc, [batch, head, start_m + HALF, 0], q_bar, q_bufs.index(1))
@@ -47,13 +48,14 @@ def load_tiles(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v
         s = j % STAGES
         # A fresh mbarrier counts as having completed the phase before 0: the first pass waits on 1.
         mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
+        key = (lo + j) * BLOCK_N
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        _tma_load(k_desc, [batch, kv_head, j * BLOCK_N, 0], k_ready.index(s), k_bufs.index(s))
+        _tma_load(k_desc, [batch, kv_head, key, 0], k_ready.index(s), k_bufs.index(s))
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
         if V_T:
-            _tma_load(v_desc, [batch, kv_head, 0, j * BLOCK_N], v_ready.index(s), v_bufs.index(s))
+            _tma_load(v_desc, [batch, kv_head, 0, key], v_ready.index(s), v_bufs.index(s))
         else:
-            _tma_load(v_desc, [batch, kv_head, j * BLOCK_N, 0], v_ready.index(s), v_bufs.index(s))
+            _tma_load(v_desc, [batch, kv_head, key, 0], v_ready.index(s), v_bufs.index(s))
 
 
 @gluon.jit
@@ -65,13 +67,17 @@ def issue_qk(q, k_bufs, st, s_zero, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexp
 
 @gluon.jit
 def visible(s, j, start_m, diag, k_len, s_layout: gl.constexpr, ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
-             CAUSAL: gl.constexpr):
-    """Scores of key tile j with keys past k_len, and past each row's last key (causal), at -inf."""
+             CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr = False, left=0):
+    """Scores of key tile j with keys past k_len, past each row's last key (causal), and before
+    its first (HAS_LEFT: row r's first key is r + diag - left) at -inf."""
     cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
     keep = gl.expand_dims(cols < k_len, 0)
-    if CAUSAL:
+    if CAUSAL or HAS_LEFT:
         rows = start_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-        keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + diag, 1))
+        if CAUSAL:
+            keep = keep & (gl.expand_dims(cols, 0) <= gl.expand_dims(rows + diag, 1))
+        if HAS_LEFT:
+            keep = keep & (gl.expand_dims(cols, 0) >= gl.expand_dims(rows + diag - left, 1))
     return gl.where(keep, s, float("-inf"))
 
 
@@ -79,8 +85,9 @@ def visible(s, j, start_m, diag, k_len, s_layout: gl.constexpr, ROWS: gl.constex
 def _consume(q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, o_desc, LSE, lse_off, stride_lm, q_len,
              k_len, start_m, diag, n_tiles, first_masked, scale_log2, batch, head,
              HEAD_DIM: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-             CAUSAL: gl.constexpr, GROUP: gl.constexpr):
-    """One consumer warp group: rows start_m + GROUP * HALF .. + HALF of the program."""
+             CAUSAL: gl.constexpr, GROUP: gl.constexpr, HAS_LEFT: gl.constexpr, lo, edge_end, left):
+    """One consumer warp group: rows start_m + GROUP * HALF .. + HALF of the program, over key
+    tiles lo .. lo + n_tiles; tiles from first_masked on and before edge_end take the masks."""
     dtype: gl.constexpr = q_bufs.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -102,8 +109,8 @@ def _consume(q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, o_desc, 
         mbarrier.wait(k_ready.index(0), 0)
         s = issue_qk(q, k_bufs, 0, s_zero, HEAD_DIM, BLOCK_N)
         s = warpgroup_mma_wait(0, deps=(s, ))
-        if first_masked == 0:
-            s = visible(s, 0, my_start, diag, k_len, s_layout, HALF, BLOCK_N, CAUSAL)
+        if (lo >= first_masked) | (lo < edge_end):
+            s = visible(s, lo, my_start, diag, k_len, s_layout, HALF, BLOCK_N, CAUSAL, HAS_LEFT, left)
         # A positive scale keeps the argmax: the max is taken on raw scores, scale and shift
         # fold into one FMA per score. A row with no visible key keeps m = -inf and p = 0.
         m_i = gl.maximum(m_i, gl.max(s, 1) * scale_log2)
@@ -120,8 +127,8 @@ def _consume(q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, o_desc, 
             acc = warpgroup_mma(p_op, v_bufs.index(pst).reshape([BLOCK_N, HEAD_DIM]), acc, is_async=True)
             # wgmma groups retire in order: one left outstanding means QK^T of tile j is done.
             s = warpgroup_mma_wait(1, deps=(s_next, ))
-            if j >= first_masked:
-                s = visible(s, j, my_start, diag, k_len, s_layout, HALF, BLOCK_N, CAUSAL)
+            if (lo + j >= first_masked) | (lo + j < edge_end):
+                s = visible(s, lo + j, my_start, diag, k_len, s_layout, HALF, BLOCK_N, CAUSAL, HAS_LEFT, left)
             m_new = gl.maximum(m_i, gl.max(s, 1) * scale_log2)
             m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = gl.exp2(m_i - m_shift)
@@ -155,10 +162,12 @@ def _consume(q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, o_desc, 
 
 @gluon.jit
 def program_tiles(q_heads, kv_group, q_len, k_len, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                  CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr):
+                  CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr, HAS_LEFT: gl.constexpr = False, left=0):
     """A program's place on the grid (query blocks, batch * q_heads), last query block first, and
-    its key tiles: (batch, head, kv_head, start_m, diag, first_masked, n_tiles). Tiles before
-    first_masked are visible to every row of the program (no select)."""
+    its key tiles: (batch, head, kv_head, start_m, diag, first_masked, n_tiles, lo, edge_end),
+    key tiles lo .. lo + n_tiles. Tiles in [edge_end, first_masked) are visible to every row of
+    the program (no select); with a left window (HAS_LEFT), the tiles before edge_end hold keys
+    before the last row's first key."""
     pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
     pid_bh = gl.program_id(1)
     head = pid_bh % q_heads
@@ -173,7 +182,13 @@ def program_tiles(q_heads, kv_group, q_len, k_len, BLOCK_M: gl.constexpr, BLOCK_
     if CAUSAL:
         hi = gl.minimum(k_len, gl.maximum(start_m + BLOCK_M + diag, 0))
         first_masked = gl.minimum(first_masked, gl.maximum(start_m + diag + 1, 0) // BLOCK_N)
-    return batch, head, kv_head, start_m, diag, first_masked, gl.cdiv(hi, BLOCK_N)
+    lo = 0
+    edge_end = 0
+    if HAS_LEFT:
+        lo = gl.maximum(start_m + diag - left, 0) // BLOCK_N
+        edge_end = gl.cdiv(gl.maximum(start_m + BLOCK_M - 1 + diag - left, 0), BLOCK_N)
+    n_tiles = gl.maximum(gl.cdiv(hi, BLOCK_N) - lo, 0)
+    return batch, head, kv_head, start_m, diag, first_masked, n_tiles, lo, edge_end
 
 
 @gluon.jit
@@ -197,27 +212,28 @@ def tile_ring(q_desc, k_desc, v_desc, STAGES: gl.constexpr):
 
 @gluon.jit
 def attention_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, stride_lh, stride_lm,
-                               q_heads, kv_group, q_len, k_len, scale_log2,
+                               q_heads, kv_group, q_len, k_len, scale_log2, window_left,
                                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                               STAGES: gl.constexpr, CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr):
+                               STAGES: gl.constexpr, CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
+                               HAS_LEFT: gl.constexpr = False):
     """Grid (query blocks, batch * q_heads), last query block first; launched with num_warps=4
     (the first consumer group; the second and the loader are worker partitions). Descriptors
     (host, 4-D over (B, H, N, D)): Q and Out with (1, 1, BLOCK_M // 2, HEAD_DIM) boxes, K and V
-    with (1, 1, BLOCK_N, HEAD_DIM)."""
+    with (1, 1, BLOCK_N, HEAD_DIM). HAS_LEFT: a left window of window_left keys (row r sees keys
+    from r + diag - window_left)."""
     HALF: gl.constexpr = BLOCK_M // 2
-    batch, head, kv_head, start_m, diag, first_masked, n_tiles = program_tiles(q_heads, kv_group, q_len, k_len,
-                                                                               BLOCK_M, BLOCK_N, CAUSAL,
-                                                                               BOTTOM_RIGHT)
+    batch, head, kv_head, start_m, diag, first_masked, n_tiles, lo, edge_end = program_tiles(
+        q_heads, kv_group, q_len, k_len, BLOCK_M, BLOCK_N, CAUSAL, BOTTOM_RIGHT, HAS_LEFT, window_left)
     lse_off = batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
     q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty = tile_ring(q_desc, k_desc, v_desc, STAGES)
 
     gl.warp_specialize([
         (_consume, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, o_desc, LSE, lse_off, stride_lm,
                     q_len, k_len, start_m, diag, n_tiles, first_masked, scale_log2, batch, head, HEAD_DIM, HALF,
-                    BLOCK_N, STAGES, CAUSAL, 0)),
+                    BLOCK_N, STAGES, CAUSAL, 0, HAS_LEFT, lo, edge_end, window_left)),
         (_consume, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, o_desc, LSE, lse_off, stride_lm,
                     q_len, k_len, start_m, diag, n_tiles, first_masked, scale_log2, batch, head, HEAD_DIM, HALF,
-                    BLOCK_N, STAGES, CAUSAL, 1)),
+                    BLOCK_N, STAGES, CAUSAL, 1, HAS_LEFT, lo, edge_end, window_left)),
         (load_tiles, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, batch,
-                           head, kv_head, start_m, n_tiles, BLOCK_N, STAGES, HALF)),
+                           head, kv_head, start_m, n_tiles, BLOCK_N, STAGES, HALF, False, lo)),
     ], [4, 1], [240, 24])

@@ -15,9 +15,10 @@ The compiler then splits the program into a producer warp group that issues the 
 two consumer warp groups that each own half of the query rows: one group's softmax runs while
 the other's matrix products do, which the single-group kernel cannot overlap.
 
-Because the loop cannot branch, the causal and key-tail masks are applied to every tile as a
-select (constexpr-gated: a call with neither pays nothing). Scope: dense (no varlen), no
-attn_mask, no sliding window, causal top-left or bottom-right, GQA, HEAD_DIM 64 or 128
+Because the loop cannot branch, the causal, window and key-tail masks are applied to every tile
+as a select (constexpr-gated: a call with none pays nothing). Scope: dense (no varlen), no
+attn_mask, causal top-left or bottom-right or not, a left window (no right window beyond the
+causal bound), GQA, HEAD_DIM 64 or 128
 (== BLOCK_D), positive scale. Everything else runs the general kernel in attention_fwd.py.
 """
 
@@ -28,17 +29,20 @@ from .attention_fwd import LN2_K, dense_program, dot, round_to
 
 
 @triton.jit
-def visible_scores(qk, start_n, offs_n, last_key, k_len, CAUSAL: tl.constexpr, K_TAIL: tl.constexpr):
+def visible_scores(qk, start_n, offs_n, last_key, k_len, left, CAUSAL: tl.constexpr, K_TAIL: tl.constexpr,
+                   HAS_LEFT: tl.constexpr = False):
     """The scores of key tile start_n with masked ones at -inf, as a select (the specialised
-    loop cannot branch): keys past row r's last_key (causal), keys past k_len (K_TAIL)."""
-    if CAUSAL or K_TAIL:
+    loop cannot branch): keys past row r's last_key (causal), keys past k_len (K_TAIL), keys
+    before last_key - left (HAS_LEFT: a left window)."""
+    if CAUSAL or K_TAIL or HAS_LEFT:
         cols = start_n + offs_n
+        keep = cols[None, :] < k_len  # (1, BLOCK_N); broadcast to the tile by the masks below
         if CAUSAL:
             keep = cols[None, :] <= last_key[:, None]
             if K_TAIL:
                 keep = keep & (cols[None, :] < k_len)
-        else:
-            keep = (cols < k_len)[None, :]
+        if HAS_LEFT:
+            keep = keep & (cols[None, :] >= (last_key - left)[:, None])
         qk = tl.where(keep, qk, float("-inf"))
     return qk
 
@@ -46,8 +50,9 @@ def visible_scores(qk, start_n, offs_n, last_key, k_len, CAUSAL: tl.constexpr, K
 @triton.jit
 def ws_row_state(start_m, diag, k_len, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr):
     """What a warp-specialised kernel's program starts its key loop with: (offs_m, last_key,
-    m_i, l_i, acc, hi), its rows, each row's last visible key (causal), the online-softmax
-    state, and the end of its keys."""
+    m_i, l_i, acc, hi), its rows, each row's last visible key (causal; with a left window, a
+    row's first visible key is last_key - left), the online-softmax state, and the end of its
+    keys."""
     # start_m is a multiple of BLOCK_M, so OR adds. Not "+": triton 3.6's data partitioning
     # splits tl.arange(0, BLOCK_M) between the two consumer groups (the second gets 64..127) and
     # also adds 64 to the scalar added to it, so the second group's rows came out 64 too high
@@ -70,15 +75,17 @@ def attention_fwd_ws_kernel(
     stride_qb, stride_qh, stride_qm,
     stride_ob, stride_oh, stride_om,
     stride_lb, stride_lh, stride_lm,
-    q_heads, kv_group, q_len, k_len, scale_log2,
+    q_heads, kv_group, q_len, k_len, scale_log2, window_left,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, K_TAIL: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WARP_SPEC: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WARP_SPEC: tl.constexpr, HAS_LEFT: tl.constexpr = False,
 ):
     """Grid (query blocks, batch * q_heads), last query block first. KDesc/VDesc: host tensor
     descriptors over K/V (B, Hkv, Nk, D) with (1, 1, BLOCK_N, HEAD_DIM) boxes (made on the device
     they would race: the producer warp group reads them, another group would write them).
-    K_TAIL: k_len is not a multiple of BLOCK_N (the last tile's padding keys are masked)."""
+    K_TAIL: k_len is not a multiple of BLOCK_N (the last tile's padding keys are masked).
+    HAS_LEFT: a left window, row r sees keys from r + diag - window_left (the loop starts at
+    the tile holding the program's first row's first key)."""
     pid_bh, batch, head, kv_head, start_m, diag = dense_program(q_heads, kv_group, q_len, k_len, BLOCK_M,
                                                                 BOTTOM_RIGHT)
 
@@ -97,11 +104,14 @@ def attention_fwd_ws_kernel(
     offs_m, last_key, m_i, l_i, acc, hi = ws_row_state(start_m, diag, k_len, BLOCK_M, HEAD_DIM, CAUSAL)
     offs_n = tl.arange(0, BLOCK_N)
     q = q_desc.load([start_m, 0])
+    lo = 0
+    if HAS_LEFT:
+        lo = (tl.maximum(start_m + diag - window_left, 0) // BLOCK_N) * BLOCK_N
 
-    for start_n in tl.range(0, hi, BLOCK_N, warp_specialize=WARP_SPEC):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         k = KDesc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         qk = dot(q, tl.trans(k), None, DOT_PRECISION)
-        qk = visible_scores(qk, start_n, offs_n, last_key, k_len, CAUSAL, K_TAIL)
+        qk = visible_scores(qk, start_n, offs_n, last_key, k_len, window_left, CAUSAL, K_TAIL, HAS_LEFT)
         # A positive scale keeps the argmax, so the max is taken on raw scores and scale and
         # shift fold into one FMA per score.
         m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)

@@ -158,9 +158,8 @@ def attention_fp8_gluon_kernel(q_desc, k_desc, v_desc, o_desc, QScale, KScale, V
     (1, 1, BLOCK_M // 2, D). QScale (B * Hq, q_pitch), KScale and VScale (B, Hkv, n_blocks),
     VMean (B, Hkv, D), all fp32. BLOCK_N is the pre-pass's key block."""
     HALF: gl.constexpr = BLOCK_M // 2
-    batch, head, kv_head, start_m, diag, first_masked, n_tiles = program_tiles(q_heads, kv_group, q_len, k_len,
-                                                                               BLOCK_M, BLOCK_N, CAUSAL,
-                                                                               BOTTOM_RIGHT)
+    batch, head, kv_head, start_m, diag, first_masked, n_tiles, _lo, _edge = program_tiles(
+        q_heads, kv_group, q_len, k_len, BLOCK_M, BLOCK_N, CAUSAL, BOTTOM_RIGHT)
     q_row0 = (batch * q_heads + head).to(gl.int64) * q_pitch
     kv_row = batch.to(gl.int64) * (q_heads // kv_group) + kv_head
     scale_row = kv_row * n_blocks

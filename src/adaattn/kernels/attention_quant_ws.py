@@ -100,7 +100,7 @@ def attention_qk8_ws_kernel(
         # INT8 scores as biased floats (1.5 * 2^23 + x): the bias leaves in the FMA below.
         qk = biased_float(tl.dot(q, tl.trans(k), out_dtype=tl.int32))
         rs = row_scale * tl.load(ks_base + start_n // BLOCK_N)
-        qk = visible_scores(qk, start_n, offs_n, last_key, k_len, CAUSAL, K_TAIL)
+        qk = visible_scores(qk, start_n, offs_n, last_key, k_len, 0, CAUSAL, K_TAIL)
         m_new = tl.maximum(m_i, (tl.max(qk, 1) - INT_BIAS) * rs)
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_shift)
@@ -143,7 +143,7 @@ def attention_fp8_ws_kernel(
         k = KqDesc.load([batch, kv_head, start_n, 0]).reshape(BLOCK_N, HEAD_DIM)
         qk = tl.dot(q, tl.trans(k))
         rs = row_scale * tl.load(ks_base + start_n // BLOCK_N)
-        qk = visible_scores(qk, start_n, offs_n, last_key, k_len, CAUSAL, K_TAIL)
+        qk = visible_scores(qk, start_n, offs_n, last_key, k_len, 0, CAUSAL, K_TAIL)
         m_new = tl.maximum(m_i, tl.max(qk, 1) * rs)
         m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.math.exp2(m_i - m_shift)
