@@ -1689,6 +1689,10 @@ def count_gluon_backward(monkeypatch) -> list:
         (1, 2, 1, 1, 700, 128, torch.bfloat16, False, "top_left", None),
         (1, 2, 2, 64, 64, 64, torch.bfloat16, True, "top_left", None),
         (1, 6, 2, 2048, 2048, 64, torch.bfloat16, True, "top_left", None),
+        # More programs than SMs (later waves start while the first ones run).
+        (4, 8, 4, 4096, 4096, 128, torch.bfloat16, True, "top_left", None),
+        (2, 8, 8, 3000, 3000, 128, torch.bfloat16, True, "top_left", (500, 0)),
+        (6, 8, 4, 1500, 1700, 64, torch.float16, False, "top_left", None),
     ],
 )
 def test_gpu_gluon_backward_meets_the_standard(monkeypatch, b, hq, hkv, nq, nk, d, dtype, causal, align, window):
