@@ -12,11 +12,13 @@ hand instead of left to Triton's automatic warp specialisation:
 - a one-warp loader partition: Q once, then K and V tiles by TMA into a ring of STAGES buffers,
   a buffer reused once both consumer groups have released it.
 
-Masks cost only the tiles that need them: the causal diagonal tiles and a key-tail tile, and with a left window the tiles at its edge, take a select behind a runtime branch,
-which the automatic pass does not allow (it selects on every tile); a window's key loop starts
-at its first visible tile. Scope as the warp-specialised kernel: dense (B, H, N, D) 16-bit
-tensors with TMA-aligned strides, no attn_mask, causal top-left or bottom-right or not, a left
-window, GQA, HEAD_DIM 64 or 128, a positive scale. Not run by the interpreter: on the CPU the warp-specialised kernel stands in.
+Masks cost only the tiles that need them: the causal diagonal tiles, a key-tail tile and, with a
+left window, the tiles at its edge take a select behind a runtime branch, which the automatic
+pass does not allow (it selects on every tile); a window's key loop starts at its first visible
+tile. Scope as the warp-specialised kernel: dense (B, H, N, D) 16-bit tensors with TMA-aligned
+strides, no attn_mask, causal top-left or bottom-right or not, a left window, GQA, HEAD_DIM 64
+or 128, a positive scale. Not run by the interpreter: on the CPU the warp-specialised kernel
+stands in.
 
 Measured on an H100 (benchmarks/NOTES.md, 2026-11-24, "A Gluon forward"): 2-9% faster than the
 warp-specialised kernel at every yardstick shape.
