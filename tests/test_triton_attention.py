@@ -878,8 +878,10 @@ def types_for(d, cfg):
         return "fp32" if name.startswith("scale") else "i32"
     return types
 
-print(json.dumps(ws_kernel_rows(kernel, lambda d: tc.HALF_CONFIGS["fwd_ws"][tc.d_class(d)][0], types_for, {},
-                                {"tma": "cp.async.bulk.tensor", "wgmma": "wgmma"})))
+# Without a window and with a left one (a runtime flag would fail to compile: HAS_LEFT is constexpr).
+print(json.dumps([row for left in (False, True)
+                  for row in ws_kernel_rows(kernel, lambda d: tc.HALF_CONFIGS["fwd_ws"][tc.d_class(d)][0], types_for,
+                                            {"HAS_LEFT": left}, {"tma": "cp.async.bulk.tensor", "wgmma": "wgmma"})]))
 """
 
 
@@ -887,13 +889,16 @@ print(json.dumps(ws_kernel_rows(kernel, lambda d: tc.HALF_CONFIGS["fwd_ws"][tc.d
 def test_warp_specialised_forward_compiles_for_hopper_with_producer_and_two_consumer_groups():
     # The pass is picky (an early return, a branch in the loop or a pointer load of Q turns it
     # off or crashes it): the first config must come out specialised, 3 warp groups of 4 warps
-    # (a TMA producer and two consumers), on wgmma, within shared memory, without spills.
+    # (a TMA producer and two consumers), on wgmma, within shared memory, without spills; with
+    # and without a left window.
     pytest.importorskip("triton.compiler")
     import sm90
 
     if not hardware.warp_specialisation_available():
         pytest.skip("this triton has no warp_specialize")
-    sm90.assert_warp_specialised(sm90.run_json(SM90_WS_COMPILE), ("tma", "wgmma"))
+    rows = sm90.run_json(SM90_WS_COMPILE)
+    assert len(rows) == 8
+    sm90.assert_warp_specialised(rows, ("tma", "wgmma"))
 
 
 BWD_WS_CASES = {
