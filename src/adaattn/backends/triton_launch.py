@@ -790,6 +790,7 @@ def _run_bwd_gluon(dq, dk, dv, dout, q, k, v, stat, pitch, plane, lay: RowLayout
         STAGES=cfg.num_stages, CAUSAL=launch.has_right, BOTTOM_RIGHT=launch.bottom_right,
         HAS_LEFT=launch.has_left, P_SMEM=d > 64, DQ_SPLIT=2 if d > 64 else 1, num_warps=cfg.num_warps,
     )
-    if post_scale != 1.0:
-        dq_acc.mul_(post_scale)
-    dq.copy_(dq_acc)
+    if post_scale != 1.0:  # one pass: the fp32 product rounds once into dq's dtype
+        torch.mul(dq_acc, post_scale, out=dq)
+    else:
+        dq.copy_(dq_acc)

@@ -36,11 +36,12 @@ def visible_scores(qk, start_n, offs_n, last_key, k_len, left, CAUSAL: tl.conste
     before last_key - left (HAS_LEFT: a left window)."""
     if CAUSAL or K_TAIL or HAS_LEFT:
         cols = start_n + offs_n
-        keep = cols[None, :] < k_len  # (1, BLOCK_N); broadcast to the tile by the masks below
         if CAUSAL:
             keep = cols[None, :] <= last_key[:, None]
             if K_TAIL:
                 keep = keep & (cols[None, :] < k_len)
+        else:
+            keep = (cols < k_len)[None, :]
         if HAS_LEFT:
             keep = keep & (cols[None, :] >= (last_key - left)[:, None])
         qk = tl.where(keep, qk, float("-inf"))
