@@ -1483,33 +1483,38 @@ from sm90 import compile_for_sm90
 
 rows = []
 for d, d_class in ((64, "small_d"), (128, "mid_d")):
-    for cfg in HALF_CONFIGS["fwd_gluon"][d_class]:
+    for cfg, varlen in [(cfg, varlen) for cfg in HALF_CONFIGS["fwd_gluon"][d_class] for varlen in (False, True)]:
         causal = cfg.num_stages == 3  # both mask forms over the configs
         left = causal and d == 128  # and a left window under causal
         half = cfg.block_m // 2
         ql = gl.NVMMASharedLayout.get_default_for([1, 1, half, d], gl.bfloat16)
         kl = gl.NVMMASharedLayout.get_default_for([1, 1, cfg.block_n, d], gl.bfloat16)
         types = {"q_desc": f"tensordesc<bf16[1,1,{half},{d}],{ql!r}>", "LSE": "*fp32", "scale_log2": "fp32",
-                 "k_desc": f"tensordesc<bf16[1,1,{cfg.block_n},{d}],{kl!r}>"}
+                 "k_desc": f"tensordesc<bf16[1,1,{cfg.block_n},{d}],{kl!r}>", "CuQ": "*i32", "CuK": "*i32",
+                 "O": "*bf16"}
         types["o_desc"], types["v_desc"] = types["q_desc"], types["k_desc"]
-        c = compile_for_sm90(fn, dict(HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages,
-                                      CAUSAL=causal, BOTTOM_RIGHT=causal, HAS_LEFT=left),
-                             lambda name: types.get(name, "i32"), lambda name, t: False, cfg.num_warps, cfg.num_stages)
+        # Packed sequences (VARLEN): sequence bounds from CuQ / CuK, outputs at a sequence's end by row.
+        consts = dict(HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages,
+                      CAUSAL=causal, BOTTOM_RIGHT=causal, HAS_LEFT=left)
+        consts.update(VARLEN=varlen, **({} if varlen else dict(CuQ=None, CuK=None, O=None)))
+        c = compile_for_sm90(fn, consts, lambda name: types.get(name, "i32"), lambda name, t: False,
+                             cfg.num_warps, cfg.num_stages)
         ptx = c["ptx"]
-        rows.append({"d": d, "cfg": str(cfg), "left": left, "smem": c["smem"], "stack": c["stack"],
+        rows.append({"d": d, "cfg": str(cfg), "left": left, "varlen": varlen, "smem": c["smem"], "stack": c["stack"],
                      "threads": [int(t) for t in re.findall(r"reqntid (\d+)", ptx)],
                      "regs": sorted(set(int(r) for r in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))),
-                     "wgmma": ptx.count("wgmma.mma_async"), "tma": "cp.async.bulk.tensor" in ptx})
+                     "wgmma": ptx.count("wgmma.mma_async"), "tma": "cp.async.bulk.tensor" in ptx,
+                     "stores": ptx.count("st.global")})
 print(json.dumps(rows))
 '''
 
 
 @pytest.mark.slow
 def test_gluon_forward_compiles_for_sm90_into_its_partitions():
-    """Every Gluon config compiles for sm90 with this triton: two consumer warp groups and a loader
-    (12 warps, registers moved to the consumers), wgmma products and TMA copies, within shared
-    memory, and without spills beyond a few registers (triton 3.6, where it is measured: none;
-    triton 3.9: 112 bytes a thread at D=128 BN128/s2)."""
+    """Every Gluon config compiles for sm90 with this triton, dense and for packed sequences: two
+    consumer warp groups and a loader (12 warps, registers moved to the consumers), wgmma products
+    and TMA copies, within shared memory, and without spills beyond a few registers (triton 3.6,
+    where it is measured: none; triton 3.9: 112-128 bytes a thread at D=128 BN128/s2)."""
     from adaattn import hardware
 
     if not hardware.gluon_available():
@@ -1517,7 +1522,9 @@ def test_gluon_forward_compiles_for_sm90_into_its_partitions():
     import sm90
 
     rows = sm90.run_json(GLUON_SM90_COMPILE)
-    assert len(rows) == 4
+    assert len(rows) == 8 and sum(r["varlen"] for r in rows) == 4
+    for dense, packed in zip(rows[::2], rows[1::2]):  # a packed sequence's last rows leave by row
+        assert not dense["varlen"] and packed["varlen"] and packed["stores"] > dense["stores"], (dense, packed)
     for r in rows:
         assert r["threads"] == [384] and r["wgmma"] > 0 and r["tma"], r
         assert 240 in r["regs"] and 24 in r["regs"], r
@@ -1618,37 +1625,41 @@ def desc(dtype, name, box):
 rows = []
 for d, d_class in ((64, "small_d"), (128, "mid_d")):
     for cfg in HALF_CONFIGS["bwd_gluon"][d_class]:
-        for causal, left in ((False, False), (True, False), (True, True)):
+        # Dense (not causal, causal, a left window) and packed sequences (VARLEN: not causal, causal).
+        for causal, left, varlen in ((False, False, False), (True, False, False), (True, True, False),
+                                     (False, False, True), (True, False, True)):
             bm, half = cfg.block_m, cfg.block_n // 2
             types = {"q_desc": desc("bfloat16", "bf16", [1, 1, bm, d]), "k_desc": desc("bfloat16", "bf16", [1, 1, half, d]),
                      "dq_desc": desc("float32", "fp32", [1, 1, bm, d]), "stat_desc": desc("float32", "fp32", [bm]),
-                     "scale": "fp32", "scale_log2": "fp32", "post_scale": "fp32"}
+                     "scale": "fp32", "scale_log2": "fp32", "post_scale": "fp32", "CuQ": "*i32", "CuK": "*i32",
+                     "DK": "*bf16", "DV": "*bf16"}
             types["do_desc"] = types["q_desc"]
             types["v_desc"] = types["dk_desc"] = types["dv_desc"] = types["k_desc"]
             # The launch's choices (triton_launch._run_bwd_gluon): P through shared memory and dq in
             # two column halves at head dim 128.
-            c = compile_for_sm90(fn, dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages,
-                                          CAUSAL=causal, BOTTOM_RIGHT=causal, HAS_LEFT=left, P_SMEM=d > 64,
-                                          DQ_SPLIT=2 if d > 64 else 1),
-                                 lambda name: types.get(name, "i32"), lambda name, t: False, cfg.num_warps,
-                                 cfg.num_stages)
+            consts = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, CAUSAL=causal,
+                          BOTTOM_RIGHT=causal, HAS_LEFT=left, P_SMEM=d > 64, DQ_SPLIT=2 if d > 64 else 1)
+            consts.update(VARLEN=varlen, **({} if varlen else dict(CuQ=None, CuK=None, DK=None, DV=None)))
+            c = compile_for_sm90(fn, consts, lambda name: types.get(name, "i32"), lambda name, t: False,
+                                 cfg.num_warps, cfg.num_stages)
             ptx = c["ptx"]
-            rows.append({"d": d, "cfg": str(cfg), "causal": causal, "left": left, "smem": c["smem"],
+            rows.append({"d": d, "cfg": str(cfg), "causal": causal, "left": left, "varlen": varlen, "smem": c["smem"],
                          "stack": c["stack"], "threads": [int(t) for t in re.findall(r"reqntid (\d+)", ptx)],
                          "regs": sorted(set(int(r) for r in re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))),
                          "wgmma": ptx.count("wgmma.mma_async"), "reduce": "cp.reduce.async.bulk.tensor" in ptx,
-                         "tma": "cp.async.bulk.tensor" in ptx})
+                         "tma": "cp.async.bulk.tensor" in ptx, "stores": ptx.count("st.global")})
 print(json.dumps(rows))
 '''
 
 
 @pytest.mark.slow
 def test_gluon_backward_compiles_for_sm90_into_its_partitions():
-    """Every Gluon backward config compiles for sm90 with this triton, causal, not and windowed:
-    two consumer warp groups and a loader, wgmma products, TMA loads and TMA reductions of dq,
-    within the shared memory the configs table estimates for it, and with spills of a few
-    registers at most (triton 3.6, measured: none at D=64, 56-88 bytes a thread at D=128; triton
-    3.9: up to 216 at D=128)."""
+    """Every Gluon backward config compiles for sm90 with this triton, causal, not and windowed,
+    dense and for packed sequences: two consumer warp groups and a loader, wgmma products, TMA
+    loads and TMA reductions of dq, within the shared memory the configs table estimates for it,
+    and with spills of a few registers at most (triton 3.6, measured: none at D=64, 32-160 bytes a
+    thread at D=128; triton 3.9: up to 216 at D=128). Packed sequences store dK and dV at a
+    sequence's end by row (the only global stores of the kernel)."""
     from adaattn import hardware
 
     if not hardware.gluon_available():
@@ -1656,8 +1667,9 @@ def test_gluon_backward_compiles_for_sm90_into_its_partitions():
     import sm90
 
     rows = sm90.run_json(GLUON_BWD_SM90_COMPILE)
-    assert len(rows) == 6
+    assert len(rows) == 10 and sum(r["varlen"] for r in rows) == 4
     for r in rows:
+        assert (r["stores"] > 0) == r["varlen"], r
         assert r["threads"] == [384] and r["wgmma"] > 0 and r["tma"] and r["reduce"], r
         assert 240 in r["regs"] and 24 in r["regs"], r
         assert (r["stack"] or 0) <= (0 if r["d"] == 64 else 256), r
@@ -1745,3 +1757,63 @@ def test_gpu_gluon_backward_failure_falls_back_to_the_pair_with_one_warning(monk
             warnings.simplefilter("error")
             check_case(b=1, hq=4, nq=500, d=128, dtype=torch.bfloat16, causal=True, policy=policy, ran=[], seed=6)
     assert not triton_launch.gluon_bwd_here(torch.zeros(1, device="cuda"))
+
+
+# Packed sequences (varlen, documents) through the Gluon kernels: sequence bounds read in the
+# kernels, descriptors over (1, H, T, D) views of the packed tensors, and the rows at a sequence's
+# end stored by row, since the next sequence's rows follow.
+VARLEN_GLUON_CASES = {
+    # name: (lengths_q, lengths_k (None: the same), hq, hkv, d, causal, window, align, dtype)
+    "causal, ragged, empty and one-row documents, gqa": ([1, 511, 0, 2048, 17, 1000, 130], None, 8, 2, 128, True,
+                                                         None, "top_left", torch.bfloat16),
+    "head dim 64, fp16": ([300, 64, 129, 1, 257], None, 4, 4, 64, True, None, "top_left", torch.float16),
+    "not causal": ([257, 40, 700], [100, 333, 700], 4, 2, 128, False, None, "top_left", torch.bfloat16),
+    "bottom-right, keys longer": ([5, 300, 120], [200, 450, 700], 4, 2, 128, True, None, "bottom_right",
+                                  torch.bfloat16),
+    "top-left, queries longer": ([300, 450], [200, 129], 4, 4, 64, True, None, "top_left", torch.bfloat16),
+    "causal left window": ([700, 1500, 90], None, 4, 2, 128, True, (100, 0), "top_left", torch.bfloat16),
+    "many documents": ([1024] * 8 + [4096, 3000], None, 8, 8, 128, True, None, "top_left", torch.bfloat16),
+}
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("ci", [0, 1])
+@pytest.mark.parametrize("case", list(VARLEN_GLUON_CASES))
+def test_gpu_gluon_kernels_take_packed_sequences(monkeypatch, case, ci):
+    """The Gluon forward and backward, forced, on packed sequences: outputs and gradients against
+    float64 and SDPA per sequence, over the whole packed tensors."""
+    if not gluon_here():
+        pytest.skip("the Gluon kernels run on Hopper with triton >= 3.6 only")
+    lengths_q, lengths_k, hq, hkv, d, causal, window, align, dtype = VARLEN_GLUON_CASES[case]
+    fwd_calls, bwd_calls = spy_launch(monkeypatch, "_launch_fwd_gluon"), count_gluon_backward(monkeypatch)
+    with triton_tuner.forced_configs(fwd=gluon_config(d, ci), bwd_gluon=tc.HALF_CONFIGS["bwd_gluon"][tc.d_class(d)][0]):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # a Gluon failure would warn and run the Triton kernels
+            check_varlen_case(lengths_q, lengths_k or lengths_q, hq, hkv, d, causal, window, align, dtype)
+    assert len(fwd_calls) == 1 and len(bwd_calls) == 1
+
+
+@gpu
+@needs_cuda
+def test_gpu_gluon_packed_rows_past_the_last_sequence_give_zeros():
+    """Rows of a packed buffer past cu_seqlens[-1] give 0 and zero gradients under the Gluon
+    kernels too, and the sequences' rows match the same call without them."""
+    if not gluon_here():
+        pytest.skip("the Gluon kernels run on Hopper with triton >= 3.6 only")
+    lengths = [200, 130]
+    q, k, v, cu_q, cu_k = _packed(lengths, lengths, 4, 2, 128, torch.bfloat16, seed=41)
+    g = _gen(42)
+    pad = lambda t, n: torch.cat([t.detach(), _randn((n,) + tuple(t.shape[1:]), t.dtype, g)]).requires_grad_()
+    qp, kp, vp = pad(q, 70), pad(k, 70), pad(v, 70)
+    cfgs = dict(fwd=gluon_config(128, 0), bwd_gluon=tc.HALF_CONFIGS["bwd_gluon"]["mid_d"][0])
+    with triton_tuner.forced_configs(**cfgs), settings.override(poison_outputs=True):
+        out = adaattn.varlen_attention(q, k, v, cu_q, cu_k, 200, 200, is_causal=True)
+        outp = adaattn.varlen_attention(qp, kp, vp, cu_q, cu_k, 200, 200, is_causal=True)
+        dout = _randn(outp.shape, torch.bfloat16, g)
+        grads = torch.autograd.grad(out, (q, k, v), dout[:330])
+        gradsp = torch.autograd.grad(outp, (qp, kp, vp), dout)
+    assert (outp[330:] == 0).all() and torch.equal(outp[:330], out)
+    for name, got, want in zip(("dq", "dk", "dv"), gradsp, grads):
+        assert (got[330:] == 0).all(), name
+        assert torch.allclose(got[:330].float(), want.float(), rtol=1e-2, atol=1e-2), name

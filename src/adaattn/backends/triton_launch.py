@@ -353,7 +353,15 @@ def shared_layout(box: tuple, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for(list(box), elem)
 
 
-def _launch_fwd_gluon(q, k, v, out, lse, lay: RowLayout, launch: AttentionLaunch, cfg: KernelConfig) -> None:
+def heads_rows(t: torch.Tensor, lay: RowLayout) -> torch.Tensor:
+    """The 4-D (B, H, rows, D) tensor a Gluon kernel's descriptors take: t itself, or for packed
+    (T, H, D) tensors the (1, H, T, D) view (its last two box dims are (rows, D), as dense tiles,
+    so the shared-memory swizzle is the one the kernels' tiles assume)."""
+    return t.permute(1, 0, 2).unsqueeze(0) if lay.varlen else t
+
+
+def _launch_fwd_gluon(q, k, v, out, lse, lay: RowLayout, launch: AttentionLaunch, cfg: KernelConfig,
+                      cu_q=None, cu_k=None) -> None:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ..kernels.attention_fwd_gluon import attention_fwd_gluon_kernel
@@ -361,15 +369,26 @@ def _launch_fwd_gluon(q, k, v, out, lse, lay: RowLayout, launch: AttentionLaunch
     d, half = lay.head_dim, cfg.block_m // 2
 
     def desc(t, rows):
+        t = heads_rows(t, lay)
         box = (1, 1, rows, d)
         return TensorDescriptor(t, list(t.shape), list(t.stride()), list(box), shared_layout(box, t.dtype))
 
+    packed = {}
+    if lay.varlen:  # sequences from cu_q / cu_k; outputs at a sequence's end stored by row
+        packed = dict(VARLEN=True, CuQ=cu_q, CuK=cu_k, O=out, stride_om=out.stride(0), stride_oh=out.stride(1))
     attention_fwd_gluon_kernel[(cdiv(lay.q_len, cfg.block_m), lay.batch * lay.q_heads)](
         desc(q, half), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(out, half), lse, *lse_strides(lse, lay),
         lay.q_heads, lay.q_heads // lay.kv_heads, lay.q_len, lay.k_len, launch.scale * LOG2E, launch.left,
         HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, CAUSAL=launch.has_right,
-        BOTTOM_RIGHT=launch.bottom_right, HAS_LEFT=launch.has_left, num_warps=cfg.num_warps,
+        BOTTOM_RIGHT=launch.bottom_right, HAS_LEFT=launch.has_left, num_warps=cfg.num_warps, **packed,
     )
+
+
+def gluon_varlen_fwd_ok(q, k, v, out, lay: RowLayout, launch: AttentionLaunch, mask_kind: int) -> bool:
+    """Whether the Gluon forward takes a packed call: on Hopper (gluon_fwd_here), no mask, head dim
+    64 or 128 for Q, K and V, no right bound past the causal one, and descriptor_scope."""
+    return (lay.varlen and mask_kind == MASK_NONE and lay.head_dim in (64, 128) and launch.right == 0
+            and gluon_fwd_here(q) and descriptor_scope(launch, q, k, v, out))
 
 
 def _check_variant(launch: AttentionLaunch, lay: RowLayout, q, k, v, mask_kind: int) -> None:
@@ -493,9 +512,28 @@ def _launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         key = key + (launch.variant, launch.grid_order)
     if launch.exp_fma:
         key = key + (f"exp_fma{launch.exp_fma}",)
-    cfg = CONFIGS.pick("fwd", key, lambda: fitting_configs("fwd", bd, q.dtype, q.device, mask_elem, bdv), run,
-                       lambda: out)
-    run(cfg)
+
+    def general() -> list:
+        return fitting_configs("fwd", bd, q.dtype, q.device, mask_elem, bdv)
+
+    if gluon_varlen_fwd_ok(q, k, v, out, lay, launch, mask_kind):
+        # Packed sequences on Hopper: the Gluon forward, timed beside this kernel's configs.
+        def run_any(cfg: KernelConfig):
+            if cfg.impl == "gluon":
+                _launch_fwd_gluon(q, k, v, out, lse, lay, launch, cfg, cu_q, cu_k)
+            else:
+                run(cfg)
+
+        def pick(gluon: bool) -> KernelConfig:
+            if not gluon:
+                return CONFIGS.pick("fwd", key, general, run, lambda: out)
+            return CONFIGS.pick("fwd", key + ("gluon",),
+                                lambda: fitting_configs("fwd_gluon", lay.head_dim, q.dtype, q.device) + general(),
+                                run_any, lambda: out)
+
+        run_gluon_first(pick, run_any, True)
+        return out, lse
+    run(CONFIGS.pick("fwd", key, general, run, lambda: out))
     return out, lse
 
 
@@ -725,14 +763,14 @@ def _launch_bwd_ws(dout, q, k, v, out, lse, launch: AttentionLaunch, configs: Op
                 run(CONFIGS.pick(kind, key, lambda kind=kind: fitting_configs(kind, d, q.dtype, q.device), run,
                                  lambda written=written: written))
 
-    if configs is not None or varlen or not warp_spec or launch.dq_mode == "separate" or not gluon_bwd_here(q):
+    if configs is not None or not warp_spec or launch.dq_mode == "separate" or not gluon_bwd_here(q):
         run_pair()
         return dq, dk, dv
 
-    # Dense and free to add dq atomically: the Gluon backward is timed beside the pair.
+    # Free to add dq atomically: the Gluon backward is timed beside the pair.
     def run(cfg: KernelConfig):
         if cfg.impl == "gluon":
-            _run_bwd_gluon(dq, dk, dv, dout, q, k, v, stat, pitch, plane, lay, launch, cfg)
+            _run_bwd_gluon(dq, dk, dv, dout, q, k, v, stat, pitch, plane, lay, launch, cfg, cu_q, cu_k)
         else:
             run_pair()
 
@@ -765,12 +803,13 @@ def _bwd_stat_planes(out, dout, lse, lay: RowLayout, cu_q) -> tuple:
 
 
 def _run_bwd_gluon(dq, dk, dv, dout, q, k, v, stat, pitch, plane, lay: RowLayout, launch: AttentionLaunch,
-                   cfg: KernelConfig) -> None:
-    """kernels/attention_bwd_gluon.py into dq, dk, dv (dense, unit last strides) from the prep
-    kernel's planes: one kernel adds dq into a zeroed fp32 accumulator by TMA reductions, and dq
-    is converted from it. dq's bits depend on the order of the reductions: never for a
-    deterministic launch. P goes through shared memory at head dim 128 (in registers it spills),
-    and dq's product runs in two column halves there (fewer live registers; 1-2% faster)."""
+                   cfg: KernelConfig, cu_q=None, cu_k=None) -> None:
+    """kernels/attention_bwd_gluon.py into dq, dk, dv (dense or packed with cu_q / cu_k, unit last
+    strides) from the prep kernel's planes: one kernel adds dq into a zeroed fp32 accumulator by
+    TMA reductions, and dq is converted from it. dq's bits depend on the order of the reductions:
+    never for a deterministic launch. P goes through shared memory at head dim 128 (in registers
+    it spills), and dq's product runs in two column halves there (fewer live registers; 1-2%
+    faster)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     from ..kernels.attention_bwd_gluon import attention_bwd_gluon_kernel
@@ -779,8 +818,14 @@ def _run_bwd_gluon(dq, dk, dv, dout, q, k, v, stat, pitch, plane, lay: RowLayout
     dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
 
     def desc(t, box):
+        if len(box) == 4:
+            t = heads_rows(t, lay)
         return TensorDescriptor(t, list(t.shape), list(t.stride()), list(box), shared_layout(box, t.dtype))
 
+    packed = {}
+    if lay.varlen:  # sequences from cu_q / cu_k; dK and dV at a sequence's end stored by row
+        packed = dict(VARLEN=True, CuQ=cu_q, CuK=cu_k, DK=dk, DV=dv, stride_dkn=dk.stride(0),
+                      stride_dkh=dk.stride(1), stride_dvn=dv.stride(0), stride_dvh=dv.stride(1))
     scale, post_scale = ds_scales(launch.scale)
     rows, keys = (1, 1, bm, d), (1, 1, bn // 2, d)
     attention_bwd_gluon_kernel[(cdiv(lay.k_len, bn), lay.batch * lay.kv_heads)](
@@ -788,7 +833,7 @@ def _run_bwd_gluon(dq, dk, dv, dout, q, k, v, stat, pitch, plane, lay: RowLayout
         desc(dq_acc, rows), desc(stat, (bm,)), lay.kv_heads, lay.q_heads // lay.kv_heads, lay.q_len, lay.k_len,
         pitch, plane, scale, launch.scale * LOG2E, launch.left, post_scale, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn,
         STAGES=cfg.num_stages, CAUSAL=launch.has_right, BOTTOM_RIGHT=launch.bottom_right,
-        HAS_LEFT=launch.has_left, P_SMEM=d > 64, DQ_SPLIT=2 if d > 64 else 1, num_warps=cfg.num_warps,
+        HAS_LEFT=launch.has_left, P_SMEM=d > 64, DQ_SPLIT=2 if d > 64 else 1, num_warps=cfg.num_warps, **packed,
     )
     if post_scale != 1.0:  # one pass: the fp32 product rounds once into dq's dtype
         torch.mul(dq_acc, post_scale, out=dq)

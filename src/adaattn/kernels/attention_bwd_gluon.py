@@ -55,13 +55,14 @@ _tma_reduce_add = getattr(tma, "async_atomic_add", None) or _tma_reduce_add_36
 @gluon.jit
 def _load_bwd(q_desc, do_desc, k_desc, v_desc, stat_desc, k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs,
               kv_bar, q_ready, do_ready, qdo_empty, batch, kv_head, kv_group, q_heads, q_pitch, stat_plane, start_n, lo,
-              n_tiles, BLOCK_M: gl.constexpr, HALF: gl.constexpr, STAGES: gl.constexpr):
+              n_tiles, BLOCK_M: gl.constexpr, HALF: gl.constexpr, STAGES: gl.constexpr, desc_b, q_row0, k_row0):
     """K and V halves once, then the Q and dO tiles of the loop, each with its rows' statistics
-    (lse2 with Q, delta with dO)."""
+    (lse2 with Q, delta with dO). Descriptor coordinates: desc_b, and rows from q_row0 / k_row0
+    (a packed sequence's first row; 0 for dense tensors)."""
     mbarrier.expect(kv_bar, 4 * k_desc.block_type.nbytes)
     for half in gl.static_range(2):
-        _tma_load(k_desc, [batch, kv_head, start_n + half * HALF, 0], kv_bar, k_bufs.index(half))
-        _tma_load(v_desc, [batch, kv_head, start_n + half * HALF, 0], kv_bar, v_bufs.index(half))
+        _tma_load(k_desc, [desc_b, kv_head, k_row0 + start_n + half * HALF, 0], kv_bar, k_bufs.index(half))
+        _tma_load(v_desc, [desc_b, kv_head, k_row0 + start_n + half * HALF, 0], kv_bar, v_bufs.index(half))
     for t in range(kv_group * n_tiles):
         g = t // n_tiles
         start_m = lo + (t - g * n_tiles) * BLOCK_M
@@ -71,11 +72,26 @@ def _load_bwd(q_desc, do_desc, k_desc, v_desc, stat_desc, k_bufs, v_bufs, q_bufs
         mbarrier.wait(qdo_empty.index(s), ((t // STAGES) & 1) ^ 1)
         row = (batch * q_heads + head) * q_pitch + start_m
         mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + stat_desc.block_type.nbytes)
-        _tma_load(q_desc, [batch, head, start_m, 0], q_ready.index(s), q_bufs.index(s))
+        _tma_load(q_desc, [desc_b, head, q_row0 + start_m, 0], q_ready.index(s), q_bufs.index(s))
         _tma_load(stat_desc, [row], q_ready.index(s), lse_bufs.index(s))
         mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes + stat_desc.block_type.nbytes)
-        _tma_load(do_desc, [batch, head, start_m, 0], do_ready.index(s), do_bufs.index(s))
+        _tma_load(do_desc, [desc_b, head, q_row0 + start_m, 0], do_ready.index(s), do_bufs.index(s))
         _tma_load(stat_desc, [stat_plane + row], do_ready.index(s), delta_bufs.index(s))
+
+
+@gluon.jit
+def _store_dkdv(dk, dv, post_scale, k_smem, v_smem, k_bufs, v_bufs, dk_desc, dv_desc, batch, kv_head, row,
+                GROUP: gl.constexpr):
+    """dK and dV leave through this group's K and V buffers (every product that read them is
+    done); the descriptors drop keys past a dense k_len."""
+    dtype: gl.constexpr = k_smem.dtype
+    k_smem.store((dk * post_scale).to(dtype))
+    v_smem.store(dv.to(dtype))
+    fence_async_shared()
+    _barrier()
+    _tma_store(dk_desc, [batch, kv_head, row, 0], k_bufs.index(GROUP))
+    _tma_store(dv_desc, [batch, kv_head, row, 0], v_bufs.index(GROUP))
+    tma.store_wait(0)
 
 
 @gluon.jit
@@ -84,8 +100,15 @@ def _consume_bwd(k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
                  scale, scale_log2, window_left, post_scale,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, HALF: gl.constexpr, STAGES: gl.constexpr,
                  CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, DQ_SPLIT: gl.constexpr, P_SMEM: gl.constexpr,
-                 GROUP: gl.constexpr):
-    """One consumer warp group: keys start_n + GROUP * HALF .. + HALF of the program."""
+                 GROUP: gl.constexpr, VARLEN: gl.constexpr, k_len, q_row0, k_row0, DK, DV, dk_off, dv_off,
+                 stride_dkn, stride_dvn):
+    """One consumer warp group: keys start_n + GROUP * HALF .. + HALF of the program.
+
+    VARLEN: a packed sequence from rows q_row0 (queries) and k_row0 (keys); the rows after its
+    last belong to the next sequence. Its keys past k_len are masked (their rows hold the next
+    sequence's keys), query rows past its end have p = 0 from their statistics (so they add
+    exact zeros into dq), and a group whose keys pass k_len stores dK and dV by row
+    (DK + dk_off + key * stride_dkn, masked), not by TMA."""
     dtype: gl.constexpr = q_bufs.dtype
     # S^T and dP^T tiles: (HALF keys, BLOCK_M queries); dK, dV: (HALF, D); the dQ part: (BLOCK_M, D).
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -130,6 +153,8 @@ def _consume_bwd(k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
         # Some query of the tile does not see some key of this group: before the diagonal, or past
         # the window's left edge.
         need = start_m < 0
+        if VARLEN:
+            need = need | (my_n + HALF > k_len)
         if CAUSAL:
             need = need | (start_m + diag < my_n + HALF - 1)
         if HAS_LEFT:
@@ -137,7 +162,12 @@ def _consume_bwd(k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
         if need:
             q_pos = gl.expand_dims(start_m + diag + gl.arange(0, BLOCK_M, layout=col_s), 0)
             k_pos = gl.expand_dims(keys, 1)
-            keep = q_pos >= k_pos
+            if CAUSAL:
+                keep = q_pos >= k_pos
+                if VARLEN:
+                    keep = keep & (k_pos < k_len)
+            else:  # VARLEN (need holds only for it when not causal): keys within the sequence
+                keep = k_pos < k_len
             if HAS_LEFT:
                 keep = keep & (q_pos - k_pos <= window_left)
             s_t = gl.where(keep, s_t, float("-inf"))
@@ -175,17 +205,23 @@ def _consume_bwd(k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
             dq_smem.reshape([BLOCK_M, HEAD_DIM]).slice(c * DQ_COLS, DQ_COLS, 1).store(dq)
         fence_async_shared()
         _barrier()
-        _tma_reduce_add(dq_desc, [batch, head, start_m, 0], dq_smem)
+        _tma_reduce_add(dq_desc, [batch, head, q_row0 + start_m, 0], dq_smem)
     tma.store_wait(0)
-    # dK and dV leave through this group's K and V buffers (every product that read them is done);
-    # the descriptors drop keys past k_len.
-    k_smem.store((dk * post_scale).to(dtype))
-    v_smem.store(dv.to(dtype))
-    fence_async_shared()
-    _barrier()
-    _tma_store(dk_desc, [batch, kv_head, my_n, 0], k_bufs.index(GROUP))
-    _tma_store(dv_desc, [batch, kv_head, my_n, 0], v_bufs.index(GROUP))
-    tma.store_wait(0)
+    if VARLEN:
+        if my_n + HALF > k_len:  # the sequence's last keys: the next sequence's rows follow
+            cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+            rows = my_n + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
+            inside = gl.expand_dims(rows < k_len, 1)
+            rows64 = gl.expand_dims(rows.to(gl.int64), 1)
+            gl.store(DK + dk_off + rows64 * stride_dkn + gl.expand_dims(cols, 0), (dk * post_scale).to(dtype),
+                     mask=inside)
+            gl.store(DV + dv_off + rows64 * stride_dvn + gl.expand_dims(cols, 0), dv.to(dtype), mask=inside)
+        else:
+            _store_dkdv(dk, dv, post_scale, k_smem, v_smem, k_bufs, v_bufs, dk_desc, dv_desc, batch, kv_head,
+                        k_row0 + my_n, GROUP)
+    else:
+        _store_dkdv(dk, dv, post_scale, k_smem, v_smem, k_bufs, v_bufs, dk_desc, dv_desc, batch, kv_head, my_n,
+                    GROUP)
 
 
 @gluon.jit
@@ -194,13 +230,20 @@ def attention_bwd_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc
                                post_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                STAGES: gl.constexpr, CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
                                HAS_LEFT: gl.constexpr, DQ_SPLIT: gl.constexpr = 1,
-                               P_SMEM: gl.constexpr = True):
+                               P_SMEM: gl.constexpr = True, VARLEN: gl.constexpr = False, CuQ=None, CuK=None,
+                               DK=None, DV=None, stride_dkn=0, stride_dkh=0, stride_dvn=0, stride_dvh=0):
     """Grid (key blocks, batch * kv_heads); num_warps=4 (the first consumer group; the second and
     the loader are worker partitions). Descriptors (host, 4-D over (B, H, N, D)): Q and dO with
     (1, 1, BLOCK_M, D) boxes; K, V, dK and dV with (1, 1, BLOCK_N // 2, D); dq_desc over the fp32
     accumulator (B, Hq, Nq, D), zeroed, box (1, 1, BLOCK_M, D); stat_desc over the prep kernel's
     flat planes (attention_bwd_ws_prep_kernel, q_pitch a multiple of BLOCK_M), box (BLOCK_M,). dK
-    is multiplied by post_scale here; the accumulator is left at the ds scale."""
+    is multiplied by post_scale here; the accumulator is left at the ds scale.
+
+    VARLEN: packed sequences, "batch" the sequence: the descriptors are over (1, H, T, D) views of
+    the packed (T, H, D) tensors (the accumulator's too), sequence b's rows CuQ[b] .. CuQ[b + 1]
+    (keys: CuK), q_len and k_len the longest sequence's (the grid's); the planes are per
+    (sequence, head) as the prep kernel lays them out for packed calls. dK and dV (T, Hkv, D) with
+    row and head strides, for the stores by row at a sequence's end."""
     HALF: gl.constexpr = BLOCK_N // 2
     pid_n = gl.program_id(0)
     pid_bh = gl.program_id(1)
@@ -208,6 +251,19 @@ def attention_bwd_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc
     kv_head = pid_bh % kv_heads
     q_heads = kv_heads * kv_group
     start_n = pid_n * BLOCK_N
+    desc_b = batch
+    q_row0 = 0
+    k_row0 = 0
+    dk_off = 0
+    dv_off = 0
+    if VARLEN:
+        q_row0 = gl.load(CuQ + batch)
+        q_len = gl.load(CuQ + batch + 1) - q_row0
+        k_row0 = gl.load(CuK + batch)
+        k_len = gl.load(CuK + batch + 1) - k_row0
+        desc_b = 0
+        dk_off = k_row0.to(gl.int64) * stride_dkn + kv_head.to(gl.int64) * stride_dkh
+        dv_off = k_row0.to(gl.int64) * stride_dvn + kv_head.to(gl.int64) * stride_dvh
     diag = 0
     if BOTTOM_RIGHT:
         diag = k_len - q_len
@@ -220,6 +276,8 @@ def attention_bwd_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc
         hi = gl.minimum(q_len, gl.maximum(start_n + BLOCK_N + window_left - diag, 0))
     hi = gl.maximum(hi, lo)
     n_tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
+    if VARLEN:  # a block past its sequence's last key does no work and stores nothing
+        n_tiles = gl.where(start_n < k_len, n_tiles, 0)
 
     k_bufs = gl.allocate_shared_memory(k_desc.dtype, [2] + k_desc.block_type.shape, k_desc.layout)
     v_bufs = gl.allocate_shared_memory(v_desc.dtype, [2] + v_desc.block_type.shape, v_desc.layout)
@@ -245,14 +303,16 @@ def attention_bwd_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc
     # (Each consumer's arguments in full: a tuple built from a shared one would lose the constexprs.)
     gl.warp_specialize([
         (_consume_bwd, (k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, p_bufs, dq_bufs, kv_bar,
-                        q_ready, do_ready, qdo_empty, dk_desc, dv_desc, dq_desc, batch, kv_head, kv_group, start_n,
+                        q_ready, do_ready, qdo_empty, dk_desc, dv_desc, dq_desc, desc_b, kv_head, kv_group, start_n,
                         diag, lo, n_tiles, scale, scale_log2, window_left, post_scale, HEAD_DIM, BLOCK_M, HALF,
-                        STAGES, CAUSAL, HAS_LEFT, DQ_SPLIT, P_SMEM, 0)),
+                        STAGES, CAUSAL, HAS_LEFT, DQ_SPLIT, P_SMEM, 0, VARLEN, k_len, q_row0, k_row0, DK, DV,
+                        dk_off, dv_off, stride_dkn, stride_dvn)),
         (_consume_bwd, (k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, p_bufs, dq_bufs, kv_bar,
-                        q_ready, do_ready, qdo_empty, dk_desc, dv_desc, dq_desc, batch, kv_head, kv_group, start_n,
+                        q_ready, do_ready, qdo_empty, dk_desc, dv_desc, dq_desc, desc_b, kv_head, kv_group, start_n,
                         diag, lo, n_tiles, scale, scale_log2, window_left, post_scale, HEAD_DIM, BLOCK_M, HALF,
-                        STAGES, CAUSAL, HAS_LEFT, DQ_SPLIT, P_SMEM, 1)),
+                        STAGES, CAUSAL, HAS_LEFT, DQ_SPLIT, P_SMEM, 1, VARLEN, k_len, q_row0, k_row0, DK, DV,
+                        dk_off, dv_off, stride_dkn, stride_dvn)),
         (_load_bwd, (q_desc, do_desc, k_desc, v_desc, stat_desc, k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs,
                      delta_bufs, kv_bar, q_ready, do_ready, qdo_empty, batch, kv_head, kv_group, q_heads, q_pitch,
-                     stat_plane, start_n, lo, n_tiles, BLOCK_M, HALF, STAGES)),
+                     stat_plane, start_n, lo, n_tiles, BLOCK_M, HALF, STAGES, desc_b, q_row0, k_row0)),
     ], [4, 1], [240, 24])

@@ -39,10 +39,10 @@ LN2 = gl.constexpr(0.6931471805599453)
 @gluon.jit
 def load_tiles(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty,
                     batch, head, kv_head, start_m, n_tiles, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                    HALF: gl.constexpr, V_T: gl.constexpr = False, lo=0):
+                    HALF: gl.constexpr, V_T: gl.constexpr = False, lo=0, k_row0=0):
     """Q's two halves once, then the K and V tiles of the key loop, key tiles lo .. lo + n_tiles
     (V_T: V is stored transposed, (B, H, D, N), and its tile is the (D, BLOCK_N) box at key
-    (lo + j) * BLOCK_N)."""
+    (lo + j) * BLOCK_N). k_row0: the row of the sequence's first key (packed sequences)."""
     mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
     _tma_load(q_desc, [batch, head, start_m, 0], q_bar, q_bufs.index(0))
     _tma_load(q_desc, [batch, head, start_m + HALF, 0], q_bar, q_bufs.index(1))
@@ -50,7 +50,7 @@ def load_tiles(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v
         s = j % STAGES
         # A fresh mbarrier counts as having completed the phase before 0: the first pass waits on 1.
         mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1)
-        key = (lo + j) * BLOCK_N
+        key = k_row0 + (lo + j) * BLOCK_N
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
         _tma_load(k_desc, [batch, kv_head, key, 0], k_ready.index(s), k_bufs.index(s))
         mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
@@ -84,12 +84,26 @@ def visible(s, j, start_m, diag, k_len, s_layout: gl.constexpr, ROWS: gl.constex
 
 
 @gluon.jit
+def _store_tile(tile, smem, desc, batch, head, row):
+    """A tile to global memory by TMA through smem (a buffer whose readers are done); the
+    descriptor drops rows past its shape."""
+    smem.reshape(tile.shape).store(tile)
+    fence_async_shared()
+    _tma_store(desc, [batch, head, row, 0], smem)
+    tma.store_wait(0)
+
+
+@gluon.jit
 def _consume(q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, o_desc, LSE, lse_off, stride_lm, q_len,
              k_len, start_m, diag, n_tiles, first_masked, scale_log2, batch, head,
              HEAD_DIM: gl.constexpr, HALF: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-             CAUSAL: gl.constexpr, GROUP: gl.constexpr, HAS_LEFT: gl.constexpr, lo, edge_end, left):
+             CAUSAL: gl.constexpr, GROUP: gl.constexpr, HAS_LEFT: gl.constexpr, lo, edge_end, left,
+             VARLEN: gl.constexpr = False, q_row0=0, O=None, o_off=0, stride_om=0):
     """One consumer warp group: rows start_m + GROUP * HALF .. + HALF of the program, over key
-    tiles lo .. lo + n_tiles; tiles from first_masked on and before edge_end take the masks."""
+    tiles lo .. lo + n_tiles; tiles from first_masked on and before edge_end take the masks.
+    VARLEN: the sequence's rows start at q_row0 of the packed tensors, and the rows after its
+    last belong to the next sequence: a group whose rows pass q_len stores its output by row
+    (O + o_off + row * stride_om, masked), not by TMA."""
     dtype: gl.constexpr = q_bufs.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -154,12 +168,16 @@ def _consume(q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, o_desc, 
     lse = gl.where(seen, (m_i + gl.log2(l_safe)) * LN2, float("-inf"))
     rows = my_start + gl.arange(0, HALF, layout=row_s)
     gl.store(LSE + lse_off + rows.to(gl.int64) * stride_lm, lse, mask=rows < q_len)
-    # This group's Q buffer is free (its last QK^T is done): the output leaves through it; the
-    # descriptor drops rows past q_len.
-    q.store(out.to(dtype))
-    fence_async_shared()
-    _tma_store(o_desc, [batch, head, my_start, 0], q_smem)
-    tma.store_wait(0)
+    if VARLEN:
+        if my_start + HALF > q_len:
+            rows_o = my_start + gl.arange(0, HALF, layout=row_o)
+            cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            ptrs = O + o_off + gl.expand_dims(rows_o.to(gl.int64) * stride_om, 1) + gl.expand_dims(cols, 0)
+            gl.store(ptrs, out.to(dtype), mask=gl.expand_dims(rows_o < q_len, 1))
+        else:
+            _store_tile(out.to(dtype), q_smem, o_desc, batch, head, q_row0 + my_start)
+    else:
+        _store_tile(out.to(dtype), q_smem, o_desc, batch, head, my_start)
 
 
 @gluon.jit
@@ -217,25 +235,48 @@ def attention_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, s
                                q_heads, kv_group, q_len, k_len, scale_log2, window_left,
                                HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                                STAGES: gl.constexpr, CAUSAL: gl.constexpr, BOTTOM_RIGHT: gl.constexpr,
-                               HAS_LEFT: gl.constexpr = False):
+                               HAS_LEFT: gl.constexpr = False, VARLEN: gl.constexpr = False, CuQ=None, CuK=None,
+                               O=None, stride_om=0, stride_oh=0):
     """Grid (query blocks, batch * q_heads), last query block first; launched with num_warps=4
     (the first consumer group; the second and the loader are worker partitions). Descriptors
     (host, 4-D over (B, H, N, D)): Q and Out with (1, 1, BLOCK_M // 2, HEAD_DIM) boxes, K and V
     with (1, 1, BLOCK_N, HEAD_DIM). HAS_LEFT: a left window of window_left keys (row r sees keys
-    from r + diag - window_left)."""
+    from r + diag - window_left).
+
+    VARLEN: packed sequences, "batch" the sequence: the descriptors are over (1, H, T, D) views of
+    the packed (T, H, D) tensors, sequence b's rows CuQ[b] .. CuQ[b + 1] (keys: CuK), q_len and
+    k_len the longest sequence's (the grid's); the output O (T, Hq, D) with row and head strides
+    for the stores by row at a sequence's end, and the log-sum-exp (Hq, T)."""
     HALF: gl.constexpr = BLOCK_M // 2
+    q_row0 = 0
+    k_row0 = 0
+    desc_b = gl.program_id(1) // q_heads
+    if VARLEN:
+        q_row0 = gl.load(CuQ + desc_b)
+        q_len = gl.load(CuQ + desc_b + 1) - q_row0
+        k_row0 = gl.load(CuK + desc_b)
+        k_len = gl.load(CuK + desc_b + 1) - k_row0
+        desc_b = 0
     batch, head, kv_head, start_m, diag, first_masked, n_tiles, lo, edge_end = program_tiles(
         q_heads, kv_group, q_len, k_len, BLOCK_M, BLOCK_N, CAUSAL, BOTTOM_RIGHT, HAS_LEFT, window_left)
     lse_off = batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
+    o_off = 0
+    if VARLEN:
+        # A block past its sequence's end does no work and stores nothing.
+        n_tiles = gl.where(start_m < q_len, n_tiles, 0)
+        lse_off += q_row0.to(gl.int64) * stride_lm
+        o_off = q_row0.to(gl.int64) * stride_om + head.to(gl.int64) * stride_oh
     q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty = tile_ring(q_desc, k_desc, v_desc, STAGES)
 
     gl.warp_specialize([
         (_consume, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, o_desc, LSE, lse_off, stride_lm,
-                    q_len, k_len, start_m, diag, n_tiles, first_masked, scale_log2, batch, head, HEAD_DIM, HALF,
-                    BLOCK_N, STAGES, CAUSAL, 0, HAS_LEFT, lo, edge_end, window_left)),
+                    q_len, k_len, start_m, diag, n_tiles, first_masked, scale_log2, desc_b, head, HEAD_DIM, HALF,
+                    BLOCK_N, STAGES, CAUSAL, 0, HAS_LEFT, lo, edge_end, window_left, VARLEN, q_row0, O, o_off,
+                    stride_om)),
         (_consume, (q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, o_desc, LSE, lse_off, stride_lm,
-                    q_len, k_len, start_m, diag, n_tiles, first_masked, scale_log2, batch, head, HEAD_DIM, HALF,
-                    BLOCK_N, STAGES, CAUSAL, 1, HAS_LEFT, lo, edge_end, window_left)),
-        (load_tiles, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, batch,
-                           head, kv_head, start_m, n_tiles, BLOCK_N, STAGES, HALF, False, lo)),
+                    q_len, k_len, start_m, diag, n_tiles, first_masked, scale_log2, desc_b, head, HEAD_DIM, HALF,
+                    BLOCK_N, STAGES, CAUSAL, 1, HAS_LEFT, lo, edge_end, window_left, VARLEN, q_row0, O, o_off,
+                    stride_om)),
+        (load_tiles, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_bar, k_ready, v_ready, kv_empty, desc_b,
+                      head, kv_head, q_row0 + start_m, n_tiles, BLOCK_N, STAGES, HALF, False, lo, k_row0)),
     ], [4, 1], [240, 24])
