@@ -70,7 +70,8 @@ def _maker(docs, n, heads, kv_heads, head_dim, dtype, backward, device, seed):
             _packed(peers.Peer("varlen", lambda: as_batch(varlen_attention(q, k, v, cu, cu, n, n, is_causal=True))),
                     packed, backward),
             _unpacked(peers.Peer("adaattn (documents)", lambda: attention(*(as_one(t) for t in packed), is_causal=True,
-                                                                         documents=doc_mask)),
+                                                                         documents=doc_mask,
+                                                                         enable_gqa=kv_heads != heads)),
                       docs, n, head_dim, packed, backward),
             _unpacked(peers.flex(one, same_doc, "flex (document)"), docs, n, head_dim, packed, backward),
         ]
