@@ -332,6 +332,23 @@ def test_eval_command_reports_bits_per_byte_errors_and_entropy(tmp_path, capsys)
     assert ev.cli(["--weights", str(tmp_path / "none.pt"), "--device", "cpu"]) == 2
 
 
+def test_eval_command_repeats_the_scoring_and_reports_each_pass(tmp_path, capsys):
+    # --repeat scores the same windows again through the same call sites: the bits per byte do not
+    # move, and each pass's wall time is reported (the later passes are the warm cost).
+    path = save(tiny_model(), tmp_path / "w.pt", "int8")
+    out = tmp_path / "eval.json"
+    args = ["--weights", str(path), "--context", "32", "--device", "cpu", "--max-windows", "2", "--error-rows", "4",
+            "--no-structure", "--json", str(out)]
+    assert ev.cli(args + ["--repeat", "3"]) == 0
+    repeated = json.loads(out.read_text())["heldout"]
+    assert ev.cli(args) == 0
+    once = json.loads(out.read_text())["heldout"]
+    assert len(repeated["passes_s"]) == 3 and all(t > 0 for t in repeated["passes_s"]) and len(once["passes_s"]) == 1
+    assert repeated["bits_per_byte"] == once["bits_per_byte"]
+    assert "s); unigram baseline" in capsys.readouterr().out
+    assert ev.cli(args + ["--repeat", "0"]) == 2
+
+
 def test_bench_gpt_workload_times_backends_on_captured_inputs(tmp_path):
     path = save(tiny_model(), tmp_path / "w.pt")
     rc = cli.main(["bench", "--workload", "gpt", "--weights", str(path), "--device", "cpu", "--seq-lens", "32",
