@@ -284,6 +284,38 @@ def test_varlen_with_good_offsets_matches_per_sequence_sdpa(path, dtype):
     assert_within_standard(ours, ref64, theirs)
 
 
+def test_varlen_reads_a_checked_offsets_tensor_back_once_until_it_changes(monkeypatch):
+    """A model passes one cu_seqlens tensor to every layer: its values are read back once, not per
+    call. A tensor changed in place is checked again (bad values raise); so are other bounds."""
+    from adaattn.backends import varlen as varlen_backend
+
+    reads = []
+    real = varlen_backend._offsets_bad
+    monkeypatch.setattr(varlen_backend, "_offsets_bad", lambda *a: reads.append(a[1:]) or real(*a))
+    x = torch.randn(TOKENS, 2, 16, dtype=torch.float64)
+    cu = torch.tensor(GOOD, dtype=torch.int32)
+    cu_k = cu.clone()
+    for _ in range(3):
+        adaattn.varlen_attention(x, x, x, cu, cu_k, 26, 26)
+    assert reads == [(TOKENS, 26), (TOKENS, 26)]  # q's and k's offsets, once
+    adaattn.varlen_attention(x, x, x, cu, cu_k, 17, 26, is_causal=True)  # other bounds: checked again
+    assert len(reads) == 3 and reads[-1] == (TOKENS, 17)
+    cu_k[2] = 3  # in place: non-monotonic now
+    with pytest.raises(ValueError, match="cu_seqlens_k"):
+        adaattn.varlen_attention(x, x, x, cu, cu_k, 26, 26)
+    cu_k.copy_(cu)
+    adaattn.varlen_attention(x, x, x, cu, cu_k, 26, 26)
+    adaattn.varlen_attention(x, x, x, cu, cu_k, 26, 26)
+    assert len(reads) == 5  # k's offsets read again once after each change, q's not at all
+    with pytest.raises(ValueError, match="cu_seqlens_q"):  # bounds too small for the checked tensor
+        adaattn.varlen_attention(x, x, x, cu, cu_k, 5, 26)
+    with torch.inference_mode():  # no version counter: read every time
+        cu_i = torch.tensor(GOOD, dtype=torch.int32)
+        for _ in range(2):
+            adaattn.varlen_attention(x, x, x, cu_i, cu_k, 26, 26)
+    assert len(reads) == 8
+
+
 # ------------------------------------------------------------------ backend names
 
 

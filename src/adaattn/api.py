@@ -378,9 +378,11 @@ def varlen_attention(
     max_seqlen_q/k bound the lengths (they size the launch grid).
     is_causal, window and causal_alignment ("top_left" as SDPA, or "bottom_right": the KV-cache
     convention) apply within each sequence. Rows of q past cu_seqlens_q[-1] give 0.
-    check_offsets: check the offsets' values (one host read of a flag per call; skipped while
-        a CUDA graph is captured or torch.compile traces). Pass False where the offsets are known
-        good and the read matters.
+    check_offsets: check the offsets' values (one host read of a flag, a synchronisation, for
+        offsets tensors this process has not checked; a tensor that passed is not read again
+        until it changes in place, so one cu_seqlens passed to every layer is read once; skipped
+        while a CUDA graph is captured or torch.compile traces). Pass False where the offsets are
+        known good and the read matters.
     Returns (total_q, Hq, Dv) in q's dtype; differentiable. The planner picks the runner
     (varlen.triton: our kernels, no padding, no host sync; varlen.sdpa: torch SDPA per sequence).
     Raises ValueError/TypeError for inconsistent shapes, dtypes, devices or offsets, each naming

@@ -53,17 +53,61 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
             raise TypeError(f"{name} must be a non-negative int, got {m!r}")
     if not check_offsets or q.device.type == "meta":
         return
-    for name, cu, total, longest in (("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q),
-                                     ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)):
-        lengths = cu.diff()
-        bad = (cu[0] != 0) | (lengths < 0).any() | (cu[-1] > total)
-        if lengths.numel():
-            bad = bad | (lengths.max() > longest)
-        if bool(bad):  # one host read
-            values = cu.tolist()
-            raise ValueError(f"{name} must start at 0, never decrease, end at most at the packed length {total}, "
-                             f"and hold no sequence longer than {'max_seqlen_q' if name.endswith('q') else 'max_seqlen_k'}"
-                             f"={longest}; got {values if len(values) <= 16 else values[:16] + ['...']}")
+    sides = [(name, cu, total, longest) for name, cu, total, longest in
+             (("cu_seqlens_q", cu_seqlens_q, q.shape[0], max_seqlen_q),
+              ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)) if not _checked(cu, total, longest)]
+    if not sides:
+        return
+    flags = [_offsets_bad(cu, total, longest) for _, cu, total, longest in sides]
+    if bool(torch.stack(flags).any()):  # one host read for both
+        name, cu, total, longest = next(side for side, bad in zip(sides, flags) if bool(bad))
+        values = cu.tolist()
+        raise ValueError(f"{name} must start at 0, never decrease, end at most at the packed length {total}, "
+                         f"and hold no sequence longer than {'max_seqlen_q' if name.endswith('q') else 'max_seqlen_k'}"
+                         f"={longest}; got {values if len(values) <= 16 else values[:16] + ['...']}")
+    for _, cu, total, longest in sides:
+        _remember(cu, total, longest)
+
+
+def _offsets_bad(cu: torch.Tensor, total: int, longest: int) -> torch.Tensor:
+    """A 0-d bool tensor on cu's device: True where cu does not start at 0, decreases, ends past
+    total, or holds a sequence longer than longest."""
+    lengths = cu.diff()
+    bad = (cu[0] != 0) | (lengths < 0).any() | (cu[-1] > total)
+    if lengths.numel():
+        bad = bad | (lengths.max() > longest)
+    return bad
+
+
+# Offsets tensors whose values passed the check: id -> (weak reference, version counter, the
+# (total, longest) bounds they passed). A model passes one cu_seqlens tensor to every layer of a
+# step, so its values are read back once, not once per layer. An in-place change bumps the
+# tensor's version and checks it again; a tensor that dies drops out.
+_CHECKED: dict = {}
+_CHECKED_MAX = 256
+
+
+def _checked(cu: torch.Tensor, total: int, longest: int) -> bool:
+    if cu.is_inference():
+        return False
+    entry = _CHECKED.get(id(cu))
+    return (entry is not None and entry[0]() is cu and entry[1] == cu._version
+            and (total, longest) in entry[2])
+
+
+def _remember(cu: torch.Tensor, total: int, longest: int) -> None:
+    import weakref
+
+    if torch.compiler.is_compiling() or cu.is_inference():  # inference tensors have no version counter
+        return
+    key = id(cu)
+    entry = _CHECKED.get(key)
+    if entry is not None and entry[0]() is cu and entry[1] == cu._version:
+        entry[2].add((total, longest))
+        return
+    if len(_CHECKED) >= _CHECKED_MAX:
+        _CHECKED.clear()
+    _CHECKED[key] = (weakref.ref(cu, lambda _, key=key: _CHECKED.pop(key, None)), cu._version, {(total, longest)})
 
 
 class VarlenTritonRunner(Runner):
