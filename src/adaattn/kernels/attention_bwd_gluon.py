@@ -33,7 +33,7 @@ from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                warpgroup_mma_wait)
 
-from .attention_fwd_gluon import _tma_load, _tma_store
+from .attention_fwd_gluon import _tma_load, _tma_store, sequence_rows
 
 # A barrier of the partition's warps: gl.thread_barrier in triton 3.6, gl.barrier in 3.9.
 _barrier = getattr(gl, "thread_barrier", None) or gl.barrier
@@ -257,10 +257,7 @@ def attention_bwd_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc
     dk_off = 0
     dv_off = 0
     if VARLEN:
-        q_row0 = gl.load(CuQ + batch)
-        q_len = gl.load(CuQ + batch + 1) - q_row0
-        k_row0 = gl.load(CuK + batch)
-        k_len = gl.load(CuK + batch + 1) - k_row0
+        q_row0, q_len, k_row0, k_len = sequence_rows(CuQ, CuK, batch)
         desc_b = 0
         dk_off = k_row0.to(gl.int64) * stride_dkn + kv_head.to(gl.int64) * stride_dkh
         dv_off = k_row0.to(gl.int64) * stride_dvn + kv_head.to(gl.int64) * stride_dvh

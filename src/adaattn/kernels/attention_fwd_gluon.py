@@ -212,6 +212,15 @@ def program_tiles(q_heads, kv_group, q_len, k_len, BLOCK_M: gl.constexpr, BLOCK_
 
 
 @gluon.jit
+def sequence_rows(CuQ, CuK, seq):
+    """Packed sequence seq's first row and length, of the queries and of the keys:
+    (q_row0, q_len, k_row0, k_len) from the cu_seqlens offsets."""
+    q_row0 = gl.load(CuQ + seq)
+    k_row0 = gl.load(CuK + seq)
+    return q_row0, gl.load(CuQ + seq + 1) - q_row0, k_row0, gl.load(CuK + seq + 1) - k_row0
+
+
+@gluon.jit
 def tile_ring(q_desc, k_desc, v_desc, STAGES: gl.constexpr):
     """Shared memory of a program: Q's two halves, rings of STAGES K and V tiles, and their
     barriers (a K/V buffer is released by both consumer groups)."""
@@ -252,10 +261,7 @@ def attention_fwd_gluon_kernel(q_desc, k_desc, v_desc, o_desc, LSE, stride_lb, s
     k_row0 = 0
     desc_b = gl.program_id(1) // q_heads
     if VARLEN:
-        q_row0 = gl.load(CuQ + desc_b)
-        q_len = gl.load(CuQ + desc_b + 1) - q_row0
-        k_row0 = gl.load(CuK + desc_b)
-        k_len = gl.load(CuK + desc_b + 1) - k_row0
+        q_row0, q_len, k_row0, k_len = sequence_rows(CuQ, CuK, desc_b)
         desc_b = 0
     batch, head, kv_head, start_m, diag, first_masked, n_tiles, lo, edge_end = program_tiles(
         q_heads, kv_group, q_len, k_len, BLOCK_M, BLOCK_N, CAUSAL, BOTTOM_RIGHT, HAS_LEFT, window_left)
