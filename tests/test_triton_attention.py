@@ -1657,7 +1657,7 @@ def test_gluon_backward_compiles_for_sm90_into_its_partitions():
     """Every Gluon backward config compiles for sm90 with this triton, causal, not and windowed,
     dense and for packed sequences: two consumer warp groups and a loader, wgmma products, TMA
     loads and TMA reductions of dq, within the shared memory the configs table estimates for it,
-    and with spills of a few registers at most (triton 3.6, measured: none at D=64, 32-160 bytes a
+    and with spills of a few registers at most (triton 3.6, measured: none at D=64, 32-80 bytes a
     thread at D=128; triton 3.9: up to 216 at D=128). Packed sequences store dK and dV at a
     sequence's end by row (the only global stores of the kernel)."""
     from adaattn import hardware

@@ -100,15 +100,16 @@ def _consume_bwd(k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
                  scale, scale_log2, window_left, post_scale,
                  HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, HALF: gl.constexpr, STAGES: gl.constexpr,
                  CAUSAL: gl.constexpr, HAS_LEFT: gl.constexpr, DQ_SPLIT: gl.constexpr, P_SMEM: gl.constexpr,
-                 GROUP: gl.constexpr, VARLEN: gl.constexpr, k_len, q_row0, k_row0, DK, DV, dk_off, dv_off,
-                 stride_dkn, stride_dvn):
+                 GROUP: gl.constexpr, VARLEN: gl.constexpr, k_len, q_row0, k_row0, DK, DV, stride_dkn, stride_dkh,
+                 stride_dvn, stride_dvh):
     """One consumer warp group: keys start_n + GROUP * HALF .. + HALF of the program.
 
     VARLEN: a packed sequence from rows q_row0 (queries) and k_row0 (keys); the rows after its
     last belong to the next sequence. Its keys past k_len are masked (their rows hold the next
     sequence's keys), query rows past its end have p = 0 from their statistics (so they add
     exact zeros into dq), and a group whose keys pass k_len stores dK and dV by row
-    (DK + dk_off + key * stride_dkn, masked), not by TMA."""
+    (DK + (k_row0 + key) * stride_dkn + kv_head * stride_dkh, masked), not by TMA: the offsets
+    are made there, not before the loop, where they held registers the loop spilled."""
     dtype: gl.constexpr = q_bufs.dtype
     # S^T and dP^T tiles: (HALF keys, BLOCK_M queries); dK, dV: (HALF, D); the dQ part: (BLOCK_M, D).
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -213,6 +214,8 @@ def _consume_bwd(k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs,
             rows = my_n + gl.arange(0, HALF, layout=gl.SliceLayout(1, acc_layout))
             inside = gl.expand_dims(rows < k_len, 1)
             rows64 = gl.expand_dims(rows.to(gl.int64), 1)
+            dk_off = k_row0.to(gl.int64) * stride_dkn + kv_head.to(gl.int64) * stride_dkh
+            dv_off = k_row0.to(gl.int64) * stride_dvn + kv_head.to(gl.int64) * stride_dvh
             gl.store(DK + dk_off + rows64 * stride_dkn + gl.expand_dims(cols, 0), (dk * post_scale).to(dtype),
                      mask=inside)
             gl.store(DV + dv_off + rows64 * stride_dvn + gl.expand_dims(cols, 0), dv.to(dtype), mask=inside)
@@ -254,13 +257,9 @@ def attention_bwd_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc
     desc_b = batch
     q_row0 = 0
     k_row0 = 0
-    dk_off = 0
-    dv_off = 0
     if VARLEN:
         q_row0, q_len, k_row0, k_len = sequence_rows(CuQ, CuK, batch)
         desc_b = 0
-        dk_off = k_row0.to(gl.int64) * stride_dkn + kv_head.to(gl.int64) * stride_dkh
-        dv_off = k_row0.to(gl.int64) * stride_dvn + kv_head.to(gl.int64) * stride_dvh
     diag = 0
     if BOTTOM_RIGHT:
         diag = k_len - q_len
@@ -303,12 +302,12 @@ def attention_bwd_gluon_kernel(q_desc, do_desc, k_desc, v_desc, dk_desc, dv_desc
                         q_ready, do_ready, qdo_empty, dk_desc, dv_desc, dq_desc, desc_b, kv_head, kv_group, start_n,
                         diag, lo, n_tiles, scale, scale_log2, window_left, post_scale, HEAD_DIM, BLOCK_M, HALF,
                         STAGES, CAUSAL, HAS_LEFT, DQ_SPLIT, P_SMEM, 0, VARLEN, k_len, q_row0, k_row0, DK, DV,
-                        dk_off, dv_off, stride_dkn, stride_dvn)),
+                        stride_dkn, stride_dkh, stride_dvn, stride_dvh)),
         (_consume_bwd, (k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs, delta_bufs, ds_bufs, p_bufs, dq_bufs, kv_bar,
                         q_ready, do_ready, qdo_empty, dk_desc, dv_desc, dq_desc, desc_b, kv_head, kv_group, start_n,
                         diag, lo, n_tiles, scale, scale_log2, window_left, post_scale, HEAD_DIM, BLOCK_M, HALF,
                         STAGES, CAUSAL, HAS_LEFT, DQ_SPLIT, P_SMEM, 1, VARLEN, k_len, q_row0, k_row0, DK, DV,
-                        dk_off, dv_off, stride_dkn, stride_dvn)),
+                        stride_dkn, stride_dkh, stride_dvn, stride_dvh)),
         (_load_bwd, (q_desc, do_desc, k_desc, v_desc, stat_desc, k_bufs, v_bufs, q_bufs, do_bufs, lse_bufs,
                      delta_bufs, kv_bar, q_ready, do_ready, qdo_empty, batch, kv_head, kv_group, q_heads, q_pitch,
                      stat_plane, start_n, lo, n_tiles, BLOCK_M, HALF, STAGES, desc_b, q_row0, k_row0)),
