@@ -98,7 +98,7 @@ def _checked(cu: torch.Tensor, total: int, longest: int) -> bool:
 def _remember(cu: torch.Tensor, total: int, longest: int) -> None:
     import weakref
 
-    if torch.compiler.is_compiling() or cu.is_inference():  # inference tensors have no version counter
+    if cu.is_inference():  # inference tensors have no version counter
         return
     key = id(cu)
     entry = _CHECKED.get(key)
