@@ -636,3 +636,60 @@ def test_policy_kernel_failure_runs_exact_blocks_under_the_same_kind(monkeypatch
     site = next(iter(adaptive._SITES.values()))
     assert site.failed and site.calls == 3 and site.verified == 2  # calls 1 and 3 verified, as scheduled
     assert [r.decisions["ran"] for r in recs] == ["exact"] * 3 and all(r.backend == "ring.triton" for r in recs)
+
+
+def test_cudnn_kernel_is_refused_where_cudnn_cannot_run():
+    from adaattn.distributed import ring_attention
+
+    q, k, v, _ = _inputs(torch.float32, 4, 16)
+    with pytest.raises(ValueError, match="kernel='cudnn' cannot run these tensors: cuDNN runs CUDA tensors"):
+        ring_attention(q, k, v, is_causal=True, kernel="cudnn")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hkv", [8, 2])
+def test_gpu_cudnn_blocks_merge_and_backward_match_float64(hkv, dtype):
+    """The cuDNN block engine as a rank of a ring uses it: the second half of the queries against
+    the first half of the keys (a full block) and against the second half (a square causal
+    block), merged by log-sum-exp; each block's backward from the merged (global) output and lse.
+    Output and gradients against float64, to the measuring standard."""
+    from adaattn.distributed import ring
+
+    torch.manual_seed(5)
+    b, hq, n, d, half = 2, 8, 1000, 128, 500
+    q, k, v, go = (torch.randn(b, h, n, d, device="cuda", dtype=dtype) for h in (hq, hkv, hkv, hq))
+    go = go[:, :, half:].contiguous()
+    eng = ring._CudnnBlocks(dtype, deterministic=False)
+    ring._CudnnBlocks.failed = False
+    scale = d ** -0.5
+    qs = q[:, :, half:]
+    blocks = (((0, half), -1, -1), ((half, n), -1, 0))
+    out = lse = None
+    for (ka, kb), left, right in blocks:
+        bo, bl = eng.forward(qs, k[:, :, ka:kb], v[:, :, ka:kb], scale, left, right)
+        if out is None:
+            out, lse = bo.float(), bl.float().clone()
+        else:
+            eng.merge(out, lse, bo, bl)
+    out = out.to(dtype)
+    dq = torch.zeros(qs.shape, device="cuda")
+    dk = torch.zeros(k.shape, device="cuda")
+    dv = torch.zeros(v.shape, device="cuda")
+    for (ka, kb), left, right in blocks:
+        bdq, bdk, bdv = eng.backward(qs, k[:, :, ka:kb], v[:, :, ka:kb], go, out, lse, scale, left, right)
+        dq += bdq
+        dk[:, :, ka:kb] += bdk
+        dv[:, :, ka:kb] += bdv
+    assert ring._CudnnBlocks.failed is False  # cuDNN ran every block (a fallback would hide a bug)
+    mask = torch.arange(n, device="cuda").unsqueeze(0) <= torch.arange(half, n, device="cuda").unsqueeze(1)
+    qr, kr, vr = (t.double().requires_grad_() for t in (qs, k, v))
+    ref = reference_attention(qr, kr, vr, attn_mask=mask)
+    (ref * go.double()).sum().backward()
+    qt, kt, vt = (t.detach().clone().requires_grad_() for t in (qs, k, v))
+    sd = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, enable_gqa=True)
+    (sd * go).sum().backward()
+    for name, got, want, base in (("out", out, ref, sd), ("dq", dq, qr.grad, qt.grad), ("dk", dk, kr.grad, kt.grad),
+                                  ("dv", dv, vr.grad, vt.grad)):
+        err, err_sdpa = _rel(got.detach(), want.detach()), _rel(base.detach(), want.detach())
+        assert err <= 2 * err_sdpa + 1e-6, (name, err, err_sdpa)

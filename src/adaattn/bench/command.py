@@ -65,7 +65,12 @@ def main_suite(args: argparse.Namespace) -> int:
     env, started = report.start(device, args.commit, f"adaattn bench --suite {suite.name}", timing.interleaved_method(device))
     t0 = time.perf_counter()
     settings = Settings(device, args.warmup_ms, args.rep_ms, progress=not args.no_progress)
-    rows = run_cases(cases, settings)
+    if suite.run is not None:
+        rows = suite.run(args, device, settings)
+        if rows is None:  # a process that does not report (a rank other than 0)
+            return 0
+    else:
+        rows = run_cases(cases, settings)
     written = suite.finish(args, rows) if suite.finish is not None else []
     summary, summary_text = suite.summarize(rows) if suite.summarize is not None else (None, "")
     ov_rows = []

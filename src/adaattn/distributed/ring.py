@@ -22,9 +22,12 @@ into one call. Pairs that see nothing are skipped; this is decided on the host f
 shards' positions, with no device sync.
 
 Kernels. kernel="triton" runs the pairs through our Triton forward and backward (natural-log
-lse, fp32), kernel="torch" through torch math in float32 (float64 for float64 inputs), and
-"auto" takes Triton where it runs (CUDA tensors, float16/bfloat16/float32, head dims it takes)
-and torch otherwise. Partial results merge exactly by log-sum-exp in float32 (float64).
+lse, fp32), kernel="torch" through torch math in float32 (float64 for float64 inputs),
+kernel="cudnn" the full and square causal pairs through cuDNN's fused kernel (torch's aten op,
+which returns the lse, and its backward, which takes a pair's global out and lse) and the
+other bands through Triton, and "auto" takes cuDNN's split where the planner runs cuDNN for a
+call of the shard's shape, else Triton where it runs (CUDA tensors, float16/bfloat16/float32,
+head dims it takes), and torch otherwise. Partial results merge exactly by log-sum-exp in float32 (float64).
 
 Algorithms. algorithm="ring": at step s rank r holds the K/V shard of rank (r - s) mod world;
 it starts sending that shard to rank r+1 (and receiving the next from r-1) before it computes
@@ -64,7 +67,7 @@ from ..problem import check_scale, check_window, default_scale
 
 BALANCES = ("zigzag", "plain")
 ALGORITHMS = ("ring", "allgather")
-KERNELS = ("auto", "triton", "torch")
+KERNELS = ("auto", "cudnn", "triton", "torch")
 
 Window = Optional[tuple]
 
@@ -412,6 +415,112 @@ class _TritonBlocks:
         return self.fallback.backward(q, k, v, dout, out, lse, scale, left, right)
 
 
+class _CudnnBlocks:
+    """Blocks through cuDNN's fused attention (torch's `_scaled_dot_product_cudnn_attention` op,
+    which returns the natural-log lse, and its backward, which takes a pair's GLOBAL out and lse
+    as the Triton backward does). cuDNN takes a full block or a square causal one; every other
+    band (windows, trimmed causal bands) goes to the Triton blocks. A cuDNN failure hands that
+    block, and the rest of the process's cuDNN blocks, to the Triton blocks with one warning.
+    GQA goes in natively where the op takes it, else with K/V repeated to the query heads for
+    the block (a copy of one shard's K/V, small against the block's work)."""
+
+    name = "cudnn"
+    failed = False
+    native_gqa: Optional[bool] = None  # learned on the first GQA block of the process
+
+    def __init__(self, dtype: torch.dtype, deterministic: bool):
+        self.cdt = torch.float32
+        self.triton = _TritonBlocks(dtype, deterministic)
+
+    @staticmethod
+    def _takes(q, k, v, left, right) -> bool:
+        full = left < 0 and right < 0
+        square_causal = left < 0 and right == 0 and q.shape[2] == k.shape[2]
+        return (full or square_causal) and q.shape[2] > 0 and k.shape[2] > 0 and v.shape[-1] == q.shape[-1]
+
+    def _failed(self, error: BaseException) -> None:
+        if isinstance(error, adaptive.NOT_RECOVERABLE):
+            raise error
+        if not _CudnnBlocks.failed:
+            _CudnnBlocks.failed = True
+            warnings.warn(f"adaattn.distributed: the cuDNN block kernel failed ({type(error).__name__}: "
+                          f"{str(error).strip()[:200]}); blocks run in our Triton kernels from now on",
+                          RuntimeWarning, stacklevel=4)
+
+    def _gqa(self, fn, q, k, v, *rest):
+        """fn(q, k, v, *rest) with K/V as cuDNN takes them: natively where it can, else repeated
+        (then (dq, dk, dv) results are summed back over each group)."""
+        group = q.shape[1] // k.shape[1]
+        if group > 1 and _CudnnBlocks.native_gqa is not False:
+            try:
+                got = fn(q, k, v, *rest)
+                _CudnnBlocks.native_gqa = True
+                return got
+            except RuntimeError:
+                if _CudnnBlocks.native_gqa:  # it took GQA before: this is another failure
+                    raise
+                _CudnnBlocks.native_gqa = False
+        if group == 1:
+            return fn(q, k, v, *rest)
+        got = fn(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), *rest)
+        if len(got) == 3:  # a backward: the repeated heads' gradients add up to their KV head's
+            dq, dk, dv = got
+            b, _, m, d = dk.shape
+            return dq, dk.view(b, -1, group, m, d).sum(2), dv.view(b, -1, group, m, dv.shape[-1]).sum(2)
+        return got
+
+    @staticmethod
+    def _fwd(q, k, v, scale, causal):
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
+        return out, lse.squeeze(-1).contiguous()
+
+    @staticmethod
+    def _bwd(q, k, v, dout, out, lse, scale, causal):
+        seed = torch.empty((), dtype=torch.long, device=q.device)
+        return tuple(torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, lse.contiguous().unsqueeze(-1), seed, seed, None, None, None, q.shape[2],
+            k.shape[2], 0.0, causal, scale=scale))
+
+    def forward(self, q, k, v, scale, left, right):
+        if not _CudnnBlocks.failed and self._takes(q, k, v, left, right):
+            try:
+                return self._gqa(lambda a, b, c: self._fwd(a, b, c, scale, right == 0), q, k, v)
+            except Exception as e:  # a kernel failure: fall back, once, loudly
+                self._failed(e)
+        return self.triton.forward(q, k, v, scale, left, right)
+
+    def merge(self, out, lse, block_out, block_lse) -> None:
+        self.triton.merge(out, lse, block_out, block_lse)
+
+    def backward(self, q, k, v, dout, out, lse, scale, left, right):
+        if not _CudnnBlocks.failed and self._takes(q, k, v, left, right):
+            try:
+                return self._gqa(lambda a, b, c: self._bwd(a, b, c, dout, out, lse, scale, right == 0), q, k, v)
+            except Exception as e:
+                self._failed(e)
+        return self.triton.backward(q, k, v, dout, out, lse, scale, left, right)
+
+
+@functools.lru_cache(maxsize=256)
+def _cudnn_first(device_index, dtype, q_heads, kv_heads, n, head_dim, value_dim, causal, needs_grad) -> bool:
+    """Whether the planner's fastest exact runner for a dense call of this class (one shard
+    against one shard) is cuDNN: then the ring's full and square causal blocks go to cuDNN, as
+    a single-GPU call of that shape would."""
+    from ..planner import get_plan
+    from ..problem import Problem
+
+    problem = Problem(batch=1, q_heads=q_heads, kv_heads=kv_heads, q_len=n, kv_len=n, head_dim=head_dim,
+                      value_dim=value_dim, dtype=dtype, device_type="cuda", device_index=device_index,
+                      causal=causal, window_left=-1, window_right=-1, mask_kind="none", dropout_p=0.0,
+                      scale=default_scale(head_dim), needs_grad=needs_grad, gqa=q_heads != kv_heads,
+                      tma_aligned=True)
+    try:
+        return get_plan(problem, EXACT).backend == "sdpa.cudnn"
+    except Exception:  # no runner takes it: the Triton blocks decide for themselves
+        return False
+
+
 @functools.lru_cache(maxsize=256)
 def _variant_for(device_type, device_index, dtype, head_dim, value_dim, windowed, aligned, positive) -> str:
     from ..backends.triton_attention import TritonRunner
@@ -442,17 +551,42 @@ def _triton_reasons(q, v) -> list[str]:
     return triton_reasons(q.device.type, q.device.index, q.dtype, q.shape[-1], v.shape[-1])
 
 
-def _engine(kernel: str, q, v, deterministic: bool):
+def _cudnn_reasons(q, v, deterministic: bool) -> list[str]:
+    reasons = []
+    if q.device.type != "cuda":
+        reasons.append(f"cuDNN runs CUDA tensors, these are on {q.device.type}.")
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        reasons.append(f"cuDNN takes float16/bfloat16, not {q.dtype}.")
+    if q.shape[-1] > 128 or q.shape[-1] % 8 or v.shape[-1] != q.shape[-1]:
+        reasons.append(f"cuDNN takes equal q/v head dims up to 128 in multiples of 8, not {q.shape[-1]}/{v.shape[-1]}.")
+    if deterministic:
+        reasons.append("a deterministic backward was asked for; cuDNN's is not documented as one.")
+    return reasons
+
+
+def _engine(kernel: str, q, v, deterministic: bool, causal: bool = True, needs_grad: bool = False,
+            kv_heads: Optional[int] = None):
     if kernel == "torch":
         return _TorchBlocks(q.dtype)
     reasons = _triton_reasons(q, v)
+    if kernel == "cudnn":
+        cudnn = _cudnn_reasons(q, v, deterministic)
+        if cudnn or reasons:
+            raise ValueError(f"kernel='cudnn' cannot run these tensors: {' '.join(cudnn + reasons)} Use "
+                             "kernel='auto'.")
+        return _CudnnBlocks(q.dtype, deterministic)
     if kernel == "triton":
         if reasons:
             raise ValueError(f"kernel='triton' cannot run these tensors: {' '.join(reasons)} Use kernel='torch' "
                              "or 'auto'.")
         return _TritonBlocks(q.dtype, deterministic)
-    # auto: our kernels on GPUs; CPU tensors (the interpreter included) take torch math.
+    # auto: cuDNN where the planner would run it for a shard-sized call, else our Triton
+    # kernels on GPUs; CPU tensors (the interpreter included) take torch math.
     if q.device.type == "cuda" and not reasons:
+        if not _cudnn_reasons(q, v, deterministic) and _cudnn_first(
+                q.device.index, q.dtype, q.shape[1], kv_heads or q.shape[1], q.shape[2], q.shape[-1], v.shape[-1],
+                causal, needs_grad):
+            return _CudnnBlocks(q.dtype, deterministic)
         return _TritonBlocks(q.dtype, deterministic)
     return _TorchBlocks(q.dtype)
 
@@ -742,7 +876,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     algorithm: "ring" (K/V shards pass around the ring, overlapping compute) or "allgather"
         (all K/V shards gathered at once: world x the K/V memory, one collective; for short
         shards).
-    kernel: "auto" (our Triton kernels for CUDA tensors they take, torch math otherwise),
+    kernel: "auto" (cuDNN's fused kernel for the full and square causal blocks where the planner
+        runs cuDNN for a call of the shard's shape, our Triton kernels for the other blocks and
+        CUDA tensors cuDNN does not take, torch math on the CPU), "cudnn" (that split, asked for),
         "triton" or "torch".
     policy: None (exact) or a Policy. Under mode="auto" with "int8"/"fp8" among its precisions,
         each rank's blocks run at per-head quantized levels under policy.tolerance, verified on
@@ -775,7 +911,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     scale = default_scale(q.shape[-1]) if scale is None else scale
     deterministic = torch.are_deterministic_algorithms_enabled() or policy.deterministic
     c = _Call(group, rank, world, q.shape[2], bool(is_causal), scale, window, balance, docs, algorithm,
-              _engine(kernel, q, v, deterministic), v.shape[-1])
+              _engine(kernel, q, v, deterministic, bool(is_causal),
+                      torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
+                      k.shape[1]), v.shape[-1])
     if policy.mode == "auto":
         _adapt(c, q, k, v, policy, kernel, label)
     if not stats.enabled:
@@ -806,7 +944,7 @@ def _ring_policy(policy: Policy) -> None:
                          "approximations=() (precisions may stay), or run the whole sequence on one GPU with "
                          "adaattn.attention")
     if policy.backends is not None:
-        raise ValueError(f"ring_attention picks its block kernels with kernel= ('auto', 'triton', 'torch'), not "
+        raise ValueError(f"ring_attention picks its block kernels with kernel= {KERNELS}, not "
                          f"Policy.backends (got {policy.backends}); pass backends=None")
 
 
