@@ -11,9 +11,10 @@ checked with.
 
 Per total length N (the sequence the ranks share, zigzag-sharded as `adaattn.distributed.shard`
 lays it out) and per pass (forward; forward and backward):
-- "ideal": adaattn.attention on the whole sequence on one GPU, divided by the world size: what
-  one shard's share of the work costs at single-GPU speed (every rank runs it on its own GPU at
-  once, and the slowest counts);
+- "ideal": one shard's work on one GPU: adaattn.attention on the whole sequence for 1/world of
+  the heads (Hq/world query heads, Hkv/world KV heads: the same kernel, lengths and GQA groups at
+  1/world of the work and memory), or, where Hkv does not split evenly, on all heads divided by
+  the world size (every rank runs it on its own GPU at once, and the slowest counts);
 - "adaattn.distributed": ring_attention on the rank's shard;
 - "torch cp allgather" / "torch cp alltoall": F.scaled_dot_product_attention inside torch's
   `context_parallel` (its load-balanced shards are the zigzag shards), with each of its K/V
@@ -61,8 +62,9 @@ HOW = {
     "timing": "per sample: a barrier, then the wall clock around one synchronised call on every rank; the "
     "sample is the slowest rank's time (all_reduce MAX); median of the samples; each peer's samples taken "
     "together after one warm-up call, peers in turn (ideal, ours, torch); counts agreed across ranks",
-    IDEAL: "adaattn.attention on the whole sequence on one GPU (every rank on its own GPU at once, the slowest "
-    "counts), divided by the world size",
+    IDEAL: "one shard's work on one GPU: adaattn.attention on the whole sequence for Hq/W query and Hkv/W KV heads "
+    "(where Hkv splits over the W ranks; else all heads, divided by W); every rank on its own GPU at once, the "
+    "slowest counts",
     OURS: "adaattn.distributed.ring_attention(q, k, v, is_causal=True, enable_gqa=True) on the rank's zigzag "
     "shard (kernel auto: cuDNN's fused kernel for the full and square causal blocks where the planner runs cuDNN "
     "for a call of the shard's shape, our Triton kernels for the rest)",
@@ -132,7 +134,7 @@ def _agree_all(flag: bool, device: torch.device) -> bool:
     return bool(t.item())
 
 
-LONG_MS = 10000.0  # a call this long takes one sample after its warm-up (its noise is far below a percent)
+LONG_MS = 3000.0  # a call this long takes one sample after its warm-up (its noise is far below a percent)
 
 
 def _time(fn, device: torch.device, rep_ms: float, min_samples: int = 2, max_samples: int = 20):
@@ -173,13 +175,13 @@ def _grid(args, device) -> Grid:
 
 def _estimate_bytes(n: int, grid: Grid, world: int, elem: int) -> int:
     """The most a rank holds at once: the whole sequence's q, k, v and dout (made to shard it), and
-    single-GPU forward+backward on it (out, the three gradients and dq's fp32 accumulator); the
-    distributed rows hold far less once world > 1."""
+    a torch context_parallel call's copies of them with K/V repeated to the query heads (the
+    largest peer; the ideal's share of the heads and the ring's shards hold less)."""
     kv = grid.kv_heads or grid.heads
     d = grid.head_dim
     inputs = n * d * elem * (2 * grid.heads + 2 * kv)
-    single = n * d * (elem * (2 * grid.heads + 2 * kv) + 4 * grid.heads)
-    return inputs + single
+    peer = n * d * elem * 4 * grid.heads + (n // max(world, 1)) * d * 4 * 4 * grid.heads
+    return inputs + peer
 
 
 def _fits(n: int, grid: Grid, world: int, elem: int, device: torch.device) -> tuple[bool, str]:
@@ -283,12 +285,19 @@ def _length(args, device, cp, attention, q, k, v, dout, gqa, world, rank, base, 
     errors: dict = {}
     idx = sample_rows(n, 128 if n > 262144 else options.error_rows(args))
 
-    # Ideal: one GPU's adaattn.attention on the whole sequence, divided by the world size.
+    # Ideal: one shard's work on one GPU through adaattn.attention: the whole sequence for a
+    # world's share of the heads (every KV head's group whole), or where the KV heads do not
+    # split evenly the whole call divided by the world size.
+    hkv = k.shape[1]
+    split = hkv % world == 0
+    hs, ks_ = (q.shape[1] // world, hkv // world) if split else (q.shape[1], hkv)
+    sq, sk, sv, sd = q[:, :hs], k[:, :ks_], v[:, :ks_], dout[:, :hs]
+
     def single(backward):
-        qq, kk, vv = ((t.detach().requires_grad_() for t in (q, k, v)) if backward else (q, k, v))
+        qq, kk, vv = ((t.detach().requires_grad_() for t in (sq, sk, sv)) if backward else (sq, sk, sv))
         o = attention(qq, kk, vv, is_causal=True, enable_gqa=gqa)
         if backward:
-            o.backward(dout)
+            o.backward(sd)
         return o
 
     timed[(IDEAL, False)], got = _time(lambda: single(False), device, rep_ms)
@@ -334,14 +343,16 @@ def _length(args, device, cp, attention, q, k, v, dout, gqa, world, rank, base, 
             picked = torch.arange(len(idx))
             sdpa_err = relative_error(_sdpa_rows(q, k, v, idx), ref, picked)
             err = {p: relative_error(o, ref, picked) for p, o in errors.items()}
-            err[IDEAL] = relative_error(single_out, ref, picked)
+            err[IDEAL] = relative_error(single_out, ref[:, :hs], picked)
     else:
         sdpa_err, err = None, {}
     for backward in (False, True):
         what = "fwd+bwd" if backward else "fwd"
         ideal = timed[(IDEAL, backward)]
-        rows = [_row(base, what, label, n, IDEAL, ideal, world, scale=1.0 / world, rel_error=err.get(IDEAL),
-                     note=f"one GPU, whole sequence, / {world}")]
+        rows = [_row(base, what, label, n, IDEAL, ideal, world, scale=1.0 if split else 1.0 / world,
+                     rel_error=err.get(IDEAL),
+                     note=(f"one GPU, whole sequence, {hs} of {q.shape[1]} query heads" if split
+                           else f"one GPU, whole sequence, / {world}"))]
         for peer in [p for p, _ in ours] + [f"torch cp {m}" for m in ROTATE]:
             samples = timed.get((peer, backward))
             e = err.get(peer)
