@@ -175,12 +175,13 @@ def _grid(args, device) -> Grid:
 
 def _estimate_bytes(n: int, grid: Grid, world: int, elem: int) -> int:
     """The most a rank holds at once: the whole sequence's q, k, v and dout (made to shard it), and
-    a torch context_parallel call's copies of them with K/V repeated to the query heads (the
-    largest peer; the ideal's share of the heads and the ring's shards hold less)."""
+    a torch context_parallel call (the largest peer): its copies of them, the K/V it gathers, and
+    float32 gradient accumulators of its shard. (Where torch's ring refuses enable_gqa it repeats
+    K/V to the query heads and may not fit; that row then says why it did not run.)"""
     kv = grid.kv_heads or grid.heads
     d = grid.head_dim
     inputs = n * d * elem * (2 * grid.heads + 2 * kv)
-    peer = n * d * elem * 4 * grid.heads + (n // max(world, 1)) * d * 4 * 4 * grid.heads
+    peer = inputs + n * d * elem * 2 * kv + (n // max(world, 1)) * d * 4 * 2 * (grid.heads + 2 * kv)
     return inputs + peer
 
 
