@@ -326,9 +326,18 @@ def _length(args, device, cp, attention, q, k, v, dout, gqa, world, rank, base, 
     del ql, kl, vl, dl
 
     # torch's context_parallel over SDPA, each rotate method.
+    # The reference and SDPA's own rows before torch's context_parallel runs: a call that raises
+    # inside it can leave F.scaled_dot_product_attention patched (torch 2.11).
+    if rank == 0:
+        with torch.no_grad():
+            ref = sampled_reference(q, k, v, idx, causal=True)
+            picked = torch.arange(len(idx))
+            sdpa_err = relative_error(_sdpa_rows(q, k, v, idx), ref, picked)
+
     notes = {}
     for method in ROTATE:
         peer = f"torch cp {method}"
+        sdpa = F.scaled_dot_product_attention
         try:
             samples, full, how = _torch_cp(q, k, v, dout, gqa, method, device, rep_ms)
             timed[(peer, False)], timed[(peer, True)] = samples
@@ -337,12 +346,15 @@ def _length(args, device, cp, attention, q, k, v, dout, gqa, world, rank, base, 
             notes[peer] = how
         except Exception as e:  # every rank raises alike (the same call on the same shapes)
             notes[peer] = f"not run: {type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}"
+            if rank == 0:
+                print(f"cp: N={n} {peer}: {notes[peer]}", flush=True)
+        finally:
+            F.scaled_dot_product_attention = sdpa
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
 
     if rank == 0:
         with torch.no_grad():
-            ref = sampled_reference(q, k, v, idx, causal=True)
-            picked = torch.arange(len(idx))
-            sdpa_err = relative_error(_sdpa_rows(q, k, v, idx), ref, picked)
             err = {p: relative_error(o, ref, picked) for p, o in errors.items()}
             err[IDEAL] = relative_error(single_out, ref[:, :hs], picked)
     else:
