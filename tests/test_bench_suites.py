@@ -195,3 +195,32 @@ def test_distributed_suite_on_the_cpu_times_ring_at_world_size_one(tmp_path):
             assert r["error"] is None and r["rel_error"] < 1e-5 and r["x_baseline_paired"] > 0, r
     cases = data["summary"]["cases"]
     assert len(cases) == 2 and all(c["ring_over_adaattn"] is not None for c in cases)
+
+
+def test_cp_suite_under_torchrun_on_two_cpu_processes_checks_the_ring_against_float64(tmp_path):
+    """benchmarks/cp.sh's command on gloo with two processes: rank 0 writes the JSON, ours runs at
+    every pass with an error within the standard, the ideal is one GPU's share of the heads, and
+    torch's context_parallel (no CPU kernel for its sharded SDPA) is reported as not run with why."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "adaattn",
+           "bench", "--suite", "cp", "--seq-lens", "128", *TINY, "--out", str(tmp_path), "--commit", "test"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (path,) = tmp_path.glob("cp-bench-*.json")
+    assert not (tmp_path / "cp-partial-rows.json").exists()
+    data = json.loads(path.read_text())
+    rows = {(r["pass"], r["peer"]): r for r in data["rows"]}
+    for what in ("fwd", "fwd+bwd"):
+        ours, ideal = rows[(what, "adaattn.distributed")], rows[(what, "ideal")]
+        assert ours["world_size"] == 2 and ours["ms"] > 0 and ours["error_ok"] is True, ours
+        assert ours["rel_error"] < 1e-5
+        assert "2 of 4 query heads" in ideal["note"] and ideal["ms"] > 0
+        assert rows[(what, "torch cp allgather")]["ms"] is None and "not run" in rows[(what, "torch cp allgather")]["note"]
+    assert data["summary"]["longest"] == 128 and data["summary"]["errors_ok"] is True
+    assert "efficiency" in done.stdout
