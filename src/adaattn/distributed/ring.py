@@ -353,6 +353,17 @@ class _TorchBlocks:
         return dq, dk, dv
 
 
+def _fail_once(engine: type, error: BaseException, what: str, then: str) -> None:
+    """A block engine's run-time failure: re-raised where no fallback can mend it, else one
+    warning per engine class, which then hands its blocks on for the rest of the process."""
+    if isinstance(error, adaptive.NOT_RECOVERABLE):
+        raise error
+    if not engine.failed:
+        engine.failed = True
+        warnings.warn(f"adaattn.distributed: {what} failed ({type(error).__name__}: {str(error).strip()[:200]}); "
+                      f"blocks run in {then} from now on", RuntimeWarning, stacklevel=5)
+
+
 class _TritonBlocks:
     """A block through our Triton forward and backward kernels (natural-log lse, fp32); a kernel
     that fails hands that block, and the rest of the process's blocks, to torch math with one
@@ -374,13 +385,7 @@ class _TritonBlocks:
                            self.deterministic)
 
     def _failed(self, error: BaseException) -> None:
-        if isinstance(error, adaptive.NOT_RECOVERABLE):
-            raise error
-        if not _TritonBlocks.failed:
-            _TritonBlocks.failed = True
-            warnings.warn(f"adaattn.distributed: the Triton block kernels failed ({type(error).__name__}: "
-                          f"{str(error).strip()[:200]}); blocks run in torch math from now on", RuntimeWarning,
-                          stacklevel=4)
+        _fail_once(_TritonBlocks, error, "the Triton block kernels", "torch math")
 
     def forward(self, q, k, v, scale, left, right):
         from ..backends.triton_launch import launch_fwd
@@ -439,13 +444,7 @@ class _CudnnBlocks:
         return (full or square_causal) and q.shape[2] > 0 and k.shape[2] > 0 and v.shape[-1] == q.shape[-1]
 
     def _failed(self, error: BaseException) -> None:
-        if isinstance(error, adaptive.NOT_RECOVERABLE):
-            raise error
-        if not _CudnnBlocks.failed:
-            _CudnnBlocks.failed = True
-            warnings.warn(f"adaattn.distributed: the cuDNN block kernel failed ({type(error).__name__}: "
-                          f"{str(error).strip()[:200]}); blocks run in our Triton kernels from now on",
-                          RuntimeWarning, stacklevel=4)
+        _fail_once(_CudnnBlocks, error, "the cuDNN block kernel", "our Triton kernels")
 
     def _gqa(self, fn, q, k, v, *rest):
         """fn(q, k, v, *rest) with K/V as cuDNN takes them: natively where it can, else repeated

@@ -47,7 +47,8 @@ from . import options
 NAME = "cp"
 HELP = ("context parallelism under torchrun (benchmarks/cp.sh; without torchrun: a world of one), causal GQA "
         "bf16 Hq=32 Hkv=8 D=128 at total lengths 128k/512k/1M as memory allows: adaattn.distributed vs ideal "
-        "scaling (one GPU's adaattn.attention / world size) and torch's context_parallel over SDPA")
+        "scaling (one shard's work on one GPU: adaattn.attention on 1/world of the heads) and torch's "
+        "context_parallel over SDPA")
 NEEDS_CUDA = False
 DEFAULT = Grid((131072, 524288, 1048576), batch=1, heads=32, kv_heads=8, head_dim=128, dtypes=(torch.bfloat16,),
                causal="yes")
