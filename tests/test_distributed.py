@@ -682,6 +682,8 @@ def test_gpu_cudnn_blocks_merge_and_backward_match_float64(hkv, dtype):
         dk[:, :, ka:kb] += bdk
         dv[:, :, ka:kb] += bdv
     assert ring._CudnnBlocks.failed is False  # cuDNN ran every block (a fallback would hide a bug)
+    if torch.cuda.get_device_capability() >= (9, 0):  # where the planner runs cuDNN, auto takes its blocks
+        assert ring._engine("auto", q, v, False, True, True, hkv).name == "cudnn"
     mask = torch.arange(n, device="cuda").unsqueeze(0) <= torch.arange(half, n, device="cuda").unsqueeze(1)
     qr, kr, vr = (t.double().requires_grad_() for t in (qs, k, v))
     ref = reference_attention(qr, kr, vr, attn_mask=mask)
