@@ -222,14 +222,16 @@ def run(args, device, settings) -> list[dict] | None:
                     rows.append(_row(base, what, label, n, IDEAL, None, world, note=why))
                 continue
             seed = options.seed(args) + i
-            q, k, v = random_qkv(grid.batch, grid.heads, kv_heads, n, n, grid.head_dim, dtype, device, seed)
-            gen = torch.Generator(device=device).manual_seed(seed + 7919)
-            dout = torch.randn(q.shape, generator=gen, device=device).to(dtype)
-            rows_n = _length(args, device, cp, attention, q, k, v, dout, gqa, world, rank, base, label, n)
+
+            def make(seed=seed, dtype=dtype, n=n):
+                q, k, v = random_qkv(grid.batch, grid.heads, kv_heads, n, n, grid.head_dim, dtype, device, seed)
+                gen = torch.Generator(device=device).manual_seed(seed + 7919)
+                return q, k, v, torch.randn(q.shape, generator=gen, device=device).to(dtype)
+
+            rows_n = _length(args, device, cp, attention, make, gqa, world, rank, base, label, n)
             rows += rows_n
             if rank == 0:
                 _progress(args, rows, rows_n)
-            del q, k, v, dout
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     dist.barrier()
@@ -279,8 +281,11 @@ def _row(base: dict, what: str, label: str, n: int, peer: str, samples, world: i
     return row
 
 
-def _length(args, device, cp, attention, q, k, v, dout, gqa, world, rank, base, label, n) -> list[dict]:
-    """Every peer at one total length; q, k, v, dout are the whole sequence (the same on every rank)."""
+def _length(args, device, cp, attention, make, gqa, world, rank, base, label, n) -> list[dict]:
+    """Every peer at one total length; make() gives the whole sequence's q, k, v, dout (the same
+    on every rank, the same on every call). A torch peer takes a fresh copy and shards it in place,
+    so a rank never holds the whole sequence twice."""
+    q, k, v, dout = make()
     rep_ms = args.rep_ms
     out: list[dict] = []
     timed: dict = {}
@@ -326,7 +331,6 @@ def _length(args, device, cp, attention, q, k, v, dout, gqa, world, rank, base, 
         timed[(peer, True)] = _time(lambda: ring(True), device, rep_ms)[0]
     del ql, kl, vl, dl
 
-    # torch's context_parallel over SDPA, each rotate method.
     # The reference and SDPA's own rows before torch's context_parallel runs: a call that raises
     # inside it can leave F.scaled_dot_product_attention patched (torch 2.11).
     if rank == 0:
@@ -334,13 +338,18 @@ def _length(args, device, cp, attention, q, k, v, dout, gqa, world, rank, base, 
             ref = sampled_reference(q, k, v, idx, causal=True)
             picked = torch.arange(len(idx))
             sdpa_err = relative_error(_sdpa_rows(q, k, v, idx), ref, picked)
+    del q, k, v, dout, sq, sk, sv, sd
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    # torch's context_parallel over SDPA, each rotate method, on a fresh copy of the inputs.
 
     notes = {}
     for method in ROTATE:
         peer = f"torch cp {method}"
         sdpa = F.scaled_dot_product_attention
         try:
-            samples, full, how = _torch_cp(q, k, v, dout, gqa, method, device, rep_ms)
+            samples, full, how = _torch_cp(*make(), gqa, method, device, rep_ms)
             timed[(peer, False)], timed[(peer, True)] = samples
             errors[peer] = _rows_on_primary(full, idx)
             del full
@@ -365,7 +374,7 @@ def _length(args, device, cp, attention, q, k, v, dout, gqa, world, rank, base, 
         ideal = timed[(IDEAL, backward)]
         rows = [_row(base, what, label, n, IDEAL, ideal, world, scale=1.0 if split else 1.0 / world,
                      rel_error=err.get(IDEAL),
-                     note=(f"one GPU, whole sequence, {hs} of {q.shape[1]} query heads" if split
+                     note=(f"one GPU, whole sequence, {hs} of {base['heads']} query heads" if split
                            else f"one GPU, whole sequence, / {world}"))]
         for peer in [p for p, _ in ours] + [f"torch cp {m}" for m in ROTATE]:
             samples = timed.get((peer, backward))
@@ -403,9 +412,9 @@ def _torch_cp(q, k, v, dout, gqa, method, device, rep_ms):
         kk, vv = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         how = "K/V repeated to the query heads (torch's ring refused enable_gqa)"
     use_gqa = gqa and how == "enable_gqa"
-    # context_parallel shards its buffers in place: clone what the caller still holds.
-    bufs = [q.clone(), kk if kk is not k else k.clone(), vv if vv is not v else v.clone(), dout.clone()]
-    del kk, vv
+    # context_parallel shards its buffers in place: these are this call's own copies.
+    bufs = [q, kk, vv, dout]
+    del q, k, v, dout, kk, vv
     with context_parallel(mesh, buffers=bufs, buffer_seq_dims=[2, 2, 2, 2], no_restore_buffers=set(bufs)):
         ql, kl, vl, dl = bufs
 
