@@ -649,7 +649,7 @@ def test_cudnn_kernel_is_refused_where_cudnn_cannot_run():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hkv", [8, 2])
-def test_gpu_cudnn_blocks_merge_and_backward_match_float64(hkv, dtype):
+def test_gpu_cudnn_blocks_merge_and_backward_match_float64(hkv, dtype, monkeypatch):
     """The cuDNN block engine as a rank of a ring uses it: the second half of the queries against
     the first half of the keys (a full block) and against the second half (a square causal
     block), merged by log-sum-exp; each block's backward from the merged (global) output and lse.
@@ -662,6 +662,7 @@ def test_gpu_cudnn_blocks_merge_and_backward_match_float64(hkv, dtype):
     go = go[:, :, half:].contiguous()
     eng = ring._CudnnBlocks(dtype, deterministic=False)
     ring._CudnnBlocks.failed = False
+    calls = _count_cudnn_calls(monkeypatch)
     scale = d ** -0.5
     qs = q[:, :, half:]
     blocks = (((0, half), -1, -1), ((half, n), -1, 0))
@@ -682,6 +683,7 @@ def test_gpu_cudnn_blocks_merge_and_backward_match_float64(hkv, dtype):
         dk[:, :, ka:kb] += bdk
         dv[:, :, ka:kb] += bdv
     assert ring._CudnnBlocks.failed is False  # cuDNN ran every block (a fallback would hide a bug)
+    assert calls == ["fwd", "fwd", "bwd", "bwd"]  # and no block went to Triton
     if torch.cuda.get_device_capability() >= (9, 0):
         # A shard of the cp suite's 128k over 4 ranks: the planner runs cuDNN there (results/
         # 2026-11-27-cp-world4-h100: the auto rows beat the Triton rows), so auto takes its blocks.
@@ -698,4 +700,59 @@ def test_gpu_cudnn_blocks_merge_and_backward_match_float64(hkv, dtype):
     for name, got, want, base in (("out", out, ref, sd), ("dq", dq, qr.grad, qt.grad), ("dk", dk, kr.grad, kt.grad),
                                   ("dv", dv, vr.grad, vt.grad)):
         err, err_sdpa = _rel(got.detach(), want.detach()), _rel(base.detach(), want.detach())
+        assert err <= 2 * err_sdpa + 1e-6, (name, err, err_sdpa)
+
+
+def _count_cudnn_calls(monkeypatch) -> list:
+    """The cuDNN engine's kernel calls, in order ("fwd"/"bwd"), from now on in this test."""
+    from adaattn.distributed import ring
+
+    calls: list = []
+
+    def counted(kind, op):
+        def run(*args):
+            got = op(*args)  # a call the op refuses (GQA, before K/V are repeated) is not counted
+            calls.append(kind)
+            return got
+        return staticmethod(run)
+
+    monkeypatch.setattr(ring._CudnnBlocks, "_fwd", counted("fwd", ring._CudnnBlocks._fwd))
+    monkeypatch.setattr(ring._CudnnBlocks, "_bwd", counted("bwd", ring._CudnnBlocks._bwd))
+    return calls
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("scale", [None, -0.05])
+def test_gpu_ring_cudnn_kernel_matches_float64_on_transposed_inputs(causal, scale, monkeypatch):
+    """ring_attention(kernel="cudnn") without a process group runs the block path on its one
+    shard: (B, N, H, D) tensors viewed as (B, H, N, D), GQA, output and gradients against float64.
+    A positive scale runs cuDNN forward and backward; a negative one runs Triton (torch's fused
+    kernels give NaN for is_causal with a scale <= 0)."""
+    from adaattn.distributed import ring, ring_attention
+
+    ring._CudnnBlocks.failed = False
+    calls = _count_cudnn_calls(monkeypatch)
+    torch.manual_seed(11)
+    b, n, hq, hkv, d = 2, 777, 8, 2, 128
+    q, k, v, go = (torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+                   for h in (hq, hkv, hkv, hq))
+    qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
+    out = ring_attention(qs, ks, vs, is_causal=causal, scale=scale, enable_gqa=True, kernel="cudnn")
+    (out * go).sum().backward()
+    assert calls == (["fwd", "bwd"] if scale is None else [])
+    assert ring._CudnnBlocks.failed is False
+    mask = None
+    if causal:
+        mask = torch.ones(n, n, dtype=torch.bool, device="cuda").tril()
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    ref = reference_attention(qr, kr, vr, attn_mask=mask, scale=scale)
+    (ref * go.double()).sum().backward()
+    qt, kt, vt = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    sd = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=scale, enable_gqa=True)
+    (sd * go).sum().backward()
+    for name, got, want, base in (("out", out, ref, sd), ("dq", qs.grad, qr.grad, qt.grad),
+                                  ("dk", ks.grad, kr.grad, kt.grad), ("dv", vs.grad, vr.grad, vt.grad)):
+        err, err_sdpa = _rel(got.detach(), want.detach()), _rel(base.detach(), want.detach())
+        assert torch.isfinite(got).all(), name
         assert err <= 2 * err_sdpa + 1e-6, (name, err, err_sdpa)

@@ -431,38 +431,44 @@ class _CudnnBlocks:
 
     name = "cudnn"
     failed = False
-    native_gqa: Optional[bool] = None  # learned on the first GQA block of the process
+    # Whether the op takes Hq != Hkv, learned on the first GQA block of the process, forward and
+    # backward apart.
+    native_gqa: dict = {"fwd": None, "bwd": None}
 
     def __init__(self, dtype: torch.dtype, deterministic: bool):
         self.cdt = torch.float32
         self.triton = _TritonBlocks(dtype, deterministic)
 
     @staticmethod
-    def _takes(q, k, v, left, right) -> bool:
+    def _takes(q, k, v, scale, left, right) -> bool:
+        """A full or square causal block, with a positive scale (torch's fused kernels give NaN for
+        is_causal with a scale <= 0, as backends/sdpa.py notes), and equal q/v head dims."""
         full = left < 0 and right < 0
         square_causal = left < 0 and right == 0 and q.shape[2] == k.shape[2]
-        return (full or square_causal) and q.shape[2] > 0 and k.shape[2] > 0 and v.shape[-1] == q.shape[-1]
+        return ((full or square_causal) and scale > 0 and q.shape[2] > 0 and k.shape[2] > 0
+                and v.shape[-1] == q.shape[-1])
 
     def _failed(self, error: BaseException) -> None:
         _fail_once(_CudnnBlocks, error, "the cuDNN block kernel", "our Triton kernels")
 
-    def _gqa(self, fn, q, k, v, *rest):
-        """fn(q, k, v, *rest) with K/V as cuDNN takes them: natively where it can, else repeated
-        (then (dq, dk, dv) results are summed back over each group)."""
+    def _gqa(self, kind: str, fn, q, k, v):
+        """fn(q, k, v) with K/V as cuDNN takes them: natively where it can, else repeated (a
+        backward's dk/dv are then summed back over each group). kind: "fwd" or "bwd"."""
         group = q.shape[1] // k.shape[1]
-        if group > 1 and _CudnnBlocks.native_gqa is not False:
-            try:
-                got = fn(q, k, v, *rest)
-                _CudnnBlocks.native_gqa = True
-                return got
-            except RuntimeError:
-                if _CudnnBlocks.native_gqa:  # it took GQA before: this is another failure
-                    raise
-                _CudnnBlocks.native_gqa = False
         if group == 1:
-            return fn(q, k, v, *rest)
-        got = fn(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), *rest)
-        if len(got) == 3:  # a backward: the repeated heads' gradients add up to their KV head's
+            return fn(q, k, v)
+        native = _CudnnBlocks.native_gqa
+        if native[kind] is not False:
+            try:
+                got = fn(q, k, v)
+                native[kind] = True
+                return got
+            except RuntimeError as e:
+                if native[kind] or isinstance(e, adaptive.NOT_RECOVERABLE):  # not a refusal of GQA
+                    raise
+                native[kind] = False
+        got = fn(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1))
+        if kind == "bwd":
             dq, dk, dv = got
             b, _, m, d = dk.shape
             return dq, dk.view(b, -1, group, m, d).sum(2), dv.view(b, -1, group, m, dv.shape[-1]).sum(2)
@@ -472,7 +478,7 @@ class _CudnnBlocks:
     def _fwd(q, k, v, scale, causal):
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
             q, k, v, None, True, 0.0, causal, False, scale=scale)[:2]
-        return out, lse.squeeze(-1).contiguous()
+        return out, lse.reshape(q.shape[:3]).contiguous()
 
     @staticmethod
     def _bwd(q, k, v, dout, out, lse, scale, causal):
@@ -482,9 +488,9 @@ class _CudnnBlocks:
             k.shape[2], 0.0, causal, scale=scale))
 
     def forward(self, q, k, v, scale, left, right):
-        if not _CudnnBlocks.failed and self._takes(q, k, v, left, right):
+        if not _CudnnBlocks.failed and self._takes(q, k, v, scale, left, right):
             try:
-                return self._gqa(lambda a, b, c: self._fwd(a, b, c, scale, right == 0), q, k, v)
+                return self._gqa("fwd", lambda a, b, c: self._fwd(a, b, c, scale, right == 0), q, k, v)
             except Exception as e:  # a kernel failure: fall back, once, loudly
                 self._failed(e)
         return self.triton.forward(q, k, v, scale, left, right)
@@ -493,9 +499,10 @@ class _CudnnBlocks:
         self.triton.merge(out, lse, block_out, block_lse)
 
     def backward(self, q, k, v, dout, out, lse, scale, left, right):
-        if not _CudnnBlocks.failed and self._takes(q, k, v, left, right):
+        if not _CudnnBlocks.failed and self._takes(q, k, v, scale, left, right):
             try:
-                return self._gqa(lambda a, b, c: self._bwd(a, b, c, dout, out, lse, scale, right == 0), q, k, v)
+                return self._gqa("bwd", lambda a, b, c: self._bwd(a, b, c, dout, out, lse, scale, right == 0),
+                                 q, k, v)
             except Exception as e:
                 self._failed(e)
         return self.triton.backward(q, k, v, dout, out, lse, scale, left, right)
@@ -774,7 +781,9 @@ class _RingAttention(torch.autograd.Function):
             out, lse = _forward_engines(c, q, c.shards(k, v), [c.quant])[0]
         else:
             out, lse = _forward_blocks(c, q, c.shards(k, v))
-        result = out.to(q.dtype)
+        # One layout whatever built it (a first block's output keeps its kernel's layout): the
+        # backward hands row slices of it and of the contiguous dout to kernels side by side.
+        result = out.to(q.dtype).contiguous()
         if c.kind == "exact":
             ctx.save_for_backward(q, k, v, result, lse)
         else:  # the backward is exact: it recomputes the exact output and log-sum-exp
@@ -971,7 +980,11 @@ def _record(c: _Call, q, k, wall_ms) -> None:
     kernel calls its blocks took and how many visiting shards it skipped; under a policy, each
     head's level, the errors measured (over every rank's rows) and why."""
     calls = [len(c.pairs(src)) for src in range(c.world)]
-    engine = c.engine.name if not (c.engine.name == "triton" and _TritonBlocks.failed) else "torch"
+    engine = c.engine.name
+    if engine == "cudnn" and _CudnnBlocks.failed:
+        engine = "triton"
+    if engine == "triton" and _TritonBlocks.failed:
+        engine = "torch"
     decisions = {"rank": c.rank, "world": c.world, "algorithm": c.algorithm, "balance": c.balance,
                  "kernel_calls": sum(calls), "shards_skipped": sum(1 for n in calls if n == 0),
                  "documents": None if c.docs is None else len(c.docs) - 1}

@@ -139,26 +139,32 @@ LONG_MS = 3000.0  # a call this long takes one sample after its warm-up (its noi
 
 
 def _time(fn, device: torch.device, rep_ms: float, min_samples: int = 2, max_samples: int = 20):
-    """(samples in ms, each the slowest rank's; the last call's result): a warm-up call, then a
-    count every rank agrees on (about rep_ms of samples, at least min_samples, one for calls
-    over LONG_MS)."""
-    dist.barrier()
-    _sync(device)
-    t0 = time.perf_counter()
-    got = fn()
-    _sync(device)
-    first = _agree_max([(time.perf_counter() - t0) * 1e3], device)[0]
-    least = 1 if first > LONG_MS else min_samples
-    count = max(least, min(max_samples, int(rep_ms / max(first, 1e-3))))
-    samples = []
-    for _ in range(count):
-        del got
+    """(samples in ms, each the slowest rank's; the last call's result): a warm-up call (compiles,
+    plans), then a count every rank agrees on from the first timed sample (about rep_ms of
+    samples, at least min_samples, one for calls over LONG_MS)."""
+
+    def once():
         dist.barrier()
         _sync(device)
         t0 = time.perf_counter()
         got = fn()
         _sync(device)
-        samples.append((time.perf_counter() - t0) * 1e3)
+        return (time.perf_counter() - t0) * 1e3, got
+
+    first, got = once()
+    first = _agree_max([first], device)[0]
+    samples = []
+    if first <= LONG_MS:  # a long warm-up is all kernel time: no second call just to size the count
+        del got
+        ms, got = once()
+        samples.append(ms)
+        first = _agree_max([ms], device)[0]
+    least = 1 if first > LONG_MS else min_samples
+    count = max(least, min(max_samples, int(rep_ms / max(first, 1e-3))))
+    while len(samples) < count:
+        del got
+        ms, got = once()
+        samples.append(ms)
     return _agree_max(samples, device), got
 
 
