@@ -298,7 +298,7 @@ def _band_keep(n: int, m: int, left: int, right: int, device) -> Optional[torch.
 class _TorchBlocks:
     """A block in torch math, in float32 (float64 for float64 inputs): correct on every device."""
 
-    name = "torch"
+    name = ran = "torch"
 
     def __init__(self, dtype: torch.dtype):
         self.cdt = _compute_dtype(dtype)
@@ -377,6 +377,11 @@ class _TritonBlocks:
         self.deterministic = deterministic
         self.fallback = _TorchBlocks(dtype)
 
+    @property
+    def ran(self) -> str:
+        """The engine that runs this one's blocks now (after a failure, its fallback's)."""
+        return self.fallback.ran if _TritonBlocks.failed else self.name
+
     def _launch(self, q, k, v, scale, left, right):
         from ..backends.triton_launch import make_launch
 
@@ -438,6 +443,10 @@ class _CudnnBlocks:
     def __init__(self, dtype: torch.dtype, deterministic: bool):
         self.cdt = torch.float32
         self.triton = _TritonBlocks(dtype, deterministic)
+
+    @property
+    def ran(self) -> str:
+        return self.triton.ran if _CudnnBlocks.failed else self.name
 
     @staticmethod
     def _takes(q, k, v, scale, left, right) -> bool:
@@ -509,22 +518,31 @@ class _CudnnBlocks:
 
 
 @functools.lru_cache(maxsize=256)
-def _cudnn_first(device_index, dtype, q_heads, kv_heads, n, head_dim, value_dim, causal, needs_grad) -> bool:
-    """Whether the planner's fastest exact runner for a dense call of this class (one shard
-    against one shard) is cuDNN: then the ring's full and square causal blocks go to cuDNN, as
-    a single-GPU call of that shape would."""
-    from ..planner import get_plan
+def _cudnn_for(device_type, device_index, dtype, q_heads, kv_heads, n, head_dim, value_dim, causal, needs_grad,
+               deterministic) -> tuple[tuple[str, ...], bool]:
+    """(reasons the ring's cuDNN blocks cannot run tensors of this class, whether the planner's
+    fastest exact runner for a dense shard-against-shard call of it is cuDNN). The reasons are the
+    sdpa.cudnn runner's declared limits, and what the aten op the blocks call adds."""
+    from ..planner import REGISTRY, get_plan
     from ..problem import Problem
 
     problem = Problem(batch=1, q_heads=q_heads, kv_heads=kv_heads, q_len=n, kv_len=n, head_dim=head_dim,
-                      value_dim=value_dim, dtype=dtype, device_type="cuda", device_index=device_index,
+                      value_dim=value_dim, dtype=dtype, device_type=device_type, device_index=device_index,
                       causal=causal, window_left=-1, window_right=-1, mask_kind="none", dropout_p=0.0,
                       scale=default_scale(head_dim), needs_grad=needs_grad, gqa=q_heads != kv_heads,
                       tma_aligned=True)
+    runner = REGISTRY.get("sdpa.cudnn")
+    reasons = [f"sdpa.cudnn {r}" for r in runner.supports(problem, EXACT)] if runner else ["sdpa.cudnn is not here."]
+    if head_dim % 8:
+        reasons.append(f"cuDNN's fused op takes head dims in multiples of 8, not {head_dim}.")
+    if deterministic:
+        reasons.append("a deterministic backward was asked for; cuDNN's is not documented as one.")
+    if reasons:
+        return tuple(reasons), False
     try:
-        return get_plan(problem, EXACT).backend == "sdpa.cudnn"
+        return (), get_plan(problem, EXACT).backend == "sdpa.cudnn"
     except Exception:  # no runner takes it: the Triton blocks decide for themselves
-        return False
+        return (), False
 
 
 @functools.lru_cache(maxsize=256)
@@ -557,28 +575,34 @@ def _triton_reasons(q, v) -> list[str]:
     return triton_reasons(q.device.type, q.device.index, q.dtype, q.shape[-1], v.shape[-1])
 
 
-def _cudnn_reasons(q, v, deterministic: bool) -> list[str]:
-    reasons = []
-    if q.device.type != "cuda":
-        reasons.append(f"cuDNN runs CUDA tensors, these are on {q.device.type}.")
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        reasons.append(f"cuDNN takes float16/bfloat16, not {q.dtype}.")
-    if q.shape[-1] > 128 or q.shape[-1] % 8 or v.shape[-1] != q.shape[-1]:
-        reasons.append(f"cuDNN takes equal q/v head dims up to 128 in multiples of 8, not {q.shape[-1]}/{v.shape[-1]}.")
-    if deterministic:
-        reasons.append("a deterministic backward was asked for; cuDNN's is not documented as one.")
-    return reasons
-
-
-def _engine(kernel: str, q, v, deterministic: bool, causal: bool = True, needs_grad: bool = False,
-            kv_heads: Optional[int] = None):
+def _engine(kernel: str, q, v, deterministic: bool, causal: bool, needs_grad: bool, kv_heads: int):
     if kernel == "torch":
         return _TorchBlocks(q.dtype)
     reasons = _triton_reasons(q, v)
+    if kernel == "triton":
+        if reasons:
+            raise ValueError(f"kernel='triton' cannot run these tensors: {' '.join(reasons)} Use kernel='torch' "
+                             "or 'auto'.")
+        return _TritonBlocks(q.dtype, deterministic)
+    if kernel == "auto" and (q.device.type != "cuda" or reasons):
+        return _TorchBlocks(q.dtype)  # CPU tensors (the interpreter included) take torch math
+    cudnn, first = _cudnn_for(q.device.type, q.device.index, q.dtype, q.shape[1], kv_heads, q.shape[2],
+                              q.shape[-1], v.shape[-1], causal, needs_grad, deterministic)
     if kernel == "cudnn":
-        cudnn = _cudnn_reasons(q, v, deterministic)
         if cudnn or reasons:
-            raise ValueError(f"kernel='cudnn' cannot run these tensors: {' '.join(cudnn + reasons)} Use "
+            triton = [f"The Triton blocks (for the other bands): {r}" for r in reasons]
+            raise ValueError(f"kernel='cudnn' cannot run these tensors: {' '.join((*cudnn, *triton))} Use "
+                             "kernel='auto'.")
+        return _CudnnBlocks(q.dtype, deterministic)
+    # auto: cuDNN where the planner runs it for a shard-sized call, else our Triton kernels.
+    return _CudnnBlocks(q.dtype, deterministic) if first else _TritonBlocks(q.dtype, deterministic)
+    reasons = _triton_reasons(q, v)
+    if kernel in ("cudnn", "auto") and q.device.type == "cuda" or kernel == "cudnn":
+        cudnn, first = _cudnn_for(q.device.type, q.device.index, q.dtype, q.shape[1], kv_heads or q.shape[1],
+                                  q.shape[2], q.shape[-1], v.shape[-1], causal, needs_grad, deterministic)
+    if kernel == "cudnn":
+        if cudnn or reasons:
+            raise ValueError(f"kernel='cudnn' cannot run these tensors: {' '.join(cudnn + tuple(reasons))} Use "
                              "kernel='auto'.")
         return _CudnnBlocks(q.dtype, deterministic)
     if kernel == "triton":
@@ -589,11 +613,7 @@ def _engine(kernel: str, q, v, deterministic: bool, causal: bool = True, needs_g
     # auto: cuDNN where the planner would run it for a shard-sized call, else our Triton
     # kernels on GPUs; CPU tensors (the interpreter included) take torch math.
     if q.device.type == "cuda" and not reasons:
-        if not _cudnn_reasons(q, v, deterministic) and _cudnn_first(
-                q.device.index, q.dtype, q.shape[1], kv_heads or q.shape[1], q.shape[2], q.shape[-1], v.shape[-1],
-                causal, needs_grad):
-            return _CudnnBlocks(q.dtype, deterministic)
-        return _TritonBlocks(q.dtype, deterministic)
+        return _CudnnBlocks(q.dtype, deterministic) if first else _TritonBlocks(q.dtype, deterministic)
     return _TorchBlocks(q.dtype)
 
 
@@ -980,11 +1000,7 @@ def _record(c: _Call, q, k, wall_ms) -> None:
     kernel calls its blocks took and how many visiting shards it skipped; under a policy, each
     head's level, the errors measured (over every rank's rows) and why."""
     calls = [len(c.pairs(src)) for src in range(c.world)]
-    engine = c.engine.name
-    if engine == "cudnn" and _CudnnBlocks.failed:
-        engine = "triton"
-    if engine == "triton" and _TritonBlocks.failed:
-        engine = "torch"
+    engine = c.engine.ran
     decisions = {"rank": c.rank, "world": c.world, "algorithm": c.algorithm, "balance": c.balance,
                  "kernel_calls": sum(calls), "shards_skipped": sum(1 for n in calls if n == 0),
                  "documents": None if c.docs is None else len(c.docs) - 1}

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import statistics
 import time
 
@@ -43,6 +42,7 @@ from ...backends.reference import relative_error, sample_rows, sampled_reference
 from ..dense import describe, random_qkv
 from ..grid import Grid, dtype_name
 from . import options
+from .distributed import _group
 
 NAME = "cp"
 HELP = ("context parallelism under torchrun (benchmarks/cp.sh; without torchrun: a world of one), causal GQA "
@@ -95,25 +95,13 @@ def _init(device: torch.device) -> torch.device:
     if device.type == "cuda":
         device = torch.device("cuda", local if world > 1 else (device.index or 0))
         torch.cuda.set_device(device)
-    if dist.is_initialized():
-        return device
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    kw = {"timeout": datetime.timedelta(minutes=30)}
-    if device.type == "cuda":
-        kw["device_id"] = device
-    if world > 1:
-        dist.init_process_group(backend, rank=rank, world_size=world, **kw)
-    else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, **kw)
+    if world == 1:
+        _group(device)  # the distributed suite's process group of one
+    elif not dist.is_initialized():  # torchrun's environment; a 1M-token call can outlast the default timeout
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(minutes=30),
+                                **({"device_id": device} if device.type == "cuda" else {}))
     return device
-
-
-def primary() -> bool:
-    """Whether this process reports (rank 0, or no process group)."""
-    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def _sync(device: torch.device) -> None:
