@@ -63,7 +63,7 @@ from ..api import attention
 from ..policy import EXACT, Policy
 from . import adaptive
 from ..backends.masks import position_keep
-from ..problem import check_scale, check_window, default_scale
+from ..problem import Problem, check_scale, check_window, default_scale
 
 BALANCES = ("zigzag", "plain")
 ALGORITHMS = ("ring", "allgather")
@@ -518,27 +518,42 @@ class _CudnnBlocks:
 
 
 @functools.lru_cache(maxsize=256)
+def _shard_problem(device_type, device_index, dtype, q_heads, kv_heads, n, head_dim, value_dim, causal,
+                   needs_grad) -> Problem:
+    """A dense shard-against-shard call of this class, as the planner sees one."""
+    return Problem(batch=1, q_heads=q_heads, kv_heads=kv_heads, q_len=n, kv_len=n, head_dim=head_dim,
+                   value_dim=value_dim, dtype=dtype, device_type=device_type, device_index=device_index,
+                   causal=causal, window_left=-1, window_right=-1, mask_kind="none", dropout_p=0.0,
+                   scale=default_scale(head_dim), needs_grad=needs_grad, gqa=q_heads != kv_heads, tma_aligned=True)
+
+
+@functools.lru_cache(maxsize=256)
+def _cudnn_reasons(problem: Problem, deterministic: bool) -> tuple[str, ...]:
+    """Why the ring's cuDNN blocks cannot run tensors of this class: the sdpa.cudnn runner's declared
+    limits, and what the aten op the blocks call adds."""
+    from ..planner import REGISTRY
+
+    runner = REGISTRY.get("sdpa.cudnn")
+    reasons = [f"sdpa.cudnn {r}" for r in runner.supports(problem, EXACT)] if runner else ["sdpa.cudnn is not here."]
+    if problem.head_dim % 8:
+        reasons.append(f"cuDNN's fused op takes head dims in multiples of 8, not {problem.head_dim}.")
+    if deterministic:
+        reasons.append("a deterministic backward was asked for; cuDNN's is not documented as one.")
+    return tuple(reasons)
+
+
 def _cudnn_for(device_type, device_index, dtype, q_heads, kv_heads, n, head_dim, value_dim, causal, needs_grad,
                deterministic) -> tuple[tuple[str, ...], bool]:
     """(reasons the ring's cuDNN blocks cannot run tensors of this class, whether the planner's
-    fastest exact runner for a dense shard-against-shard call of it is cuDNN). The reasons are the
-    sdpa.cudnn runner's declared limits, and what the aten op the blocks call adds."""
-    from ..planner import REGISTRY, get_plan
-    from ..problem import Problem
+    fastest exact runner for a dense shard-against-shard call of it is cuDNN). The pick is read from
+    the planner each call (its own plan cache, which planner.reset() clears)."""
+    from ..planner import get_plan
 
-    problem = Problem(batch=1, q_heads=q_heads, kv_heads=kv_heads, q_len=n, kv_len=n, head_dim=head_dim,
-                      value_dim=value_dim, dtype=dtype, device_type=device_type, device_index=device_index,
-                      causal=causal, window_left=-1, window_right=-1, mask_kind="none", dropout_p=0.0,
-                      scale=default_scale(head_dim), needs_grad=needs_grad, gqa=q_heads != kv_heads,
-                      tma_aligned=True)
-    runner = REGISTRY.get("sdpa.cudnn")
-    reasons = [f"sdpa.cudnn {r}" for r in runner.supports(problem, EXACT)] if runner else ["sdpa.cudnn is not here."]
-    if head_dim % 8:
-        reasons.append(f"cuDNN's fused op takes head dims in multiples of 8, not {head_dim}.")
-    if deterministic:
-        reasons.append("a deterministic backward was asked for; cuDNN's is not documented as one.")
+    problem = _shard_problem(device_type, device_index, dtype, q_heads, kv_heads, n, head_dim, value_dim, causal,
+                             needs_grad)
+    reasons = _cudnn_reasons(problem, deterministic)
     if reasons:
-        return tuple(reasons), False
+        return reasons, False
     try:
         return (), get_plan(problem, EXACT).backend == "sdpa.cudnn"
     except Exception:  # no runner takes it: the Triton blocks decide for themselves
@@ -596,25 +611,6 @@ def _engine(kernel: str, q, v, deterministic: bool, causal: bool, needs_grad: bo
         return _CudnnBlocks(q.dtype, deterministic)
     # auto: cuDNN where the planner runs it for a shard-sized call, else our Triton kernels.
     return _CudnnBlocks(q.dtype, deterministic) if first else _TritonBlocks(q.dtype, deterministic)
-    reasons = _triton_reasons(q, v)
-    if kernel in ("cudnn", "auto") and q.device.type == "cuda" or kernel == "cudnn":
-        cudnn, first = _cudnn_for(q.device.type, q.device.index, q.dtype, q.shape[1], kv_heads or q.shape[1],
-                                  q.shape[2], q.shape[-1], v.shape[-1], causal, needs_grad, deterministic)
-    if kernel == "cudnn":
-        if cudnn or reasons:
-            raise ValueError(f"kernel='cudnn' cannot run these tensors: {' '.join(cudnn + tuple(reasons))} Use "
-                             "kernel='auto'.")
-        return _CudnnBlocks(q.dtype, deterministic)
-    if kernel == "triton":
-        if reasons:
-            raise ValueError(f"kernel='triton' cannot run these tensors: {' '.join(reasons)} Use kernel='torch' "
-                             "or 'auto'.")
-        return _TritonBlocks(q.dtype, deterministic)
-    # auto: cuDNN where the planner would run it for a shard-sized call, else our Triton
-    # kernels on GPUs; CPU tensors (the interpreter included) take torch math.
-    if q.device.type == "cuda" and not reasons:
-        return _CudnnBlocks(q.dtype, deterministic) if first else _TritonBlocks(q.dtype, deterministic)
-    return _TorchBlocks(q.dtype)
 
 
 def _merge(out, lse, block_out, block_lse):
