@@ -1069,21 +1069,43 @@ def test_settings_and_variants_reject_unknown_names_and_bad_values():
         ta.triton_attention(qh, qh, qh, attn_mask=torch.ones(4, 4, dtype=torch.bool, device=DEVICE), variant="tma")
 
 
-def test_forward_without_grad_skips_the_custom_op(monkeypatch):
-    # No gradient wanted: launch_fwd runs directly (the custom op's dispatch costs host time
-    # comparable to a short kernel); with a gradient wanted the custom op runs.
+def test_eager_calls_skip_the_custom_op_and_match_it(monkeypatch):
+    # Eager calls run launch_fwd directly (no gradient wanted) or through _EagerAttention (a
+    # gradient wanted): the custom op's dispatch costs host time comparable to a short kernel.
+    # Under a torch-function mode (as under a compiler or a transform) the custom op runs. Both
+    # give the same output and gradients, bit for bit, and neither is differentiable twice.
+    from torch.overrides import TorchFunctionMode
+
+    class Watching(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
     ops = []
     real = triton_ops.triton_fwd
     monkeypatch.setattr(triton_ops, "triton_fwd", lambda *a: ops.append(1) or real(*a))
     g = _gen(60)
     q, k, v = (_randn((1, 2, 20, 16), torch.bfloat16, g).requires_grad_() for _ in range(3))
+    go = _randn((1, 2, 20, 16), torch.bfloat16, g)
     with torch.no_grad():
         a = ta.triton_attention(q, k, v, is_causal=True)
     assert ops == []
     b = ta.triton_attention(q.detach(), k.detach(), v.detach(), is_causal=True)
     assert ops == [] and torch.equal(a, b)
     c = ta.triton_attention(q, k, v, is_causal=True)
-    assert ops == [1] and torch.equal(a, c) and c.requires_grad
+    assert ops == [] and torch.equal(a, c) and c.requires_grad
+    eager = torch.autograd.grad(c, (q, k, v), go)
+    with Watching():
+        d = ta.triton_attention(q, k, v, is_causal=True)
+    assert ops == [1] and torch.equal(a, d) and d.requires_grad
+    through_op = torch.autograd.grad(d, (q, k, v), go)
+    assert all(torch.equal(x, y) for x, y in zip(eager, through_op))
+    dq, = torch.autograd.grad(ta.triton_attention(q, k, v, is_causal=True), q, go, create_graph=True)
+    with pytest.raises(RuntimeError, match="no second-order gradients"):
+        torch.autograd.grad(dq.sum(), q)
+    with Watching():
+        dq, = torch.autograd.grad(ta.triton_attention(q, k, v, is_causal=True), q, go, create_graph=True)
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        torch.autograd.grad(dq.sum(), q)
 
 
 def test_bad_arguments_are_rejected():

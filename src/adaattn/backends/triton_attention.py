@@ -120,12 +120,13 @@ class TritonRunner(Runner):
 
 def run_dense(query, key, value, attn_mask, launch: AttentionLaunch) -> torch.Tensor:
     """The forward of `launch` on (B, H, N, D) tensors, differentiable (custom op) where needed."""
+    from .triton_ops import attention_fwd
+
     if _direct_ok(query, key, value, attn_mask):
         out, _ = launch_fwd(query, key, value, attn_mask, None, None, query.shape[2], key.shape[2], launch)
         return out
-    from .triton_ops import triton_fwd
-
-    out, _, _ = triton_fwd(query, key, value, attn_mask, None, None, query.shape[2], key.shape[2], launch_id(launch))
+    out, _, _ = attention_fwd(query, key, value, attn_mask, None, None, query.shape[2], key.shape[2],
+                              launch_id(launch))
     return out
 
 
@@ -134,19 +135,14 @@ def triton_runners() -> list[TritonRunner]:
 
 
 def _direct_ok(*tensors) -> bool:
-    """Whether a forward may call launch_fwd without the custom op, whose dispatch costs tens
-    of microseconds of host time per call (as much as a short kernel): no gradient wanted,
-    no tracing, plain tensors, no dispatch or function mode, no functorch transform."""
+    """Whether a forward may call launch_fwd with no autograd at all: no gradient wanted, and no
+    compiler, transform or mode watching (triton_ops.eager_ok)."""
+    from .triton_ops import eager_ok
+
     present = [t for t in tensors if t is not None]
     if torch.is_grad_enabled() and any(t.requires_grad for t in present):
         return False
-    if any(type(t) is not torch.Tensor for t in present):
-        return False
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active() or torch.jit.is_tracing():
-        return False
-    if torch._C._is_torch_function_mode_enabled():
-        return False
-    return torch.utils._python_dispatch._get_current_dispatch_mode() is None
+    return eager_ok(*present)
 
 
 def check_alignment(causal_alignment: str) -> bool:

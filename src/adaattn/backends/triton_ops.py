@@ -20,6 +20,10 @@ def triton_fwd(
     """(out, lse, stats). Dense q (B, Hq, Nq, D) or packed (T, Hq, D) with cu_seqlens. stats:
     the split row statistics the backward reads under an additive mask (triton_launch.stats_shape),
     empty otherwise."""
+    return _forward(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, launch)
+
+
+def _forward(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, launch: str) -> tuple:
     stats = new_output(stats_shape(q, attn_mask, cu_seqlens_q is not None), torch.float32, q.device)
     out, lse = launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                           launch_of(launch), stats)
@@ -67,3 +71,67 @@ def _fwd_backward(ctx, dout, dlse, dstats):
 
 
 triton_fwd.register_autograd(_fwd_backward, setup_context=_fwd_setup_context)
+
+
+SECOND_ORDER = ("adaattn's Triton attention backward has no derivative of its own (no second-order gradients); "
+                "differentiate through another backend, e.g. Policy(backends=('sdpa.math',))")
+
+
+class _EagerAttention(torch.autograd.Function):
+    """triton_fwd with its autograd, for eager calls, without the custom op's dispatch: the same
+    launches, saved tensors and gradients, at about a third of the host time (a custom op costs
+    40-60 us more a forward and backward than this Function: benchmarks/NOTES.md, 2026-11-27).
+    Not differentiable twice, as the custom op's backward is not: gradients made with
+    create_graph=True raise when differentiated, never give a silent zero."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attn_mask, cu_q, cu_k, max_q, max_k, launch):
+        out, lse, stats = _forward(q, k, v, attn_mask, cu_q, cu_k, max_q, max_k, launch)
+        ctx.save_for_backward(q, k, v, out, lse, attn_mask, cu_q, cu_k, stats)
+        ctx.options = (max_q, max_k, launch)
+        ctx.mark_non_differentiable(lse, stats)
+        return out, lse, stats
+
+    @staticmethod
+    def backward(ctx, dout, dlse, dstats):
+        q, k, v, out, lse, attn_mask, cu_q, cu_k, stats = ctx.saved_tensors
+        max_q, max_k, launch = ctx.options
+        grads = launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_q, cu_k, max_q, max_k, launch_of(launch), stats)
+        if torch.is_grad_enabled():  # create_graph=True: a backward through these gradients raises
+            grads = _FirstOrderOnly.apply(*grads, q, k, v)
+        return (*grads, None, None, None, None, None, None)
+
+
+class _FirstOrderOnly(torch.autograd.Function):
+    """Gradients made under create_graph=True, tied to the inputs they came from (so any second
+    backward toward those inputs runs this node), whose own backward raises."""
+
+    @staticmethod
+    def forward(ctx, dq, dk, dv, *inputs):
+        return dq.view_as(dq), dk.view_as(dk), dv.view_as(dv)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(SECOND_ORDER)
+
+
+def attention_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int,
+                  launch: str) -> tuple:
+    """(out, lse, stats) of triton_fwd, differentiable: through the custom op where a compiler,
+    transform or mode may be watching (eager_ok says when not), else through _EagerAttention."""
+    if eager_ok(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k):
+        return _EagerAttention.apply(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                     launch)
+    return triton_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, launch)
+
+
+def eager_ok(*tensors) -> bool:
+    """Whether a call may bypass the custom ops: plain tensors, no tracing or compiling, no functorch
+    transform, no torch-function or dispatch mode (each of these needs the ops' registrations)."""
+    if any(t is not None and type(t) is not torch.Tensor for t in tensors):
+        return False
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active() or torch.jit.is_tracing():
+        return False
+    if torch._C._is_torch_function_mode_enabled():
+        return False
+    return torch.utils._python_dispatch._get_current_dispatch_mode() is None

@@ -125,11 +125,11 @@ class VarlenTritonRunner(Runner):
                            bool(policy.deterministic) or torch.are_deterministic_algorithms_enabled())
 
     def run_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, problem, launch):
-        from .triton_ops import triton_fwd
+        from .triton_ops import attention_fwd
 
         cu_q = cu_seqlens_q.to(torch.int32)
         cu_k = cu_seqlens_k.to(torch.int32)
-        out, _, _ = triton_fwd(q, k, v, None, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), launch_id(launch))
+        out, _, _ = attention_fwd(q, k, v, None, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), launch_id(launch))
         return out
 
 
