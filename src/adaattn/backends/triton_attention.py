@@ -119,7 +119,8 @@ class TritonRunner(Runner):
 
 
 def run_dense(query, key, value, attn_mask, launch: AttentionLaunch) -> torch.Tensor:
-    """The forward of `launch` on (B, H, N, D) tensors, differentiable (custom op) where needed."""
+    """The forward of `launch` on (B, H, N, D) tensors, differentiable where needed
+    (triton_ops.attention_fwd)."""
     from .triton_ops import attention_fwd
 
     if _direct_ok(query, key, value, attn_mask):

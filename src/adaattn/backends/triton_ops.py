@@ -1,6 +1,8 @@
 """torch custom ops over our exact Triton kernels (`adaattn::triton_fwd`, `adaattn::triton_bwd`),
 with fake (meta) implementations and autograd, so torch.compile(fullgraph=True) traces through
-them. The launch description (triton_launch.AttentionLaunch) travels as a string (launch_id)."""
+them. The launch description (triton_launch.AttentionLaunch) travels as a string (launch_id).
+Eager calls with no compiler, transform or mode watching skip the ops' dispatch (attention_fwd:
+the same launches through an autograd.Function)."""
 
 from __future__ import annotations
 
@@ -79,9 +81,9 @@ SECOND_ORDER = ("adaattn's Triton attention backward has no derivative of its ow
 
 class _EagerAttention(torch.autograd.Function):
     """triton_fwd with its autograd, for eager calls, without the custom op's dispatch: the same
-    launches, saved tensors and gradients, at about a third of the host time (a custom op costs
-    40-60 us more a forward and backward than this Function: benchmarks/NOTES.md, 2026-11-27).
-    Not differentiable twice, as the custom op's backward is not: gradients made with
+    launches, saved tensors and gradients (the custom op's layers measured 190-390 us more host time
+    a forward and backward on an H100's host: benchmarks/NOTES.md, 2026-11-27). Not differentiable
+    twice, as the custom op's backward is not: gradients made with
     create_graph=True raise when differentiated, never give a silent zero."""
 
     @staticmethod
