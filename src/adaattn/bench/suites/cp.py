@@ -343,7 +343,16 @@ def _length(args, device, cp, attention, make, gqa, world, rank, base, label, n)
         peer = f"torch cp {method}"
         sdpa = F.scaled_dot_product_attention
         try:
-            samples, full, how = _torch_cp(*make(), gqa, method, device, rep_ms)
+            # The copy is made on every rank before any collective, and all agree it was: a rank
+            # out of memory here would otherwise leave the others waiting in torch's first one.
+            try:
+                bufs, short = make(), None
+            except torch.OutOfMemoryError as e:
+                bufs, short = None, e
+            if not _agree_all(short is None, device):
+                raise short or torch.OutOfMemoryError("another rank ran out of memory copying the inputs")
+            samples, full, how = _torch_cp(*bufs, gqa, method, device, rep_ms)
+            del bufs
             timed[(peer, False)], timed[(peer, True)] = samples
             errors[peer] = _rows_on_primary(full, idx)
             del full
