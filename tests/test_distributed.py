@@ -419,13 +419,24 @@ def test_triton_merge_matches_the_torch_merge(block_dtype):
 
 def test_triton_fallback_blocks_give_float64_gradients(monkeypatch):
     """Once the Triton blocks have failed in a process, blocks run in torch math, backward
-    included (the torch backward makes the delta the Triton one would have made)."""
+    included (the torch backward makes the delta the Triton one would have made); stats name the
+    engine that ran and the one that fell back."""
+    import adaattn
     from adaattn.distributed import ring, ring_attention
 
     monkeypatch.setattr(ring._TritonBlocks, "failed", True)
     q, k, v, go = _inputs(torch.float32, 2, 24, seed=7)
     qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
-    out = ring_attention(qs, ks, vs, is_causal=True, enable_gqa=True, cu_seqlens=[0, 10, 24], kernel="triton")
+    with adaattn.stats.collect() as recs:
+        out = ring_attention(qs, ks, vs, is_causal=True, enable_gqa=True, cu_seqlens=[0, 10, 24], kernel="triton")
+    assert [(r.backend, r.fallbacks) for r in recs] == [("ring.torch", ("ring.triton",))]
+    # A cuDNN engine whose blocks went to Triton and on to torch names itself as the one that fell back.
+    monkeypatch.setattr(ring._CudnnBlocks, "failed", True)
+    monkeypatch.setattr(ring, "_engine", lambda *a: ring._CudnnBlocks(q.dtype, False))
+    with adaattn.stats.collect() as recs:
+        again = ring_attention(q, k, v, is_causal=True, enable_gqa=True, cu_seqlens=[0, 10, 24], kernel="cudnn")
+    assert [(r.backend, r.fallbacks) for r in recs] == [("ring.torch", ("ring.cudnn",))]
+    torch.testing.assert_close(again, out.detach(), rtol=0, atol=0)
     (out * go).sum().backward()
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
     ref = reference_attention(qr, kr, vr, attn_mask=_mask(24, True, None, None) & _doc_mask(24, [0, 10, 24]))

@@ -1017,7 +1017,7 @@ def _record(c: _Call, q, k, wall_ms) -> None:
         backend=backend,
         shape=f"B={q.shape[0]} H={q.shape[1]}/{k.shape[1]} n={q.shape[2]} x world {c.world} D={q.shape[3]}",
         dtype=str(q.dtype).replace("torch.", ""), device=str(q.device), mode="exact" if c.adapt is None else "auto",
-        decisions=decisions, fallbacks=("ring.triton",) if engine != c.engine.name else (), wall_ms=wall_ms))
+        decisions=decisions, fallbacks=(f"ring.{c.engine.name}",) if engine != c.engine.name else (), wall_ms=wall_ms))
 
 
 def gather_records(records: list, group=None) -> list:
