@@ -179,6 +179,61 @@ def test_bad_arguments_name_what_they_got():
         decode_attention(torch.randn(1, 2, 1, 16), cache, 0, [s])
 
 
+def _raises(msg, fn, *args):
+    """fn(*args) raises ValueError with exactly `msg`."""
+    with pytest.raises(ValueError) as e:
+        fn(*args)
+    assert str(e.value) == msg
+
+
+def test_an_append_past_max_len_is_refused_naming_max_len_and_writes_nothing():
+    torch.manual_seed(11)
+    cache = KVCache(1, 1, 2, max_len=100, head_dim=16, dtype=torch.float32)  # pages hold 128: the limit is 100
+    k = torch.randn(1, 2, 105, 16)
+    _raises("sequence 0 of layer 0 holds 0 tokens; 105 more would make 105, over max_len=100, the most this "
+            "KVCache holds per sequence", cache.append, 0, k, k)
+    assert cache.length(0) == 0 and cache.lengths.tolist() == [[0]]
+    cache.append(0, k[:, :, :60], k[:, :, :60])
+    _raises("sequence 0 of layer 0 holds 60 tokens; 41 more would make 101, over max_len=100, the most this "
+            "KVCache holds per sequence", cache.append, 0, k[:, :, 60:101], k[:, :, 60:101])
+    cache.append(0, k[:, :, 60:100], k[:, :, 60:100])  # exactly max_len
+    _raises("sequence 0 of layer 0 holds 100 tokens; 1 more would make 101, over max_len=100, the most this "
+            "KVCache holds per sequence", cache.append, 0, k[:, :, :1], k[:, :, :1])
+    _raises("sequence 0 holds 100 tokens; 1 more would make 101, over max_len=100, the most this KVCache holds "
+            "per sequence", cache.reserve, 0, 1)
+    q = torch.randn(1, 2, 1, 16)
+    ref = _reference(q[0], k[0, :, :100], k[0, :, :100])
+    assert cache.length(0) == 100 and _rel(decode_attention(q, cache, 0)[0], ref) < 1e-5
+
+
+def test_an_append_past_max_len_is_checked_per_sequence_before_anything_is_written():
+    cache = KVCache(1, 2, 1, 100, 16, dtype=torch.float32)
+    k = torch.randn(2, 1, 90, 16)
+    cache.append(0, k[1:], k[1:], seqs=[1])  # sequence 1 holds 90, sequence 0 nothing
+    _raises("sequence 1 of layer 0 holds 90 tokens; 11 more would make 101, over max_len=100, the most this "
+            "KVCache holds per sequence", cache.append, 0, k[:, :, :11], k[:, :, :11])
+    assert [cache.length(0), cache.length(1)] == [0, 90] and cache.lengths.tolist() == [[0, 90]]
+    cache.append(0, k[:, :, :10], k[:, :, :10])
+    assert [cache.length(0), cache.length(1)] == [10, 100]
+
+
+def test_a_paged_append_or_reservation_past_what_a_sequence_can_hold_names_max_len():
+    cache = PagedKVCache(2, 1, 16, num_pages=8, page_size=16, dtype=torch.float32, max_pages_per_seq=2)
+    s = cache.add()
+    k = torch.randn(1, 1, 33, 16)
+    tail = "the most this PagedKVCache holds per sequence (max_pages_per_seq=2 pages of page_size=16)"
+    _raises(f"sequence 0 of layer 1 holds 0 tokens; 33 more would make 33, over max_len=32, {tail}",
+            cache.append, 1, [s], k, k)
+    cache.append(1, [s], k[:, :, :20], k[:, :, :20])
+    _raises(f"sequence 0 of layer 1 holds 20 tokens; 13 more would make 33, over max_len=32, {tail}",
+            cache.append, 1, [s], k[:, :, 20:], k[:, :, 20:])  # at the page boundary
+    cache.append(1, [s], k[:, :, 20:32], k[:, :, 20:32])
+    assert cache.length(s, 1) == 32 and len(cache.pages_of(s)) == 2
+    free = len(cache._free_pages)
+    _raises(f"sequence 1 holds 0 tokens; 40 more would make 40, over max_len=32, {tail}", cache.add, 40)
+    assert len(cache._free_pages) == free and cache.add() == 1  # the refused add() kept no id and no page
+
+
 triton = pytest.importorskip("triton")
 
 
@@ -280,3 +335,17 @@ def test_append_kernel_writes_what_the_torch_append_writes(storage):
     kern_c._lengths[0][0] = -1
     kern_c.sync()  # the host mirror read back from the device
     assert kern_c.length(seqs[0], 0) == 10
+
+
+def test_the_append_kernel_path_refuses_an_append_past_max_len_from_the_host_mirror():
+    """The check reads the host mirror of the lengths (no device read per append) before any launch."""
+    from helpers import NEEDS_CUDA_OR_INTERPRETER  # noqa: F401
+
+    cache = KVCache(1, 2, 1, 40, 16, dtype=torch.float32, page_size=16, append="triton")  # pages hold 48
+    k = torch.randn(2, 1, 30, 16)
+    cache.append(0, k, k)
+    _raises("sequence 0 of layer 0 holds 30 tokens; 11 more would make 41, over max_len=40, the most this "
+            "KVCache holds per sequence", cache.append, 0, k[:, :, :11], k[:, :, :11])
+    assert cache.lengths.tolist() == [[30, 30]]
+    cache.append(0, k[:, :, :10], k[:, :, :10])
+    assert cache.lengths.tolist() == [[40, 40]] and cache.length(1) == 40

@@ -115,13 +115,18 @@ class PagedKVCache:
             self._lengths[layer][seq] = 0
         self.lengths[:, seq] = 0
         self._forget(seq)
-        self.reserve(seq, reserve)
+        try:
+            self.reserve(seq, reserve)
+        except (ValueError, RuntimeError):  # a reservation that does not fit adds no sequence
+            self.free(seq)
+            raise
         return seq
 
     def reserve(self, seq: int, tokens: int) -> None:
         """Make room for `tokens` more tokens of `seq` (beyond its longest layer)."""
         self._check_seq(seq)
         longest = max(self._lengths[layer][seq] for layer in range(self.layers))
+        self._check_room(seq, longest, tokens)
         self._ensure(seq, longest + tokens)
 
     def free(self, seq: int) -> None:
@@ -156,12 +161,26 @@ class PagedKVCache:
         if seq not in self._pages:
             raise ValueError(f"sequence {seq!r} is not in this cache (add() returns the ids in use)")
 
+    def _max_len(self) -> tuple[int, str]:
+        """The most tokens one sequence may hold, and where that limit comes from."""
+        return (self.max_pages_per_seq * self.page_size,
+                f"max_pages_per_seq={self.max_pages_per_seq} pages of page_size={self.page_size}")
+
+    def _check_room(self, seq: int, held: int, more: int, layer: Optional[int] = None) -> None:
+        """A ValueError where `held` + `more` tokens would not fit one sequence. `held` is the host
+        mirror of the lengths (no device read); appends replayed in a CUDA graph advance only the
+        device lengths, so those are checked after sync() by their owner (integrations/hf.py)."""
+        cap, why = self._max_len()
+        if held + more > cap:
+            where = f"sequence {seq}" + ("" if layer is None else f" of layer {layer}")
+            raise ValueError(f"{where} holds {held} tokens; {more} more would make {held + more}, over "
+                             f"max_len={cap}, the most this {type(self).__name__} holds per sequence"
+                             + (f" ({why})" if why else ""))
+
     def _ensure(self, seq: int, tokens: int) -> None:
+        """Pages for `tokens` tokens of `seq` (within max_len: _check_room first)."""
         pages = self._pages[seq]
         need = -(-tokens // self.page_size)
-        if need > self.max_pages_per_seq:
-            raise ValueError(f"sequence {seq} would need {need} pages of {self.page_size} tokens, over "
-                             f"max_pages_per_seq={self.max_pages_per_seq}")
         if need - len(pages) > len(self._free_pages):
             raise RuntimeError(f"PagedKVCache is out of pages: {need - len(pages)} more needed, "
                                f"{len(self._free_pages)} free of {self.num_pages}")
@@ -191,9 +210,11 @@ class PagedKVCache:
         t = key.shape[2]
         if t == 0:
             return
+        for s in seqs:  # every sequence is checked before any page is taken
+            self._check_seq(s)
+            self._check_room(s, self._lengths[layer][s], t, layer)
         first = []  # rows whose sequence is empty in this layer: their append sets the keys' center
         for i, s in enumerate(seqs):
-            self._check_seq(s)
             self._ensure(s, self._lengths[layer][s] + t)
             if self._lengths[layer][s] == 0:
                 first.append(i)
@@ -374,6 +395,9 @@ class KVCache(PagedKVCache):
         """Write `key` (B, Hkv, T, D) and `value` after what `layer` holds (every sequence of the
         batch by default)."""
         super().append(layer, range(self.batch) if seqs is None else seqs, key, value)
+
+    def _max_len(self) -> tuple[int, str]:
+        return self.max_len, ""
 
     def free(self, seq: int) -> None:
         raise TypeError("KVCache holds a fixed batch; use reset(seq) to empty a sequence, or PagedKVCache")
