@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import decimal
+import fractions
+import gc
 import threading
+import weakref
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -119,6 +124,76 @@ def test_dropout_matches_sdpa_under_the_same_seed():
     theirs = F.scaled_dot_product_attention(q, k, v, dropout_p=0.3)
     assert torch.equal(ours, theirs)
     assert not torch.allclose(ours, adaattn.attention(q, k, v))
+
+
+# What torch's SDPA takes for scale and dropout_p (torch 2.13): Python and NumPy numbers (bools
+# too) and 0-d tensors of any real dtype that do not require grad; it refuses one-element tensors
+# of more dims, NumPy arrays (0-d too), a tensor that requires grad, str, Fraction and Decimal.
+SDPA_SCALES = [
+    ("float", lambda: 0.5), ("int", lambda: 2), ("bool", lambda: True), ("numpy float32", lambda: np.float32(0.5)),
+    ("numpy float64", lambda: np.float64(0.5)), ("numpy int64", lambda: np.int64(2)), ("numpy bool", lambda: np.bool_(True)),
+    ("0-d float32", lambda: torch.tensor(0.5)), ("0-d float64", lambda: torch.tensor(0.5, dtype=torch.float64)),
+    ("0-d bfloat16", lambda: torch.tensor(0.5, dtype=torch.bfloat16)), ("0-d int64", lambda: torch.tensor(2)),
+    ("0-d bool", lambda: torch.tensor(True)), ("0-d detached", lambda: torch.tensor(0.5, requires_grad=True).detach()),
+]
+SDPA_REFUSES = [
+    ("1-element 1-d", lambda: torch.tensor([0.5])), ("1-element 2-d", lambda: torch.tensor([[0.5]])),
+    ("0-d numpy array", lambda: np.array(0.5)), ("1-d numpy array", lambda: np.array([0.5])),
+    ("requires grad", lambda: torch.tensor(0.5, requires_grad=True)), ("str", lambda: "0.5"),
+    ("Fraction", lambda: fractions.Fraction(1, 2)), ("Decimal", lambda: decimal.Decimal("0.5")), ("complex", lambda: 0.5j),
+]
+
+
+@pytest.mark.parametrize("name,make", SDPA_SCALES, ids=[c[0] for c in SDPA_SCALES])
+def test_scale_and_dropout_take_what_sdpa_takes(name, make):
+    q, k, v = torch.randn(2, 4, 33, 16), torch.randn(2, 4, 40, 16), torch.randn(2, 4, 40, 16)  # default scale 0.25
+    ours = adaattn.attention(q, k, v, scale=make())
+    assert torch.equal(ours, F.scaled_dot_product_attention(q, k, v, scale=make()))
+    assert not torch.allclose(ours, adaattn.attention(q, k, v))  # the scale was applied
+    p = make() * 0.3  # (the same type: 0.6 for the ints, 0.3 for the bools)
+    torch.manual_seed(7)
+    ours = adaattn.attention(q, k, v, dropout_p=p)
+    torch.manual_seed(7)
+    assert torch.equal(ours, F.scaled_dot_product_attention(q, k, v, dropout_p=p))
+    assert not torch.allclose(ours, adaattn.attention(q, k, v))
+
+
+@pytest.mark.parametrize("name,make", SDPA_REFUSES, ids=[c[0] for c in SDPA_REFUSES])
+def test_scale_and_dropout_refuse_what_sdpa_refuses(name, make):
+    q = torch.randn(1, 2, 4, 8)
+    for arg in ("scale", "dropout_p"):
+        with pytest.raises(TypeError):
+            F.scaled_dot_product_attention(q, q, q, **{arg: make()})
+        with pytest.raises(TypeError, match=f"^{arg} must be a float"):
+            adaattn.attention(q, q, q, **{arg: make()})
+    with pytest.raises(TypeError, match="^scale must be a float"):
+        adaattn.varlen_attention(q[0].transpose(0, 1), q[0].transpose(0, 1), q[0].transpose(0, 1),
+                                 torch.tensor([0, 4]), torch.tensor([0, 4]), 4, 4, scale=make())
+
+
+def test_a_tensor_scale_is_read_once_at_the_entry_and_kept_out_of_the_plan_cache():
+    q, k, v = torch.randn(2, 4, 33, 16), torch.randn(2, 4, 40, 16), torch.randn(2, 4, 40, 16)
+    want = adaattn.attention(q, k, v, scale=0.5)
+    s = torch.tensor(0.5)
+    gone = weakref.ref(s)
+    for _ in range(3):  # each call a new tensor: one signature, that of scale=0.5
+        assert torch.equal(adaattn.attention(q, k, v, scale=torch.tensor(0.5), dropout_p=torch.tensor(0.0)), want)
+    assert torch.equal(adaattn.attention(q, k, v, scale=s, dropout_p=torch.tensor(0)), want)
+    assert len(planner._calls) == 1
+    assert not any(isinstance(x, torch.Tensor) for sig in planner._calls for x in sig)
+    del s
+    gc.collect()
+    assert gone() is None  # the cache holds no reference to the caller's tensor
+
+
+def test_varlen_attention_takes_a_tensor_scale():
+    torch.manual_seed(3)
+    q, k, v = torch.randn(20, 2, 16), torch.randn(20, 2, 16), torch.randn(20, 2, 16)
+    cu = torch.tensor([0, 7, 20], dtype=torch.int32)
+    want = adaattn.varlen_attention(q, k, v, cu, cu, 13, 13, scale=0.5)
+    assert not torch.allclose(want, adaattn.varlen_attention(q, k, v, cu, cu, 13, 13))
+    for scale in (torch.tensor(0.5), np.float32(0.5), torch.tensor(0.5, dtype=torch.float64)):
+        assert torch.equal(adaattn.varlen_attention(q, k, v, cu, cu, 13, 13, scale=scale), want)
 
 
 def test_causal_is_top_left_for_unequal_lengths():

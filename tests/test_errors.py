@@ -44,11 +44,23 @@ CASES = [
     ("bad window", lambda: adaattn.attention(*qkv(), window=(-1, 3)), ValueError,
      r"window must be None or a pair \(left, right\) of non-negative ints or None .* got \(-1, 3\)"),
     ("window not a pair", lambda: adaattn.attention(*qkv(), window=5), ValueError, r"window must be None or a pair.*got 5"),
-    ("scale type", lambda: adaattn.attention(*qkv(), scale="0.1"), TypeError, r"scale must be a float or None, got str"),
+    ("scale type", lambda: adaattn.attention(*qkv(), scale="0.1"), TypeError,
+     r"scale must be a float or None \(a Python or NumPy int or float, or a 0-d tensor, as SDPA takes\), got str$"),
     ("scale value", lambda: adaattn.attention(*qkv(), scale=float("nan")), ValueError,
      r"scale must be a finite float or None, got nan"),
     ("dropout value", lambda: adaattn.attention(*qkv(), dropout_p=1.5), ValueError, r"dropout_p must be in \[0, 1\], got 1.5"),
-    ("dropout type", lambda: adaattn.attention(*qkv(), dropout_p="0.1"), TypeError, r"dropout_p must be a float in \[0, 1\], got str"),
+    ("dropout type", lambda: adaattn.attention(*qkv(), dropout_p="0.1"), TypeError,
+     r"dropout_p must be a float in \[0, 1\] \(a Python or NumPy int or float, or a 0-d tensor, as SDPA takes\), got str$"),
+    ("scale 1-element tensor", lambda: adaattn.attention(*qkv(), scale=torch.tensor([0.1])), TypeError,
+     r"^scale must be a float or None \(a Python or NumPy int or float, or a 0-d tensor, as SDPA takes\), "
+     r"got a tensor of shape \(1,\)$"),
+    ("scale 0-d tensor value", lambda: adaattn.attention(*qkv(), scale=torch.tensor(float("inf"))), ValueError,
+     r"^scale must be a finite float or None, got inf$"),
+    ("dropout tensor requiring grad", lambda: adaattn.attention(*qkv(), dropout_p=torch.tensor(0.1, requires_grad=True)),
+     TypeError, r"^dropout_p must be a float in \[0, 1\] \(a Python or NumPy int or float, or a 0-d tensor, as SDPA "
+     r"takes\), got a tensor that requires grad$"),
+    ("dropout 0-d tensor value", lambda: adaattn.attention(*qkv(), dropout_p=torch.tensor(1.5)), ValueError,
+     r"^dropout_p must be in \[0, 1\], got 1.5$"),
     ("is_causal type", lambda: adaattn.attention(*qkv(), is_causal=1), TypeError, r"is_causal must be a bool, got int"),
     ("enable_gqa type", lambda: adaattn.attention(*qkv(), enable_gqa="yes"), TypeError, r"enable_gqa must be a bool, got str"),
     ("policy type", lambda: adaattn.attention(*qkv(), policy="auto"), TypeError,
@@ -110,7 +122,7 @@ def test_a_repeated_call_is_still_validated_when_its_arguments_change_type():
         adaattn.attention(q, k, v, is_causal=1)
     adaattn.attention(q, k, v, dropout_p=0.0)
     with pytest.raises(TypeError, match="dropout_p must be a float"):
-        adaattn.attention(q, k, v, dropout_p=False)
+        adaattn.attention(q, k, v, dropout_p="0.0")
 
 
 def test_a_repeated_call_checks_window_element_types():

@@ -224,6 +224,23 @@ def test_dropout_only_in_training(need_weights):
     assert not torch.equal(m(x, x, x, need_weights=need_weights)[0], m(x, x, x, need_weights=need_weights)[0])
 
 
+@pytest.mark.parametrize("dropout", [torch.tensor(0.5), torch.tensor(0.5, dtype=torch.float64)],
+                         ids=["0-d float32", "0-d float64"])
+def test_dropout_takes_a_0d_tensor_as_sdpa_takes_dropout_p(dropout):
+    torch.manual_seed(0)
+    want = AdaAttention(16, 2, dropout=0.5, batch_first=True).train()
+    m = AdaAttention(16, 2, dropout=dropout, batch_first=True).train()
+    m.load_state_dict(want.state_dict())
+    assert type(m.dropout) is float and m.dropout == 0.5
+    x = torch.randn(1, 12, 16)
+    for need_weights in (False, True):
+        torch.manual_seed(1)
+        ours = m(x, x, x, need_weights=need_weights)[0]
+        torch.manual_seed(1)
+        assert torch.equal(ours, want(x, x, x, need_weights=need_weights)[0])
+    assert AdaAttention(16, 2, dropout=torch.tensor(0)).dropout == 0.0
+
+
 def test_get_statistics_reports_calls_and_backends():
     m = AdaAttention(16, 2, batch_first=True, label="block3.attn")
     x = torch.randn(1, 6, 16)
@@ -380,8 +397,11 @@ def test_constructor_rejects_bad_arguments():
         AdaAttention(30, 4)
     with pytest.raises(ValueError, match=r"num_kv_heads must be a positive divisor of num_heads \(4\), got 3"):
         AdaAttention(32, 4, num_kv_heads=3)
-    with pytest.raises(TypeError, match=r"dropout must be a float in \[0, 1\), got str"):
+    with pytest.raises(TypeError, match=r"^dropout must be a float in \[0, 1\) \(a Python or NumPy int or float, "
+                                        r"or a 0-d tensor, as SDPA takes\), got str$"):
         AdaAttention(32, 4, dropout="0.1")
+    with pytest.raises(TypeError, match=r"^dropout must be a float in \[0, 1\) .*, got a tensor of shape \(1,\)$"):
+        AdaAttention(32, 4, dropout=torch.tensor([0.1]))
     with pytest.raises(ValueError, match="kdim must be a positive int or None, got 0"):
         AdaAttention(32, 4, kdim=0)
     with pytest.raises(TypeError, match="policy must be an adaattn.Policy"):

@@ -11,7 +11,8 @@ from . import planner, settings, stats
 from .backends.varlen import check_varlen
 from .planner import Plan
 from .policy import EXACT, Policy
-from .problem import Documents, Problem, default_scale, documents, from_internal, to_internal, validate, window_sides
+from .problem import (Documents, Problem, check_dropout, check_scale, default_scale, documents, from_internal,
+                      to_internal, validate, window_sides)
 
 
 def _check_policy(policy: object) -> Policy:
@@ -69,6 +70,10 @@ def attention(
     Raises TypeError/ValueError on bad arguments, NoBackendError (a ValueError) when no
     backend can run the call under the policy.
     """
+    if type(dropout_p) is not float or (scale is not None and type(scale) is not float):
+        # ints, NumPy scalars and 0-d tensors, as SDPA takes them, become Python floats here, once:
+        # the call's signature (the plan cache's key) then holds no tensor.
+        dropout_p, scale = check_dropout(dropout_p), check_scale(scale)
     if documents is not None:
         return _document_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout,
                                    window, policy, label, documents)
@@ -401,7 +406,7 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
         raise ValueError(f"causal_alignment must be 'top_left' or 'bottom_right', got {causal_alignment!r}")
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
-    from .problem import check_scale, check_window
+    from .problem import check_window
 
     scale_f = check_scale(scale)
     left, right = window_sides(check_window(window))
@@ -432,7 +437,7 @@ def _document_attention(query, key, value, attn_mask, dropout_p, is_causal, scal
     """attention(..., documents=docs): the tensors packed to (B * N, H, D) (a view for B = 1,
     or for "bshd" tensors contiguous over (B, N)), varlen_attention over the documents, and the
     result viewed back in the call's layout."""
-    from .problem import check_dropout, check_layout
+    from .problem import check_layout
 
     if not isinstance(docs, Documents):
         docs = documents(docs)

@@ -14,6 +14,7 @@ from torch import nn
 from . import stats
 from .api import attention
 from .policy import Policy
+from .problem import sdpa_float
 
 _ids = itertools.count()
 
@@ -78,8 +79,8 @@ class AdaAttention(nn.Module):
         kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if isinstance(kv_heads, bool) or not isinstance(kv_heads, int) or kv_heads <= 0 or num_heads % kv_heads:
             raise ValueError(f"num_kv_heads must be a positive divisor of num_heads ({num_heads}), got {num_kv_heads!r}")
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
-            raise TypeError(f"dropout must be a float in [0, 1), got {type(dropout).__name__}")
+        if type(dropout) is not float:  # what SDPA takes for dropout_p: ints, NumPy scalars, 0-d tensors
+            dropout = sdpa_float("dropout", dropout, "a float in [0, 1)")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1), got {dropout!r}")
         for name, val in (("kdim", kdim), ("vdim", vdim)):

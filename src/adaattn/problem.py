@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -187,22 +188,47 @@ def check_window(window: object) -> tuple[int | None, int | None] | None:
     return (left, right)
 
 
+NUMBER = "(a Python or NumPy int or float, or a 0-d tensor, as SDPA takes)"
+
+
+def sdpa_float(name: str, value: object, allowed: str) -> float:
+    """`value` as a Python float, taking what torch's scaled_dot_product_attention takes for its
+    float arguments (scale, dropout_p): a Python int or float (bool included), a NumPy integer,
+    float or bool scalar, or a 0-d real tensor that does not require grad (read on the host once,
+    as SDPA reads it). Refused as SDPA refuses them: a tensor of one element but more dims, a
+    tensor that requires grad, a NumPy array, str, Fraction, Decimal; refused here too: complex
+    (SDPA drops a NumPy complex's imaginary part). TypeError names `name`, what it got, `allowed`."""
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 and not value.requires_grad and not value.is_complex():
+            return float(value)
+        got = ("a tensor that requires grad" if value.requires_grad else
+               f"a complex tensor ({value.dtype})" if value.is_complex() else
+               f"a tensor of shape {tuple(value.shape)}")
+        raise TypeError(f"{name} must be {allowed} {NUMBER}, got {got}")
+    numpy = sys.modules.get("numpy")  # (a NumPy scalar means NumPy is imported; never import it here)
+    if numpy is not None and isinstance(value, (numpy.integer, numpy.floating, numpy.bool_)):
+        return float(value)
+    raise TypeError(f"{name} must be {allowed} {NUMBER}, got {type(value).__name__}")
+
+
 def check_scale(scale: object) -> float | None:
     if scale is None:
         return None
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if type(scale) is not float:
+        scale = sdpa_float("scale", scale, "a float or None")
     if not math.isfinite(scale):
         raise ValueError(f"scale must be a finite float or None, got {scale!r}")
-    return float(scale)
+    return scale
 
 
 def check_dropout(dropout_p: object) -> float:
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
-        raise TypeError(f"dropout_p must be a float in [0, 1], got {type(dropout_p).__name__}")
+    if type(dropout_p) is not float:
+        dropout_p = sdpa_float("dropout_p", dropout_p, "a float in [0, 1]")
     if not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p!r}")
-    return float(dropout_p)
+    return dropout_p
 
 
 def _broadcastable(shape: tuple, target: tuple) -> bool:
