@@ -316,6 +316,51 @@ def test_varlen_reads_a_checked_offsets_tensor_back_once_until_it_changes(monkey
     assert len(reads) == 8
 
 
+VARLEN_RULES = [  # (offsets, max_seqlen, the message after "cu_seqlens_X ")
+    ([1, 5, 22, 31], 26, "must start at 0, got cu_seqlens_{s}[0]=1 (cu_seqlens_{s}=[1, 5, 22, 31])"),
+    ([0, 5, 3, 31], 28, "must never decrease, got cu_seqlens_{s}[1]=5 > cu_seqlens_{s}[2]=3 "
+                        "(cu_seqlens_{s}=[0, 5, 3, 31])"),
+    ([0, 5, 22, 40], 26, "must end at most at the packed length 31 ({s}.shape[0]), got cu_seqlens_{s}[-1]=40 "
+                         "(cu_seqlens_{s}=[0, 5, 22, 40])"),
+    ([0, 5, 22, 31], 16, "must hold no sequence longer than max_seqlen_{s}=16, got sequence 1 of 17 tokens "
+                         "(cu_seqlens_{s}=[0, 5, 22, 31])"),
+]
+
+
+@pytest.mark.parametrize("side", ["q", "k"])
+@pytest.mark.parametrize("offsets,longest,message", VARLEN_RULES, ids=["start", "decrease", "end", "longest"])
+def test_varlen_offsets_error_names_the_rule_and_the_tensor_that_broke_it(side, offsets, longest, message):
+    x = torch.randn(TOKENS, 2, 16, dtype=torch.float64)
+    bad, good = torch.tensor(offsets), torch.tensor(GOOD)
+    cu_q, cu_k = (bad, good) if side == "q" else (good, bad)
+    with pytest.raises(ValueError) as e:
+        adaattn.varlen_attention(x, x, x, cu_q, cu_k, *((longest, 26) if side == "q" else (26, longest)))
+    assert str(e.value) == f"cu_seqlens_{side} " + message.format(s=side)
+
+
+def test_varlen_offsets_error_lists_every_rule_broken_after_one_flag_read(monkeypatch):
+    """The good path reads the offsets' per-rule flags back in one read; the error path reads the
+    offsets themselves once more, to quote them."""
+    from adaattn.backends.varlen import check_varlen
+
+    x = torch.randn(TOKENS, 2, 16, dtype=torch.float64)
+    reads = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(tuple(t.shape)) or real(t))
+    for name in ("item", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, lambda t, name=name: pytest.fail(f"a {name}() read"))
+    check_varlen(x, x, x, torch.tensor(GOOD), torch.tensor(GOOD), 26, 26, True)
+    assert reads == [(2, 4)]  # both tensors' four flags, one read
+    reads.clear()
+    with pytest.raises(ValueError) as e:
+        check_varlen(x, x, x, torch.tensor(GOOD), torch.tensor([2, 1, 40, 45]), 26, 26, True)
+    assert reads == [(2, 4), (4,)]
+    assert str(e.value) == ("cu_seqlens_k must start at 0, got cu_seqlens_k[0]=2; and must never decrease, got "
+                            "cu_seqlens_k[0]=2 > cu_seqlens_k[1]=1; and must end at most at the packed length 31 "
+                            "(k.shape[0]), got cu_seqlens_k[-1]=45; and must hold no sequence longer than "
+                            "max_seqlen_k=26, got sequence 1 of 39 tokens (cu_seqlens_k=[2, 1, 40, 45])")
+
+
 # ------------------------------------------------------------------ backend names
 
 

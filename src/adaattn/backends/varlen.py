@@ -58,25 +58,41 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
               ("cu_seqlens_k", cu_seqlens_k, k.shape[0], max_seqlen_k)) if not _checked(cu, total, longest)]
     if not sides:
         return
-    flags = [_offsets_bad(cu, total, longest) for _, cu, total, longest in sides]
-    if bool(torch.stack(flags).any()):  # one host read for both
-        name, cu, total, longest = next(side for side, bad in zip(sides, flags) if bool(bad))
-        values = cu.tolist()
-        raise ValueError(f"{name} must start at 0, never decrease, end at most at the packed length {total}, "
-                         f"and hold no sequence longer than {'max_seqlen_q' if name.endswith('q') else 'max_seqlen_k'}"
-                         f"={longest}; got {values if len(values) <= 16 else values[:16] + ['...']}")
+    flags = torch.stack([_offsets_bad(cu, total, longest) for _, cu, total, longest in sides]).tolist()
+    for (name, cu, total, longest), bad in zip(sides, flags):  # (one host read above, for both tensors)
+        if any(bad):
+            _refuse_offsets(name, cu, total, longest, bad)
     for _, cu, total, longest in sides:
         _remember(cu, total, longest)
 
 
 def _offsets_bad(cu: torch.Tensor, total: int, longest: int) -> torch.Tensor:
-    """A 0-d bool tensor on cu's device: True where cu does not start at 0, decreases, ends past
-    total, or holds a sequence longer than longest."""
+    """A (4,) bool tensor on cu's device, a flag per rule cu breaks, in this order: it does not start
+    at 0, it decreases, it ends past total, it holds a sequence longer than longest."""
     lengths = cu.diff()
-    bad = (cu[0] != 0) | (lengths < 0).any() | (cu[-1] > total)
-    if lengths.numel():
-        bad = bad | (lengths.max() > longest)
-    return bad
+    return torch.stack([cu[0] != 0, (lengths < 0).any(), cu[-1] > total, (lengths > longest).any()])
+
+
+def _refuse_offsets(name: str, cu: torch.Tensor, total: int, longest: int, bad: list[bool]) -> None:
+    """The ValueError for offsets that broke the rules flagged in `bad` (the error path reads the
+    offsets' values back to quote them)."""
+    values = cu.tolist()
+    lengths = [b - a for a, b in zip(values, values[1:])]
+    side = name[-1]
+    broken = []
+    if bad[0]:
+        broken.append(f"must start at 0, got {name}[0]={values[0]}")
+    if bad[1]:
+        i = next(i for i, n in enumerate(lengths) if n < 0)
+        broken.append(f"must never decrease, got {name}[{i}]={values[i]} > {name}[{i + 1}]={values[i + 1]}")
+    if bad[2]:
+        broken.append(f"must end at most at the packed length {total} ({side}.shape[0]), got {name}[-1]={values[-1]}")
+    if bad[3]:
+        i = max(range(len(lengths)), key=lengths.__getitem__)
+        broken.append(f"must hold no sequence longer than max_seqlen_{side}={longest}, got sequence {i} of "
+                      f"{lengths[i]} tokens")
+    shown = values if len(values) <= 16 else values[:16] + ["..."]
+    raise ValueError(f"{name} {'; and '.join(broken)} ({name}={shown})")
 
 
 # Offsets tensors whose values passed the check: id -> (weak reference, version counter, the
