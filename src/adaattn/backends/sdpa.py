@@ -20,6 +20,53 @@ from .base import Runner
 from .masks import fold_positions
 
 HALF = (torch.float16, torch.bfloat16)
+FUSED = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)
+ALIGN_BYTES = 16  # the fused kernels' vector loads: base pointer and row strides
+ALIGN_DIM = 8  # and head dims, in elements (torch's SDPA pads to this too)
+
+
+def padded_dim(dim: int) -> int:
+    """`dim` rounded up to what a fused kernel's rows take."""
+    return -(-dim // ALIGN_DIM) * ALIGN_DIM
+
+
+def fused_ready(t: torch.Tensor) -> bool:
+    """Unit last stride, a head dim of whole vectors, a 16-byte aligned base, and 16-byte
+    multiples for every other stride of a dim longer than one: what torch's fused kernels load
+    without a fault or a refusal."""
+    e = t.element_size()
+    if t.stride(-1) != 1 or t.shape[-1] % ALIGN_DIM or t.data_ptr() % ALIGN_BYTES:
+        return False
+    return all((st * e) % ALIGN_BYTES == 0 for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
+
+
+def fused_form(t: torch.Tensor, width: int) -> torch.Tensor:
+    """`t` as a fused kernel takes it: itself where `fused_ready` at `width`, else a fresh copy
+    with the head dim zero-padded to `width` (zeros add nothing to q.k and are sliced off the
+    output), as torch's own SDPA pads. The copy moves N x D elements once, against the N^2 x D
+    work of the attention it makes runnable on a fused kernel instead of the math one."""
+    if t.shape[-1] == width and fused_ready(t):
+        return t
+    if t.shape[-1] != width:
+        return F.pad(t, (0, width - t.shape[-1]))
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+# The efficient kernel scales scores and bias by log2(e): an additive mask's finfo.min (the Hugging
+# Face "masked" value) overflows to -inf there, and a row masked that way gives zeros where SDPA's
+# math gives uniform weights over its keys (a CUDA fuzzer, H200, torch 2.11). Below this floor a
+# finite bias has the same effect as finfo.min (the scores vanish beside it) and stays finite.
+MASK_FLOOR = -1e30
+
+
+def finite_floor(attn_mask: torch.Tensor) -> torch.Tensor:
+    """An additive mask with finite values below MASK_FLOOR raised to it (-inf stays: such keys
+    take no part); the gradient passes to every element unchanged."""
+    low = (attn_mask < MASK_FLOOR) & (attn_mask > float("-inf"))
+    floor = torch.full((), MASK_FLOOR, dtype=attn_mask.dtype, device=attn_mask.device)
+    if attn_mask.requires_grad:  # the floored value, with the gradient of the identity
+        floor = floor + (attn_mask - attn_mask.detach())
+    return torch.where(low, floor, attn_mask)
 
 
 class SdpaRunner(Runner):
@@ -41,6 +88,7 @@ class SdpaRunner(Runner):
         empty: bool = True,
         direct=None,
         masks_reason: str = "takes no attn_mask.",
+        gqa_masks_reason: str | None = None,
     ):
         self.name = name
         self.kernel = kernel
@@ -56,6 +104,7 @@ class SdpaRunner(Runner):
         self.empty = empty
         self.direct = direct
         self.masks_reason = masks_reason
+        self.gqa_masks_reason = gqa_masks_reason
 
     def supports(self, problem, policy) -> list[str]:
         reasons = []
@@ -70,8 +119,11 @@ class SdpaRunner(Runner):
                 need = "sm{}{}".format(*self.min_capability)
                 reasons.append(f"needs compute capability {need} or newer, this GPU is "
                                f"{hardware.arch('cuda', problem.device_index)}.")
-        if self.max_head_dim is not None and max(problem.head_dim, problem.value_dim) > self.max_head_dim:
-            reasons.append(f"head_dim {max(problem.head_dim, problem.value_dim)} exceeds its limit {self.max_head_dim}.")
+        widest = max(problem.head_dim, problem.value_dim)
+        if self.kernel in FUSED:  # rows are padded to whole vectors (fused_form)
+            widest = padded_dim(widest)
+        if self.max_head_dim is not None and widest > self.max_head_dim:
+            reasons.append(f"head_dim {widest} exceeds its limit {self.max_head_dim}.")
         if not self.value_dim_differs and problem.value_dim != problem.head_dim:
             reasons.append("value head_dim differs from query/key head_dim.")
         if not self.masks:
@@ -79,6 +131,14 @@ class SdpaRunner(Runner):
                 reasons.append(self.masks_reason)
             if problem.window is not None:
                 reasons.append("has no sliding window, and cannot take the mask that would emulate one.")
+        if self.kernel in FUSED and not problem.scale > 0:
+            reasons.append("needs a positive scale: torch's fused kernels gave NaN outputs and gradients at a scale "
+                           "<= 0 (a CUDA fuzzer, H200, torch 2.11; the ring's notes saw the same).")
+        if self.kernel == SDPBackend.EFFICIENT_ATTENTION and problem.mask_grad_only:
+            reasons.append("cannot give the gradient of an attn_mask alone: with no q, k or v needing one, its "
+                           "forward keeps no log-sum-exp and its backward raises (torch 2.11).")
+        if self.gqa_masks_reason and problem.gqa and (problem.mask_kind != "none" or problem.window is not None):
+            reasons.append(self.gqa_masks_reason)
         if not self.dropout and problem.dropout_p > 0:
             reasons.append("does not implement dropout.")
         if not self.causal_unequal and problem.causal and problem.q_len != problem.kv_len:
@@ -103,6 +163,9 @@ class SdpaRunner(Runner):
         if math_like_torch:
             with sdpa_kernel(SDPBackend.MATH):
                 return self._run(query, key, value, attn_mask, problem)
+        if self.kernel in FUSED and not (problem.tma_aligned and problem.head_dim % ALIGN_DIM == 0
+                                         and problem.value_dim % ALIGN_DIM == 0):
+            return self._run_fused_form(query, key, value, attn_mask, problem)
         if (
             self.direct is not None
             and problem.mask_kind == "none"
@@ -117,6 +180,20 @@ class SdpaRunner(Runner):
             return self.direct(query, key, value, problem)
         return self._run(query, key, value, attn_mask, problem)
 
+    def _run_fused_form(self, query, key, value, attn_mask, problem):
+        """A call whose q, k or v a fused kernel cannot load as they are (a last-dim slice at an
+        odd offset, a transposed last dim, a head dim of part vectors): run it on `fused_form`
+        copies, the value's padding sliced off the output."""
+        width, value_width = padded_dim(problem.head_dim), padded_dim(problem.value_dim)
+        if not self.value_dim_differs:
+            width = value_width = max(width, value_width)
+        q, k, v = fused_form(query, width), fused_form(key, width), fused_form(value, value_width)
+        direct = (self.direct is not None and problem.mask_kind == "none" and problem.window is None
+                  and not problem.gqa and problem.dropout_p == 0.0 and width == value_width
+                  and problem.scale > 0 and not torch.compiler.is_compiling())
+        out = self.direct(q, k, v, problem) if direct else self._run(q, k, v, attn_mask, problem)
+        return out[..., :problem.value_dim] if value_width != problem.value_dim else out
+
     def _run(self, query, key, value, attn_mask, problem):
         causal = problem.causal
         # A non-positive scale with is_causal gives NaN in torch's kernels (CPU math and fused,
@@ -126,6 +203,8 @@ class SdpaRunner(Runner):
                 attn_mask, problem.q_len, problem.kv_len, causal, problem.window, query.device, query.dtype
             )
             causal = False
+        if self.kernel == SDPBackend.EFFICIENT_ATTENTION and attn_mask is not None and attn_mask.dtype != torch.bool:
+            attn_mask = finite_floor(attn_mask)
         gqa = problem.gqa
         if gqa and not self.native_gqa:
             key = key.repeat_interleave(problem.gqa_groups, dim=1)
@@ -179,6 +258,9 @@ def sdpa_runners() -> list[SdpaRunner]:
             "sdpa.efficient", SDPBackend.EFFICIENT_ATTENTION, "cuda",
             (torch.float16, torch.bfloat16, torch.float32), min_capability=(5, 0),
             native_gqa=False, empty=False, direct=_efficient,
+            gqa_masks_reason="takes no mask or window with GQA: torch runs its math kernel there, and this "
+            "kernel on repeated heads gave finfo.min rows zeros instead of SDPA's uniform weights, and "
+            "gradients 2.5-3x torch's error (a CUDA fuzzer, H200, torch 2.11).",
         ),
         SdpaRunner("sdpa.math", SDPBackend.MATH, "cuda", all_float),
     ]

@@ -1,0 +1,5 @@
+import sys
+
+from .sdpa import main
+
+sys.exit(main())

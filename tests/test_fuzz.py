@@ -1,0 +1,49 @@
+"""The fuzzer (tests/fuzz) on the CPU: a few hundred configurations of the default policy, and
+the Triton runners under the interpreter, each against its float64 softmax (CUDA: test_gpu_fuzz)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from fuzz.sdpa import check, draw, main
+
+
+def _run(n, seed, policy, device="cpu"):
+    findings = []
+    for index in range(n):
+        result = check(draw(seed, index, device, policy), device)
+        if result["status"] not in ("ok", "declined"):
+            findings.append(f"{result['status']}: {result.get('why', '')[:200]} | {result['repro']}")
+    return findings
+
+
+def test_default_policy_meets_the_standard_on_fuzzed_configurations():
+    assert _run(300, 20261127, "default") == []
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="the Triton runners need the interpreter here")
+def test_triton_runners_meet_the_standard_on_fuzzed_configurations():
+    pytest.importorskip("triton")
+    assert _run(80, 20261127, "triton") == []
+
+
+def test_a_configuration_is_the_same_from_its_seed_and_index():
+    assert draw(3, 17, "cpu") == draw(3, 17, "cpu")
+    assert draw(3, 17, "cpu") != draw(3, 18, "cpu")
+
+
+def test_only_prints_the_result_and_fails_on_a_finding(capsys, monkeypatch):
+    import fuzz.sdpa as sdpa
+
+    assert main(["--device", "cpu", "--seed", "1", "--only", "4"]) == 0
+    assert '"status": "ok"' in capsys.readouterr().out
+    import adaattn
+
+    real = adaattn.attention
+    monkeypatch.setattr(adaattn, "attention", lambda *a, **k: real(*a, **k) * 1.5)  # a 50% error
+    index = next(i for i in range(50) if draw(1, i, "cpu").q_len > 0 and draw(1, i, "cpu").kv_len > 0
+                 and draw(1, i, "cpu").mask == "none")
+    assert main(["--device", "cpu", "--seed", "1", "--only", str(index)]) == 1
+    assert "over the standard: out" in capsys.readouterr().out

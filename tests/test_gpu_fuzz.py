@@ -1,0 +1,148 @@
+"""On CUDA: the fuzzer's run (tests/fuzz), and one regression test for each class it found at
+34bab39 (faults on misaligned views, finfo.min masks with GQA, gradients over the standard,
+fallback warnings on legal inputs)."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import warnings
+
+import pytest
+import torch
+
+import adaattn
+from fuzz.sdpa import main, rel_err
+
+pytestmark = pytest.mark.gpu
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _no_fallback_warning(fn):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fn()
+        torch.cuda.synchronize()
+    assert [str(w.message) for w in caught if "adaattn" in str(w.message)] == []
+    return out
+
+
+def _ref64(q, k, v, mask=None, causal=False, scale=None, window=None):
+    q, k, v = q.double(), k.double(), v.double()
+    g = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(g, -3), v.repeat_interleave(g, -3)
+    s = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    nq, nk = s.shape[-2:]
+    i, j = torch.arange(nq, device=q.device)[:, None], torch.arange(nk, device=q.device)[None]
+    keep = torch.ones(nq, nk, dtype=torch.bool, device=q.device)
+    if causal:
+        keep &= j <= i
+    if window is not None:
+        keep &= (j >= i - window[0]) & (j <= i + window[1])
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            keep = keep & mask
+        else:
+            s = s + mask.double()
+    s = s.masked_fill(~keep, -math.inf)
+    top = s.amax(-1, keepdim=True)
+    dead = torch.isneginf(top)
+    p = torch.exp(s - torch.where(dead, 0.0, top))
+    return (p / p.sum(-1, keepdim=True).clamp_min(1e-300)).masked_fill(dead, 0.0) @ v
+
+
+@cuda
+def test_fuzzer_finds_nothing_in_2000_configurations_within_two_minutes(tmp_path):
+    # Worker processes share the GPU: a new shape's cuDNN plan and Triton compile are host work.
+    path = tmp_path / "fuzz.json"
+    t0 = time.perf_counter()
+    code = main(["--device", "cuda", "--n", "2000", "--seed", "20261127", "--jobs", "12", "--json", str(path)])
+    took = time.perf_counter() - t0
+    summary = json.loads(path.read_text())
+    assert [f"{r['status']}: {r.get('why', '')[:200]} | {r['repro']}" for r in summary["findings"]] == []
+    assert code == 0 and summary["ran"] == 2000
+    assert took < 120
+
+
+@cuda
+@pytest.mark.parametrize("dtype,d,which", [(torch.float32, 256, "k"), (torch.bfloat16, 80, "v"),
+                                           (torch.float16, 8, "q"), (torch.float32, 128, "q")])
+def test_views_at_odd_offsets_run_without_a_fault_or_a_warning(dtype, d, which):
+    base = {n: torch.randn(2, 4, 7, d + 3, dtype=dtype, device="cuda") for n in "qkv"}
+    t = {n: base[n][..., :d].contiguous() for n in "qkv"}
+    t[which] = base[which][..., 3:3 + d]  # a last-dim slice: its base is 6 or 12 bytes off 16
+    out = _no_fallback_warning(lambda: adaattn.attention(t["q"], t["k"], t["v"]))
+    assert rel_err(out, _ref64(t["q"], t["k"], t["v"]), 1.0) < (1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@cuda
+def test_misaligned_base_of_a_contiguous_tensor_runs_on_a_fused_kernel():
+    flat = torch.randn(2 * 4 * 64 * 128 + 3, device="cuda")
+    q = flat[3:].view(2, 4, 64, 128)  # contiguous, 12 bytes off 16
+    k, v = torch.randn(2, 4, 64, 128, device="cuda"), torch.randn(2, 4, 64, 128, device="cuda")
+    out = _no_fallback_warning(lambda: adaattn.attention(q, k, v, is_causal=True))
+    assert rel_err(out, _ref64(q, k, v, causal=True), 1.0) < 1e-5
+    assert adaattn.explain(q, k, v, is_causal=True).chosen == "sdpa.efficient"
+
+
+@cuda
+def test_bshd_gqa_query_slice_with_a_window_matches_float64():
+    base = torch.randn(3, 2, 4, 48 + 5, device="cuda")
+    q = base[..., 5:]  # (B, N, H, D), a last-dim slice
+    k, v = torch.randn(3, 64, 2, 48, device="cuda"), torch.randn(3, 64, 2, 48, device="cuda")
+    out = _no_fallback_warning(lambda: adaattn.attention(q, k, v, window=(1, 5), enable_gqa=True, layout="bshd"))
+    ref = _ref64(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window=(1, 5)).transpose(1, 2)
+    assert rel_err(out, ref, 1.0) < 1e-5
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_finfo_min_additive_mask_with_gqa_gives_sdpa_uniform_rows(dtype):
+    torch.manual_seed(0)
+    q = torch.randn(3, 4, 3, 32, dtype=dtype, device="cuda")
+    k, v = torch.randn(3, 2, 3, 32, dtype=dtype, device="cuda"), torch.randn(3, 2, 3, 32, dtype=dtype, device="cuda")
+    mask = torch.zeros(3, 3, dtype=dtype, device="cuda")
+    mask[1] = torch.finfo(dtype).min  # a dead row: SDPA gives it uniform weights over its keys
+    mask[2, 0] = torch.finfo(dtype).min
+    out = adaattn.attention(q, k, v, attn_mask=mask, scale=1.33, enable_gqa=True)
+    torch_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.33,
+                                                                 enable_gqa=True)
+    ref = _ref64(q, k, v, mask=mask, scale=1.33)
+    assert rel_err(out, ref, 1.0) <= 2 * rel_err(torch_out, ref, 1.0) + 1e-6
+
+
+@cuda
+def test_negative_scale_does_not_run_a_fused_kernel_that_gives_nan():
+    x = torch.randn(1, 43, 2, 16, dtype=torch.float16, device="cuda", requires_grad=True)
+    out = adaattn.attention(x, x, x, scale=-0.5, layout="bshd")
+    out.sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+    ref = _ref64(*(x.detach().transpose(1, 2),) * 3, scale=-0.5).transpose(1, 2)
+    assert rel_err(out, ref, 1.0) < 1e-3
+
+
+@cuda
+def test_gradient_of_an_additive_mask_alone():
+    q, k, v = (torch.randn(1, 16, 5, 64, dtype=torch.float16, device="cuda") for _ in range(3))
+    mask = torch.randn(16, 5, 5, dtype=torch.float16, device="cuda", requires_grad=True)
+    out = adaattn.attention(q, k, v, attn_mask=mask, is_causal=True)
+    (g,) = torch.autograd.grad(out.float().sum(), mask)
+    m64 = mask.detach().double().requires_grad_(True)
+    (g64,) = torch.autograd.grad(_ref64(q, k, v, mask=m64, causal=True).sum(), m64)
+    assert rel_err(g, g64, 1.0) < 1e-2
+
+
+@cuda
+@pytest.mark.parametrize("shape", [(2, 1, 1, 37), (2, 1, 37, 37)])
+def test_hf_padding_mask_for_a_37_token_prompt_raises_no_warning(shape):
+    q = torch.randn(2, 32, 37, 128, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.randn(2, 8, 37, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    mask = torch.ones(*shape, dtype=torch.bool, device="cuda")
+    mask[0, ..., :5] = False  # left padding of the first prompt
+    if shape[-2] == 37:
+        mask &= torch.ones(37, 37, dtype=torch.bool, device="cuda").tril()
+    out = _no_fallback_warning(lambda: adaattn.attention(q, k, v, attn_mask=mask, enable_gqa=True))
+    torch_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    ref = _ref64(q, k, v, mask=mask)
+    assert rel_err(out, ref, 1.0) <= 2 * rel_err(torch_out, ref, 1.0) + 1e-6
