@@ -283,6 +283,29 @@ def _cuda_problem(monkeypatch):
     return replace(problem, device_type="cuda", device_index=0)
 
 
+def test_auto_alone_allows_every_precision_and_approximation_under_the_default_tolerance():
+    from adaattn.planner import REGISTRY
+
+    auto = adaattn.Policy(mode="auto")
+    assert auto.tolerance == adaattn.Policy().tolerance == 1e-2
+    assert auto.precisions == ALL and auto.approximations == ("lowrank", "skip")
+    assert auto == adaattn.Policy(mode="auto", precisions=ALL, approximations=("lowrank", "skip"))
+    assert adaattn.Policy(mode="auto", tolerance=5e-2, verify=1.0).approximations == ("lowrank", "skip")
+    # Naming a list allows exactly what the lists name; exact allows nothing.
+    assert adaattn.Policy(mode="auto", precisions=ALL).approximations == ()
+    assert adaattn.Policy(mode="auto", approximations=("skip",)).precisions == ("native",)
+    assert (adaattn.Policy().precisions, adaattn.Policy().approximations) == (("native",), ())
+    # No approximate runner is stopped by Policy(mode="auto") (what they decline for here is the
+    # call's, not the policy's); a policy naming only "native" stops every one of them.
+    q = torch.randn(1, 4, 8192, 64, dtype=torch.bfloat16)
+    approximate = {name for name, r in REGISTRY.items() if not r.exact}
+    assert {"triton.rank", "triton.quant.ws", "triton.quant.general"} <= approximate
+    for policy, stopped in ((auto, set()), (adaattn.Policy(mode="auto", precisions=("native",)), approximate)):
+        reasons = adaattn.explain(q, q, q, is_causal=True, policy=policy).as_dict()["backends"]
+        assert {n for n in approximate if any(("Policy.precisions" in r or "Policy.approximations" in r)
+                                              for r in reasons[n])} == stopped, reasons
+
+
 def test_fp8_is_dropped_where_tensor_cores_lack_it(monkeypatch):
     problem = _cuda_problem(monkeypatch)
     levels, reasons = runner.allowed_levels(problem, adaattn.Policy(mode="auto", precisions=ALL))

@@ -602,9 +602,16 @@ def test_policy_refusals_and_exact_reasons():
     from adaattn.distributed import RingAttention, ring_attention
 
     q, k, v, _ = _policy_inputs()
-    with pytest.raises(ValueError, match="approximations"):
+    with pytest.raises(ValueError, match=re.escape("Policy.approximations=('skip',) (rank approximations) is not "
+                                                   "available across ranks and Policy.precisions=('native',) allows "
+                                                   "no quantized level")):
         ring_attention(q, k, v, is_causal=True, enable_gqa=True, kernel="triton",
                        policy=Policy(mode="auto", approximations=("skip",)))
+    # Policy(mode="auto") alone allows rank approximations too: the ring runs what it has of it.
+    exact = ring_attention(q, k, v, is_causal=True, enable_gqa=True, kernel="torch")
+    with adaattn.stats.collect() as recs:
+        out = ring_attention(q, k, v, is_causal=True, enable_gqa=True, kernel="torch", policy=Policy(mode="auto"))
+    assert torch.equal(out, exact) and recs[0].mode == "auto" and "kernel='torch'" in recs[0].decisions["why"]
     with pytest.raises(ValueError, match="backends"):
         ring_attention(q, k, v, is_causal=True, enable_gqa=True, cu_seqlens=[0, 30, PN],
                        policy=Policy(backends=("triton",)))

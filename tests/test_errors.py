@@ -78,7 +78,11 @@ def test_bad_input_raises_a_clear_error(name, call, error, message):
 
 POLICY_CASES = [
     (dict(mode="fast"), ValueError, r"Policy.mode must be one of \('exact', 'auto'\), got 'fast'"),
-    (dict(tolerance=0), ValueError, r"Policy.tolerance must be a finite float > 0, got 0"),
+    (dict(tolerance=0), ValueError, r"^Policy.tolerance must be in \(0, 1\) \(a relative error, exclusive\), got 0$"),
+    (dict(tolerance=2), ValueError, r"^Policy.tolerance must be in \(0, 1\) \(a relative error, exclusive\), got 2$"),
+    (dict(tolerance=1.0), ValueError, r"^Policy.tolerance must be in \(0, 1\) \(a relative error, exclusive\), got 1.0$"),
+    (dict(mode="auto", tolerance=float("nan")), ValueError, r"^Policy.tolerance must be in \(0, 1\) .*, got nan$"),
+    (dict(tolerance=-1e-3), ValueError, r"^Policy.tolerance must be in \(0, 1\) .*, got -0.001$"),
     (dict(tolerance="1e-2"), TypeError, r"Policy.tolerance must be a float, got str"),
     (dict(mode="auto", precisions=("int4",)), ValueError, r"Policy.precisions entries must be from \('native', 'int8', 'fp8'\), got 'int4'"),
     (dict(mode="auto", approximations=("prune",)), ValueError, r"Policy.approximations entries must be from \('lowrank', 'skip'\), got 'prune'"),
@@ -95,6 +99,11 @@ POLICY_CASES = [
 def test_bad_policy_raises_on_construction(kwargs, error, message):
     with pytest.raises(error, match=message):
         Policy(**kwargs)
+
+
+def test_policy_tolerance_takes_any_value_inside_zero_one():
+    for tol in (1e-9, 0.5, 0.999, 1 - 1e-12):
+        assert Policy(mode="auto", tolerance=tol).tolerance == tol
 
 
 def test_policy_accepts_auto_and_a_single_backend_name():

@@ -332,6 +332,22 @@ def test_eval_command_reports_bits_per_byte_errors_and_entropy(tmp_path, capsys)
     assert ev.cli(["--weights", str(tmp_path / "none.pt"), "--device", "cpu"]) == 2
 
 
+def test_eval_command_takes_the_policy_defaults_of_adaattn_policy(tmp_path, capsys):
+    from adaattn import Policy
+
+    path = save(tiny_model(), tmp_path / "w.pt", "int8")
+    out = tmp_path / "eval.json"
+    args = ["--weights", str(path), "--context", "32", "--device", "cpu", "--max-windows", "1", "--error-rows", "4",
+            "--no-structure", "--json", str(out)]
+    for extra, want in ((["--mode", "auto"], Policy(mode="auto")),
+                        (["--mode", "auto", "--precisions", "int8"], Policy(mode="auto", precisions=("int8",))),
+                        ([], Policy())):
+        assert ev.cli(args + extra) == 0
+        assert json.loads(out.read_text())["policy"] == repr(want), extra
+    assert ev.cli(args + ["--mode", "auto", "--tolerance", "1"]) == 2
+    assert "Policy.tolerance must be in (0, 1)" in capsys.readouterr().err
+
+
 def test_eval_command_repeats_the_scoring_and_reports_each_pass(tmp_path, capsys):
     # --repeat scores the same windows again through the same call sites: the bits per byte do not
     # move, and each pass's wall time is reported (the later passes are the warm cost).

@@ -201,7 +201,9 @@ def test_the_cpu_path_gives_the_kernels_result():
 def test_the_plan_says_why_sparse_decode_does_or_does_not_run():
     cache = KVCache(1, 1, 2, 256, 16, dtype=torch.float32, page_size=16)
     cache.append(0, torch.randn(1, 2, 100, 16), torch.randn(1, 2, 100, 16))
-    assert "does not allow skipping" in plan_decode(cache, heads=2, policy=Policy(mode="auto")).explain()
+    no_skip = Policy(mode="auto", precisions=("native", "int8", "fp8"), approximations=("lowrank",))
+    assert "does not allow skipping" in plan_decode(cache, heads=2, policy=no_skip).explain()
+    assert "no page summaries" in plan_decode(cache, heads=2, policy=Policy(mode="auto")).explain()  # skip allowed
     assert "no page summaries" in plan_decode(cache, heads=2, policy=SKIP).explain()
     with pytest.raises(ValueError, match="sparse=True cannot run: the cache keeps no page summaries"):
         plan_decode(cache, heads=2, policy=SKIP, sparse=True)

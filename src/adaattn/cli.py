@@ -67,10 +67,14 @@ def cmd_explain(args: argparse.Namespace) -> int:
         print(f"adaattn explain: heads ({h}) must be a multiple of --kv-heads ({kv_heads})", file=sys.stderr)
         return 2
     try:
-        precisions = tuple(args.precisions.split(",")) if args.precisions else (
-            ("native", "int8", "fp8") if args.mode == "auto" else ("native",))
-        policy = Policy(mode=args.mode, tolerance=args.tolerance, precisions=precisions,
-                        backends=tuple(args.backends.split(",")) if args.backends else None)
+        # Options not given take Policy's own defaults (mode="auto" alone: every precision and
+        # approximation, policy.mode_defaults), so the CLI and the library agree.
+        given = {"tolerance": args.tolerance,
+                 "precisions": tuple(args.precisions.split(",")) if args.precisions else None,
+                 "approximations": tuple(a for a in args.approximations.split(",") if a)
+                 if args.approximations is not None else None,
+                 "backends": tuple(args.backends.split(",")) if args.backends else None}
+        policy = Policy(mode=args.mode, **{k: v for k, v in given.items() if v is not None})
     except (TypeError, ValueError) as e:
         print(f"adaattn explain: {e}", file=sys.stderr)
         return 2
@@ -95,6 +99,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from .bench import add_arguments as bench_arguments
 
+    from .policy import Policy, mode_defaults
     from .version import __version__
 
     p = argparse.ArgumentParser(prog="adaattn", description="adaattn: adaptive attention for PyTorch")
@@ -117,9 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
     pe.add_argument("--mask", choices=("none", "bool", "additive"), default="none")
     pe.add_argument("--grad", action="store_true", help="inputs require grad (training)")
     pe.add_argument("--mode", choices=("exact", "auto"), default="exact")
-    pe.add_argument("--tolerance", type=float, default=1e-2, help="Policy.tolerance (mode auto)")
+    auto = mode_defaults("auto")
+    pe.add_argument("--tolerance", type=float, default=None,
+                    help=f"Policy.tolerance (mode auto), in (0, 1); default {Policy.tolerance:g}")
     pe.add_argument("--precisions", default=None,
-                    help="comma-separated Policy.precisions; mode auto defaults to native,int8,fp8")
+                    help="comma-separated Policy.precisions; mode auto naming neither list allows every "
+                         f"precision ({','.join(auto[0])}) and approximation ({','.join(auto[1])})")
+    pe.add_argument("--approximations", default=None,
+                    help="comma-separated Policy.approximations ('' for none); see --precisions")
     pe.add_argument("--backends", default=None, help="comma-separated Policy.backends restriction")
     pe.add_argument("--json", action="store_true")
     pe.set_defaults(func=cmd_explain)

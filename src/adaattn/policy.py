@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 MODES = ("exact", "auto")
@@ -13,14 +12,24 @@ PRECISIONS = ("native", "int8", "fp8")
 APPROXIMATIONS = ("lowrank", "skip")
 
 
+def mode_defaults(mode: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(precisions, approximations) a Policy of `mode` allows where it names neither: under
+    "auto" every one the library has, under "exact" none. The CLI's defaults are these too."""
+    return (PRECISIONS, APPROXIMATIONS) if mode == "auto" else (("native",), ())
+
+
 @dataclass(frozen=True)
 class Policy:
     """What a call may do beyond exact attention.
 
     mode:           "exact" (default) computes exact attention on the fastest exact backend;
                     "auto" allows the precisions and approximations listed, per head, under
-                    `tolerance`.
-    tolerance:      largest relative L2 error of one head's output, ||o - o_exact|| / ||o_exact||.
+                    `tolerance`. Policy(mode="auto") naming neither list allows every precision
+                    and approximation the library has (mode_defaults); naming one or both allows
+                    exactly those listed ("native" and no approximation where a list is not named).
+                    The planner declines what does not pay.
+    tolerance:      largest relative L2 error of one head's output, ||o - o_exact|| / ||o_exact||,
+                    in (0, 1).
     precisions:     matrix precisions allowed: "native" (the input dtype), "int8" (the qk8 level:
                     INT8 Q.K^T), "fp8" (the fp8 level: FP8 P.V as well). Under mode="auto" the
                     exact level is always the fallback for heads that cannot meet `tolerance`.
@@ -39,8 +48,8 @@ class Policy:
 
     mode: str = "exact"
     tolerance: float = 1e-2
-    precisions: tuple[str, ...] = ("native",)
-    approximations: tuple[str, ...] = ()
+    precisions: tuple[str, ...] | None = None  # None: mode_defaults(mode) (see the docstring)
+    approximations: tuple[str, ...] | None = None
     verify: float = 0.05
     backends: tuple[str, ...] | None = None
     deterministic: bool = False
@@ -52,8 +61,14 @@ class Policy:
         tol = self.tolerance
         if isinstance(tol, bool) or not isinstance(tol, (int, float)):
             raise TypeError(f"Policy.tolerance must be a float, got {type(tol).__name__}")
-        if not (math.isfinite(tol) and tol > 0):
-            raise ValueError(f"Policy.tolerance must be a finite float > 0, got {tol!r}")
+        if not 0 < tol < 1:  # (NaN fails too)
+            raise ValueError(f"Policy.tolerance must be in (0, 1) (a relative error, exclusive), got {tol!r}")
+        precisions, approximations = mode_defaults(
+            self.mode if self.precisions is None and self.approximations is None else "exact")
+        if self.precisions is None:
+            object.__setattr__(self, "precisions", precisions)
+        if self.approximations is None:
+            object.__setattr__(self, "approximations", approximations)
         object.__setattr__(self, "precisions", _names("precisions", self.precisions, PRECISIONS))
         object.__setattr__(
             self, "approximations", _names("approximations", self.approximations, APPROXIMATIONS)

@@ -909,8 +909,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
         a fraction policy.verify of calls against the exact blocks over every rank's rows
         (adaattn.distributed.adaptive says how); the backward is exact, and inputs that require
         grad run exact unless policy.train_quantized. policy.deterministic asks for the
-        deterministic backward. Rank approximations ("skip", "lowrank") and policy.backends
-        are refused here (ValueError) unless the call is adaattn.attention's (below).
+        deterministic backward. Rank approximations ("skip", "lowrank") do not run here: a policy
+        allowing them and no quantized precision is refused (ValueError), as is policy.backends,
+        unless the call is adaattn.attention's (below).
     label: names the call site whose per-head levels and measurements a call uses (default:
         one site per shape, mask and policy).
     Differentiable in q, k and v. With no initialized process group, or world size 1, no
@@ -961,12 +962,14 @@ def _check_policy(policy) -> Policy:
 
 
 def _ring_policy(policy: Policy) -> None:
-    """Refuse what the ring's blocks cannot do (rather than accept it and do nothing)."""
-    if policy.approximations:
+    """Refuse what the ring's blocks cannot do (rather than accept it and do nothing). A policy that
+    allows a quantized precision as well (Policy(mode="auto") alone allows everything) runs its
+    blocks quantized: rank approximations are allowed, not asked for, and the ring has none."""
+    if policy.approximations and not {"int8", "fp8"} & set(policy.precisions):
         raise ValueError(f"ring_attention's blocks run exact or quantized: Policy.approximations="
-                         f"{policy.approximations} (rank approximations) is not available across ranks; pass "
-                         "approximations=() (precisions may stay), or run the whole sequence on one GPU with "
-                         "adaattn.attention")
+                         f"{policy.approximations} (rank approximations) is not available across ranks and "
+                         f"Policy.precisions={policy.precisions} allows no quantized level; allow int8 or fp8, "
+                         "or run the whole sequence on one GPU with adaattn.attention")
     if policy.backends is not None:
         raise ValueError(f"ring_attention picks its block kernels with kernel= {KERNELS}, not "
                          f"Policy.backends (got {policy.backends}); pass backends=None")

@@ -367,9 +367,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-windows", type=int, default=None,
                         help="held-out windows to score, spread over the text (default: all on CUDA, 2 on the CPU)")
     parser.add_argument("--mode", choices=("exact", "auto"), default="exact")
-    parser.add_argument("--tolerance", type=float, default=1e-2)
-    parser.add_argument("--precisions", type=_names(PRECISIONS), default=("native",), metavar="NAME,...")
-    parser.add_argument("--approximations", type=_names(APPROXIMATIONS), default=(), metavar="NAME,...")
+    # Not given: Policy's own defaults (--mode auto naming neither list allows every precision and
+    # approximation), as `adaattn explain` and adaattn.Policy.
+    parser.add_argument("--tolerance", type=float, default=None, help=f"in (0, 1); default {Policy.tolerance:g}")
+    parser.add_argument("--precisions", type=_names(PRECISIONS), default=None, metavar="NAME,...")
+    parser.add_argument("--approximations", type=_names(APPROXIMATIONS), default=None, metavar="NAME,...")
     parser.add_argument("--backends", default=None, metavar="NAME,...", help="Policy.backends restriction")
     parser.add_argument("--kv-cache", type=_names(STORAGES), default=(), metavar="STORAGE,...",
                         help="also score through adaattn KV caches of these storages (native, fp8, int8)")
@@ -400,9 +402,9 @@ def main(args: argparse.Namespace) -> int:
         print(f"adaattn eval: --repeat must be at least 1, got {args.repeat}", file=sys.stderr)
         return 2
     try:
-        policy = Policy(mode=args.mode, tolerance=args.tolerance, precisions=args.precisions,
-                        approximations=args.approximations,
-                        backends=tuple(args.backends.split(",")) if args.backends else None)
+        given = {"tolerance": args.tolerance, "precisions": args.precisions, "approximations": args.approximations,
+                 "backends": tuple(args.backends.split(",")) if args.backends else None}
+        policy = Policy(mode=args.mode, **{k: v for k, v in given.items() if v is not None})
     except (TypeError, ValueError) as e:
         print(f"adaattn eval: {e}", file=sys.stderr)
         return 2
