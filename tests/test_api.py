@@ -321,6 +321,15 @@ def test_explain_lists_every_backend_and_the_choice():
     assert "mode='auto'" in text and "runs exact" in text
 
 
+def test_explain_gives_the_priority_list_that_applies_as_data():
+    q = torch.randn(1, 2, 8, 16)
+    exp = adaattn.explain(q, q, q, is_causal=True)
+    assert exp.as_dict()["priority"] == ["sdpa.cpu"] and exp.priority() == ((), ("sdpa.cpu",), ())
+    assert "\npriority (cpu/cpu, short sequences): sdpa.cpu\n" in str(exp)
+    named = adaattn.explain(q, q, q, policy=adaattn.Policy(backends=("reference", "sdpa.cpu")))
+    assert named.as_dict()["priority"] == ["sdpa.cpu", "reference"]
+
+
 def test_stats_off_records_nothing_and_on_records_each_call():
     stats.disable()
     stats.clear()

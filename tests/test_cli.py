@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from adaattn.cli import main
+from adaattn.planner import REGISTRY
 
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 
@@ -62,6 +63,53 @@ def test_explain_auto_policy_says_which_levels_and_why(capsys, monkeypatch):
     assert "chosen: sdpa.cpu" in out and "quantized kernels run on CUDA GPUs" in out and "it runs exact" in out
     assert main(["explain", "--shape", "1,4,256,64", "--mode", "auto", "--precisions", "native,int4"]) == 2
     assert "Policy.precisions entries must be from" in capsys.readouterr().err
+
+
+def test_explain_takes_the_policy_defaults_of_adaattn_policy(capsys):
+    import json
+
+    from adaattn import Policy
+
+    shape = ["explain", "--shape", "1,4,256,64", "--device", "cpu", "--json"]
+    for extra, want in (([], Policy()), (["--mode", "auto"], Policy(mode="auto")),
+                        (["--mode", "auto", "--tolerance", "0.05"], Policy(mode="auto", tolerance=0.05)),
+                        (["--mode", "auto", "--precisions", "native,int8"], Policy(mode="auto", precisions=("native", "int8"))),
+                        (["--mode", "auto", "--approximations", "skip"], Policy(mode="auto", approximations=("skip",)))):
+        main(shape + extra)
+        assert json.loads(capsys.readouterr().out)["policy"] == repr(want), extra
+    assert main(shape + ["--mode", "auto", "--tolerance", "2"]) == 2
+    assert capsys.readouterr().err == ("adaattn explain: Policy.tolerance must be in (0, 1) (a relative error, "
+                                       "exclusive), got 2.0\n")
+
+
+def _priority_and_runner_lines(out):
+    head = next(line for line in out.splitlines() if line.startswith("priority ("))
+    runners = dict(re.findall(r"^  (\S+) +(.*)$", out, re.M))
+    listed = re.findall(r"[a-z_]+(?:\.[a-z_]+)*", head.split(": ", 1)[1].replace("(approximate, mode='auto')", "")
+                        .replace("(named in Policy.backends)", ""))
+    return head, listed, runners
+
+
+def test_explain_priority_line_is_the_list_that_applies_and_runner_lines_agree(capsys, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # (the quantized runners take the call under mode auto)
+    cases = [([], "priority (cpu/cpu, medium sequences): sdpa.cpu"),
+             (["--mode", "auto"], "priority (cpu/cpu, medium sequences): triton.quant.ws > triton.quant.general "
+                                  "(approximate, mode='auto') > sdpa.cpu"),
+             (["--backends", "sdpa,reference"], "priority (cpu/cpu, medium sequences): sdpa.cpu > sdpa.cudnn > "
+                                                "sdpa.flash > sdpa.efficient > sdpa.math > reference (named in "
+                                                "Policy.backends)")]
+    for extra, want in cases:
+        assert main(["explain", "--shape", "2,16,1024,64", "--causal", "--device", "cpu"] + extra) == 0
+        head, listed, runners = _priority_and_runner_lines(capsys.readouterr().out)
+        assert head == want, extra
+        assert set(runners) == set(REGISTRY) and set(listed) <= set(runners)
+        for name, status in runners.items():  # "not in the priority list": said of every exact runner the line
+            if name in listed:                # leaves out (and Policy.backends admits), and of no other
+                assert "not in the priority list" not in status, (extra, name, status)
+            elif REGISTRY[name].exact and "excluded by Policy.backends" not in status:
+                assert "not in the priority list for cpu/cpu" in status, (extra, name, status)
+            else:
+                assert status.startswith("no: ") and "not in the priority list" not in status, (extra, name, status)
 
 
 def test_explain_with_unsatisfiable_backends_exits_nonzero(capsys):

@@ -246,11 +246,27 @@ class Explanation:
     def chosen(self) -> str | None:
         return None if self.plan is None else self.plan.backend
 
+    def priority(self) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+        """The order that applies to this problem, in three parts, as the planner walks it:
+        (approximate runners tried first under mode="auto", the priority data's list for this
+        device, architecture and shape class (planner.priority), the exact runners outside it
+        that Policy.backends names, tried after it)."""
+        if self.plan is None:
+            return (), (), ()
+        listed = planner.priority(self.problem, self.plan.arch)
+        first = tuple(n for n in self.plan.candidates if not planner.REGISTRY[n].exact)
+        named = () if self.policy.backends is None else tuple(
+            n for n in self.plan.order
+            if n not in listed and planner.REGISTRY[n].exact and self.policy.admits(n))
+        return first, listed, named
+
     def as_dict(self) -> dict:
+        first, listed, named = self.priority()
         return {
             "problem": self.problem.describe(),
             "policy": repr(self.policy),
             "chosen": self.chosen,
+            "priority": list(first + listed + named) if self.plan else None,
             "order": list(self.plan.order) if self.plan else None,
             "backends": {n: list(r) for n, r in self.plan.reasons} if self.plan else None,
             "costs_ms": dict(self.plan.costs) if self.plan else None,
@@ -264,8 +280,11 @@ class Explanation:
             lines.append(str(self.error))
             return "\n".join(lines)
         p = self.plan
+        first, listed, named = self.priority()
+        parts = ([f"{' > '.join(first)} (approximate, mode='auto')"] if first else []) + list(listed) + (
+            [f"{' > '.join(named)} (named in Policy.backends)"] if named else [])
         lines.append(f"priority ({self.problem.device_type}/{p.arch}, {self.problem.seq_bucket} sequences): "
-                     + (" > ".join(p.order) or "(none)"))
+                     + (" > ".join(parts) or "(none)"))
         width = max(len(n) for n, _ in p.reasons)
         predicted = {n: ms for n, ms in p.costs if ms is not None}
         for name, why in p.reasons:
