@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from . import planner, settings, stats
+from .backends import Declined
 from .backends.varlen import check_varlen
 from .planner import Plan
 from .policy import EXACT, Policy
@@ -151,6 +152,10 @@ def _first_that_runs(problem: Problem, plan: Plan, call) -> tuple[object, tuple[
     for i, (name, launch) in enumerate(zip(plan.candidates, plan.launches)):
         try:
             return call(planner.REGISTRY[name], launch), tuple(failed)
+        except Declined:
+            if i == last:
+                raise
+            failed.append(name)  # its kernel's own check refused these tensors: no warning
         except Exception as e:
             _raise_if_oom(e, name, problem)
             if i == last:

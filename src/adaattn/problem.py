@@ -53,7 +53,6 @@ class Problem:
     gqa: bool = False  # q_heads != kv_heads, decided once (a plain bool even under torch.compile)
     mask_grad: bool = False  # an additive attn_mask that requires grad (a learned bias)
     mask_dtype: torch.dtype | None = None  # an additive mask's dtype (float32 may come with half queries)
-    mask_grad_only: bool = False  # the attn_mask needs a gradient and q, k and v do not
     out_lead: tuple | None = None
     tma_aligned: bool = False
     varlen: bool = False
@@ -98,7 +97,6 @@ class Problem:
             self.dropout_p > 0.0,
             self.needs_grad,
             self.mask_grad,
-            self.mask_grad_only,
             self.layout,
             self.q_len != self.kv_len,  # runners decline causal/window calls on unequal lengths
             self.q_len == 0 or self.kv_len == 0,  # and empty sequences
@@ -392,7 +390,6 @@ def validate(
         layout=layout,
         gqa=gqa,
         mask_grad=mask_grad,
-        mask_grad_only=mask_grad and not needs_grad,
         mask_dtype=mask_dtype,
         out_lead=None if plain else tuple(out_lead),
         tma_aligned=tma_aligned(query, key, value),

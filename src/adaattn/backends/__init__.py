@@ -6,7 +6,7 @@ imports triton: our kernels' modules import it when a launch first needs it.
 
 from __future__ import annotations
 
-from .base import Backend, ExactAlternative, Runner
+from .base import Backend, Declined, ExactAlternative, Runner
 
 
 def exact_runners() -> list[Runner]:
@@ -20,4 +20,4 @@ def exact_runners() -> list[Runner]:
     return [*sdpa_runners(), FlashAttnRunner(), *triton_runners(), *varlen_runners(), ReferenceRunner(), MetaRunner()]
 
 
-__all__ = ["Backend", "ExactAlternative", "Runner", "exact_runners"]
+__all__ = ["Backend", "Declined", "ExactAlternative", "Runner", "exact_runners"]

@@ -14,6 +14,12 @@ if TYPE_CHECKING:
     from ..problem import Problem
 
 
+class Declined(Exception):
+    """A runner's kernel would refuse these very tensors (a check made before any launch, on what
+    only the tensors show: strides, alignment, a mask's layout). Not a failure: the next runner
+    takes the call, with no warning and nothing remembered for the problem class."""
+
+
 class Runner:
     """One way to compute attention: an SDPA kernel, one of our Triton kernels, the float64
     reference, the quantized adaptive path. The planner asks every runner the same questions.

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import hardware
-from .base import Runner
+from .base import Declined, Runner
 from .masks import fold_positions
 
 HALF = (torch.float16, torch.bfloat16)
@@ -32,12 +32,13 @@ def padded_dim(dim: int) -> int:
 
 def fused_ready(t: torch.Tensor) -> bool:
     """Unit last stride, a head dim of whole vectors, a 16-byte aligned base, and 16-byte
-    multiples for every other stride of a dim longer than one: what torch's fused kernels load
-    without a fault or a refusal."""
+    multiples for every other stride: what torch's fused kernels load without a fault or a
+    refusal."""
     e = t.element_size()
     if t.stride(-1) != 1 or t.shape[-1] % ALIGN_DIM or t.data_ptr() % ALIGN_BYTES:
         return False
-    return all((st * e) % ALIGN_BYTES == 0 for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1)
+    # Every stride, a length-one dim's too: torch checks them all ("not correctly aligned (strideM)").
+    return all((st * e) % ALIGN_BYTES == 0 for st in t.stride()[:-1])
 
 
 def fused_form(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -62,11 +63,34 @@ MASK_FLOOR = -1e30
 def finite_floor(attn_mask: torch.Tensor) -> torch.Tensor:
     """An additive mask with finite values below MASK_FLOOR raised to it (-inf stays: such keys
     take no part); the gradient passes to every element unchanged."""
+    if torch.finfo(attn_mask.dtype).min >= MASK_FLOOR:  # float16: its finfo.min stays finite scaled
+        return attn_mask
     low = (attn_mask < MASK_FLOOR) & (attn_mask > float("-inf"))
     floor = torch.full((), MASK_FLOOR, dtype=attn_mask.dtype, device=attn_mask.device)
     if attn_mask.requires_grad:  # the floored value, with the gradient of the identity
         floor = floor + (attn_mask - attn_mask.detach())
     return torch.where(low, floor, attn_mask)
+
+
+_CAN_USE = {
+    SDPBackend.CUDNN_ATTENTION: "can_use_cudnn_attention",
+    SDPBackend.FLASH_ATTENTION: "can_use_flash_attention",
+    SDPBackend.EFFICIENT_ATTENTION: "can_use_efficient_attention",
+}
+
+
+def efficient_bias(attn_mask: torch.Tensor, dtype: torch.dtype, kv_len: int) -> torch.Tensor:
+    """A mask as the efficient kernel takes it: additive in the query dtype (a bool mask turned
+    as SDPA turns it), finite values floored (finite_floor), keys along a unit-stride last dim
+    (a mask broadcast over keys, or transposed, is laid out)."""
+    if attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill_(
+            ~attn_mask, float("-inf"))
+    else:
+        attn_mask = finite_floor(attn_mask)
+    if attn_mask.shape[-1] != kv_len or (attn_mask.stride(-1) != 1 and kv_len > 1):
+        attn_mask = attn_mask.expand(*attn_mask.shape[:-1], kv_len).contiguous()
+    return attn_mask
 
 
 class SdpaRunner(Runner):
@@ -134,9 +158,14 @@ class SdpaRunner(Runner):
         if self.kernel in FUSED and not problem.scale > 0:
             reasons.append("needs a positive scale: torch's fused kernels gave NaN outputs and gradients at a scale "
                            "<= 0 (a CUDA fuzzer, H200, torch 2.11; the ring's notes saw the same).")
-        if self.kernel == SDPBackend.EFFICIENT_ATTENTION and problem.mask_grad_only:
-            reasons.append("cannot give the gradient of an attn_mask alone: with no q, k or v needing one, its "
-                           "forward keeps no log-sum-exp and its backward raises (torch 2.11).")
+        if self.kernel == SDPBackend.EFFICIENT_ATTENTION and problem.mask_grad:
+            reasons.append("gives no safe gradient for an attn_mask: its backward faulted (illegal memory access) "
+                           "on broadcast masks, and raised where q, k and v need none (a CUDA fuzzer, H200, "
+                           "torch 2.11).")
+        if self.kernel in FUSED and problem.needs_grad and problem.out_lead is not None:
+            reasons.append("takes 4-D tensors: for other ranks torch runs its math kernel, whose gradients were "
+                           "2-4x more accurate than this kernel's on the flattened call (a CUDA fuzzer, H200, "
+                           "torch 2.11).")
         if self.gqa_masks_reason and problem.gqa and (problem.mask_kind != "none" or problem.window is not None):
             reasons.append(self.gqa_masks_reason)
         if not self.dropout and problem.dropout_p > 0:
@@ -163,8 +192,10 @@ class SdpaRunner(Runner):
         if math_like_torch:
             with sdpa_kernel(SDPBackend.MATH):
                 return self._run(query, key, value, attn_mask, problem)
+        # Under torch.compile data pointers cannot be read (problem.tma_aligned is False there):
+        # the compiled graph's tensors go to the kernel as they are.
         if self.kernel in FUSED and not (problem.tma_aligned and problem.head_dim % ALIGN_DIM == 0
-                                         and problem.value_dim % ALIGN_DIM == 0):
+                                         and problem.value_dim % ALIGN_DIM == 0) and not torch.compiler.is_compiling():
             return self._run_fused_form(query, key, value, attn_mask, problem)
         if (
             self.direct is not None
@@ -194,6 +225,24 @@ class SdpaRunner(Runner):
         out = self.direct(q, k, v, problem) if direct else self._run(q, k, v, attn_mask, problem)
         return out[..., :problem.value_dim] if value_width != problem.value_dim else out
 
+    def _check(self, query, key, value, attn_mask, dropout_p, causal, gqa):
+        """torch's own checks for the pinned kernel, on these tensors (strides, alignment, the mask's
+        layout: what a Problem does not hold), before the launch: where they say no, the next runner
+        takes the call (Declined) instead of a refusal at launch and a warning."""
+        import torch.backends.cuda as tbc
+
+        if torch.compiler.is_compiling():  # not traceable; a compiled graph keeps its tensors' layouts
+            return
+        can_use = getattr(tbc, _CAN_USE[self.kernel], None)
+        if can_use is None or not hasattr(tbc, "SDPAParams"):
+            return
+        try:
+            params = tbc.SDPAParams(query, key, value, attn_mask, dropout_p, causal, gqa)
+        except TypeError:  # a torch whose SDPAParams takes other arguments: the launch decides
+            return
+        if not can_use(params, False):
+            raise Declined(f"{self.name}: torch's checks refuse these tensors")
+
     def _run(self, query, key, value, attn_mask, problem):
         causal = problem.causal
         # A non-positive scale with is_causal gives NaN in torch's kernels (CPU math and fused,
@@ -203,13 +252,15 @@ class SdpaRunner(Runner):
                 attn_mask, problem.q_len, problem.kv_len, causal, problem.window, query.device, query.dtype
             )
             causal = False
-        if self.kernel == SDPBackend.EFFICIENT_ATTENTION and attn_mask is not None and attn_mask.dtype != torch.bool:
-            attn_mask = finite_floor(attn_mask)
+        if self.kernel == SDPBackend.EFFICIENT_ATTENTION and attn_mask is not None:
+            attn_mask = efficient_bias(attn_mask, query.dtype, problem.kv_len)
         gqa = problem.gqa
         if gqa and not self.native_gqa:
             key = key.repeat_interleave(problem.gqa_groups, dim=1)
             value = value.repeat_interleave(problem.gqa_groups, dim=1)
             gqa = False
+        if self.kernel in FUSED:
+            self._check(query, key, value, attn_mask, problem.dropout_p, causal, gqa)
         if self.kernel is None:
             return F.scaled_dot_product_attention(
                 query, key, value, attn_mask=attn_mask, dropout_p=problem.dropout_p,
@@ -220,6 +271,8 @@ class SdpaRunner(Runner):
                 query, key, value, attn_mask=attn_mask, dropout_p=problem.dropout_p,
                 is_causal=causal, scale=problem.scale, enable_gqa=gqa,
             )
+
+
 
 
 def _cudnn(q, k, v, problem):
