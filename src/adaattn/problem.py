@@ -145,7 +145,8 @@ def window_sides(window: tuple[int | None, int | None] | None) -> tuple[int, int
 
 
 def tma_aligned(*tensors: torch.Tensor) -> bool:
-    """Unit last stride, 16-byte aligned base and strides (no data read: meta tensors say False)."""
+    """Unit last stride, 16-byte aligned base and strides, no expanded (stride-0) dim (no data
+    read: meta tensors say False)."""
     if torch.compiler.is_compiling():  # data pointers are not traceable: plan for any alignment
         return False
     for t in tensors:
@@ -153,6 +154,8 @@ def tma_aligned(*tensors: torch.Tensor) -> bool:
             return False
         e = t.element_size()
         if t.data_ptr() % 16 or any((st * e) % 16 for st in t.stride()[:-1]):
+            return False
+        if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):  # expanded: rows alias
             return False
     return True
 

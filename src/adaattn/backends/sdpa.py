@@ -31,14 +31,15 @@ def padded_dim(dim: int) -> int:
 
 
 def fused_ready(t: torch.Tensor) -> bool:
-    """Unit last stride, a head dim of whole vectors, a 16-byte aligned base, and 16-byte
-    multiples for every other stride: what torch's fused kernels load without a fault or a
-    refusal."""
+    """Unit last stride, a head dim of whole vectors, a 16-byte aligned base, 16-byte multiples
+    for every other stride, no expanded dim: what torch's fused kernels load without a fault, a
+    refusal or a wrong gradient."""
     e = t.element_size()
     if t.stride(-1) != 1 or t.shape[-1] % ALIGN_DIM or t.data_ptr() % ALIGN_BYTES:
         return False
     # Every stride, a length-one dim's too: torch checks them all ("not correctly aligned (strideM)").
-    return all((st * e) % ALIGN_BYTES == 0 for st in t.stride()[:-1])
+    # An expanded dim (stride 0) is copied: gradients of such a view came out 2-7x torch's error.
+    return all((st * e) % ALIGN_BYTES == 0 and (st or n == 1) for st, n in zip(t.stride()[:-1], t.shape[:-1]))
 
 
 def fused_form(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -188,7 +189,10 @@ class SdpaRunner(Runner):
         # along a leading dim): the fused CPU kernel needs equal 4-D shapes. Those inputs come
         # here flattened to 4-D, where torch would pick the fused one, whose half-precision
         # gradients are 2-200x less accurate: keep torch's choice (a fuzzer compared the two).
-        math_like_torch = self.kernel is None and problem.out_lead is not None and query.device.type == "cpu"
+        # Likewise causal calls at a scale <= 0, which torch's fused CPU kernel answers with NaN
+        # (its math kernel is the answer torch can give; they reach us with a folded mask).
+        math_like_torch = self.kernel is None and query.device.type == "cpu" and (
+            problem.out_lead is not None or (problem.causal and problem.scale <= 0))
         if math_like_torch:
             with sdpa_kernel(SDPBackend.MATH):
                 return self._run(query, key, value, attn_mask, problem)
