@@ -538,6 +538,30 @@ def _launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
 
 
 DS_SCALE_FLOOR = 2.0 ** -6
+# A backward whose out and lse come from these very keys (exact_delta) recomputes delta = rowsum(P * dP)
+# in fp32 for query tiles whose rows see at most this many keys; the others take rowsum(dO * O) from
+# the saved output, as FA2 and cuDNN do (kernels/attention_bwd.py, "delta", says why and what it costs).
+EXACT_DELTA_KEYS = 64
+
+
+def exact_delta_keys(lay: RowLayout, launch: AttentionLaunch) -> int:
+    """The delta kernels' EXACT_KEYS: EXACT_DELTA_KEYS where at least 1/8 of the query rows see at
+    most that many keys, else 0 (the exact pass not compiled in: its shared memory slows the delta
+    pass of every tile; compiled in, it cost a causal 4k backward 2% on an H200 for the first rows).
+    Packed calls are judged by their longest sequences."""
+    most = EXACT_DELTA_KEYS
+    nq, nk = lay.q_len, lay.k_len
+    if most <= 0 or nq <= 0:
+        return 0
+    if nk <= most or (launch.has_left and launch.has_right and launch.left + launch.right + 1 <= most):
+        return most
+    diag = nk - nq if launch.bottom_right else 0
+    short = 0  # rows that see at most `most` keys: the first under a right bound, the last under a left one
+    if launch.has_right:
+        short += min(max(most - diag - launch.right, 0), nq)
+    if launch.has_left:
+        short += min(max(nq - max(nk - most + launch.left - diag, 0), 0), nq)
+    return most if 8 * short >= nq else 0
 
 
 def ds_scales(scale: float) -> tuple[float, float]:
@@ -558,18 +582,20 @@ def _clear_packed_grads(grads: tuple, cu_seqlens_q, cu_seqlens_k) -> tuple:
 
 
 def launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-               launch: AttentionLaunch, stats: Optional[torch.Tensor] = None):
+               launch: AttentionLaunch, stats: Optional[torch.Tensor] = None, exact_delta: bool = False):
     """Run delta, dk/dv and dq kernels; returns (dq, dk, dv) shaped like q, k, v.
     launch.dq_mode "separate" is the one whose bits do not depend on timing. stats: what
     launch_fwd filled under an additive mask (recomputed probabilities then keep full precision
     under large biases); without it the backward reads lse alone. Packed rows past the last
-    sequence get 0."""
+    sequence get 0. exact_delta: out and lse are these keys' own forward (not a ring step's global
+    ones), so delta may be recomputed from q, k, v where a query tile sees few keys (EXACT_DELTA_KEYS)."""
     return _clear_packed_grads(_launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k,
-                                           max_seqlen_q, max_seqlen_k, launch, stats), cu_seqlens_q, cu_seqlens_k)
+                                           max_seqlen_q, max_seqlen_k, launch, stats, exact_delta),
+                               cu_seqlens_q, cu_seqlens_k)
 
 
 def _launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                launch: AttentionLaunch, stats: Optional[torch.Tensor] = None):
+                launch: AttentionLaunch, stats: Optional[torch.Tensor] = None, exact_delta: bool = False):
     from ..kernels.attention_bwd import (
         attention_bwd_delta_kernel,
         attention_bwd_dkdv_kernel,
@@ -583,7 +609,7 @@ def _launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, 
     if mode != "atomic_rotate" and bwd_ws_here(q) and bwd_ws_ok(dout, q, k, v, attn_mask, cu_seqlens_q is not None,
                                                                  launch):
         return _launch_bwd_ws(dout, q, k, v, out, lse, launch, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, exact_delta=exact_delta)
     lay = row_layout(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     (dq, dk, dv), empty = bwd_outputs(q, k, v, lay)
     if empty:
@@ -615,12 +641,24 @@ def _launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, 
         dq_acc_strides = lay.strides(dq_acc)
     else:
         dq_acc, dq_acc_strides = dq, (0, 0, 0)
+    exact = {}
+    if exact_delta and exact_delta_keys(lay, launch):  # delta = rowsum(P * dP) where a query tile sees few keys
+        exact = dict(Q=q, K=k, V=v, LSE=lse, Mask=mask, CuSeqlensK=cu_k, **dict(zip(
+            ("stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh",
+             "stride_vn", "stride_mb", "stride_mh", "stride_mm", "stride_mn"),
+            lay.strides(q) + lay.strides(k) + lay.strides(v) + tuple(mask_strides))),
+            kv_group=lay.q_heads // lay.kv_heads, k_len_dense=lay.k_len, scale_log2=launch.scale * LOG2E,
+            window_left=left, window_right=right, BLOCK_N=dcfg.block_n, BOTTOM_RIGHT=launch.bottom_right,
+            HAS_LEFT=launch.has_left, HAS_RIGHT=launch.has_right, MASK_KIND=mask_kind,
+            DOT_PRECISION=flags["DOT_PRECISION"], EXACT_KEYS=exact_delta_keys(lay, launch))
+        if split:
+            exact["stride_ls"] = stats.stride(0)
     attention_bwd_delta_kernel[(cdiv(lay.q_len, dcfg.block_m), lay.batch * lay.q_heads)](
         out, dout, delta, dq_acc, cu_q, *lay.strides(out), *lay.strides(dout), *lse_st,
         *dq_acc_strides, lay.q_heads, lay.q_len,
         HEAD_DIM=lay.head_dim, BLOCK_D=bd, HEAD_DIM_V=lay.value_dim, BLOCK_DV=bdv,
         BLOCK_M=dcfg.block_m, IS_VARLEN=lay.varlen,
-        ZERO_DQ=atomic, num_warps=dcfg.num_warps, num_stages=dcfg.num_stages, **split,
+        ZERO_DQ=atomic, num_warps=dcfg.num_warps, num_stages=dcfg.num_stages, **split, **exact,
     )
 
     dq_acc_dirty = [False]
@@ -698,17 +736,20 @@ def bwd_ws_ok(dout, q, k, v, attn_mask, varlen: bool, launch: AttentionLaunch) -
 
 
 def launch_bwd_ws(dout, q, k, v, out, lse, launch: AttentionLaunch, configs: Optional[tuple] = None,
-                  warp_spec: bool = True, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+                  warp_spec: bool = True, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+                  exact_delta: bool = False):
     """The warp-specialised backward: prep, dk/dv and dq kernels, no atomics (bitwise reproducible).
     Returns (dq, dk, dv). configs: (dkdv, dq) KernelConfigs to run instead of the tuned ones;
     warp_spec: False runs the same loops unspecialised (as the interpreter always does). Packed
-    (T, H, D) tensors come with cu_seqlens_q/k and max_seqlen_q/k, as in launch_bwd."""
+    (T, H, D) tensors come with cu_seqlens_q/k and max_seqlen_q/k, and exact_delta, as in launch_bwd."""
     return _clear_packed_grads(_launch_bwd_ws(dout, q, k, v, out, lse, launch, configs, warp_spec, cu_seqlens_q,
-                                              cu_seqlens_k, max_seqlen_q, max_seqlen_k), cu_seqlens_q, cu_seqlens_k)
+                                              cu_seqlens_k, max_seqlen_q, max_seqlen_k, exact_delta),
+                               cu_seqlens_q, cu_seqlens_k)
 
 
 def _launch_bwd_ws(dout, q, k, v, out, lse, launch: AttentionLaunch, configs: Optional[tuple] = None,
-                   warp_spec: bool = True, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):
+                   warp_spec: bool = True, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+                   exact_delta: bool = False):
     from ..kernels.attention_bwd_ws import attention_bwd_dkdv_ws_kernel, attention_bwd_dq_ws_kernel
 
     q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
@@ -720,7 +761,8 @@ def _launch_bwd_ws(dout, q, k, v, out, lse, launch: AttentionLaunch, configs: Op
     d = lay.head_dim
     varlen = lay.varlen
     cu_q, cu_k = lay.offsets(cu_seqlens_q, cu_seqlens_k, q)
-    stat, pitch, plane = _bwd_stat_planes(out, dout, lse, lay, cu_q)
+    stat, pitch, plane = _bwd_stat_planes(out, dout, lse, lay, cu_q,
+                                          (q, k, v, cu_k, launch) if exact_delta else None)
     descriptor = tensor_descriptor()
     ensure_triton_allocator()
     group = lay.q_heads // lay.kv_heads
@@ -784,20 +826,30 @@ def _launch_bwd_ws(dout, q, k, v, out, lse, launch: AttentionLaunch, configs: Op
     return dq, dk, dv
 
 
-def _bwd_stat_planes(out, dout, lse, lay: RowLayout, cu_q) -> tuple:
+def _bwd_stat_planes(out, dout, lse, lay: RowLayout, cu_q, exact: Optional[tuple] = None) -> tuple:
     """The prep kernel's planes of a backward (kernels/attention_bwd_ws.py): (stat, pitch, plane),
     lse in the log2 domain at stat[bh * pitch + row] and delta at stat[plane + bh * pitch + row]. Whole
     128-row tiles (the largest BLOCK_M) per (sequence, head), the longest sequence's length each,
-    so a tile's statistics never leave its plane."""
+    so a tile's statistics never leave its plane. exact: (q, k, v, cu_k, launch) where delta may be
+    recomputed from them (launch_bwd's exact_delta)."""
     from ..kernels.attention_bwd_ws import attention_bwd_ws_prep_kernel
 
     pitch = cdiv(lay.q_len, 128) * 128
     plane = lay.batch * lay.q_heads * pitch
     stat = torch.empty(2 * plane, dtype=torch.float32, device=out.device)
+    extra = {}
+    if exact is not None and exact_delta_keys(lay, exact[-1]):
+        q, k, v, cu_k, launch = exact
+        extra = dict(Q=q, K=k, V=v, CuK=cu_k, **dict(zip(
+            ("stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh",
+             "stride_vn"), lay.strides(q) + lay.strides(k) + lay.strides(v))),
+            kv_group=lay.q_heads // lay.kv_heads, k_len=lay.k_len, scale_log2=launch.scale * LOG2E,
+            window_left=launch.left, BLOCK_N=64, CAUSAL=launch.has_right, BOTTOM_RIGHT=launch.bottom_right,
+            HAS_LEFT=launch.has_left, DOT_PRECISION=dot_precision(q.dtype), EXACT_KEYS=exact_delta_keys(lay, launch))
     attention_bwd_ws_prep_kernel[(pitch // 64, lay.batch * lay.q_heads)](
         out, dout, lse, stat, cu_q, *lay.strides(out), *lay.strides(dout), *lse_strides(lse, lay),
         lay.q_heads, lay.q_len, pitch, plane, HEAD_DIM_V=lay.head_dim, BLOCK_DV=lay.head_dim, BLOCK_M=64,
-        IS_VARLEN=lay.varlen, num_warps=4,
+        IS_VARLEN=lay.varlen, num_warps=4, **extra,
     )
     return stat, pitch, plane
 

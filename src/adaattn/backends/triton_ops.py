@@ -47,9 +47,10 @@ def triton_bwd(
     cu_seqlens_k: Optional[torch.Tensor], max_seqlen_q: int, max_seqlen_k: int, launch: str,
     stats: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv). stats: triton_fwd's third output."""
+    """(dq, dk, dv). stats: triton_fwd's third output. out and lse are these keys' own forward, so
+    the backward may recompute delta from them (triton_launch.launch_bwd, exact_delta)."""
     return launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                      max_seqlen_k, launch_of(launch), stats)
+                      max_seqlen_k, launch_of(launch), stats, exact_delta=True)
 
 
 @triton_bwd.register_fake
@@ -98,7 +99,8 @@ class _EagerAttention(torch.autograd.Function):
     def backward(ctx, dout, dlse, dstats):
         q, k, v, out, lse, attn_mask, cu_q, cu_k, stats = ctx.saved_tensors
         max_q, max_k, launch = ctx.options
-        grads = launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_q, cu_k, max_q, max_k, launch_of(launch), stats)
+        grads = launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_q, cu_k, max_q, max_k, launch_of(launch), stats,
+                           exact_delta=True)
         if torch.is_grad_enabled():  # create_graph=True: a backward through these gradients raises
             grads = _FirstOrderOnly.apply(*grads, q, k, v)
         return (*grads, None, None, None, None, None, None)

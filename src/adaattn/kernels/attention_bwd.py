@@ -1,7 +1,9 @@
 """Exact fused attention, backward: dq, dk, dv from the saved log-sum-exp.
 
 Three kernels:
-  attention_bwd_delta_kernel  delta = rowsum(dO * O), per query row, fp32.
+  attention_bwd_delta_kernel  delta = rowsum(P * dP) per query row, fp32: recomputed from q, k, v
+                              and the lse (EXACT_KEYS) where a query tile sees few keys, else
+                              rowsum(dO * O) from the saved output (see "delta" below).
   attention_bwd_dkdv_kernel   one program owns BLOCK_N keys of one kv head; it walks every
                               query head of the GQA group and the query tiles that can see
                               those keys, accumulating dk and dv in registers, then writes
@@ -22,6 +24,21 @@ the forward also saves the row max m and log2(sum) apart, and query tiles holdin
 |m| >= SPLIT_ABOVE recompute p = exp2((s - m) - log2(sum)): with a -1e4 bias an fp32 lse keeps
 only ~1e-3 of log2(sum), which would scale every p of the row, and with finfo(fp32).min it
 keeps none of it (a fully masked row would get p = 1, not 1/N).
+
+delta: ds = p * (dp - delta) needs delta = sum_j p_j dp_j with the p and dp the tiles use, so
+that each row of ds sums to 0 (which cancels the part of dq common to the keys). FA2 and Triton's
+tutorial take rowsum(dO * O) from the saved O; ours is rounded to the input dtype (and the
+forward's P was rounded before its PV product), so that delta is off by ~u |dO| |O|, u the
+dtype's rounding unit. Many keys under a flat softmax make that small beside ds; few keys
+(|O| ~ |v|) or a peaked softmax (dp_j - delta small) do not: on the CPU, against SDPA's math
+kernel (fp32 inside), fp16/bf16 dq and dk came out at 2-5x its error (a fuzzer: Nk 2-7; q scaled
+4x: at any Nk). The delta kernels therefore recompute delta = rowsum(p * dp) in fp32 (two products
+per key tile, p and dp as the dq kernel makes them) for query tiles none of whose rows sees more
+than EXACT_KEYS keys, and keep rowsum(dO * O), as FA2 and cuDNN do, elsewhere. The launch sets
+EXACT_KEYS (triton_launch.exact_delta_keys) only where out and lse are these keys' own (not a ring
+step's global ones) and enough rows see few keys. Cost on an H200 (bf16, B2 H16, Nq 4096, 64 keys):
+the backward 4-7% slower (16k with a 31-key causal window 9%; a 512 causal backward 3 us of 43 in
+a CUDA graph); none where the exact pass is not compiled in.
 
 Masking and tile ranges are the forward's (attention_fwd), seen from the key side here.
 
@@ -112,7 +129,44 @@ def query_tile_range(start_n, q_len, k_len, diag, window_left, window_right,
     return lo, full_lo, full_hi, hi
 
 
-@triton.jit(do_not_specialize=["q_len_dense"])
+@triton.jit
+def exact_delta(q, do, row_a, row_b, k_base, v_base, mask_base, lo, hi, offs_m, offs_n, offs_d, offs_dv,
+                q_len, k_len, diag, window_left, window_right, stride_kn, stride_vn, stride_mm, stride_mn,
+                scale_log2, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
+                HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                SPLIT_STATS: tl.constexpr):
+    """delta = rowsum(p * dp) in fp32 over key tiles [lo, hi), p and dp as dq_tile makes them (row
+    statistics as there: row_a = lse, or with SPLIT_STATS the row max and row_b = log2 row sum)."""
+    delta = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        k = load_rows(k_base + cols[:, None] * stride_kn + offs_d[None, :], cols, k_len, offs_d,
+                      HEAD_DIM, BLOCK_D, True)
+        v = load_rows(v_base + cols[:, None] * stride_vn + offs_dv[None, :], cols, k_len, offs_dv,
+                      HEAD_DIM_V, BLOCK_DV, True)
+        s = dot(q, tl.trans(k), None, DOT_PRECISION) * scale_log2
+        s = apply_masks(s, offs_m[:, None], cols[None, :], q_len, k_len, diag, window_left, window_right,
+                        mask_base, stride_mm, stride_mn, True, HAS_LEFT, HAS_RIGHT, MASK_KIND)
+        if SPLIT_STATS:
+            p = tl.math.exp2((s - row_a[:, None]) - row_b[:, None])
+        else:
+            p = tl.math.exp2(s - row_a[:, None])
+        dp = dot(do, tl.trans(v), None, DOT_PRECISION)
+        delta += tl.sum(p * dp, 1)
+    return delta
+
+
+@triton.jit
+def delta_from_out(o_base, do, offs_m, offs_dv, q_len, stride_om, HEAD_DIM_V: tl.constexpr,
+                   BLOCK_DV: tl.constexpr):
+    """delta = rowsum(dO * O) in fp32 from the saved output (FA2's)."""
+    o = load_rows(o_base + offs_m[:, None] * stride_om + offs_dv[None, :], offs_m, q_len, offs_dv,
+                  HEAD_DIM_V, BLOCK_DV, True).to(tl.float32)
+    return tl.sum(o * do.to(tl.float32), 1)
+
+
+@triton.jit(do_not_specialize=["q_len_dense", "k_len_dense", "window_left", "window_right"])
 def attention_bwd_delta_kernel(
     Out, DOut, Delta, DQAcc, CuSeqlensQ,
     stride_ob, stride_oh, stride_om,
@@ -124,9 +178,21 @@ def attention_bwd_delta_kernel(
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
     IS_VARLEN: tl.constexpr, ZERO_DQ: tl.constexpr,
     Stats=None, Flags=None, SPLIT_STATS: tl.constexpr = False,
+    Q=None, K=None, V=None, LSE=None, Mask=None, CuSeqlensK=None,
+    stride_qb=0, stride_qh=0, stride_qm=0,
+    stride_kb=0, stride_kh=0, stride_kn=0,
+    stride_vb=0, stride_vh=0, stride_vn=0,
+    stride_mb=0, stride_mh=0, stride_mm=0, stride_mn=0, stride_ls=0,
+    kv_group=1, k_len_dense=0, scale_log2=1.0, window_left=0, window_right=0,
+    BLOCK_N: tl.constexpr = 16, BOTTOM_RIGHT: tl.constexpr = False,
+    HAS_LEFT: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False,
+    MASK_KIND: tl.constexpr = 0, DOT_PRECISION: tl.constexpr = "ieee", EXACT_KEYS: tl.constexpr = 0,
 ):
     """Grid: (query blocks, batch * q_heads). Delta has the layout of the saved lse: the sum
-    over the HEAD_DIM_V value columns of o * do. With ZERO_DQ it also zeroes the same rows
+    over the HEAD_DIM_V value columns of o * do, or with EXACT_KEYS > 0, for a query block none of
+    whose rows sees more than EXACT_KEYS keys (key_tile_range's span, or a window's width), rowsum(p * dp) recomputed
+    from Q, K, V, the lse (Stats under SPLIT_STATS), Mask and the position masks as the dq kernel
+    takes them (module docstring, "delta"). With ZERO_DQ it also zeroes the same rows
     (HEAD_DIM columns) of the fp32 dq accumulator (atomic dq mode). With SPLIT_STATS it raises
     Flags[batch * q_heads + head] (int32, zeroed) where a row's max (Stats' first plane) is at or
     above SPLIT_ABOVE in magnitude."""
@@ -148,11 +214,58 @@ def attention_bwd_delta_kernel(
         d_base += q_start.to(tl.int64) * stride_lm
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
-    o = load_rows(o_base + offs_m[:, None] * stride_om + offs_dv[None, :], offs_m, q_len, offs_dv,
-                  HEAD_DIM_V, BLOCK_DV, True).to(tl.float32)
     do = load_rows(do_base + offs_m[:, None] * stride_dom + offs_dv[None, :], offs_m, q_len, offs_dv,
-                   HEAD_DIM_V, BLOCK_DV, True).to(tl.float32)
-    tl.store(d_base + offs_m * stride_lm, tl.sum(o * do, 1), mask=offs_m < q_len)
+                   HEAD_DIM_V, BLOCK_DV, True)
+    if EXACT_KEYS > 0:
+        # (Names made inside a compile-time branch stay in it: triton 3.6 forgets them after it.)
+        k_start, k_len = sequence_bounds(CuSeqlensK, batch, k_len_dense, IS_VARLEN)
+        diag = 0
+        if BOTTOM_RIGHT:
+            diag = k_len - q_len
+        lo, full_lo, full_hi, hi = key_tile_range(start_m, q_len, k_len, diag, window_left, window_right,
+                                                  BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+        # The most keys a row of the tile sees: the tile's key range, or a two-sided window's width.
+        seen = hi - lo
+        if HAS_LEFT and HAS_RIGHT:
+            seen = tl.minimum(seen, window_left + window_right + 1)
+        if seen <= EXACT_KEYS:
+            kv_head = head // kv_group
+            q_base = Q + b64 * stride_qb + head.to(tl.int64) * stride_qh
+            l_base = LSE + b64 * stride_lb + head.to(tl.int64) * stride_lh
+            k_base = K + b64 * stride_kb + kv_head.to(tl.int64) * stride_kh
+            v_base = V + b64 * stride_vb + kv_head.to(tl.int64) * stride_vh
+            mask_base = Mask + b64 * stride_mb + head.to(tl.int64) * stride_mh
+            if IS_VARLEN:
+                q_base += q_start.to(tl.int64) * stride_qm
+                l_base += q_start.to(tl.int64) * stride_lm
+                k_base += k_start.to(tl.int64) * stride_kn
+                v_base += k_start.to(tl.int64) * stride_vn
+            offs_d = tl.arange(0, BLOCK_D)
+            q = load_rows(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], offs_m, q_len, offs_d,
+                          HEAD_DIM, BLOCK_D, True)
+            if SPLIT_STATS:
+                st_base = Stats + b64 * stride_lb + head.to(tl.int64) * stride_lh
+                if IS_VARLEN:
+                    st_base += q_start.to(tl.int64) * stride_lm
+                row_a, row_b = load_split_stats(st_base, offs_m, q_len, stride_lm, stride_ls, True)
+                delta = exact_delta(q, do, row_a, row_b, k_base, v_base, mask_base, lo, hi, offs_m,
+                                    tl.arange(0, BLOCK_N), offs_d, offs_dv, q_len, k_len, diag, window_left,
+                                    window_right, stride_kn, stride_vn, stride_mm, stride_mn, scale_log2, HEAD_DIM,
+                                    BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, MASK_KIND,
+                                    DOT_PRECISION, True)
+            else:
+                lse = tl.load(l_base + offs_m * stride_lm, mask=offs_m < q_len, other=float("inf"))
+                lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E_K
+                delta = exact_delta(q, do, lse, lse, k_base, v_base, mask_base, lo, hi, offs_m,
+                                    tl.arange(0, BLOCK_N), offs_d, offs_dv, q_len, k_len, diag, window_left,
+                                    window_right, stride_kn, stride_vn, stride_mm, stride_mn, scale_log2, HEAD_DIM,
+                                    BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, MASK_KIND,
+                                    DOT_PRECISION, False)
+        else:
+            delta = delta_from_out(o_base, do, offs_m, offs_dv, q_len, stride_om, HEAD_DIM_V, BLOCK_DV)
+    else:
+        delta = delta_from_out(o_base, do, offs_m, offs_dv, q_len, stride_om, HEAD_DIM_V, BLOCK_DV)
+    tl.store(d_base + offs_m * stride_lm, delta, mask=offs_m < q_len)
     if SPLIT_STATS:
         s_base = Stats + b64 * stride_lb + head.to(tl.int64) * stride_lh
         if IS_VARLEN:

@@ -10,9 +10,11 @@ each owning half of the program's rows (the M dimension of every product in the 
 
 Three kernels, no atomics (every gradient element is written by one program in a fixed order,
 so the bits do not depend on timing):
-  attention_bwd_ws_prep_kernel   delta = rowsum(dO * O) and the log-sum-exp in the log2
-                                 domain (+inf for rows that saw no key or lie past the end),
-                                 into two planes padded to whole 128-row tiles per head.
+  attention_bwd_ws_prep_kernel   delta and the log-sum-exp in the log2 domain (+inf for rows
+                                 that saw no key or lie past the end), into two planes padded to
+                                 whole 128-row tiles per head. delta = rowsum(P * dP) recomputed in
+                                 fp32 where a query tile sees at most EXACT_KEYS keys, else
+                                 rowsum(dO * O) (attention_bwd.py, "delta", says why).
   attention_bwd_dkdv_ws_kernel   one program owns BLOCK_N keys of one KV head and walks, in one
                                  flat loop, every query head of its GQA group and the query tiles
                                  that can see those keys; dk and dv stay in registers.
@@ -28,10 +30,11 @@ bottom-right) or not, a causal sliding window (window_left), GQA, HEAD_DIM == HE
 import triton
 import triton.language as tl
 
-from .attention_fwd import LOG2E_K, dense_program, dot, position_keep, round_to, sequence_bounds
+from .attention_bwd import delta_from_out
+from .attention_fwd import LOG2E_K, dense_program, dot, load_rows, position_keep, round_to, sequence_bounds
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["k_len", "window_left"])
 def attention_bwd_ws_prep_kernel(
     Out, DOut, LSE, Stat, CuQ,
     stride_ob, stride_oh, stride_om,
@@ -39,31 +42,83 @@ def attention_bwd_ws_prep_kernel(
     stride_lb, stride_lh, stride_lm,
     q_heads, q_len, q_pitch, stat_plane,
     HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, IS_VARLEN: tl.constexpr,
+    Q=None, K=None, V=None, CuK=None,
+    stride_qb=0, stride_qh=0, stride_qm=0,
+    stride_kb=0, stride_kh=0, stride_kn=0,
+    stride_vb=0, stride_vh=0, stride_vn=0,
+    kv_group=1, k_len=0, scale_log2=1.0, window_left=0,
+    BLOCK_N: tl.constexpr = 64, CAUSAL: tl.constexpr = False, BOTTOM_RIGHT: tl.constexpr = False,
+    HAS_LEFT: tl.constexpr = False, DOT_PRECISION: tl.constexpr = "ieee", EXACT_KEYS: tl.constexpr = 0,
 ):
     """Grid (q_pitch // BLOCK_M, batch * q_heads). Stat[pid_bh * q_pitch + row] = lse * log2(e)
     (+inf where the row saw no key or lies past its sequence's end); Stat[stat_plane + ...] =
-    delta (0 there). Under IS_VARLEN rows are counted from the sequence's start (CuQ)."""
+    delta (0 there). Under IS_VARLEN rows are counted from the sequence's start (CuQ, CuK).
+    delta = rowsum(dO * O), or with EXACT_KEYS > 0, for a query tile none of whose rows sees more
+    than EXACT_KEYS keys (the dq kernel's range), rowsum(p * dp) recomputed in fp32 from
+    Q, K, V (head dim HEAD_DIM_V for all three) as the dq kernel makes p and dp."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     batch = pid_bh // q_heads
     head = pid_bh % q_heads
     q_start, q_len = sequence_bounds(CuQ, batch, q_len, IS_VARLEN)
-    o_base = seq_base(Out, batch, q_start, head, stride_ob, stride_oh, stride_om, IS_VARLEN)
     do_base = seq_base(DOut, batch, q_start, head, stride_dob, stride_doh, stride_dom, IS_VARLEN)
     l_base = seq_base(LSE, batch, q_start, head, stride_lb, stride_lh, stride_lm, IS_VARLEN)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_dv = tl.arange(0, BLOCK_DV)
     live = offs_m < q_len
-    cols = (offs_dv < HEAD_DIM_V)[None, :]
-    o = tl.load(o_base + offs_m[:, None] * stride_om + offs_dv[None, :], mask=live[:, None] & cols,
-                other=0.0).to(tl.float32)
-    do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_dv[None, :], mask=live[:, None] & cols,
-                 other=0.0).to(tl.float32)
+    do = load_rows(do_base + offs_m[:, None] * stride_dom + offs_dv[None, :], offs_m, q_len, offs_dv,
+                   HEAD_DIM_V, BLOCK_DV, True)
     lse = tl.load(l_base + offs_m * stride_lm, mask=live, other=float("-inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E_K)
+    o_base = seq_base(Out, batch, q_start, head, stride_ob, stride_oh, stride_om, IS_VARLEN)
+    if EXACT_KEYS > 0:
+        # (Names made inside a compile-time branch stay in it: triton 3.6 forgets them after it.)
+        k_start, k_len = sequence_bounds(CuK, batch, k_len, IS_VARLEN)
+        diag = 0
+        if BOTTOM_RIGHT:
+            diag = k_len - q_len
+        # The dq kernel's key range (attention_bwd_dq_ws_kernel); none for tiles past the sequence.
+        lo = 0
+        hi = k_len
+        if CAUSAL:
+            hi = tl.minimum(k_len, tl.maximum(start_m + BLOCK_M + diag, 0))
+        if HAS_LEFT:
+            lo = (tl.minimum(tl.maximum(start_m + diag - window_left, 0), hi) // BLOCK_N) * BLOCK_N
+        hi = tl.where(start_m < q_len, hi, lo)
+        # The most keys a row of the tile sees: the tile's key range, or a causal window's width.
+        seen = hi - lo
+        if CAUSAL and HAS_LEFT:
+            seen = tl.minimum(seen, window_left + 1)
+        if seen <= EXACT_KEYS:
+            kv_head = head // kv_group
+            q_base = seq_base(Q, batch, q_start, head, stride_qb, stride_qh, stride_qm, IS_VARLEN)
+            k_base = seq_base(K, batch, k_start, kv_head, stride_kb, stride_kh, stride_kn, IS_VARLEN)
+            v_base = seq_base(V, batch, k_start, kv_head, stride_vb, stride_vh, stride_vn, IS_VARLEN)
+            q = load_rows(q_base + offs_m[:, None] * stride_qm + offs_dv[None, :], offs_m, q_len, offs_dv,
+                          HEAD_DIM_V, BLOCK_DV, True)
+            offs_n = tl.arange(0, BLOCK_N)
+            delta = tl.zeros([BLOCK_M], dtype=tl.float32)
+            for start_n in range(lo, hi, BLOCK_N):
+                cols = start_n + offs_n
+                k = load_rows(k_base + cols[:, None] * stride_kn + offs_dv[None, :], cols, k_len, offs_dv,
+                              HEAD_DIM_V, BLOCK_DV, True)
+                v = load_rows(v_base + cols[:, None] * stride_vn + offs_dv[None, :], cols, k_len, offs_dv,
+                              HEAD_DIM_V, BLOCK_DV, True)
+                s = dot(q, tl.trans(k), None, DOT_PRECISION) * scale_log2
+                # Rows past q_len have lse2 = +inf, so p = 0 there.
+                keep = position_keep(offs_m[:, None], cols[None, :], q_len, k_len, diag, window_left, 0,
+                                     HAS_LEFT, CAUSAL, False)
+                p = tl.math.exp2(tl.where(keep, s, float("-inf")) - lse2[:, None])
+                dp = dot(do, tl.trans(v), None, DOT_PRECISION)
+                delta += tl.sum(p * dp, 1)
+        else:
+            delta = delta_from_out(o_base, do, offs_m, offs_dv, q_len, stride_om, HEAD_DIM_V, BLOCK_DV)
+    else:
+        delta = delta_from_out(o_base, do, offs_m, offs_dv, q_len, stride_om, HEAD_DIM_V, BLOCK_DV)
     base = Stat + pid_bh.to(tl.int64) * q_pitch + offs_m
     tl.store(base, lse2)
-    tl.store(base + stat_plane, tl.where(live, tl.sum(o * do, 1), 0.0))
+    tl.store(base + stat_plane, tl.where(live, delta, 0.0))
 
 
 @triton.jit
