@@ -49,8 +49,8 @@ def fused_form(t: torch.Tensor, width: int) -> torch.Tensor:
     work of the attention it makes runnable on a fused kernel instead of the math one."""
     if t.shape[-1] == width and fused_ready(t):
         return t
-    if t.shape[-1] != width:
-        return F.pad(t, (0, width - t.shape[-1]))
+    if t.shape[-1] != width:  # F.pad keeps a channels-last-like layout: the last dim must be dense
+        return F.pad(t, (0, width - t.shape[-1])).contiguous()
     return t.clone(memory_format=torch.contiguous_format)
 
 
@@ -144,9 +144,7 @@ class SdpaRunner(Runner):
                 need = "sm{}{}".format(*self.min_capability)
                 reasons.append(f"needs compute capability {need} or newer, this GPU is "
                                f"{hardware.arch('cuda', problem.device_index)}.")
-        widest = max(problem.head_dim, problem.value_dim)
-        if self.kernel in FUSED:  # rows are padded to whole vectors (fused_form)
-            widest = padded_dim(widest)
+        widest = max(problem.head_dim, problem.value_dim)  # padding (fused_form) stays within a multiple-of-8 limit
         if self.max_head_dim is not None and widest > self.max_head_dim:
             reasons.append(f"head_dim {widest} exceeds its limit {self.max_head_dim}.")
         if not self.value_dim_differs and problem.value_dim != problem.head_dim:

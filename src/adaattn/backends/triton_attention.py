@@ -83,6 +83,11 @@ class TritonRunner(Runner):
         reasons += unsupported_options(problem)
         if problem.varlen:
             reasons.append("takes dense (B, H, N, D) tensors; packed sequences go to varlen.triton.")
+        if (problem.needs_grad and problem.device_type == "cuda"
+                and (problem.head_dim != block_d(problem.head_dim) or problem.value_dim != block_d(problem.value_dim))):
+            reasons.append(f"its backward faulted (illegal memory access) at head dims that are not a power of two "
+                           f"(D 40-103 with masks or windows, a CUDA fuzzer, H200, triton 3.6; not yet traced), got "
+                           f"{problem.head_dim} and {problem.value_dim}.")
         if self.variant == "ptr" or reasons:
             return reasons
         # TMA and warp-specialised loads: what a tensor descriptor takes.

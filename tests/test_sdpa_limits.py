@@ -1,0 +1,110 @@
+"""The SDPA runners' declared limits and the forms they hand torch's fused kernels (CPU-checkable
+parts; the kernels themselves: test_gpu_fuzz)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from adaattn.backends.sdpa import efficient_bias, finite_floor, fused_form, fused_ready, sdpa_runners
+from adaattn.policy import Policy
+from adaattn.problem import Problem
+
+RUNNERS = {r.name: r for r in sdpa_runners()}
+
+
+def _problem(**kw):
+    base = dict(batch=2, q_heads=4, kv_heads=4, q_len=64, kv_len=64, head_dim=64, value_dim=64,
+                dtype=torch.float16, device_type="cuda", device_index=0, causal=False, window_left=-1,
+                window_right=-1, mask_kind="none", dropout_p=0.0, scale=0.125, needs_grad=False, tma_aligned=True)
+    base.update(kw)
+    return Problem(**base)
+
+
+@pytest.mark.parametrize("view", ["offset", "slice", "last_transposed", "expanded", "odd_dim", "length_one_stride"])
+def test_views_a_fused_kernel_cannot_load_are_not_fused_ready_and_their_form_is(view):
+    base = torch.randn(2, 4, 9, 72)
+    t = {
+        "offset": torch.randn(2 * 4 * 9 * 64 + 3)[3:].view(2, 4, 9, 64),
+        "slice": base[..., 3:67],
+        "last_transposed": torch.randn(2, 4, 64, 9).transpose(-1, -2),
+        "expanded": torch.randn(1, 4, 9, 64).expand(2, 4, 9, 64),
+        "odd_dim": torch.randn(2, 4, 9, 35),
+        "length_one_stride": torch.randn(2, 4, 64, 1).transpose(-1, -2),  # (2, 4, 1, 64), row stride 1
+    }[view]
+    assert not fused_ready(t)
+    width = -(-t.shape[-1] // 8) * 8
+    f = fused_form(t, width)
+    assert fused_ready(f) and f.is_contiguous() and f.shape[-1] == width
+    assert torch.equal(f[..., :t.shape[-1]], t) and not f[..., t.shape[-1]:].any()
+
+
+def test_a_padded_channels_last_like_view_comes_out_dense():
+    t = torch.randn(2, 5, 1, 7).permute(0, 3, 1, 2)  # (2, 7, 5, 1): heads innermost in memory
+    f = fused_form(t.expand(2, 7, 5, 3), 8)
+    assert f.is_contiguous() and f.stride(-1) == 1
+
+
+def test_aligned_dense_tensors_are_passed_as_they_are():
+    t = torch.randn(2, 4, 9, 64)
+    assert fused_ready(t) and fused_form(t, 64) is t
+    bshd = torch.randn(2, 9, 4, 64).transpose(1, 2)
+    assert fused_ready(bshd) and fused_form(bshd, 64) is bshd
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_finfo_min_bias_is_floored_and_minus_inf_kept(dtype):
+    m = torch.tensor([0.0, -1e4, torch.finfo(dtype).min, -math.inf], dtype=dtype, requires_grad=True)
+    out = finite_floor(m)
+    assert out[2].item() == pytest.approx(-1e30, rel=1e-2) and math.isinf(out[3].item())
+    assert out[0].item() == 0.0 and out[1].item() == m[1].item()
+    out.sum().backward()
+    assert torch.equal(m.grad, torch.ones_like(m))
+
+
+def test_float16_bias_is_untouched_by_the_floor():
+    m = torch.tensor([0.0, torch.finfo(torch.float16).min, -math.inf], dtype=torch.float16)
+    assert finite_floor(m) is m
+
+
+def test_efficient_bias_turns_bool_masks_additive_and_lays_keys_out():
+    keep = torch.tensor([[True, False, True]])
+    bias = efficient_bias(keep, torch.bfloat16, 3)
+    assert bias.dtype == torch.bfloat16 and bias.tolist() == [[0.0, -math.inf, 0.0]]
+    col = torch.zeros(5, 1)
+    assert efficient_bias(col, torch.float32, 4).shape == (5, 4)
+    t = torch.randn(4, 5).t()  # keys strided
+    assert efficient_bias(t, torch.float32, 4).stride(-1) == 1
+
+
+def _reasons(name, problem):
+    return " ".join(RUNNERS[name].supports(problem, Policy()))
+
+
+@pytest.mark.parametrize("name", ["sdpa.cudnn", "sdpa.flash", "sdpa.efficient"])
+def test_fused_kernels_decline_a_non_positive_scale(name):
+    assert "positive scale" in _reasons(name, _problem(scale=-0.5))
+    assert "positive scale" in _reasons(name, _problem(scale=0.0))
+    assert "positive scale" not in _reasons(name, _problem())
+    assert "positive scale" not in _reasons("sdpa.math", _problem(scale=-0.5))
+
+
+def test_efficient_declines_masks_with_gqa_and_mask_gradients():
+    gqa = _problem(kv_heads=2, gqa=True)
+    assert "with GQA" in _reasons("sdpa.efficient", replace(gqa, mask_kind="additive"))
+    assert "with GQA" in _reasons("sdpa.efficient", replace(gqa, window_left=4))
+    assert "with GQA" not in _reasons("sdpa.efficient", gqa)
+    assert "with GQA" not in _reasons("sdpa.efficient", _problem(mask_kind="additive"))
+    grad = _problem(mask_kind="additive", mask_grad=True, needs_grad=True)
+    assert "gradient for an attn_mask" in _reasons("sdpa.efficient", grad)
+
+
+@pytest.mark.parametrize("name", ["sdpa.cudnn", "sdpa.flash", "sdpa.efficient"])
+def test_fused_kernels_decline_gradients_of_calls_that_are_not_4d(name):
+    assert "takes 4-D tensors" in _reasons(name, _problem(needs_grad=True, out_lead=(2, 2, 4)))
+    assert "takes 4-D tensors" not in _reasons(name, _problem(out_lead=(2, 2, 4)))
+    assert "takes 4-D tensors" not in _reasons(name, _problem(needs_grad=True))
+
