@@ -108,3 +108,20 @@ def test_fused_kernels_decline_gradients_of_calls_that_are_not_4d(name):
     assert "takes 4-D tensors" not in _reasons(name, _problem(out_lead=(2, 2, 4)))
     assert "takes 4-D tensors" not in _reasons(name, _problem(needs_grad=True))
 
+
+
+@pytest.mark.parametrize("name", ["sdpa.cudnn", "sdpa.flash", "sdpa.efficient"])
+def test_fused_kernels_decline_gradients_at_head_dims_they_would_pad(name):
+    assert "multiples of 8 only" in _reasons(name, _problem(head_dim=35, value_dim=35, needs_grad=True))
+    assert "multiples of 8 only" in _reasons(name, _problem(value_dim=229, needs_grad=True))
+    assert "multiples of 8 only" not in _reasons(name, _problem(head_dim=35, value_dim=35))
+    assert "multiples of 8 only" not in _reasons(name, _problem(needs_grad=True))
+
+
+def test_triton_runners_decline_gradients_of_calls_that_are_not_4d():
+    from adaattn.backends.triton_attention import triton_runners
+
+    ptr = next(r for r in triton_runners() if r.name == "triton.ptr")
+    grad = _problem(device_type="cpu", device_index=None, needs_grad=True, out_lead=(2, 2, 4))
+    assert any("4-D calls only" in r for r in ptr.supports(grad, Policy()))
+    assert not any("4-D calls only" in r for r in ptr.supports(replace(grad, out_lead=None), Policy()))

@@ -391,12 +391,12 @@ def _wrt(inputs: Inputs, config: Config) -> list:
 def _aligned(t: torch.Tensor) -> bool:
     e = t.element_size()
     return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-            and all((st * e) % 16 == 0 for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1))
+            and all((st * e) % 16 == 0 and st != 0 for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1))
 
 
 def _for_torch(inputs: Inputs) -> Inputs:
     """The inputs as torch's SDPA is given them on CUDA: views its fused kernels cannot load (odd
-    offsets, strides, a transposed last dim) as aligned copies of the same values. On such views
+    offsets, strides, a transposed last dim, expanded dims) as aligned copies of the same values. On such views
     torch's own SDPA faults (misaligned address, seen on an H200 with torch 2.11) or falls to its
     math kernel; the yardstick is torch's kernel for these values."""
     def fix(t):

@@ -161,6 +161,10 @@ class SdpaRunner(Runner):
             reasons.append("gives no safe gradient for an attn_mask: its backward faulted (illegal memory access) "
                            "on broadcast masks, and raised where q, k and v need none (a CUDA fuzzer, H200, "
                            "torch 2.11).")
+        if self.kernel in FUSED and problem.needs_grad and (problem.head_dim % ALIGN_DIM or problem.value_dim % ALIGN_DIM):
+            reasons.append(f"takes gradients at head dims that are multiples of {ALIGN_DIM} only: at others torch runs "
+                           "its math kernel, and this kernel's gradients on padded copies were 2-10x its error (a "
+                           "CUDA fuzzer, H200, torch 2.11).")
         if self.kernel in FUSED and problem.needs_grad and problem.out_lead is not None:
             reasons.append("takes 4-D tensors: for other ranks torch runs its math kernel, whose gradients were "
                            "2-4x more accurate than this kernel's on the flattened call (a CUDA fuzzer, H200, "
