@@ -14,6 +14,7 @@ import torch
 
 import adaattn
 from fuzz.sdpa import main, rel_err
+from helpers import keep_mask
 
 pytestmark = pytest.mark.gpu
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -33,13 +34,7 @@ def _ref64(q, k, v, mask=None, causal=False, scale=None, window=None):
     g = q.shape[-3] // k.shape[-3]
     k, v = k.repeat_interleave(g, -3), v.repeat_interleave(g, -3)
     s = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    nq, nk = s.shape[-2:]
-    i, j = torch.arange(nq, device=q.device)[:, None], torch.arange(nk, device=q.device)[None]
-    keep = torch.ones(nq, nk, dtype=torch.bool, device=q.device)
-    if causal:
-        keep &= j <= i
-    if window is not None:
-        keep &= (j >= i - window[0]) & (j <= i + window[1])
+    keep = keep_mask(*s.shape[-2:], causal, window, q.device)
     if mask is not None:
         if mask.dtype == torch.bool:
             keep = keep & mask

@@ -31,7 +31,7 @@ import sys
 import time
 import traceback
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -220,7 +220,6 @@ class Inputs:
     v: torch.Tensor
     mask: torch.Tensor | None
     grad_out: torch.Tensor | None
-    leaves: list = field(default_factory=list)
 
 
 def build(config: Config, device: str) -> Inputs:
@@ -244,12 +243,10 @@ def build(config: Config, device: str) -> Inputs:
     kl, k = _leaf_view(ks, dtype, device, config.views[1], gen, rng)
     vl, v = _leaf_view(vs, dtype, device, config.views[2], gen, rng)
     mask = _mask_values(config, gen, rng, device)
-    leaves = []
     if config.grad:
         for t in (ql, kl, vl):
             t.requires_grad_(True)
         q, k, v = _reapply(ql, q), _reapply(kl, k), _reapply(vl, v)
-        leaves = [ql, kl, vl]
     grad_out = None
     if config.grad or config.mask_grad:
         out_shape = config.batch + ((config.q_heads,) if heads else ()) + (config.q_len, config.value_dim)
@@ -258,7 +255,7 @@ def build(config: Config, device: str) -> Inputs:
         grad_out = torch.randn(*out_shape, generator=gen, dtype=torch.float64).to(dtype).to(device)
     if config.mask_grad and mask is not None:
         mask = mask.detach().requires_grad_(True) if mask._base is None else _mask_leaf(mask)
-    return Inputs(q, k, v, mask, grad_out, leaves)
+    return Inputs(q, k, v, mask, grad_out)
 
 
 def _reapply(leaf: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
@@ -277,6 +274,22 @@ def _bhsd(t: torch.Tensor, layout: str) -> torch.Tensor:
     return t.transpose(-3, -2) if layout == "bshd" else t
 
 
+def positions(config: Config, device) -> torch.Tensor:
+    """(q_len, kv_len) bool: True where query i may see key j (top-left causal, window sides)."""
+    i = torch.arange(config.q_len, device=device)[:, None]
+    j = torch.arange(config.kv_len, device=device)[None, :]
+    keep = torch.ones(config.q_len, config.kv_len, dtype=torch.bool, device=device)
+    if config.causal:
+        keep &= j <= i
+    if config.window is not None:
+        left, right = config.window
+        if left is not None:
+            keep &= j >= i - left
+        if right is not None:
+            keep &= j <= i + right
+    return keep
+
+
 def reference(config: Config, q, k, v, mask) -> torch.Tensor:
     """float64 softmax attention, written here: SDPA's semantics (top-left causal, GQA, masks
     broadcast to (..., Hq, Nq, Nk), rows with no key give zeros) plus windows. Takes float64
@@ -287,18 +300,8 @@ def reference(config: Config, q, k, v, mask) -> torch.Tensor:
         k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
     scale = 1.0 / math.sqrt(config.head_dim) if config.scale is None else config.scale
     s = (q @ k.transpose(-1, -2)) * scale
-    nq, nk = config.q_len, config.kv_len
-    i = torch.arange(nq, device=q.device)[:, None]
-    j = torch.arange(nk, device=q.device)[None, :]
-    keep = torch.ones(nq, nk, dtype=torch.bool, device=q.device)
-    if config.causal:
-        keep &= j <= i
-    if config.window is not None:
-        left, right = config.window
-        if left is not None:
-            keep &= j >= i - left
-        if right is not None:
-            keep &= j <= i + right
+    nk = config.kv_len
+    keep = positions(config, q.device)
     if mask is not None:
         if mask.dtype == torch.bool:
             keep = keep & mask
@@ -320,18 +323,7 @@ def sdpa_yardstick(config: Config, q, k, v, mask, backend=None) -> torch.Tensor:
     q, k, v = _bhsd(q, config.layout), _bhsd(k, config.layout), _bhsd(v, config.layout)
     causal = config.causal
     if config.window is not None or (causal and mask is not None):
-        nq, nk = config.q_len, config.kv_len
-        i = torch.arange(nq, device=q.device)[:, None]
-        j = torch.arange(nk, device=q.device)[None, :]
-        keep = torch.ones(nq, nk, dtype=torch.bool, device=q.device)
-        if causal:
-            keep &= j <= i
-        if config.window is not None:
-            left, right = config.window
-            if left is not None:
-                keep &= j >= i - left
-            if right is not None:
-                keep &= j <= i + right
+        keep = positions(config, q.device)
         if mask is None:
             mask = keep
         elif mask.dtype == torch.bool:
@@ -407,23 +399,25 @@ def _for_torch(inputs: Inputs) -> Inputs:
     return Inputs(fix(inputs.q), fix(inputs.k), fix(inputs.v), fix(inputs.mask), inputs.grad_out)
 
 
-def _as64(inputs: Inputs) -> Inputs:
-    """float64 copies of the inputs as fresh leaves with the same views (for the reference)."""
+def _copy(inputs: Inputs, convert) -> Inputs:
+    """The inputs with every leaf replaced by convert(leaf) (a fresh leaf where the original wants
+    gradients) and the same views taken of it."""
     def copy(t):
         if t is None:
-            return None, None
+            return None
         leaf = t._base if t._base is not None else t
-        l64 = leaf.detach().double() if leaf.dtype != torch.bool else leaf.detach()
+        fresh = convert(leaf.detach())
         if leaf.requires_grad:
-            l64.requires_grad_(True)
-        view = l64 if t is leaf else l64.as_strided(t.shape, t.stride(), t.storage_offset())
-        return l64, view
+            fresh.requires_grad_(True)
+        return fresh if t is leaf else fresh.as_strided(t.shape, t.stride(), t.storage_offset())
 
-    (ql, q), (kl, k), (vl, v) = copy(inputs.q), copy(inputs.k), copy(inputs.v)
-    ml, m = copy(inputs.mask)
-    out = Inputs(q, k, v, m, None if inputs.grad_out is None else inputs.grad_out.double())
-    out.leaves = [ql, kl, vl] if inputs.leaves else []
-    return out
+    grad_out = None if inputs.grad_out is None else convert(inputs.grad_out)
+    return Inputs(copy(inputs.q), copy(inputs.k), copy(inputs.v), copy(inputs.mask), grad_out)
+
+
+def _as64(inputs: Inputs) -> Inputs:
+    """float64 copies (masks keep bool), for the reference."""
+    return _copy(inputs, lambda t: t if t.dtype == torch.bool else t.double())
 
 
 def policy_of(name: str):
@@ -548,21 +542,7 @@ def _torch_side(config: Config, inputs: Inputs, wrt: list, device: str):
 
 
 def _to_cpu(inputs: Inputs) -> Inputs:
-    def copy(t):
-        if t is None:
-            return None, None
-        leaf = t._base if t._base is not None else t
-        lc = leaf.detach().cpu()
-        if leaf.requires_grad:
-            lc.requires_grad_(True)
-        view = lc if t is leaf else lc.as_strided(t.shape, t.stride(), t.storage_offset())
-        return lc, view
-
-    (ql, q), (kl, k), (vl, v) = copy(inputs.q), copy(inputs.k), copy(inputs.v)
-    _, m = copy(inputs.mask)
-    out = Inputs(q, k, v, m, None if inputs.grad_out is None else inputs.grad_out.cpu())
-    out.leaves = [ql, kl, vl] if inputs.leaves else []
-    return out
+    return _copy(inputs, lambda t: t.cpu())
 
 
 def work(args) -> int:
