@@ -66,9 +66,12 @@ def test_only_prints_the_result_and_fails_on_a_finding(capsys, monkeypatch):
     assert "over the standard: out" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("seed,index", [(101, 1888)])
-def test_configurations_the_cpu_fuzzer_found_meet_the_standard(seed, index):
+@pytest.mark.parametrize("seed,index,max_len", [(101, 1888, 300), (4600, 39326, 64), (4600, 74206, 64),
+                                               (4600, 91235, 64)])
+def test_configurations_the_cpu_fuzzer_found_meet_the_standard(seed, index, max_len):
     # (101, 1888): float16, causal at scale -0.5, gradients: torch's fused CPU kernel gives NaN
     # there, its math kernel 2.1e-4; ours ran the fused kernel on a folded mask (5.5e-4).
-    result = check(draw(seed, index, "cpu"), "cpu")
+    # (4600, ...): a half-precision mask's gradient on 5-D calls, summed over its broadcast dims
+    # in half precision after the call was flattened (2-8x torch's error).
+    result = check(draw(seed, index, "cpu", max_len=max_len), "cpu")
     assert result["status"] == "ok", result.get("why")

@@ -413,6 +413,11 @@ def to_internal(problem: Problem, query, key, value, attn_mask):
     q = four(query, lead)
     k, v = four(key, kv_lead), four(value, kv_lead)
     if attn_mask is not None and len(lead) > 2 and attn_mask.dim() >= 4:
+        if attn_mask.requires_grad and attn_mask.dtype in (torch.float16, torch.bfloat16):
+            # Laid out, the mask's gradient is summed back over its broadcast dims: in float32, as
+            # torch's math kernel sums it on the call as given (half precision: 2-8x its error).
+            # Only math kernels take mask gradients, and they take a float32 mask.
+            attn_mask = attn_mask.float()
         attn_mask = attn_mask.expand(*lead, *attn_mask.shape[-2:]).reshape(
             problem.batch, problem.q_heads, *attn_mask.shape[-2:])
     return q, k, v, attn_mask
