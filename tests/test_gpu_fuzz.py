@@ -5,7 +5,6 @@ fallback warnings on legal inputs)."""
 from __future__ import annotations
 
 import json
-import math
 import time
 import warnings
 
@@ -13,7 +12,7 @@ import pytest
 import torch
 
 import adaattn
-from fuzz.sdpa import main, rel_err
+from fuzz.sdpa import main, rel_err, softmax_attention
 from helpers import keep_mask
 
 pytestmark = pytest.mark.gpu
@@ -33,18 +32,8 @@ def _ref64(q, k, v, mask=None, causal=False, scale=None, window=None):
     q, k, v = q.double(), k.double(), v.double()
     g = q.shape[-3] // k.shape[-3]
     k, v = k.repeat_interleave(g, -3), v.repeat_interleave(g, -3)
-    s = q @ k.transpose(-1, -2) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    keep = keep_mask(*s.shape[-2:], causal, window, q.device)
-    if mask is not None:
-        if mask.dtype == torch.bool:
-            keep = keep & mask
-        else:
-            s = s + mask.double()
-    s = s.masked_fill(~keep, -math.inf)
-    top = s.amax(-1, keepdim=True)
-    dead = torch.isneginf(top)
-    p = torch.exp(s - torch.where(dead, 0.0, top))
-    return (p / p.sum(-1, keepdim=True).clamp_min(1e-300)).masked_fill(dead, 0.0) @ v
+    keep = keep_mask(q.shape[-2], k.shape[-2], causal, window, q.device)
+    return softmax_attention(q, k, v, q.shape[-1] ** -0.5 if scale is None else scale, keep, mask)
 
 
 @cuda

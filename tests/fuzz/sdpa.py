@@ -299,22 +299,25 @@ def reference(config: Config, q, k, v, mask) -> torch.Tensor:
         groups = config.q_heads // config.kv_heads
         k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
     scale = 1.0 / math.sqrt(config.head_dim) if config.scale is None else config.scale
+    return _bhsd(softmax_attention(q, k, v, scale, positions(config, q.device), mask), config.layout)
+
+
+def softmax_attention(q, k, v, scale, keep, mask) -> torch.Tensor:
+    """softmax(q k^T scale + mask) v over the keys `keep` (and a bool `mask`) allows, float64,
+    on (..., N, D) tensors of equal heads; a row with no key gives zeros."""
     s = (q @ k.transpose(-1, -2)) * scale
-    nk = config.kv_len
-    keep = positions(config, q.device)
     if mask is not None:
         if mask.dtype == torch.bool:
             keep = keep & mask
         else:
             s = s + mask.double()
     s = s.masked_fill(~keep, -math.inf)
-    top = s.amax(-1, keepdim=True) if nk > 0 else s.sum(-1, keepdim=True)
+    top = s.amax(-1, keepdim=True) if s.shape[-1] > 0 else s.sum(-1, keepdim=True)
     dead = torch.isneginf(top)
     p = torch.exp(s - torch.where(dead, torch.zeros_like(top), top))
     denom = p.sum(-1, keepdim=True)
     p = p / torch.where(dead | (denom == 0), torch.ones_like(denom), denom)
-    out = p @ v
-    return _bhsd(out, config.layout)
+    return p @ v
 
 
 def sdpa_yardstick(config: Config, q, k, v, mask, backend=None) -> torch.Tensor:
