@@ -643,7 +643,8 @@ def drive(args) -> dict:
         "torch": torch.__version__,
         "triton": _triton_version(),
         "git_commit": _git_commit(root),
-        "seed": args.seed, "n": args.n, "ran": len(results), "start": args.start, "policy": args.policy, "max_len": args.max_len,
+        "seed": args.seed, "n": args.n, "ran": len(results), "start": args.start, "policy": args.policy,
+        "max_len": args.max_len,
         "seconds": round(time.perf_counter() - t0, 1), "restarts": restarts,
         "counts": counts,
         "findings": [r for r in results if r["status"] not in ("ok", "declined", "skip")],
@@ -704,6 +705,6 @@ def main(argv=None) -> int:
     summary = drive(args)
     for r in summary["findings"]:
         print(f"{r['status']:>7}  {r.get('why', '')[:160]}  |  {r['repro']}")
-    print(json.dumps({k: summary[k] for k in ("device", "device_name", "seed", "n", "ran", "policy", "seconds", "restarts",
-                                               "counts")}))
+    keys = ("device", "device_name", "seed", "n", "ran", "policy", "seconds", "restarts", "counts")
+    print(json.dumps({k: summary[k] for k in keys}))
     return 0 if not summary["findings"] else 1

@@ -73,13 +73,6 @@ def finite_floor(attn_mask: torch.Tensor) -> torch.Tensor:
     return torch.where(low, floor, attn_mask)
 
 
-_CAN_USE = {
-    SDPBackend.CUDNN_ATTENTION: "can_use_cudnn_attention",
-    SDPBackend.FLASH_ATTENTION: "can_use_flash_attention",
-    SDPBackend.EFFICIENT_ATTENTION: "can_use_efficient_attention",
-}
-
-
 def efficient_bias(attn_mask: torch.Tensor, dtype: torch.dtype, kv_len: int) -> torch.Tensor:
     """A mask as the efficient kernel takes it: additive in the query dtype (a bool mask turned
     as SDPA turns it), finite values floored (finite_floor), keys along a unit-stride last dim
@@ -92,6 +85,13 @@ def efficient_bias(attn_mask: torch.Tensor, dtype: torch.dtype, kv_len: int) -> 
     if attn_mask.shape[-1] != kv_len or (attn_mask.stride(-1) != 1 and kv_len > 1):
         attn_mask = attn_mask.expand(*attn_mask.shape[:-1], kv_len).contiguous()
     return attn_mask
+
+
+_CAN_USE = {
+    SDPBackend.CUDNN_ATTENTION: "can_use_cudnn_attention",
+    SDPBackend.FLASH_ATTENTION: "can_use_flash_attention",
+    SDPBackend.EFFICIENT_ATTENTION: "can_use_efficient_attention",
+}
 
 
 class SdpaRunner(Runner):
@@ -144,9 +144,8 @@ class SdpaRunner(Runner):
                 need = "sm{}{}".format(*self.min_capability)
                 reasons.append(f"needs compute capability {need} or newer, this GPU is "
                                f"{hardware.arch('cuda', problem.device_index)}.")
-        widest = max(problem.head_dim, problem.value_dim)  # padding (fused_form) stays within a multiple-of-8 limit
-        if self.max_head_dim is not None and widest > self.max_head_dim:
-            reasons.append(f"head_dim {widest} exceeds its limit {self.max_head_dim}.")
+        if self.max_head_dim is not None and max(problem.head_dim, problem.value_dim) > self.max_head_dim:
+            reasons.append(f"head_dim {max(problem.head_dim, problem.value_dim)} exceeds its limit {self.max_head_dim}.")
         if not self.value_dim_differs and problem.value_dim != problem.head_dim:
             reasons.append("value head_dim differs from query/key head_dim.")
         if not self.masks:
@@ -161,7 +160,8 @@ class SdpaRunner(Runner):
             reasons.append("gives no safe gradient for an attn_mask: its backward faulted (illegal memory access) "
                            "on broadcast masks, and raised where q, k and v need none (a CUDA fuzzer, H200, "
                            "torch 2.11).")
-        if self.kernel in FUSED and problem.needs_grad and (problem.head_dim % ALIGN_DIM or problem.value_dim % ALIGN_DIM):
+        padded = problem.head_dim % ALIGN_DIM or problem.value_dim % ALIGN_DIM
+        if self.kernel in FUSED and problem.needs_grad and padded:
             reasons.append(f"takes gradients at head dims that are multiples of {ALIGN_DIM} only: at others torch runs "
                            "its math kernel, and this kernel's gradients on padded copies were 2-10x its error (a "
                            "CUDA fuzzer, H200, torch 2.11).")
@@ -200,22 +200,19 @@ class SdpaRunner(Runner):
                 return self._run(query, key, value, attn_mask, problem)
         # Under torch.compile data pointers cannot be read (problem.tma_aligned is False there):
         # the compiled graph's tensors go to the kernel as they are.
-        if self.kernel in FUSED and not (problem.tma_aligned and problem.head_dim % ALIGN_DIM == 0
-                                         and problem.value_dim % ALIGN_DIM == 0) and not torch.compiler.is_compiling():
+        loadable = problem.tma_aligned and problem.head_dim % ALIGN_DIM == 0 and problem.value_dim % ALIGN_DIM == 0
+        if self.kernel in FUSED and not loadable and not torch.compiler.is_compiling():
             return self._run_fused_form(query, key, value, attn_mask, problem)
-        if (
-            self.direct is not None
-            and problem.mask_kind == "none"
-            and problem.window is None
-            and not problem.gqa
-            and problem.dropout_p == 0.0
-            and problem.head_dim % 8 == 0
-            and problem.value_dim == problem.head_dim
-            and problem.scale > 0
-            and not torch.compiler.is_compiling()  # dynamo cannot wrap these ops' SymInt outputs
-        ):
+        if self._direct_ok(problem, problem.head_dim % 8 == 0 and problem.value_dim == problem.head_dim):
             return self.direct(query, key, value, problem)
         return self._run(query, key, value, attn_mask, problem)
+
+    def _direct_ok(self, problem, dims_ok: bool) -> bool:
+        """Whether the call may go to the aten op SDPA itself would call (no mask, window, GQA or
+        dropout; `dims_ok`: head dims the op takes as they come)."""
+        return (self.direct is not None and problem.mask_kind == "none" and problem.window is None
+                and not problem.gqa and problem.dropout_p == 0.0 and dims_ok and problem.scale > 0
+                and not torch.compiler.is_compiling())  # dynamo cannot wrap these ops' SymInt outputs
 
     def _run_fused_form(self, query, key, value, attn_mask, problem):
         """A call whose q, k or v a fused kernel cannot load as they are (a last-dim slice at an
@@ -225,9 +222,7 @@ class SdpaRunner(Runner):
         if not self.value_dim_differs:
             width = value_width = max(width, value_width)
         q, k, v = fused_form(query, width), fused_form(key, width), fused_form(value, value_width)
-        direct = (self.direct is not None and problem.mask_kind == "none" and problem.window is None
-                  and not problem.gqa and problem.dropout_p == 0.0 and width == value_width
-                  and problem.scale > 0 and not torch.compiler.is_compiling())
+        direct = self._direct_ok(problem, width == value_width)
         out = self.direct(q, k, v, problem) if direct else self._run(q, k, v, attn_mask, problem)
         return out[..., :problem.value_dim] if value_width != problem.value_dim else out
 
@@ -277,8 +272,6 @@ class SdpaRunner(Runner):
                 query, key, value, attn_mask=attn_mask, dropout_p=problem.dropout_p,
                 is_causal=causal, scale=problem.scale, enable_gqa=gqa,
             )
-
-
 
 
 def _cudnn(q, k, v, problem):
