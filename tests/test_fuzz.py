@@ -8,6 +8,7 @@ import os
 import pytest
 
 from fuzz.sdpa import check, draw, main
+import torch
 
 
 def _run(n, seed, policy, device="cpu"):
@@ -75,3 +76,24 @@ def test_configurations_the_cpu_fuzzer_found_meet_the_standard(seed, index, max_
     # in half precision after the call was flattened (2-8x torch's error).
     result = check(draw(seed, index, "cpu", max_len=max_len), "cpu")
     assert result["status"] == "ok", result.get("why")
+
+
+@pytest.mark.parametrize("shape_q,shape_kv", [((2, 80), (2, 80)), ((10, 8), (3, 8)), ((3, 5, 16), (3, 7, 16)),
+                                              ((2, 3, 4, 5, 16), (2, 3, 4, 6, 16))])
+def test_cpu_calls_that_are_not_plain_4d_are_torchs_math_call_to_the_bit(shape_q, shape_kv):
+    # seed 4600 #17340 and #97362 (100,000 CPU configurations): 2-D float32 calls flattened to 4-D
+    # ran torch's math kernel on batched products, whose gradients were 3-5x torch's own on the 2-D
+    # call; such calls now reach torch in their own rank.
+    import adaattn
+
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(*shape_q, generator=g, requires_grad=True)
+    k = torch.randn(*shape_kv, generator=g, requires_grad=True)
+    v = torch.randn(*shape_kv, generator=g, requires_grad=True)
+    grad = torch.randn(*shape_q[:-1], shape_kv[-1], generator=g)
+    ours = adaattn.attention(q, k, v, scale=1.875)
+    mine = torch.autograd.grad(ours, (q, k, v), grad)
+    theirs = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=1.875)
+    ref = torch.autograd.grad(theirs, (q, k, v), grad)
+    assert torch.equal(ours, theirs)
+    assert all(torch.equal(a, b) for a, b in zip(mine, ref))

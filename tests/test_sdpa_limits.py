@@ -125,3 +125,60 @@ def test_triton_runners_decline_gradients_of_calls_that_are_not_4d():
     grad = _problem(device_type="cpu", device_index=None, needs_grad=True, out_lead=(2, 2, 4))
     assert any("4-D calls only" in r for r in ptr.supports(grad, Policy()))
     assert not any("4-D calls only" in r for r in ptr.supports(replace(grad, out_lead=None), Policy()))
+
+
+def test_efficient_takes_float32_only_as_torch_does_4d_without_gqa():
+    # seed 5101 #2538, #2602, #608 and seed 4601 #1378, #3793 on an H100: float32 GQA or 2-/3-D
+    # calls ran the efficient kernel on repeated heads or a flattened call, at 3-600x the error of
+    # torch's math kernel, which torch runs there.
+    f32 = _problem(dtype=torch.float32)
+    assert "takes float32 only as torch does" in _reasons("sdpa.efficient", replace(f32, kv_heads=2, gqa=True))
+    assert "takes float32 only as torch does" in _reasons("sdpa.efficient", replace(f32, out_lead=(2, 4)))
+    assert "takes float32 only as torch does" not in _reasons("sdpa.efficient", f32)
+    assert "takes float32 only as torch does" not in _reasons("sdpa.efficient", _problem(kv_heads=2, gqa=True))
+
+
+def test_efficient_bias_aligns_an_offset_mask_and_pads_its_rows():
+    # seed 5102 #4248 (H100): a float16 mask at an odd offset made the kernel raise "attn_bias_ptr
+    # is not correctly aligned", and a fallback warning.
+    flat = torch.randn(96 * 96 + 3, dtype=torch.float16)
+    m = flat[3:].view(96, 96)
+    out = efficient_bias(m, torch.float16, 96)
+    assert out.data_ptr() % 16 == 0 and out.stride(0) % 8 == 0 and torch.equal(out, m)
+    odd = torch.randn(5, 7)  # rows of 28 bytes: laid out in rows of 32
+    out = efficient_bias(odd, torch.float32, 7)
+    assert out.stride() == (8, 1) and torch.equal(out, odd)
+    dense = torch.randn(5, 8)
+    assert efficient_bias(dense, torch.float32, 8, floor=False) is dense
+
+
+def test_efficient_bias_is_not_floored_when_gradients_are_taken():
+    # seed 5101 #1979, #3541, seed 5102 #1026, #2782, #2996, #4211 (H100): with the floor, the
+    # kernel's backward recomputed the weights of a finfo.min row from a -1e30 log-sum-exp:
+    # inf gradients (bfloat16), 3x torch's error (float32).
+    m = torch.tensor([[0.0, torch.finfo(torch.bfloat16).min]], dtype=torch.bfloat16)
+    assert -1.1e30 < efficient_bias(m, torch.bfloat16, 2, floor=True)[0, 1].item() < -0.9e30
+    assert torch.equal(efficient_bias(m, torch.bfloat16, 2, floor=False), m)
+
+
+def test_a_kernel_selection_refusal_declines_without_a_warning():
+    # seed 5101 #1625, seed 5102 #4245 (H100): float32 calls torch's can_use check passed and the
+    # efficient kernel's host-side selection refused ("cutlassF: no kernel found to launch!").
+    from adaattn.backends.base import Declined
+
+    runner = RUNNERS["sdpa.efficient"]
+
+    def refuse(*args):
+        raise RuntimeError("cutlassF: no kernel found to launch!")
+
+    def fail(*args):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    probe = type(runner).__new__(type(runner))
+    probe.__dict__.update(runner.__dict__)
+    probe.direct = refuse
+    with pytest.raises(Declined):
+        probe._direct(None, None, None, _problem())
+    probe.direct = fail
+    with pytest.raises(RuntimeError, match="illegal memory"):
+        probe._direct(None, None, None, _problem())

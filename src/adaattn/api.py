@@ -95,25 +95,34 @@ def attention(
             planner.remember_call(signature, (problem, pol, plan))
     else:
         problem, pol, plan = hit
-    query, key, value, attn_mask = _runner_form(problem, query, key, value, attn_mask)
+    # torch's CPU SDPA runs its math kernel on a call that is not plain 4-D, on the tensors as given:
+    # sdpa.cpu takes such a call in its own rank, so its result is torch's to the bit (flattened
+    # to 4-D, math's batched products rounded differently: fp32 gradients of a 2-D call 3-5x torch's
+    # error, a CPU fuzzer).
+    call_form = problem.out_lead is not None and plan.candidates == CALL_FORM_PLAN
+    query, key, value, attn_mask = _runner_form(problem, query, key, value, attn_mask, call_form)
     if compiling:
         out = plan.runner.run(query, key, value, attn_mask, problem, plan.launch, label)
     elif stats.enabled:
         out = _run_recorded(query, key, value, attn_mask, problem, plan, pol, label)
     else:
         out = _run(query, key, value, attn_mask, problem, plan, label)[0]
-    if problem.out_lead is not None:
+    if problem.out_lead is not None and not call_form:
         out = from_internal(problem, out)
     if problem.layout == "bshd":
         return out.transpose(-3, -2)
     return out
 
 
-def _runner_form(problem: Problem, query, key, value, attn_mask):
-    """The tensors as runners take them: (B, H, N, D), leading dims broadcast and flattened."""
+CALL_FORM_PLAN = ("sdpa.cpu",)  # a plan whose runner takes a call in its own rank (torch's CPU SDPA)
+
+
+def _runner_form(problem: Problem, query, key, value, attn_mask, call_form: bool = False):
+    """The tensors as runners take them: (B, H, N, D), leading dims broadcast and flattened
+    (`call_form`: in the call's own rank, only bshd turned to bhsd)."""
     if problem.layout == "bshd":
         query, key, value = query.transpose(-3, -2), key.transpose(-3, -2), value.transpose(-3, -2)
-    if problem.out_lead is not None:
+    if problem.out_lead is not None and not call_form:
         query, key, value, attn_mask = to_internal(problem, query, key, value, attn_mask)
     return query, key, value, attn_mask
 

@@ -386,11 +386,18 @@ def _wrt(inputs: Inputs, config: Config) -> list:
 
 def _aligned(t: torch.Tensor) -> bool:
     e = t.element_size()
+    # Every stride, a length-one dim's too: torch's efficient kernel checks them all (a view with an
+    # odd stride on a length-one dim made torch's own SDPA raise "no kernel found" and the yardstick
+    # fall to its math kernel, H100, torch 2.11).
     return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0
-            and all((st * e) % 16 == 0 and st != 0 for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1))
+            and all((st * e) % 16 == 0 and (st != 0 or n == 1) for st, n in zip(t.stride()[:-1], t.shape[:-1])))
 
 
-def _for_torch(inputs: Inputs) -> Inputs:
+class TorchFault(RuntimeError):
+    """A CUDA fault in torch's own SDPA on the yardstick side (after adaattn's call completed)."""
+
+
+def _for_torch(inputs: Inputs, config: Config | None = None) -> Inputs:
     """The inputs as torch's SDPA is given them on CUDA: views its fused kernels cannot load (odd
     offsets, strides, a transposed last dim, expanded dims) as aligned copies of the same values. On such views
     torch's own SDPA faults (misaligned address, seen on an H200 with torch 2.11) or falls to its
@@ -400,7 +407,18 @@ def _for_torch(inputs: Inputs) -> Inputs:
             return t
         return t.detach().clone(memory_format=torch.contiguous_format).requires_grad_(t.requires_grad)
 
-    return Inputs(fix(inputs.q), fix(inputs.k), fix(inputs.v), fix(inputs.mask), inputs.grad_out)
+    def fix_mask(m):
+        # A mask broadcast over keys (last dim 1), laid out over the keys with 16-byte rows: torch
+        # 2.11's efficient kernel faulted (misaligned address) on the broadcast form. Same values.
+        nk = inputs.k.shape[-2] if config is None or config.layout == "bhsd" else inputs.k.shape[-3]
+        if m is None or m.requires_grad or m.dim() == 0 or m.shape[-1] != 1 or nk <= 1:
+            return fix(m)
+        width = -(-nk * m.element_size() // 16) * 16 // m.element_size()
+        dense = m.new_empty(*m.shape[:-1], width)[..., :nk]
+        dense.copy_(m.detach().expand(*m.shape[:-1], nk))
+        return dense
+
+    return Inputs(fix(inputs.q), fix(inputs.k), fix(inputs.v), fix_mask(inputs.mask), inputs.grad_out)
 
 
 def _copy(inputs: Inputs, convert) -> Inputs:
@@ -476,8 +494,11 @@ def check(config: Config, device: str) -> dict:
             return {**result, "status": "fail", "why": text[:400], "trace": traceback.format_exc()[-1500:]}
     fallbacks = [str(w.message)[:300] for w in caught if "adaattn: runner" in str(w.message)]
 
-    torch_in = _for_torch(inputs) if device == "cuda" else inputs
-    torch_out, torch_grads = _torch_side(config, torch_in, _wrt(torch_in, config), device)
+    torch_in = _for_torch(inputs, config) if device == "cuda" else inputs
+    try:
+        torch_out, torch_grads = _torch_side(config, torch_in, _wrt(torch_in, config), device)
+    except TorchFault as e:  # ours ran and synchronised before: the fault is torch's, not adaattn's
+        return {**result, "status": "torch_fault", "why": str(e)[:400]}
     errors = {}
     names = ["out"] + [f"d{n}" for n in ("q", "k", "v")[: 3 if config.grad else 0]] + (
         ["dmask"] if config.mask_grad and inputs.mask is not None else [])
@@ -527,9 +548,27 @@ def _torch_side(config: Config, inputs: Inputs, wrt: list, device: str):
     from torch.nn.attention import SDPBackend
 
     attempts = [None] + ([SDPBackend.MATH, "cpu"] if device == "cuda" else [SDPBackend.MATH])
+    if device == "cuda" and config.mask_grad and inputs.mask is not None:
+        # torch 2.11's default (efficient) gradient of a mask faulted (illegal memory access) on
+        # broadcast masks: its math kernel is the answer torch gives safely.
+        attempts = attempts[1:]
     best = (None, [None] * len(wrt))
     for how in attempts:
         try:
+            if device == "cuda" and how != "cpu":
+                try:
+                    out, grads = _forward_backward(lambda q, k, v, m: sdpa_yardstick(config, q, k, v, m, how),
+                                                   inputs, config, wrt)
+                    torch.cuda.synchronize()
+                except Exception as e:  # noqa: BLE001
+                    text = f"{type(e).__name__}: {e}"
+                    if any(w in text for w in FAULT_WORDS):
+                        raise TorchFault(f"torch SDPA ({how or 'default'}): {text}") from e
+                    raise
+                best = (out, list(grads))
+                if bool(torch.isfinite(out).all()) and all(g is None or bool(torch.isfinite(g).all()) for g in grads):
+                    return best
+                continue
             if how == "cpu":
                 cpu = _to_cpu(inputs)
                 out, grads = _forward_backward(lambda q, k, v, m: sdpa_yardstick(config, q, k, v, m), cpu, config,
@@ -537,6 +576,8 @@ def _torch_side(config: Config, inputs: Inputs, wrt: list, device: str):
             else:
                 out, grads = _forward_backward(lambda q, k, v, m: sdpa_yardstick(config, q, k, v, m, how), inputs,
                                                config, wrt)
+        except TorchFault:
+            raise
         except Exception:  # noqa: BLE001 - torch refusing is not ours to judge
             continue
         best = (out, list(grads))
@@ -569,7 +610,7 @@ def work(args) -> int:
             result["ms"] = round((time.perf_counter() - t0) * 1e3, 2)
             sink.write(json.dumps(result) + "\n")
             sink.flush()
-            if result["status"] == "fault":
+            if result["status"] in ("fault", "torch_fault"):
                 return 3
     return 0
 
@@ -613,7 +654,7 @@ def drive(args) -> dict:
             if p.returncode != 0 and last + 1 < end and not (args.deadline and time.time() > args.deadline):
                 # A fault (exit 3) or a crash: rerun the rest in a fresh process.
                 restarts += 1
-                if p.returncode != 3 and (not done or done[-1]["status"] != "fault"):
+                if p.returncode != 3 and (not done or done[-1]["status"] not in ("fault", "torch_fault")):
                     with open(part, "a") as f:
                         f.write(json.dumps({"index": last + 1, "status": "fault", "repro": draw(
                             args.seed, last + 1, args.device, args.policy, args.max_len).repro(args.device),

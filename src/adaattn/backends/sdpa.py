@@ -73,17 +73,23 @@ def finite_floor(attn_mask: torch.Tensor) -> torch.Tensor:
     return torch.where(low, floor, attn_mask)
 
 
-def efficient_bias(attn_mask: torch.Tensor, dtype: torch.dtype, kv_len: int) -> torch.Tensor:
+def efficient_bias(attn_mask: torch.Tensor, dtype: torch.dtype, kv_len: int, floor: bool = True) -> torch.Tensor:
     """A mask as the efficient kernel takes it: additive in the query dtype (a bool mask turned
-    as SDPA turns it), finite values floored (finite_floor), keys along a unit-stride last dim
-    (a mask broadcast over keys, or transposed, is laid out)."""
+    as SDPA turns it), finite values floored (finite_floor) where `floor`, keys along a unit-stride
+    last dim, a 16-byte aligned base and 16-byte row strides (a mask broadcast over keys,
+    transposed or at an odd offset is laid out, its rows padded as torch pads them)."""
     if attn_mask.dtype == torch.bool:
         attn_mask = torch.zeros(attn_mask.shape, dtype=dtype, device=attn_mask.device).masked_fill_(
             ~attn_mask, float("-inf"))
-    else:
+    elif floor:
         attn_mask = finite_floor(attn_mask)
-    if attn_mask.shape[-1] != kv_len or (attn_mask.stride(-1) != 1 and kv_len > 1):
-        attn_mask = attn_mask.expand(*attn_mask.shape[:-1], kv_len).contiguous()
+    e = attn_mask.element_size()
+    aligned = (attn_mask.data_ptr() % ALIGN_BYTES == 0
+               and all((st * e) % ALIGN_BYTES == 0 for st in attn_mask.stride()[:-1]))
+    if attn_mask.shape[-1] != kv_len or (attn_mask.stride(-1) != 1 and kv_len > 1) or not aligned:
+        width = -(-kv_len * e // ALIGN_BYTES) * ALIGN_BYTES // e
+        laid = attn_mask.new_empty(*attn_mask.shape[:-1], width)[..., :kv_len]
+        attn_mask = laid.copy_(attn_mask.expand(*attn_mask.shape[:-1], kv_len))
     return attn_mask
 
 
@@ -169,6 +175,11 @@ class SdpaRunner(Runner):
             reasons.append("takes 4-D tensors: for other ranks torch runs its math kernel, whose gradients were "
                            "2-4x more accurate than this kernel's on the flattened call (a CUDA fuzzer, H200, "
                            "torch 2.11).")
+        if self.kernel == SDPBackend.EFFICIENT_ATTENTION and problem.dtype == torch.float32 and (
+                problem.gqa or problem.out_lead is not None):
+            reasons.append("takes float32 only as torch does, 4-D and without GQA: for GQA or other ranks torch runs "
+                           "its math kernel, whose float32 outputs and gradients were 3-600x more accurate than this "
+                           "kernel's on repeated heads or a flattened call (a CUDA fuzzer, H100 and H200, torch 2.11).")
         if self.gqa_masks_reason and problem.gqa and (problem.mask_kind != "none" or problem.window is not None):
             reasons.append(self.gqa_masks_reason)
         if not self.dropout and problem.dropout_p > 0:
@@ -204,7 +215,7 @@ class SdpaRunner(Runner):
         if self.kernel in FUSED and not loadable and not torch.compiler.is_compiling():
             return self._run_fused_form(query, key, value, attn_mask, problem)
         if self._direct_ok(problem, problem.head_dim % 8 == 0 and problem.value_dim == problem.head_dim):
-            return self.direct(query, key, value, problem)
+            return self._direct(query, key, value, problem)
         return self._run(query, key, value, attn_mask, problem)
 
     def _direct_ok(self, problem, dims_ok: bool) -> bool:
@@ -213,6 +224,14 @@ class SdpaRunner(Runner):
         return (self.direct is not None and problem.mask_kind == "none" and problem.window is None
                 and not problem.gqa and problem.dropout_p == 0.0 and dims_ok and problem.scale > 0
                 and not torch.compiler.is_compiling())  # dynamo cannot wrap these ops' SymInt outputs
+
+    def _direct(self, query, key, value, problem):
+        try:
+            return self.direct(query, key, value, problem)
+        except RuntimeError as e:
+            if any(w in str(e) for w in KERNEL_SELECTION_REFUSALS):
+                raise Declined(f"{self.name}: {e}") from e
+            raise
 
     def _run_fused_form(self, query, key, value, attn_mask, problem):
         """A call whose q, k or v a fused kernel cannot load as they are (a last-dim slice at an
@@ -223,7 +242,7 @@ class SdpaRunner(Runner):
             width = value_width = max(width, value_width)
         q, k, v = fused_form(query, width), fused_form(key, width), fused_form(value, value_width)
         direct = self._direct_ok(problem, width == value_width)
-        out = self.direct(q, k, v, problem) if direct else self._run(q, k, v, attn_mask, problem)
+        out = self._direct(q, k, v, problem) if direct else self._run(q, k, v, attn_mask, problem)
         return out[..., :problem.value_dim] if value_width != problem.value_dim else out
 
     def _check(self, query, key, value, attn_mask, dropout_p, causal, gqa):
@@ -254,7 +273,11 @@ class SdpaRunner(Runner):
             )
             causal = False
         if self.kernel == SDPBackend.EFFICIENT_ATTENTION and attn_mask is not None:
-            attn_mask = efficient_bias(attn_mask, query.dtype, problem.kv_len)
+            # With gradients, finite values are not floored: the kernel's backward recomputes the
+            # weights from the row's log-sum-exp, which a floored row (-1e30) loses entirely (inf
+            # gradients in bfloat16, 3x torch's error in float32: a CUDA fuzzer, H100). Unfloored,
+            # the call is torch's own efficient call, forward and backward alike.
+            attn_mask = efficient_bias(attn_mask, query.dtype, problem.kv_len, floor=not problem.needs_grad)
         gqa = problem.gqa
         if gqa and not self.native_gqa:
             key = key.repeat_interleave(problem.gqa_groups, dim=1)
@@ -268,10 +291,21 @@ class SdpaRunner(Runner):
                 is_causal=causal, scale=problem.scale, enable_gqa=gqa,
             )
         with sdpa_kernel(self.kernel):
-            return F.scaled_dot_product_attention(
-                query, key, value, attn_mask=attn_mask, dropout_p=problem.dropout_p,
-                is_causal=causal, scale=problem.scale, enable_gqa=gqa,
-            )
+            try:
+                return F.scaled_dot_product_attention(
+                    query, key, value, attn_mask=attn_mask, dropout_p=problem.dropout_p,
+                    is_causal=causal, scale=problem.scale, enable_gqa=gqa,
+                )
+            except RuntimeError as e:
+                if any(w in str(e) for w in KERNEL_SELECTION_REFUSALS):
+                    raise Declined(f"{self.name}: {e}") from e
+                raise
+
+
+# The efficient kernel picks one of its instantiations on the host, before any launch; where none
+# fits (float32 head dims and lengths its can_use check passes, seen on an H100 with torch 2.11) it
+# raises these. torch's own SDPA raises them too; the next runner takes the call.
+KERNEL_SELECTION_REFUSALS = ("no kernel found to launch", "is not correctly aligned")
 
 
 def _cudnn(q, k, v, problem):
