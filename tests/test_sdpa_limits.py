@@ -135,6 +135,12 @@ def test_efficient_takes_float32_only_as_torch_does_4d_without_gqa():
     assert "takes float32 only as torch does" in _reasons("sdpa.efficient", replace(f32, kv_heads=2, gqa=True))
     assert "takes float32 only as torch does" in _reasons("sdpa.efficient", replace(f32, out_lead=(2, 4)))
     assert "takes float32 only as torch does" not in _reasons("sdpa.efficient", f32)
+    # seed 5200 #9366 (H100): float32 D=214 padded to 216 for the efficient kernel, 5.6x the output
+    # error of torch's math kernel, which torch runs for head dims that are not multiples of 4.
+    assert "takes float32 only as torch does" in _reasons("sdpa.efficient", replace(f32, head_dim=214, value_dim=214))
+    assert "takes float32 only as torch does" in _reasons("sdpa.efficient", replace(f32, value_dim=70))
+    assert "takes float32 only as torch does" not in _reasons("sdpa.efficient", replace(f32, head_dim=20, value_dim=20))
+    assert "takes float32 only as torch does" not in _reasons("sdpa.efficient", _problem(head_dim=214, value_dim=214))
     assert "takes float32 only as torch does" not in _reasons("sdpa.efficient", _problem(kv_heads=2, gqa=True))
 
 

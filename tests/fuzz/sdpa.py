@@ -676,7 +676,7 @@ def drive(args) -> dict:
         "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "torch": torch.__version__,
         "triton": _triton_version(),
-        "git_commit": _git_commit(root),
+        "git_commit": _git_commit(root), "source_digest": source_digest(root),
         "seed": args.seed, "n": args.n, "ran": len(results), "start": args.start, "policy": args.policy,
         "max_len": args.max_len,
         "seconds": round(time.perf_counter() - t0, 1), "restarts": restarts,
@@ -704,6 +704,24 @@ def _git_commit(root: str):
                               timeout=10).stdout.strip() or None
     except Exception:  # noqa: BLE001
         return None
+
+
+def source_digest(root: str) -> str:
+    """sha1 of the library's source files (src/adaattn) as they are on disk: what ran, where a
+    copied tree's .git names an older commit (the device machine copies the working tree)."""
+    import hashlib
+
+    h = hashlib.sha1()
+    base = os.path.join(root, "src", "adaattn")
+    for dirpath, dirnames, filenames in os.walk(base):
+        dirnames.sort()
+        for name in sorted(filenames):
+            if name.endswith((".py", ".json")):
+                path = os.path.join(dirpath, name)
+                h.update(os.path.relpath(path, base).encode())
+                with open(path, "rb") as f:
+                    h.update(f.read())
+    return h.hexdigest()
 
 
 def main(argv=None) -> int:

@@ -23,6 +23,7 @@ HALF = (torch.float16, torch.bfloat16)
 FUSED = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION)
 ALIGN_BYTES = 16  # the fused kernels' vector loads: base pointer and row strides
 ALIGN_DIM = 8  # and head dims, in elements (torch's SDPA pads to this too)
+F32_ALIGN_DIM = 4  # float32 head dims torch's efficient kernel takes (16-byte rows); others run its math kernel
 
 
 def padded_dim(dim: int) -> int:
@@ -176,10 +177,12 @@ class SdpaRunner(Runner):
                            "2-4x more accurate than this kernel's on the flattened call (a CUDA fuzzer, H200, "
                            "torch 2.11).")
         if self.kernel == SDPBackend.EFFICIENT_ATTENTION and problem.dtype == torch.float32 and (
-                problem.gqa or problem.out_lead is not None):
-            reasons.append("takes float32 only as torch does, 4-D and without GQA: for GQA or other ranks torch runs "
-                           "its math kernel, whose float32 outputs and gradients were 3-600x more accurate than this "
-                           "kernel's on repeated heads or a flattened call (a CUDA fuzzer, H100 and H200, torch 2.11).")
+                problem.gqa or problem.out_lead is not None
+                or problem.head_dim % F32_ALIGN_DIM or problem.value_dim % F32_ALIGN_DIM):
+            reasons.append(f"takes float32 only as torch does: 4-D, without GQA, head dims multiples of {F32_ALIGN_DIM} "
+                           "(its 16-byte rows). Elsewhere torch runs its math kernel, whose float32 outputs and "
+                           "gradients were 3-600x more accurate than this kernel's on repeated heads, a flattened call "
+                           "or padded head dims (a CUDA fuzzer, H100 and H200, torch 2.11).")
         if self.gqa_masks_reason and problem.gqa and (problem.mask_kind != "none" or problem.window is not None):
             reasons.append(self.gqa_masks_reason)
         if not self.dropout and problem.dropout_p > 0:

@@ -407,9 +407,9 @@ def _check_variant(launch: AttentionLaunch, lay: RowLayout, q, k, v, mask_kind: 
 
 def stats_shape(q: torch.Tensor, attn_mask, varlen: bool) -> tuple:
     """The shape of the split row statistics a forward saves for its backward: (2, *lse shape)
-    under an additive mask (planes: row max m in the log2 domain, log2 of the row sum; see
-    kernels/attention_bwd.py), (0,) otherwise."""
-    if attn_mask is not None and attn_mask.dtype != torch.bool:
+    under an additive mask or for float32 inputs (planes: row max m in the log2 domain, log2 of the
+    row sum; see kernels/attention_bwd.py), (0,) otherwise."""
+    if (attn_mask is not None and attn_mask.dtype != torch.bool) or q.dtype == torch.float32:
         return (2,) + lse_shape(q, varlen)
     return (0,)
 
@@ -469,7 +469,7 @@ def _launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             stats[1].zero_()
         return out.zero_(), lse.fill_(float("-inf"))
     mask, mask_strides, mask_kind = mask_args(attn_mask, lay, q)
-    split = mask_kind == MASK_ADDITIVE and stats is not None and stats.numel() > 0
+    split = stats is not None and stats.numel() > 0
     _check_variant(launch, lay, q, k, v, mask_kind)
     if launch.variant == "ws":
         _launch_fwd_ws(q, k, v, out, lse, lay, launch)
@@ -622,12 +622,16 @@ def _launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, 
     lse_st = lse_strides(lse, lay)
     dcfg = INTERPRET_CONFIGS["delta"] if interpreting() else DELTA_CONFIG
     split = {}
-    if mask_kind == MASK_ADDITIVE and stats is not None and stats.numel() > 0:
+    if stats is not None and stats.numel() > 0:
         if stats[0].stride() != lse.stride():
             raise ValueError(f"stats planes must be laid out as lse, got strides {stats[0].stride()} and "
                              f"{lse.stride()}")
         # One int32 flag per (batch, head), raised by the delta kernel where a row needs the split form.
-        marks = torch.zeros(lay.batch * lay.q_heads, dtype=torch.int32, device=q.device)
+        # float32: every head, from the start. An fp32 lse keeps log2(sum) to 2^-17 of |m|-sized
+        # rows, which is 5e-6 of p, far above float32's rounding: its gradients were 5-18x torch's
+        # math error at logits x30-100 (the interpreter fuzz, --policy triton).
+        marks = (torch.ones if q.dtype == torch.float32 else torch.zeros)(
+            lay.batch * lay.q_heads, dtype=torch.int32, device=q.device)
         split = dict(Stats=stats, Flags=marks, SPLIT_STATS=True)
         flags.update(split, stride_ls=stats.stride(0))
     left, right = launch.left, launch.right
