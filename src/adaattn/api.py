@@ -99,7 +99,8 @@ def attention(
     # sdpa.cpu takes such a call in its own rank, so its result is torch's to the bit (flattened
     # to 4-D, math's batched products rounded differently: fp32 gradients of a 2-D call 3-5x torch's
     # error, a CPU fuzzer).
-    call_form = problem.out_lead is not None and plan.candidates == CALL_FORM_PLAN
+    call_form = (problem.out_lead is not None and len(plan.candidates) == 1
+                 and planner.REGISTRY[plan.candidates[0]].takes_call_form)
     query, key, value, attn_mask = _runner_form(problem, query, key, value, attn_mask, call_form)
     if compiling:
         out = plan.runner.run(query, key, value, attn_mask, problem, plan.launch, label)
@@ -112,9 +113,6 @@ def attention(
     if problem.layout == "bshd":
         return out.transpose(-3, -2)
     return out
-
-
-CALL_FORM_PLAN = ("sdpa.cpu",)  # a plan whose runner takes a call in its own rank (torch's CPU SDPA)
 
 
 def _runner_form(problem: Problem, query, key, value, attn_mask, call_form: bool = False):

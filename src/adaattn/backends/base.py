@@ -29,6 +29,9 @@ class Runner:
 
     name: str = ""
     exact: bool = True
+    # Takes a call that is not plain 4-D in its own rank (the api then does not flatten it): torch's
+    # CPU SDPA, whose math kernel runs such calls as they are.
+    takes_call_form: bool = False
 
     def supports(self, problem: Problem, policy: Policy) -> list[str]:
         """Reasons this runner cannot run `problem` under `policy`, each a short sentence naming

@@ -124,6 +124,7 @@ class SdpaRunner(Runner):
     ):
         self.name = name
         self.kernel = kernel
+        self.takes_call_form = kernel is None and device_type == "cpu"
         self.device_type = device_type
         self.dtypes = dtypes
         self.min_capability = min_capability
