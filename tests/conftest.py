@@ -7,6 +7,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (the README's command runs one worker per core) each worker keeps to one
+# intra-op thread: two workers of two threads each on two cores ran slower than one of two.
+if os.environ.get("PYTEST_XDIST_WORKER") and not torch.cuda.is_available():
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True)
 def _fresh_planner():
