@@ -77,7 +77,12 @@ def read(path: str | os.PathLike | None = None) -> dict:
     """The stored record: format, config, storage, tensors, meta. Raises FileNotFoundError, ValueError."""
     path = Path(path) if path is not None else DEFAULT_WEIGHTS
     if not path.is_file():
-        raise FileNotFoundError(f"no model weights at {path}")
+        hint = ""
+        if path.parent == WEIGHTS_DIR:
+            hint = (": the shipped checkpoints are in the source repository (src/adaattn/models/weights/), not in an "
+                    "installed wheel. Run from a source checkout (./install.sh, an editable install), or pass "
+                    "--weights PATH (adaattn eval) / load(PATH) with a copy of the file")
+        raise FileNotFoundError(f"no model weights at {path}{hint}")
     record = torch.load(path, map_location="cpu", weights_only=True)
     if not isinstance(record, dict) or record.get("format") != FORMAT:
         raise ValueError(f"{path} is not an adaattn GPT weights file (format {FORMAT})")
