@@ -50,16 +50,63 @@ def test_import_linter_contracts_are_kept():
 def test_import_linter_config_names_every_layer_of_the_design():
     """The contract file itself: the layers DESIGN.md lists, in its order, lowest last."""
     text = CONFIG.read_text()
-    for module in ("adaattn.api", "adaattn.planner", "(adaattn.kv)", "adaattn.adaptive", "adaattn.backends",
+    for module in ("adaattn.api", "adaattn.planner", "adaattn.kv", "adaattn.adaptive", "adaattn.backends",
                    "adaattn.kernels", "adaattn.problem", "adaattn.policy", "adaattn.hardware", "adaattn.stats",
                    "adaattn.settings", "adaattn.version", "adaattn.nn", "adaattn.integrations", "adaattn.models", "adaattn.bench",
-                   "adaattn.cli", "(adaattn.distributed)"):
+                   "adaattn.cli", "adaattn.distributed"):
         assert module in text, f"{module} is not in {CONFIG.name}"
-    order = ["adaattn.api", "adaattn.planner", "(adaattn.kv)", "adaattn.adaptive", "adaattn.backends",
+    order = ["adaattn.api", "adaattn.planner", "adaattn.kv", "adaattn.adaptive", "adaattn.backends",
              "adaattn.kernels", "adaattn.problem"]
     layers = text.split("[importlinter:contract:layers]")[1].split("[importlinter:contract:")[0]
     positions = [layers.index(m) for m in order]
     assert positions == sorted(positions), "layers out of DESIGN.md's order"
+
+
+def _contract_lines() -> list[str]:
+    return [line for line in CONFIG.read_text().splitlines() if not line.lstrip().startswith("#")]
+
+
+def test_no_layer_of_the_contract_is_optional():
+    """Every layer of DESIGN.md exists: an optional one (in parentheses) would let a layer vanish
+    unnoticed."""
+    assert [line for line in _contract_lines() if "(adaattn" in line] == []
+
+
+def test_an_ignore_that_matches_no_import_is_an_error():
+    """import-linter's default: an ignore left behind by a change fails the contract."""
+    assert [line for line in _contract_lines() if "unmatched_ignore_imports_alerting" in line] == []
+
+
+def test_every_ignored_import_is_a_rule_of_the_design():
+    """DESIGN.md: bench/ and cli.py may use models/, integrations/ and distributed/; the CLI runs
+    the suites. No other ignore."""
+    allowed_sources = ("adaattn.cli", "adaattn.bench", "adaattn.bench.**")
+    allowed_targets = {"adaattn.cli": ("adaattn.bench", "adaattn.bench.**", "adaattn.models", "adaattn.models.**",
+                                       "adaattn.integrations", "adaattn.integrations.**", "adaattn.distributed",
+                                       "adaattn.distributed.**")}
+    bench_targets = ("adaattn.models", "adaattn.models.**", "adaattn.integrations", "adaattn.integrations.**",
+                     "adaattn.distributed", "adaattn.distributed.**")
+    ignores = [line.strip() for line in _contract_lines() if "->" in line]
+    assert ignores, "the contract ignores nothing: then this test has nothing to hold"
+    for line in ignores:
+        source, target = (part.strip() for part in line.split("->"))
+        assert source in allowed_sources, line
+        assert target in allowed_targets.get(source, bench_targets), line
+
+
+def test_kernels_never_use_autograd():
+    """DESIGN.md: kernels/ is @triton.jit code; autograd belongs to the backends' glue."""
+    found = []
+    for path in sorted((SRC / "adaattn" / "kernels").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                names = [getattr(node, "module", None) or ""] + [a.name for a in node.names]
+                if any("autograd" in n for n in names):
+                    found.append(f"{path.name}:{node.lineno}")
+            elif isinstance(node, ast.Attribute) and node.attr == "autograd":
+                found.append(f"{path.name}:{node.lineno}")
+    assert found == [], f"kernels use torch.autograd: {found}"
 
 
 def test_import_adaattn_imports_no_optional_or_heavy_module():
@@ -170,3 +217,79 @@ def test_api_compares_nothing_with_a_runner_name():
                     if isinstance(sub, ast.Constant) and isinstance(sub.value, str) and _is_runner_name(sub.value):
                         found.append((node.lineno, sub.value))
     assert not found, f"api.py compares runner names: {found}"
+
+
+def _package_imports() -> dict[str, set[str]]:
+    """Every adaattn module and the adaattn modules it imports: module level and inside functions
+    alike (an import inside a function is still a dependency; it only hides a circle)."""
+    pkg = SRC / "adaattn"
+    modules = {}
+    for path in pkg.rglob("*.py"):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        modules[".".join(parts)] = path
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for mod, path in modules.items():
+        here = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = ".".join(here[:len(here) - (node.level - 1)] + ([node.module] if node.module else []))
+                else:
+                    base = node.module or ""
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            else:
+                continue
+            for t in targets:
+                while t not in modules and "." in t:
+                    t = t.rsplit(".", 1)[0]
+                if t in modules and t != mod and t != "adaattn":
+                    graph[mod].add(t)
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_package_imports_in_no_circle():
+    """kv/decode <-> kv/sparse and adaptive/blocks <-> adaptive/rank_launch were circles hidden
+    behind imports inside functions; they are gone, and a new one fails here."""
+    graph = _package_imports()
+    assert "adaattn.adaptive.rank_launch" in graph["adaattn.adaptive.blocks"]  # imports inside functions count
+    assert _circles(graph) == []
+
+
+def test_the_circle_finder_finds_a_circle():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

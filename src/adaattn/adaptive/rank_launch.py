@@ -6,7 +6,7 @@ import torch
 
 from ..backends.triton_configs import cdiv, interpreting, next_pow2
 from ..backends.triton_launch import LOG2E, dot_precision
-from .blocks import Estimate, Plan, Summaries, sampled_rows
+from .block_layout import Estimate, Plan, Summaries, sampled_rows
 
 
 def _kernel():
@@ -22,7 +22,7 @@ def plan_blocks(values: torch.Tensor, thresholds: torch.Tensor, n: int, causal: 
                 query_block: int, key_block: int, local: int, chunk: int = PLAN_CHUNK) -> Plan:
     """blocks.make_plan in one Triton launch (kernels/rank_plan.py) on the values it orders by."""
     from ..kernels.rank_plan import plan_kernel
-    from .blocks import layout_counts
+    from .block_layout import layout_counts
 
     b, hq, nqb, nkb = values.shape
     dev = values.device
@@ -46,7 +46,7 @@ def plan_blocks(values: torch.Tensor, thresholds: torch.Tensor, n: int, causal: 
 def summarize_blocks(k: torch.Tensor, v: torch.Tensor, key_block: int) -> Summaries:
     """blocks.summarize in one Triton launch (kernels/block_summary.py); unit last strides."""
     from ..kernels.block_summary import summary_kernel
-    from .blocks import block_counts
+    from .block_layout import block_counts
 
     b, hkv, n, d = k.shape
     dv = v.shape[-1]

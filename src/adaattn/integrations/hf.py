@@ -615,7 +615,7 @@ def _cache_class():
             """The decode op's body: one plan per step shape for every length up to max_cache_len
             (lengths are read on the device, so a replayed graph serves every step)."""
             from ..kv import decode_attention, plan_decode
-            from ..kv.decode import sdpa_gathered
+            from ..kv.gathered import sdpa_gathered
 
             kv = self.kvs[layer]
             t, hq = query.shape[2], query.shape[1]

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from .. import stats
 from . import sparse
+from .gathered import sdpa_gathered
 from .cache import KVCache, PagedKVCache
 
 RUNNERS = ("sdpa", "triton")
@@ -363,24 +364,6 @@ def _sdpa(query, cache, layer, plan, lengths, scale):
         visible = torch.ones(t, longest, dtype=torch.bool, device=query.device).tril(longest - t)
         return F.scaled_dot_product_attention(query, k, v, attn_mask=visible, scale=scale, enable_gqa=gqa)
     return sdpa_gathered(query, cache, layer, plan.seqs, torch.tensor(lengths, device=query.device), longest, scale)
-
-
-def sdpa_gathered(query, cache, layer, seqs, lengths: torch.Tensor, longest: int, scale,
-                  pages: Optional[torch.Tensor] = None):
-    """SDPA of `query` (S, Hq, T, D) over the first `longest` tokens of each sequence's pages,
-    gathered (quantized pages dequantized), bottom-right causal under `lengths` (S,), a device
-    tensor: nothing is read on the host, so a captured call serves every length up to `longest`.
-    pages: (S, Hq, ceil(longest / page size)) bool, the pages each head may read (None: all)."""
-    t = query.shape[2]
-    k, v = cache.gather(layer, seqs, longest, dtype=query.dtype)
-    keys = torch.arange(longest, device=query.device)
-    rows = torch.arange(t, device=query.device)
-    visible = keys[None, None, :] <= (lengths[:, None, None] - t + rows[None, :, None])  # (S, T, L)
-    mask = visible[:, None]
-    if pages is not None:
-        mask = mask & pages[:, :, None, keys // cache.page_size]  # (S, Hq, T, L)
-    return F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale,
-                                          enable_gqa=query.shape[1] != cache.kv_heads)
 
 
 def _split_kv(query, cache, layer, plan, scale, sel=None, count=None, pages=1.0):

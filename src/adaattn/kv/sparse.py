@@ -34,6 +34,8 @@ from typing import Optional
 
 import torch
 
+from .gathered import sdpa_gathered
+
 SINK_PAGES = 1  # the first page of each sequence is always read (attention sinks)
 RECENT_PAGES = 2  # and its newest pages (the query's own neighbourhood)
 TARGET = 0.25  # the controller aims each head's measured error at TARGET x tolerance
@@ -264,7 +266,6 @@ def kept_mask(sel: torch.Tensor, count: torch.Tensor, maxp: int) -> torch.Tensor
 def sparse_reference(query, cache, layer, seq_ids, sel, count, scale, lengths):
     """Attention over the kept pages only, by torch's SDPA over the gathered cache with the
     unkept pages masked: the CPU path (it reads every page; it is for correctness, not speed)."""
-    from .decode import sdpa_gathered  # (decode imports this module)
 
     s, hq = query.shape[:2]
     hkv = cache.kv_heads
