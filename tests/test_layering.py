@@ -293,3 +293,12 @@ def test_the_package_imports_in_no_circle():
 
 def test_the_circle_finder_finds_a_circle():
     assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_code_cites_notes_by_section_name_not_by_issue_number():
+    """An issue number means nothing to a reader of the code: comments cite NOTES.md's sections."""
+    import re
+
+    found = [f"{p.relative_to(SRC)}:{i}" for p in sorted((SRC / "adaattn").rglob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"\bissues? #?\d", line, re.I)]
+    assert found == []

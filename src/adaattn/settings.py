@@ -47,7 +47,7 @@ class Settings:
     poison_outputs: bool = False
     autotune: bool = True
     dq: str = "atomic"  # measured fastest on the H100 (results/2026-11-22-triton-variants-h100.json)
-    bwd_ws: str = "auto"  # kernels/attention_bwd_ws.py; benchmarks/NOTES.md (issue 17) has its figures
+    bwd_ws: str = "auto"  # kernels/attention_bwd_ws.py; benchmarks/NOTES.md, "A warp-specialised backward for Hopper", has its figures
     fwd_gluon: str = "auto"  # kernels/attention_fwd_gluon.py and attention_quant_gluon.py
     bwd_gluon: str = "auto"  # kernels/attention_bwd_gluon.py
     fwd_grid: str = "query_major"

@@ -34,9 +34,9 @@ from . import choice, controller
 # reading K and V (its FLOPs per byte of K/V are about 2 x these rows: under an H100's ~230
 # FLOP/byte balance point until ~100 rows, and the pre-pass reads K/V once more and writes them
 # quantized, so the quantized path cannot win until the kernel's compute dominates). Measured:
-# mode="auto" in decode read 0.9 TB/s against cuDNN's 3.0 (issue 14's table); at 4k x 16 heads the
-# quantized kernels still trail cuDNN (results/2026-11-23-prefill-h100.md). Issue 14 replaces this
-# bound with measured costs.
+# mode="auto" in decode read 0.9 TB/s against cuDNN's 3.0 (NOTES.md, "auto never slower than exact");
+# at 4k x 16 heads the quantized kernels still trail cuDNN (results/2026-11-23-prefill-h100.md). The
+# planner's measured costs (costs.json) are what decide beyond this bound.
 MIN_QUERY_ROWS_PER_KV_HEAD = 1024
 
 

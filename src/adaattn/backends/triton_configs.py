@@ -109,7 +109,7 @@ HALF_CONFIGS = {
     },
     # The warp-specialised backward (kernels/attention_bwd_ws.py): num_warps per consumer group;
     # the rows of each product (keys for dk/dv, queries for dq) split between two groups. H100
-    # sweeps (benchmarks/NOTES.md, issue 17): 64/128/4/2 dk/dv fastest at both head dims;
+    # sweeps (benchmarks/NOTES.md, "A warp-specialised backward for Hopper"): 64/128/4/2 dk/dv fastest at both head dims;
     # dq 128/64 at 4k and in windows, 128/128 at 16k and at head dim 64. 128/128 dk/dv is left
     # out at head dim 128 (232 KB of shared memory and spills in an sm90 compile); 64/64 ran
     # 40-60% slower.

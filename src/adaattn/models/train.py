@@ -1,5 +1,5 @@
 """Train the byte-level GPT of adaattn.models on this Python's standard library sources (the
-recipe of the shipped weights; until issue 13 it lived at benchmarks/train_gpt.py).
+recipe of the shipped weights; it once lived at benchmarks/train_gpt.py, the name the weights' record gives).
 
     python3 -m adaattn.models.train --both --out OUT      # the shipped run (GPU)
     python3 -m adaattn.models.train --attn sdpa --steps 2000 --out OUT

@@ -18,8 +18,8 @@ HELP = ("a Llama-shaped transformers model from a config (GQA; no download), att
         "tiny model (where transformers compiles nothing)")
 NEEDS_CUDA = False
 IMPLEMENTATIONS = ("sdpa", "eager", "adaattn")
-# Llama-shaped sizes: issue 16's model on CUDA (16 layers, d=2048, 32 query and 8 KV heads, ~0.9B
-# parameters, bf16), a toy on the CPU (float32).
+# Llama-shaped sizes: on CUDA the model of NOTES.md's "HF generate with compiled decode steps" (16
+# layers, d=2048, 32 query and 8 KV heads, ~0.9B parameters, bf16); a toy on the CPU (float32).
 SIZES = {
     "cuda": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
                  num_attention_heads=32, num_key_value_heads=8, batch=8, prompt_len=2048, new_tokens=64),

@@ -1,5 +1,5 @@
 """quant: mode="auto" (per-head INT8/FP8 under a tolerance) against the default exact call, cuDNN
-and SageAttention, on the calls issue 14 names: the prefill yardsticks, GQA, and decode."""
+and SageAttention, on MEASURING.md's yardstick calls: the prefill yardsticks, GQA, and decode."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def cases(args, device):
 
     out = [shape_case(NAME, s, device, rows, "cuDNN", False, seed + i, rows_n, also=(EXACT,), per_head=True)
            for i, s in enumerate(grid.shapes())]
-    if getattr(args, "seq_lens", None) is None:  # the fixed calls of issue 14 beside the grid
+    if getattr(args, "seq_lens", None) is None:  # the fixed yardstick calls beside the grid
         out.append(shape_case(NAME, GQA, device, rows, "cuDNN", False, seed + len(out), rows_n, also=(EXACT,),
                               per_head=True))
         out += [_decode_case(n, device, tols, seed + 100 + i) for i, n in enumerate(DECODE.seq_lens)]
