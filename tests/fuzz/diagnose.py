@@ -68,7 +68,6 @@ def diagnose(config: fz.Config, device: str) -> dict:
             runs["ours:" + name] = _errors([out] + grads, refs, names, units)
         except Exception as e:  # noqa: BLE001 - declined or raised: say which
             runs["ours:" + name] = f"{type(e).__name__}: {str(e)[:150]}"
-    torch_in = fz._for_torch(fz.build(config, device), config) if device == "cuda" else fz.build(config, device)
     backends = [None, SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                 SDPBackend.MATH]
     for b in backends:
@@ -80,7 +79,6 @@ def diagnose(config: fz.Config, device: str) -> dict:
             runs[key] = _errors([out] + grads, refs, names, units)
         except Exception as e:  # noqa: BLE001
             runs[key] = f"{type(e).__name__}: {str(e)[:150]}"
-    del torch_in
     if device == "cuda" and inputs.mask is not None and inputs.mask.dtype != torch.bool:
         # torch's efficient kernel on the mask as the efficient runner floors it (finite_floor)
         from adaattn.backends.sdpa import finite_floor

@@ -555,20 +555,6 @@ def _torch_side(config: Config, inputs: Inputs, wrt: list, device: str):
     best = (None, [None] * len(wrt))
     for how in attempts:
         try:
-            if device == "cuda" and how != "cpu":
-                try:
-                    out, grads = _forward_backward(lambda q, k, v, m: sdpa_yardstick(config, q, k, v, m, how),
-                                                   inputs, config, wrt)
-                    torch.cuda.synchronize()
-                except Exception as e:  # noqa: BLE001
-                    text = f"{type(e).__name__}: {e}"
-                    if any(w in text for w in FAULT_WORDS):
-                        raise TorchFault(f"torch SDPA ({how or 'default'}): {text}") from e
-                    raise
-                best = (out, list(grads))
-                if bool(torch.isfinite(out).all()) and all(g is None or bool(torch.isfinite(g).all()) for g in grads):
-                    return best
-                continue
             if how == "cpu":
                 cpu = _to_cpu(inputs)
                 out, grads = _forward_backward(lambda q, k, v, m: sdpa_yardstick(config, q, k, v, m), cpu, config,
@@ -576,9 +562,12 @@ def _torch_side(config: Config, inputs: Inputs, wrt: list, device: str):
             else:
                 out, grads = _forward_backward(lambda q, k, v, m: sdpa_yardstick(config, q, k, v, m, how), inputs,
                                                config, wrt)
-        except TorchFault:
-            raise
-        except Exception:  # noqa: BLE001 - torch refusing is not ours to judge
+                if device == "cuda":  # a fault surfaces here, on torch's side, not later in ours
+                    torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001 - torch refusing is not ours to judge; its faults are reported
+            text = f"{type(e).__name__}: {e}"
+            if device == "cuda" and how != "cpu" and any(w in text for w in FAULT_WORDS):
+                raise TorchFault(f"torch SDPA ({how or 'default'}): {text}") from e
             continue
         best = (out, list(grads))
         if bool(torch.isfinite(out).all()) and all(g is None or bool(torch.isfinite(g).all()) for g in grads):

@@ -11,6 +11,8 @@ more than the whole kernel at short lengths.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -31,16 +33,20 @@ def padded_dim(dim: int) -> int:
     return -(-dim // ALIGN_DIM) * ALIGN_DIM
 
 
-def fused_ready(t: torch.Tensor) -> bool:
-    """Unit last stride, a head dim of whole vectors, a 16-byte aligned base, 16-byte multiples
-    for every other stride, no expanded dim: what torch's fused kernels load without a fault, a
-    refusal or a wrong gradient."""
+def aligned_rows(t: torch.Tensor) -> bool:
+    """A 16-byte aligned base and 16-byte multiples for every stride but the last, a length-one
+    dim's too: torch's fused kernels check them all ("not correctly aligned (strideM)")."""
     e = t.element_size()
-    if t.stride(-1) != 1 or t.shape[-1] % ALIGN_DIM or t.data_ptr() % ALIGN_BYTES:
+    return t.data_ptr() % ALIGN_BYTES == 0 and all((st * e) % ALIGN_BYTES == 0 for st in t.stride()[:-1])
+
+
+def fused_ready(t: torch.Tensor) -> bool:
+    """Unit last stride, a head dim of whole vectors, aligned rows (aligned_rows), no expanded
+    dim: what torch's fused kernels load without a fault, a refusal or a wrong gradient."""
+    if t.stride(-1) != 1 or t.shape[-1] % ALIGN_DIM or not aligned_rows(t):
         return False
-    # Every stride, a length-one dim's too: torch checks them all ("not correctly aligned (strideM)").
     # An expanded dim (stride 0) is copied: gradients of such a view came out 2-7x torch's error.
-    return all((st * e) % ALIGN_BYTES == 0 and (st or n == 1) for st, n in zip(t.stride()[:-1], t.shape[:-1]))
+    return all(st or n == 1 for st, n in zip(t.stride()[:-1], t.shape[:-1]))
 
 
 def fused_form(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -84,11 +90,9 @@ def efficient_bias(attn_mask: torch.Tensor, dtype: torch.dtype, kv_len: int, flo
             ~attn_mask, float("-inf"))
     elif floor:
         attn_mask = finite_floor(attn_mask)
-    e = attn_mask.element_size()
-    aligned = (attn_mask.data_ptr() % ALIGN_BYTES == 0
-               and all((st * e) % ALIGN_BYTES == 0 for st in attn_mask.stride()[:-1]))
-    if attn_mask.shape[-1] != kv_len or (attn_mask.stride(-1) != 1 and kv_len > 1) or not aligned:
-        width = -(-kv_len * e // ALIGN_BYTES) * ALIGN_BYTES // e
+    if attn_mask.shape[-1] != kv_len or (attn_mask.stride(-1) != 1 and kv_len > 1) or not aligned_rows(attn_mask):
+        per_row = ALIGN_BYTES // attn_mask.element_size()  # elements in 16 bytes
+        width = -(-kv_len // per_row) * per_row
         laid = attn_mask.new_empty(*attn_mask.shape[:-1], width)[..., :kv_len]
         attn_mask = laid.copy_(attn_mask.expand(*attn_mask.shape[:-1], kv_len))
     return attn_mask
@@ -234,8 +238,14 @@ class SdpaRunner(Runner):
                 and not torch.compiler.is_compiling())  # dynamo cannot wrap these ops' SymInt outputs
 
     def _direct(self, query, key, value, problem):
-        try:
+        with self._refusals_decline():
             return self.direct(query, key, value, problem)
+
+    @contextlib.contextmanager
+    def _refusals_decline(self):
+        """A refusal of the kernel's host-side selection (KERNEL_SELECTION_REFUSALS) becomes Declined."""
+        try:
+            yield
         except RuntimeError as e:
             if any(w in str(e) for w in KERNEL_SELECTION_REFUSALS):
                 raise Declined(f"{self.name}: {e}") from e
@@ -298,16 +308,11 @@ class SdpaRunner(Runner):
                 query, key, value, attn_mask=attn_mask, dropout_p=problem.dropout_p,
                 is_causal=causal, scale=problem.scale, enable_gqa=gqa,
             )
-        with sdpa_kernel(self.kernel):
-            try:
-                return F.scaled_dot_product_attention(
-                    query, key, value, attn_mask=attn_mask, dropout_p=problem.dropout_p,
-                    is_causal=causal, scale=problem.scale, enable_gqa=gqa,
-                )
-            except RuntimeError as e:
-                if any(w in str(e) for w in KERNEL_SELECTION_REFUSALS):
-                    raise Declined(f"{self.name}: {e}") from e
-                raise
+        with sdpa_kernel(self.kernel), self._refusals_decline():
+            return F.scaled_dot_product_attention(
+                query, key, value, attn_mask=attn_mask, dropout_p=problem.dropout_p,
+                is_causal=causal, scale=problem.scale, enable_gqa=gqa,
+            )
 
 
 # The efficient kernel picks one of its instantiations on the host, before any launch; where none
