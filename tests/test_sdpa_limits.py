@@ -85,11 +85,18 @@ def _reasons(name, problem):
 
 
 @pytest.mark.parametrize("name", ["sdpa.cudnn", "sdpa.flash", "sdpa.efficient"])
-def test_fused_kernels_decline_a_non_positive_scale(name):
+def test_fused_kernels_decline_a_non_positive_scale_in_half_precision(name):
     assert "positive scale" in _reasons(name, _problem(scale=-0.5))
     assert "positive scale" in _reasons(name, _problem(scale=0.0))
     assert "positive scale" not in _reasons(name, _problem())
     assert "positive scale" not in _reasons("sdpa.math", _problem(scale=-0.5))
+
+
+def test_efficient_takes_any_scale_in_float32():
+    """torch's efficient kernel is finite at scales -0.5 and 0 (H200, torch 2.11), and torch runs it
+    there for float32 (seed 5200 #17645: math's dk was 3.1x its error)."""
+    for scale in (-0.5, 0.0):
+        assert "scale" not in _reasons("sdpa.efficient", _problem(scale=scale, dtype=torch.float32))
 
 
 def test_efficient_declines_masks_with_gqa_and_mask_gradients():

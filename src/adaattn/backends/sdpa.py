@@ -165,9 +165,16 @@ class SdpaRunner(Runner):
                 reasons.append(self.masks_reason)
             if problem.window is not None:
                 reasons.append("has no sliding window, and cannot take the mask that would emulate one.")
-        if self.kernel in FUSED and not problem.scale > 0:
-            reasons.append("needs a positive scale: torch's fused kernels gave NaN outputs and gradients at a scale "
-                           "<= 0 (a CUDA fuzzer, H200, torch 2.11; the ring's notes saw the same).")
+        # At a scale <= 0 torch's flash and cuDNN kernels give NaN; its efficient kernel stays finite
+        # (pinned at -0.5 and 0, causal or not, H200, torch 2.11). In float32 it is torch's own choice
+        # there (math's dk was 3.1x its error: seed 5200 #17645). In half precision torch's choice is
+        # flash or cuDNN, whose NaN leaves its math kernel as the answer; the efficient kernel's
+        # gradients were 2.4x math's there (seed 20261127 #410, #1965), so math runs.
+        efficient_f32 = self.kernel == SDPBackend.EFFICIENT_ATTENTION and problem.dtype == torch.float32
+        if self.kernel in FUSED and not efficient_f32 and not problem.scale > 0:
+            reasons.append("needs a positive scale (the efficient kernel, in float32, takes any): torch's flash and "
+                           "cuDNN kernels gave NaN outputs and gradients at a scale <= 0, and in half precision the "
+                           "efficient kernel's gradients there were 2.4x math's (a CUDA fuzzer, H200, torch 2.11).")
         if self.kernel == SDPBackend.EFFICIENT_ATTENTION and problem.mask_grad:
             reasons.append("gives no safe gradient for an attn_mask: its backward faulted (illegal memory access) "
                            "on broadcast masks, and raised where q, k and v need none (a CUDA fuzzer, H200, "
@@ -234,7 +241,8 @@ class SdpaRunner(Runner):
         """Whether the call may go to the aten op SDPA itself would call (no mask, window, GQA or
         dropout; `dims_ok`: head dims the op takes as they come)."""
         return (self.direct is not None and problem.mask_kind == "none" and problem.window is None
-                and not problem.gqa and problem.dropout_p == 0.0 and dims_ok and problem.scale > 0
+                and not problem.gqa and problem.dropout_p == 0.0 and dims_ok
+                and (problem.scale > 0 or self.kernel == SDPBackend.EFFICIENT_ATTENTION)  # see supports
                 and not torch.compiler.is_compiling())  # dynamo cannot wrap these ops' SymInt outputs
 
     def _direct(self, query, key, value, problem):
@@ -285,7 +293,9 @@ class SdpaRunner(Runner):
         causal = problem.causal
         # A non-positive scale with is_causal gives NaN in torch's kernels (CPU math and fused,
         # torch 2.13): the causal mask goes in as a boolean mask instead.
-        if problem.window is not None or (causal and (attn_mask is not None or problem.scale <= 0)):
+        # The efficient kernel takes is_causal at any scale (see supports).
+        scale_folds = problem.scale <= 0 and self.kernel != SDPBackend.EFFICIENT_ATTENTION
+        if problem.window is not None or (causal and (attn_mask is not None or scale_folds)):
             attn_mask = fold_positions(
                 attn_mask, problem.q_len, problem.kv_len, causal, problem.window, query.device, query.dtype
             )
