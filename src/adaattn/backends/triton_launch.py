@@ -126,8 +126,19 @@ def new_output(shape, dtype, device) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+def pointer_ready(t: torch.Tensor) -> torch.Tensor:
+    """t as the pointer kernels load it: a unit-stride last dim, a 16-byte aligned base and row
+    strides; otherwise a contiguous copy. With K and V both at odd offsets (rows of 268 and 32
+    bytes) the forward read outside them (illegal memory access) at BLOCK_N 64 and not at 128;
+    with either one aligned it ran (seed 5300 #16237, H200, triton 3.6)."""
+    if t.stride(-1) != 1 and t.shape[-1] != 1:
+        return t.contiguous()
+    if torch.compiler.is_compiling() or t.device.type == "meta":
+        return t
+    e = t.element_size()
+    if t.data_ptr() % 16 == 0 and all((st * e) % 16 == 0 for st in t.stride()[:-1]):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
 
 
 @dataclass
@@ -457,7 +468,7 @@ def launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 
 def _launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 launch: AttentionLaunch, stats: Optional[torch.Tensor] = None):
-    q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
+    q, k, v = pointer_ready(q), pointer_ready(k), pointer_ready(v)
     lay = row_layout(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     out = new_output(out_shape(q, v), q.dtype, q.device)
     lse = new_output(lse_shape(q, lay.varlen), torch.float32, q.device)
@@ -604,8 +615,8 @@ def _launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, 
 
     mode = launch.dq_mode
     atomic = mode != "separate"
-    q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
-    dout, out = last_dim_contiguous(dout), last_dim_contiguous(out)
+    q, k, v = pointer_ready(q), pointer_ready(k), pointer_ready(v)
+    dout, out = pointer_ready(dout), pointer_ready(out)
     if mode != "atomic_rotate" and bwd_ws_here(q) and bwd_ws_ok(dout, q, k, v, attn_mask, cu_seqlens_q is not None,
                                                                  launch):
         return _launch_bwd_ws(dout, q, k, v, out, lse, launch, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -756,8 +767,8 @@ def _launch_bwd_ws(dout, q, k, v, out, lse, launch: AttentionLaunch, configs: Op
                    exact_delta: bool = False):
     from ..kernels.attention_bwd_ws import attention_bwd_dkdv_ws_kernel, attention_bwd_dq_ws_kernel
 
-    q, k, v = last_dim_contiguous(q), last_dim_contiguous(k), last_dim_contiguous(v)
-    dout, out = last_dim_contiguous(dout), last_dim_contiguous(out)
+    q, k, v = pointer_ready(q), pointer_ready(k), pointer_ready(v)
+    dout, out = pointer_ready(dout), pointer_ready(out)
     lay = row_layout(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     (dq, dk, dv), empty = bwd_outputs(q, k, v, lay)
     if empty:
