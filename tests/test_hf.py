@@ -494,7 +494,7 @@ def test_windowed_models_decode_over_the_cache_as_sdpa(window):
 def test_dropped_caches_leave_no_entries_behind():
     import gc
 
-    from adaattn.integrations.hf import _OWNERS
+    from adaattn.integrations.hf_cache_ops import _OWNERS
 
     gc.collect()
     before = len(_OWNERS)
