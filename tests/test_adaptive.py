@@ -19,7 +19,7 @@ from dataclasses import replace  # noqa: E402
 
 import adaattn  # noqa: E402
 from adaattn import settings, stats  # noqa: E402
-from adaattn.adaptive import controller, runner, structured  # noqa: E402
+from adaattn.adaptive import controller, runner, sites, structured  # noqa: E402
 from adaattn.backends import triton_attention as ta  # noqa: E402
 from adaattn.backends import triton_quant as tq  # noqa: E402
 from adaattn.backends import triton_tuner, triton_verify  # noqa: E402
@@ -38,10 +38,10 @@ QUANT_RUNNER = "triton.quant.ws" if tq.ws_device_ok(torch.device(DEVICE)) else "
 @pytest.fixture(autouse=True)
 def _fresh(monkeypatch):
     monkeypatch.setattr(triton_tuner.CONFIGS, "tune", False)
-    controller.reset()
+    sites.reset()
     with settings.override(poison_outputs=True):
         yield
-    controller.reset()
+    sites.reset()
 
 
 def _head_errors(out, ref):
@@ -57,7 +57,7 @@ def _reference(q, k, v, causal):
 @pytest.fixture(scope="module")
 def structured_cases():
     """Each case with its float64 reference and each level's full per-head error."""
-    controller.reset()
+    sites.reset()
     out = []
     for name, q, k, v, causal in structured.cases(n=128, device=DEVICE):
         ref = _reference(q, k, v, causal)
@@ -120,7 +120,7 @@ def test_a_head_over_the_tolerance_is_recomputed_one_level_up_and_remembered(mon
     q, k, v = structured.make("large_logits", 1, 4, 128, 64, torch.bfloat16, DEVICE, seed=2)
     policy = adaattn.Policy(mode="auto", precisions=ALL, tolerance=2e-2, verify=1.0)
     adaattn.attention(q, k, v, policy=policy, label="drift")  # warm-up
-    ctl = controller.find("drift")
+    ctl = sites.find("drift")
     assert ctl.levels == [0, 0, 0, 0]  # qk8 errs about 3e-2 on these heads
     ctl.levels = [2, 2, 0, 1]  # as if the inputs had drifted since the levels were chosen
     ctl._device_levels.clear()
@@ -345,14 +345,14 @@ def test_each_adaattention_module_has_its_own_controller():
         a(x, x, x, need_weights=False)  # (need_weights=True forms MHA's weights, not adaattn.attention)
         b(x, x, x, need_weights=False)
     assert {r.label for r in recs} == {a.label, b.label}
-    assert controller.find(a.label) is not controller.find(b.label)
+    assert sites.find(a.label) is not sites.find(b.label)
     assert all(r.backend == QUANT_RUNNER for r in recs)
     label = a.label
     del a
     import gc
 
     gc.collect()
-    assert controller.find(label) is None  # a collected module takes its controllers with it
+    assert sites.find(label) is None  # a collected module takes its controllers with it
 
 
 # ---- on the GPU -------------------------------------------------------------------------------
@@ -375,7 +375,7 @@ def test_gpu_steady_state_makes_no_host_sync_and_replays_from_a_cuda_graph():
             adaattn.attention(q, k, v, is_causal=True, policy=policy, label="graph")
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    ctl = controller.find("graph")
+    ctl = sites.find("graph")
     ctl.poll(wait=True)
     assert ctl.verified_calls >= 2 and set(ctl.levels) == {tq.LEVEL_FP8}
     stream = torch.cuda.Stream()
@@ -391,11 +391,11 @@ def test_gpu_steady_state_makes_no_host_sync_and_replays_from_a_cuda_graph():
     unverified = tq.quant_attention(q, k, v, levels=[tq.LEVEL_FP8], causal=True, fp8_qk=ctl.fp8_qk)
     assert torch.equal(captured, unverified)
     # Eager calls verify and apply readbacks after the capture; the graph's tensors stay valid.
-    before = controller.find("graph").verified_calls
+    before = sites.find("graph").verified_calls
     for _ in range(8):
         adaattn.attention(q, k, v, is_causal=True, policy=policy, label="graph")
-    controller.find("graph").poll(wait=True)
-    assert controller.find("graph").verified_calls > before
+    sites.find("graph").poll(wait=True)
+    assert sites.find("graph").verified_calls > before
     torch.cuda.empty_cache()
     captured.zero_()
     graph.replay()
@@ -421,7 +421,7 @@ def test_gpu_compiled_auto_call_matches_eager():
     eager = f(q, k, v)
     compiled = torch.compile(f, fullgraph=True)(q, k, v)
     assert torch.equal(compiled, eager)
-    assert set(controller.find("compiled-gpu").levels) == {tq.LEVEL_QK8}
+    assert set(sites.find("compiled-gpu").levels) == {tq.LEVEL_QK8}
 
 
 def test_auto_does_not_quantize_keys_and_values_per_call_in_decode():

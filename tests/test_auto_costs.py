@@ -11,7 +11,7 @@ triton = pytest.importorskip("triton")
 
 import adaattn  # noqa: E402
 from adaattn import costs, hardware, planner, stats  # noqa: E402
-from adaattn.adaptive import choice, controller, structured  # noqa: E402
+from adaattn.adaptive import choice, controller, sites, structured  # noqa: E402
 from adaattn.backends import triton_tuner  # noqa: E402
 from adaattn.problem import validate  # noqa: E402
 
@@ -28,9 +28,9 @@ SHAPE = (1, 4, 128, 64)  # B, H, N, D: "random" inputs put every head at qk8 und
 @pytest.fixture(autouse=True)
 def _fresh(monkeypatch):
     monkeypatch.setattr(triton_tuner.CONFIGS, "tune", False)
-    controller.reset()
+    sites.reset()
     yield
-    controller.reset()
+    sites.reset()
 
 
 @pytest.fixture
@@ -130,7 +130,7 @@ def test_a_measured_time_at_the_site_takes_the_place_of_the_prediction(inject):
     inject(validate(q, k, v), exact_ms=1e-3, level_ms={"exact": 1e-3, "qk8": 1e-4, "fp8": 1e-4})
     policy = adaattn.Policy(mode="auto", precisions=("native", "int8"), tolerance=3e-2, verify=1.0)
     _call(q, k, v, policy, "measured")  # warm-up
-    ctl = controller.find("measured")
+    ctl = sites.find("measured")
     for _ in range(controller.MEASURED_CALLS):  # verified, timed; the median of them then decides
         _, rec = _call(q, k, v, policy, "measured")
         assert rec["decisions"]["option"] == "qk8:4" and rec["decisions"]["measured_ms"] is None
@@ -161,7 +161,7 @@ def test_warmup_compiles_every_level_and_the_exact_runner_without_touching_a_cal
     assert runner in QUANT
     assert {f"{runner}:{lv}" for lv in LEVELS} <= set(done["warmed"])
     assert any(planner.REGISTRY[n].exact for n in done["warmed"] if n in planner.REGISTRY)  # the exact runner too
-    assert controller.controllers() == {}  # no site's levels were set
+    assert sites.controllers() == {}  # no site's levels were set
     _, rec = _call(q, k, v, policy, "after-warmup")  # the site still analyses its own first call
     assert rec["decisions"]["head_levels"] == ["qk8"] * SHAPE[1] and rec["decisions"]["verified"]
     exact = adaattn.warmup(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, layout="bshd")

@@ -9,7 +9,7 @@ import pytest
 import torch
 from helpers import decode_reference
 
-from adaattn.kv import KVCache, PagedKVCache, decode_attention, plan_decode
+from adaattn import KVCache, PagedKVCache, decode_attention, plan_decode
 
 pytestmark = pytest.mark.gpu
 

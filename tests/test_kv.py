@@ -4,11 +4,14 @@ against them, checked against float64 attention over each sequence's full histor
 from __future__ import annotations
 
 
+import json
+
 import pytest
 import torch
 from helpers import decode_reference
 
-from adaattn.kv import KVCache, PagedKVCache, decode_attention, plan_decode
+import adaattn
+from adaattn import KVCache, PagedKVCache, decode_attention, plan_decode
 from adaattn.kv.cache import QMAX
 
 
@@ -349,3 +352,41 @@ def test_the_append_kernel_path_refuses_an_append_past_max_len_from_the_host_mir
     assert cache.lengths.tolist() == [[30, 30]]
     cache.append(0, k[:, :, :10], k[:, :, :10])
     assert cache.lengths.tolist() == [[40, 40]] and cache.length(1) == 40
+
+
+def test_explain_decode_lists_every_decode_runner_with_its_reasons():
+    """The planner chooses decode runners as it does prefill ones: explain_decode shows each with its
+    reasons, and plan_decode runs the one it names."""
+    cache = KVCache(1, 2, 2, 64, 16, dtype=torch.float32)
+    cache.append(0, torch.randn(2, 2, 10, 16), torch.randn(2, 2, 10, 16))
+    choice = adaattn.explain_decode(cache, heads=4)
+    reasons = dict(choice.reasons)
+    assert set(reasons) == {"kv.sparse", "kv.triton", "kv.sdpa"}
+    assert choice.runner == "kv.sdpa" and reasons["kv.sdpa"] == ()
+    assert any("skipping" in r for r in reasons["kv.sparse"])
+    plan = plan_decode(cache, heads=4)
+    assert f"kv.{plan.runner}" == choice.runner and plan.why == choice.why
+    # A query dtype the cache does not hold: the kernel says so, and naming it raises that reason.
+    assert any("dtype" in r for r in dict(adaattn.explain_decode(cache, heads=4, dtype=torch.float16).reasons)["kv.triton"])
+    with pytest.raises(ValueError, match="runner='triton' cannot take this call: the query's dtype"):
+        plan_decode(cache, heads=4, dtype=torch.float16, runner="triton")
+    # Planning for CUDA with lengths given (a cache on the meta device: facts only).
+    meta = KVCache(1, 8, 8, 8193, 128, device="meta", summaries=True)
+    cuda = adaattn.explain_decode(meta, heads=32, lengths=[8192] * 8, device="cuda",
+                                  policy=adaattn.Policy(mode="auto", approximations=("skip",)))
+    assert dict(cuda.reasons)["kv.sparse"] == () and cuda.runner == "kv.sparse" and "over kv.triton" in cuda.why
+    small = adaattn.explain_decode(meta, heads=32, lengths=[64] * 8, device="cuda",
+                                   policy=adaattn.Policy(mode="auto", approximations=("skip",)))
+    assert small.runner == "kv.triton" and any("does not pay" in r for r in dict(small.reasons)["kv.sparse"])
+
+
+def test_cli_explain_decode(capsys):
+    from adaattn.cli import main
+
+    assert main(["explain", "--decode", "--shape", "8,32,8192,128", "--kv-heads", "8", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "runs: kv.sdpa" in out and "kv.triton" in out and "kv.sparse" in out
+    assert main(["explain", "--decode", "--shape", "2,8,4096,64", "--kv-heads", "2", "--device", "cpu", "--cache",
+                 "paged", "--summaries", "--mode", "auto", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["kind"] == "decode" and set(data["reasons"]) == {"kv.sparse", "kv.triton", "kv.sdpa"}

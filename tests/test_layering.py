@@ -1,5 +1,5 @@
 """The layering rules of DESIGN.md, checked: import-linter contracts (.importlinter at the repo
-root), what `import adaattn` pulls in, what it costs, and that api.py never names a runner."""
+root), what `import adaattn` pulls in, what it costs, and that api/ never names a runner."""
 
 from __future__ import annotations
 
@@ -149,7 +149,11 @@ def test_import_adaattn_costs_at_most_1_3x_import_torch():
 
 
 def _api_tree() -> ast.Module:
-    return ast.parse((SRC / "adaattn" / "api.py").read_text())
+    """Every module of the api package, as one tree."""
+    body = []
+    for path in sorted((SRC / "adaattn" / "api").glob("*.py")):
+        body += ast.parse(path.read_text()).body
+    return ast.Module(body=body, type_ignores=[])
 
 
 def _docstrings(tree: ast.AST) -> set[int]:
@@ -302,3 +306,32 @@ def test_code_cites_notes_by_section_name_not_by_issue_number():
     found = [f"{p.relative_to(SRC)}:{i}" for p in sorted((SRC / "adaattn").rglob("*.py"))
              for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(r"\bissues? #?\d", line, re.I)]
     assert found == []
+
+
+# Modules outside planner.py that may ask a runner's supports() directly, and why: none of them
+# chooses a runner for a call.
+SUPPORTS_CALLERS = {
+    "adaattn/bench/suites/calibrate.py": "calibration times every runner that takes a shape; the planner reads "
+                                          "the measurements",
+}
+
+
+def test_the_planner_is_the_only_module_that_chooses_a_runner():
+    """Choosing a runner means asking runners whether they take a call (`.supports(`) and ordering
+    them: only planner.py does it, for prefill, training, decode steps and ring blocks alike."""
+    root = SRC / "adaattn"
+    callers, orders = [], []
+    for path in sorted(root.rglob("*.py")):
+        rel = f"adaattn/{path.relative_to(root).as_posix()}"
+        if rel == "adaattn/planner.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "supports":
+                if not (isinstance(node.func.value, ast.Call) and getattr(node.func.value.func, "id", "") == "super"):
+                    callers.append(f"{rel}:{node.lineno}")
+            if isinstance(node, ast.Attribute) and node.attr in ("KINDS", "_ORDERS"):
+                orders.append(f"{rel}:{node.lineno}")
+    assert [c for c in callers if c.split(":")[0] not in SUPPORTS_CALLERS] == []
+    assert orders == []
+    for module in SUPPORTS_CALLERS:  # a stale entry fails too
+        assert any(c.startswith(module + ":") for c in callers), module

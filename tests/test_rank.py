@@ -10,7 +10,7 @@ import torch
 import adaattn
 from adaattn import planner
 from adaattn.adaptive import blocks as bl
-from adaattn.adaptive import controller, rank
+from adaattn.adaptive import rank, sites
 from adaattn.adaptive.rank_launch import rank_forward
 
 triton = pytest.importorskip("triton")
@@ -34,10 +34,10 @@ def short_ok(monkeypatch):
     """Let the runner take short sequences (the interpreter cannot run 8k keys)."""
     monkeypatch.setattr(rank, "MIN_KEYS", 0)
     planner.reset()
-    controller.reset()
+    sites.reset()
     yield
     planner.reset()
-    controller.reset()
+    sites.reset()
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -151,7 +151,7 @@ def test_runner_honours_tolerance_and_records(short_ok):
     rec = records[-1].as_dict()
     assert rec["backend"] == "triton.rank"
     # The site's controller sits in the adaptive registry: an AdaAttention module's forget drops it.
-    assert isinstance(controller.find("rank-site"), rank.RankController)
+    assert isinstance(sites.find("rank-site"), rank.RankController)
     dec = rec["decisions"]
     err = bl.relative_error(out, exact64(q, k, v, True))
     redone = set(dec["heads_redone_exact"])
@@ -160,8 +160,8 @@ def test_runner_honours_tolerance_and_records(short_ok):
             assert err[h] <= tau, (h, err, dec)
     assert len(dec["density"]) == 4 and len(dec["head_errors"]) == 4 and len(dec["entropy_bits"]) == 4
     assert min(dec["density"]) < 0.7
-    controller.forget("rank-site")
-    assert controller.find("rank-site") is None
+    sites.forget("rank-site")
+    assert sites.find("rank-site") is None
 
 
 def test_random_inputs_run_exact(short_ok):

@@ -11,7 +11,7 @@ import torch
 from helpers import decode_reference
 
 from adaattn import Policy, stats
-from adaattn.kv import KVCache, PagedKVCache, decode_attention, plan_decode
+from adaattn import KVCache, PagedKVCache, decode_attention, plan_decode
 from adaattn.kv import sparse
 
 triton = pytest.importorskip("triton")

@@ -1,8 +1,9 @@
 """adaattn: attention as fast as the hardware allows, and adaptive where the caller permits."""
 
 from . import stats
-from .api import Explanation, attention, explain, info, varlen_attention, warmup
-from .kv import KVCache, PagedKVCache, decode_attention, plan_decode
+from .api import (Explanation, attention, decode_attention, explain, explain_decode, info, plan_decode,
+                  varlen_attention, warmup)
+from .kv import KVCache, PagedKVCache
 from .nn import AdaAttention
 from .planner import NoBackendError
 from .policy import Policy
@@ -21,6 +22,7 @@ __all__ = [
     "decode_attention",
     "documents",
     "explain",
+    "explain_decode",
     "info",
     "plan_decode",
     "stats",

@@ -42,6 +42,31 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _explain_decode(args, dev, b, h, n, d, kv_heads, policy) -> int:
+    """`explain --decode`: B sequences holding N tokens each, H query heads of --query-len rows."""
+    from .kv import KVCache, PagedKVCache
+    from .planner import explain_decode
+
+    t = args.query_len
+    try:  # facts only: the cache lives on the meta device, its lengths are given
+        if args.cache == "kv":
+            cache = KVCache(1, b, kv_heads, n + t, d, dtype=DTYPES[args.dtype], device="meta", storage=args.storage,
+                            page_size=args.page_size, summaries=args.summaries)
+            seqs = None
+        else:
+            pages = b * -(-(n + t) // args.page_size)
+            cache = PagedKVCache(1, kv_heads, d, pages, args.page_size, dtype=DTYPES[args.dtype], device="meta",
+                                 storage=args.storage, max_seqs=b, summaries=args.summaries,
+                                 max_pages_per_seq=-(-(n + t) // args.page_size))
+            seqs = [cache.add() for _ in range(b)]
+        choice = explain_decode(cache, seqs, heads=h, query_len=t, policy=policy, lengths=[n] * b, device=dev.type)
+    except (TypeError, ValueError) as e:
+        print(f"adaattn explain: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(choice.as_dict(), indent=2) if args.json else choice)
+    return 0
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
     from .api import explain_problem
     from .policy import Policy
@@ -78,6 +103,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as e:
         print(f"adaattn explain: {e}", file=sys.stderr)
         return 2
+    if args.decode:
+        return _explain_decode(args, dev, b, h, n, d, kv_heads, policy)
     try:
         left, right = window_sides(check_window(args.window))
     except ValueError as e:
@@ -131,6 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
     pe.add_argument("--approximations", default=None,
                     help="comma-separated Policy.approximations ('' for none); see --precisions")
     pe.add_argument("--backends", default=None, help="comma-separated Policy.backends restriction")
+    pe.add_argument("--decode", action="store_true",
+                    help="a decode step: B sequences holding N cached tokens each, H query heads (the decode runners)")
+    pe.add_argument("--query-len", type=int, default=1, help="--decode: query rows per sequence (default 1)")
+    pe.add_argument("--cache", choices=("kv", "paged"), default="kv", help="--decode: KVCache or PagedKVCache")
+    pe.add_argument("--storage", choices=("native", "fp8", "int8"), default="native", help="--decode: page storage")
+    pe.add_argument("--page-size", type=int, default=64, help="--decode: tokens per page")
+    pe.add_argument("--summaries", action="store_true", help="--decode: the cache keeps page summaries")
     pe.add_argument("--json", action="store_true")
     pe.set_defaults(func=cmd_explain)
 

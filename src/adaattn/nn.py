@@ -20,9 +20,9 @@ _ids = itertools.count()
 
 
 def _forget_controllers(label: str) -> None:
-    from .adaptive import controller
+    from .adaptive import sites
 
-    controller.forget(label)
+    sites.forget(label)
 
 
 def _keeps_own_forward(module, args):

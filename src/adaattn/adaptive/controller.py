@@ -48,10 +48,6 @@ EMA = 0.3
 MEASURED_CALLS = 3  # verified calls timed before their median replaces a size's predicted time
 MEASURED_KEEP = 8
 
-_lock = threading.Lock()
-_controllers: dict[str, "PrecisionController"] = {}
-
-
 def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
     """An int32 tensor on `device` without synchronising (a pinned, asynchronous copy)."""
     t = torch.tensor(values, dtype=torch.int32)
@@ -502,45 +498,3 @@ def held_at(site: str, level: int, q_heads: int, *, tolerance: float = 1.0, veri
                               runner=runner)
     ctl.levels = [level] * q_heads
     return ctl
-
-
-def get(site: str, factory):
-    """The controller of `site`, made by factory() on first use. The registry holds every
-    adaptive runner's site controllers (precision here, rank in adaptive/rank.py), so find,
-    forget and reset cover them all."""
-    c = _controllers.get(site)
-    if c is None:
-        with _lock:
-            c = _controllers.get(site)
-            if c is None:
-                c = factory()
-                _controllers[site] = c
-    return c
-
-
-def find(site_or_label: str) -> PrecisionController | None:
-    """The controller whose site is, or starts with, this label (None if no call made one)."""
-    c = _controllers.get(site_or_label)
-    if c is not None:
-        return c
-    for site, c in list(_controllers.items()):
-        if site.startswith(site_or_label + "|"):
-            return c
-    return None
-
-
-def forget(label: str) -> None:
-    """Drop the controllers of one label (an AdaAttention module drops its own when collected)."""
-    with _lock:
-        for site in [s for s in _controllers if s == label or s.startswith(label + "|")]:
-            del _controllers[site]
-
-
-def controllers() -> dict[str, PrecisionController]:
-    return dict(_controllers)
-
-
-def reset() -> None:
-    """Forget every controller (levels start from predictions again)."""
-    with _lock:
-        _controllers.clear()

@@ -23,7 +23,7 @@ import torch
 
 from ..backends.base import ExactAlternative, Runner
 from ..backends.triton_configs import interpreting
-from . import analysis, blocks, controller
+from . import analysis, blocks, sites
 from .rank_launch import rank_forward
 
 MIN_KEYS = 8192  # below this many keys the analysis does not pay for the tiles it saves
@@ -280,7 +280,7 @@ class RankRunner(Runner):
         who = label if label is not None else f"anonymous {problem.shape_class}"
         site = (f"{who}|{launch.policy_key}|Hq={problem.q_heads} Hkv={problem.kv_heads} D={problem.head_dim} "
                 f"{problem.dtype} causal={problem.causal} {problem.seq_bucket} dev={device}")
-        return controller.get(site, lambda: RankController(site, launch.tolerance, launch.verify, problem.q_heads, device))
+        return sites.get(site, lambda: RankController(site, launch.tolerance, launch.verify, problem.q_heads, device))
 
     def run_recorded(self, query, key, value, attn_mask, problem, launch: RankLaunch, label=None):
         ctl = self._controller(problem, launch, label, query.device)

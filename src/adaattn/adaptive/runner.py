@@ -26,7 +26,7 @@ from ..backends import triton_quant as tq
 from .. import hardware
 from ..backends.base import ExactAlternative, Runner
 from ..backends.triton_attention import unsupported_options
-from . import choice, controller
+from . import choice, controller, sites
 
 
 # Below this many query rows per key/value head (q_len x GQA group), against at least 4x as many
@@ -113,7 +113,7 @@ def _controller(site: str, tolerance: float, verify: float, levels, allow_ws: bo
     """The controller of `site`, made on first use; its fp8 level's Q.K^T precision is chosen
     then (triton_quant.fp8_level_uses_fp8_qk: FP8 on Hopper)."""
     runner = "triton.quant.ws" if allow_ws else choice.GENERAL
-    return controller.get(site, lambda: controller.PrecisionController(
+    return sites.get(site, lambda: controller.PrecisionController(
         site, tolerance, verify, tuple(levels), q.shape[1],
         fp8_qk=tq.fp8_level_uses_fp8_qk(q, attn_mask, causal, left, right), allow_ws=allow_ws, runner=runner))
 

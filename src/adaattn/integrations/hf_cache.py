@@ -45,7 +45,7 @@ def Cache(max_cache_len: int, storage: str = "native", paged: bool = False, page
     bypasses adaattn's attention fails loudly instead of reading wrong keys, and a compiled step
     after such a prompt raises. Beam search (reorder_cache) and crop are refused."""
     from ..kv.cache import STORAGES
-    from ..kv.decode import RUNNERS
+    from ..planner import DECODE_RUNNER_NAMES as RUNNERS
 
     if storage not in STORAGES:
         raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
@@ -224,7 +224,7 @@ def _cache_class():
         def _decode_now(self, query, layer, scale):
             """The decode op's body: one plan per step shape for every length up to max_cache_len
             (lengths are read on the device, so a replayed graph serves every step)."""
-            from ..kv import decode_attention, plan_decode
+            from ..api import decode_attention, plan_decode
             from ..kv.gathered import sdpa_gathered
 
             kv = self.kvs[layer]
@@ -248,7 +248,7 @@ def _cache_class():
         def _plan(self, query, layer):
             """One plan per step shape and length bucket (a power of two), shared by every layer and
             reused across steps until the sequences outgrow the bucket."""
-            from ..kv import plan_decode
+            from ..api import plan_decode
 
             t, hq = query.shape[2], query.shape[1]
             n = self.kvs[layer].length(self.seqs[0])

@@ -82,7 +82,7 @@ class _Handle:
         elif mask is not None:
             cache._dense_why = "a step with a mask (padding): the usual attention over the cache, under the mask"
             return None
-        from ..kv import decode_attention
+        from ..api import decode_attention
 
         plan = cache._plan(query, layer)
         return decode_attention(query, cache.kvs[layer], 0, scale=scaling, plan=plan)

@@ -1,7 +1,8 @@
-"""KV caches (contiguous and paged, in the model dtype or quantized to FP8/INT8 at append) and
-attention against them (decode)."""
+"""KV caches (contiguous and paged, in the model dtype or quantized to FP8/INT8 at append), the
+decode runners over them (runners.py) and the step they run (decode.py). The planner chooses the
+runner: adaattn.plan_decode and adaattn.decode_attention are the entry points."""
 
 from .cache import KVCache, PagedKVCache
-from .decode import DecodePlan, decode_attention, plan_decode
+from .decode import DecodePlan
 
-__all__ = ["DecodePlan", "KVCache", "PagedKVCache", "decode_attention", "plan_decode"]
+__all__ = ["DecodePlan", "KVCache", "PagedKVCache"]

@@ -169,7 +169,7 @@ class PagedKVCache:
     def _check_room(self, seq: int, held: int, more: int, layer: Optional[int] = None) -> None:
         """A ValueError where `held` + `more` tokens would not fit one sequence. `held` is the host
         mirror of the lengths (no device read); appends replayed in a CUDA graph advance only the
-        device lengths, so those are checked after sync() by their owner (integrations/hf.py)."""
+        device lengths, so those are checked after sync() by their owner (integrations/hf_cache.py)."""
         cap, why = self._max_len()
         if held + more > cap:
             where = f"sequence {seq}" + ("" if layer is None else f" of layer {layer}")

@@ -2,14 +2,17 @@
 chunked prefill against the cache), bottom-right causal: query row i of T sees keys up to
 length - T + i.
 
-    plan = plan_decode(cache, seqs, heads=32)        # once per step: host work, buffers, the runner
+    plan = adaattn.plan_decode(cache, seqs, heads=32)        # once per step: host work, buffers, the runner
     for layer in range(layers):
-        cache.append(layer, seqs, k, v)               # one launch on CUDA
-        out = decode_attention(q, cache, layer, plan=plan)
+        cache.append(layer, seqs, k, v)                       # one launch on CUDA
+        out = adaattn.decode_attention(q, cache, layer, plan=plan)
 
 Without `plan`, decode_attention makes one per call (the same result, more host work per layer).
+The planner makes the plan (planner.plan_decode chooses among kv/runners.py's runners); this module
+checks a step's arguments (check_step), builds the plan for the chosen runner (build_plan) and runs
+a layer's step (run_decode).
 
-Two runners:
+Two dense runners:
     "triton"  the split-KV kernel (kernels/decode.py): a GQA group's query rows in one tile, the
               keys of each sequence split across programs so that every program reads about the
               same number of keys (ragged batches balance), each key's page read from the block
@@ -44,7 +47,6 @@ from . import sparse
 from .gathered import sdpa_gathered
 from .cache import KVCache, PagedKVCache
 
-RUNNERS = ("sdpa", "triton")
 # The triton runner's tiles and launch, from sweeps on an H100 (benchmarks/NOTES.md, decode): 128 keys
 # per tile; 8 warps for pages in the model dtype, 4 for quantized pages (their fp16 operands sit in
 # registers); the split count aims at 4 programs per SM for native pages and 8 for quantized ones;
@@ -65,7 +67,6 @@ STAGES = {True: 3, False: 2}  # by contiguity
 # 1k..32k 125.9 -> 122.0 (B16: 236.5 -> 224.7), 8k 65.2 -> 64.5, paged ragged 125.1 -> 123.2.
 # (4 stages: 32k better still, ragged 6% worse; 2 stages: 8k 20% worse.)
 SMALL_HEAD_NATIVE_WARPS = 4
-MAX_TILE_ROWS = 128  # query rows of one KV head (GQA group x query_len) the kernel packs into a tile
 
 
 @dataclass
@@ -112,41 +113,10 @@ class DecodePlan:
         return self._scratch[key]
 
 
-def _triton_declines(cache: PagedKVCache, dtype: torch.dtype, device: torch.device) -> str:
-    """Why the triton runner cannot take this call ('' when it can)."""
-    if device.type != "cuda":
-        from ..backends.triton_launch import interpreting
-
-        if not interpreting():
-            return "the split-KV kernel runs on CUDA (or under TRITON_INTERPRET=1)"
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "triton is not installed"
-    if dtype != cache.dtype:
-        return f"the query's dtype {dtype} is not the cache's {cache.dtype}"
-    if max(cache.head_dim, cache.value_dim) > 256:
-        return f"head dims up to 256 (got {max(cache.head_dim, cache.value_dim)})"
-    return ""
-
-
-def plan_decode(cache: PagedKVCache, seqs: Optional[Sequence[int]] = None, *, heads: int, query_len: int = 1,
-                dtype: Optional[torch.dtype] = None, runner: Optional[str] = None, splits: Optional[int] = None,
-                max_len: Optional[int] = None, policy=None, sparse=None) -> DecodePlan:
-    """A plan for decode_attention over `seqs` (default: a KVCache's whole batch) with `heads`
-    query heads and `query_len` rows each.
-
-    max_len: the longest sequence the plan covers (default: the longest now in any layer plus
-    query_len, so it holds after this step's appends); a plan for CUDA-graph capture passes the
-    longest it will replay to. runner: "triton", "sdpa" or None (the fastest that takes the call);
-    splits: the triton runner's splits of the longest sequence (default: from the keys of the
-    whole batch against the GPU's SMs). policy: an adaattn.Policy; with mode="auto" and "skip"
-    among its approximations, over a cache with summaries, steps read only the pages that matter
-    (kv/sparse.py) where that pays; sparse=True runs that path whatever the size (a ValueError where
-    it cannot), sparse=False never, and sparse="always" like True but without the site's turns to the
-    dense step where selection does not pay (to measure the selection itself)."""
-    if runner is not None and runner not in RUNNERS:
-        raise ValueError(f"runner must be one of {RUNNERS} or None, got {runner!r}")
+def check_step(cache: PagedKVCache, seqs: Optional[Sequence[int]], heads, query_len, dtype: Optional[torch.dtype],
+               max_len: Optional[int], policy, sparse_) -> tuple:
+    """The arguments of a decode step checked (ValueError/TypeError naming the one at fault):
+    (seqs as a tuple, the query dtype, each sequence's longest length now, max_len)."""
     if seqs is None:
         if not isinstance(cache, KVCache):
             raise ValueError("seqs is required for a PagedKVCache (the sequence ids the query rows belong to)")
@@ -160,32 +130,30 @@ def plan_decode(cache: PagedKVCache, seqs: Optional[Sequence[int]] = None, *, he
         raise ValueError(f"heads must be a positive multiple of the cache's kv_heads ({cache.kv_heads}), got {heads!r}")
     if not isinstance(query_len, int) or query_len < 1:
         raise ValueError(f"query_len must be a positive int, got {query_len!r}")
+    if sparse_ is not None and not isinstance(sparse_, bool) and sparse_ != "always":
+        raise TypeError(f"sparse must be None, True, False or 'always', got {sparse_!r}")
+    if policy is not None:
+        from ..policy import Policy
+
+        if not isinstance(policy, Policy):
+            raise TypeError(f"policy must be an adaattn.Policy or None, got {type(policy).__name__}")
     dtype = cache.dtype if dtype is None else dtype
     now = [max(cache._lengths[layer][s] for layer in range(cache.layers)) for s in seqs]
     if max_len is None:  # (no sequence grows past the block table's width)
         max_len = min(max(now) + query_len, cache.max_pages_per_seq * cache.page_size)
     elif max_len < max(now):
         raise ValueError(f"max_len={max_len} is shorter than a sequence the cache already holds ({max(now)} tokens)")
-    declines = _triton_declines(cache, dtype, cache.device)
-    rows = heads // cache.kv_heads * query_len
-    if not declines and rows > MAX_TILE_ROWS:
-        declines = (f"a KV head's query rows (GQA group x query_len = {rows}) fit one tile of up to "
-                    f"{MAX_TILE_ROWS}")
-    if runner == "triton" and declines:
-        raise ValueError(f"runner='triton' cannot take this call: {declines}")
-    if runner is None:
-        if declines:
-            runner, why = "sdpa", f"the split-KV kernel declines: {declines}"
-        elif cache.device.type != "cuda":
-            runner, why = "sdpa", "on the CPU, torch's SDPA (the kernel runs here only in the interpreter)"
-        else:
-            runner, why = "triton", ("the split-KV kernel reads the cache where it lies (paged, any storage); SDPA "
-                                     "needs the pages gathered or a contiguous view (benchmarks/NOTES.md, decode)")
-    else:
-        why = "asked for"
+    return seqs, dtype, now, int(max_len)
+
+
+def build_plan(cache: PagedKVCache, seqs: tuple, heads: int, query_len: int, max_len: int, now: list[int],
+               runner: str, why: str, splits: Optional[int], policy, sparse_on: bool, sparse_always: bool,
+               sparse_why: str) -> DecodePlan:
+    """The plan of a step whose runner the planner chose (planner.plan_decode): "triton" or "sdpa",
+    page selection on or off, and the split-KV kernel's split of the keys."""
     seq_ids = cache.seq_ids(seqs)  # made once per list: a fresh host-to-device copy would wait for the GPU's queue
-    plan = DecodePlan(runner, why, seqs, seq_ids, heads, query_len, int(max_len))
-    _plan_sparse(plan, cache, now, policy, sparse)
+    plan = DecodePlan(runner, why, seqs, seq_ids, heads, query_len, max_len, policy=policy, sparse=sparse_on,
+                      sparse_always=sparse_always, sparse_why=sparse_why)
     if runner == "triton":
         tiles = -(-plan.max_len // BLOCK_N)
         if splits is None:
@@ -213,58 +181,15 @@ def plan_decode(cache: PagedKVCache, seqs: Optional[Sequence[int]] = None, *, he
     return plan
 
 
-def _plan_sparse(plan: DecodePlan, cache: PagedKVCache, now: list[int], policy, sparse_) -> None:
-    if sparse_ is not None and not isinstance(sparse_, bool) and sparse_ != "always":
-        raise TypeError(f"sparse must be None, True, False or 'always', got {sparse_!r}")
-    plan.sparse_always = sparse_ == "always"
-    if policy is not None:
-        from ..policy import Policy
-
-        if not isinstance(policy, Policy):
-            raise TypeError(f"policy must be an adaattn.Policy or None, got {type(policy).__name__}")
-    plan.policy = policy
-    if sparse_ is False:
-        plan.sparse_why = "off (sparse=False)" if policy is not None else ""
-        return
-    why = sparse.declines(cache, policy)
-    if why:
-        if sparse_:
-            raise ValueError(f"sparse={sparse_!r} cannot run: {why}")
-        plan.sparse_why = f"dense: {why}" if policy is not None else ""
-        return
-    elem = {"native": torch.finfo(cache.dtype).bits // 8, "fp8": 1, "int8": 1}[cache.storage]
-    kv_bytes = cache.kv_heads * (cache.head_dim + cache.value_dim) * elem * sum(now)
-    if sparse_ is None and kv_bytes < sparse.MIN_BYTES:
-        plan.sparse_why = (f"dense: {kv_bytes / 2**20:.1f} MiB of K/V per layer, under {sparse.MIN_BYTES >> 20} MiB, "
-                           f"where selecting pages does not pay")
-        return
-    if sparse_ is None and plan.runner != "triton":
-        plan.sparse_why = "dense: the CPU path reads every page anyway (sparse=True runs it, for testing)"
-        return
-    plan.sparse = True
-    plan.sparse_why = (f"reads the pages the queries need, tolerance {policy.tolerance:g} per head, verified on "
-                       f"{policy.verify:.0%} of calls" + (" (asked for)" if sparse_ else "")
-                       + (", never dense (sparse='always')" if plan.sparse_always else ""))
-
-
-def decode_attention(query: torch.Tensor, cache: PagedKVCache, layer: int, seqs: Optional[Sequence[int]] = None,
-                     scale: Optional[float] = None, runner: Optional[str] = None, splits: Optional[int] = None,
-                     plan: Optional[DecodePlan] = None) -> torch.Tensor:
-    """query (S, Hq, T, D) of the S sequences `seqs` (default: every sequence of a KVCache's
-    batch, or the plan's) against what `layer` of the cache holds for them, the last T cached
-    tokens of each being the queries' own (bottom-right causal). Returns (S, Hq, T, Dv) in the
-    query's dtype.
-
-    plan: from plan_decode, made once per step and shared by the layers (default: one per call,
-    from runner and splits)."""
+def run_decode(query: torch.Tensor, cache: PagedKVCache, layer: int, plan: DecodePlan,
+               seqs: Optional[Sequence[int]] = None, scale: Optional[float] = None) -> torch.Tensor:
+    """One layer's step under `plan` (see adaattn.decode_attention)."""
     if query.dim() != 4:
         raise ValueError(f"query must be (S, Hq, T, D), got {tuple(query.shape)}")
     if not 0 <= layer < cache.layers:
         raise ValueError(f"layer must be in [0, {cache.layers}), got {layer}")
     s, hq, t, d = query.shape
-    if plan is None:
-        plan = plan_decode(cache, seqs, heads=hq, query_len=t, dtype=query.dtype, runner=runner, splits=splits)
-    elif seqs is not None and tuple(int(x) for x in seqs) != plan.seqs:
+    if seqs is not None and tuple(int(x) for x in seqs) != plan.seqs:
         raise ValueError(f"seqs {list(seqs)} differ from the plan's {list(plan.seqs)}")
     if s != len(plan.seqs) or hq != plan.heads or t != plan.query_len:
         raise ValueError(f"query must be (S={len(plan.seqs)}, Hq={plan.heads}, T={plan.query_len}, D) as planned, "

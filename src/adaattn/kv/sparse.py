@@ -135,7 +135,8 @@ def site(cache, layer: int, tolerance: float) -> SparseSite:
 
 
 def declines(cache, policy) -> str:
-    """Why sparse decode cannot run for this cache and policy ('' when it can)."""
+    """Why sparse decode cannot run for this cache (or a DecodeProblem: its `summaries` and
+    `max_pages_per_seq`) and policy ('' when it can)."""
     if policy is None or policy.mode != "auto" or "skip" not in policy.approximations:
         return "the policy does not allow skipping (Policy(mode='auto', approximations=('skip',)))"
     if not cache.summaries:

@@ -30,7 +30,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..api import attention as ada_attention
-from ..kv import DecodePlan, KVCache, decode_attention, plan_decode
+from ..api import decode_attention, plan_decode
+from ..kv import DecodePlan, KVCache
 from ..policy import Policy
 
 ATTENTION_KINDS = ("adaattn", "sdpa")

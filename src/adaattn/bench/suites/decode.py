@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ...kv import KVCache, PagedKVCache, decode_attention, plan_decode
+from ...api import decode_attention, plan_decode
+from ...kv import KVCache, PagedKVCache
 from .. import peers
 from ..cases import Case, Peer, graphed
 from ..dense import describe, error_check, random_qkv

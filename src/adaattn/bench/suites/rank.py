@@ -10,7 +10,7 @@ import torch
 
 from ... import stats
 from ...api import attention
-from ...adaptive import blocks, controller
+from ...adaptive import blocks, sites
 from ...adaptive.rank_launch import rank_forward
 from ...policy import Policy
 from .. import accuracy, peers
@@ -201,7 +201,7 @@ def _maker(inputs, taus, label, oracles: dict, where: tuple, source):
 
 
 def _site(label: str, tau: float):
-    for key, ctl in controller.controllers().items():
+    for key, ctl in sites.controllers().items():
         if key.startswith(label + "|") and getattr(ctl, "tolerance", None) == tau and hasattr(ctl, "density"):
             return ctl
     return None

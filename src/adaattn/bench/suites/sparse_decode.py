@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from ...kv import KVCache, decode_attention, plan_decode
+from ...api import decode_attention, plan_decode
+from ...kv import KVCache
 from ...kv import sparse
 from ... import stats
 from ...policy import Policy
