@@ -11,7 +11,6 @@ from ..planner import Plan
 from ..policy import Policy
 from ..problem import Problem, validate
 from .run import _check_policy, _runner_form
-from .attention import attention
 
 
 class Explanation:

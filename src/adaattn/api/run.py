@@ -3,7 +3,6 @@ call signature, running a plan with its fallbacks, and the record of what ran.""
 
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 import torch
@@ -12,7 +11,7 @@ from .. import planner, settings, stats
 from ..backends import Declined
 from ..planner import Plan
 from ..policy import EXACT, Policy
-from ..problem import Problem, to_internal, validate
+from ..problem import Problem, to_internal
 
 
 def _check_policy(policy: object) -> Policy:
