@@ -111,9 +111,9 @@ def _worker(rank: int, world: int, port: int, path: str) -> None:
         xl = shard(x, 2).requires_grad_()
         (unshard(xl, 2) * 2).sum().backward()
         results["_unshard_roundtrip"] = [unshard(xl.detach(), 2), xl.grad.clone()]
-        from adaattn.distributed import ring
+        from adaattn.backends import ring_blocks
 
-        results["_triton_failed"] = ring._TritonBlocks.failed  # a fallback would hide a kernel bug
+        results["_triton_failed"] = ring_blocks.TritonBlocks.failed  # a fallback would hide a kernel bug
         # Each ring call records this rank's decisions; gather_records brings every rank's.
         import adaattn
         from adaattn.distributed import gather_records
@@ -229,11 +229,12 @@ def test_import_adaattn_does_not_import_distributed():
 
 def _pair_cover(q_rank, k_rank, world, n, balance, causal, window, docs):
     """How many kernel calls cover each (local query, local key) pair of one block."""
-    from adaattn.distributed import ring
+    from adaattn.backends.ring_blocks import band_keep
+    from adaattn.distributed.bands import block_pairs
 
     cover = torch.zeros(n, n, dtype=torch.int64)
-    for qa, qb, ka, kb, left, right in ring._pairs(q_rank, k_rank, world, n, balance, causal, window, docs):
-        band = ring._band_keep(qb - qa, kb - ka, left, right, "cpu")
+    for qa, qb, ka, kb, left, right in block_pairs(q_rank, k_rank, world, n, balance, causal, window, docs):
+        band = band_keep(qb - qa, kb - ka, left, right, "cpu")
         cover[qa:qb, ka:kb] += 1 if band is None else band.long()
     return cover
 
@@ -317,9 +318,9 @@ def test_world_size_one_block_path_matches_float64(kernel):
         for got, want, sdpa in ((out, ref, base), (qs.grad, qr.grad, sq.grad), (ks.grad, kr.grad, sk.grad),
                                 (vs.grad, vr.grad, sv.grad)):
             assert _rel(got.detach(), want.detach()) <= 2 * _rel(sdpa.detach(), want.detach()) + 1e-6
-    from adaattn.distributed import ring
+    from adaattn.backends import ring_blocks
 
-    assert ring._TritonBlocks.failed is False  # the kernels ran (a fallback would hide a bug)
+    assert ring_blocks.TritonBlocks.failed is False  # the kernels ran (a fallback would hide a bug)
 
 
 def test_bad_arguments_are_refused():
@@ -390,10 +391,10 @@ def test_torch_context_parallel_user_swaps_in_ring_attention(tmp_path):
 
 @pytest.mark.parametrize("block_dtype", [torch.float32, torch.float16])
 def test_triton_merge_matches_the_torch_merge(block_dtype):
-    """backends.triton_merge.merge_into (one launch) against ring._merge (torch, the reference):
+    """backends.triton_merge.merge_into (one launch) against ring_blocks.lse_merge (torch, the reference):
     rows unseen on either side or both, a view of rows, Dv not a power of two."""
+    from adaattn.backends.ring_blocks import lse_merge
     from adaattn.backends.triton_merge import merge_into
-    from adaattn.distributed import ring
 
     g = torch.Generator().manual_seed(1)
     b, h, n, dv = 2, 3, 45, 24
@@ -405,7 +406,7 @@ def test_triton_merge_matches_the_torch_merge(block_dtype):
     out[:, :, :5] = 0
     blk_lse[:, :, 3:9] = float("-inf")
     blk[:, :, 3:9] = 0
-    want_out, want_lse = ring._merge(out, lse, blk.float(), blk_lse)
+    want_out, want_lse = lse_merge(out, lse, blk.float(), blk_lse)
     got_out, got_lse = out.clone(), lse.clone()
     rows = slice(2, 41)  # a view of rows, as the ring merges a pair's rows
     got_out[:, :, :2], got_lse[:, :, :2] = want_out[:, :, :2], want_lse[:, :, :2]
@@ -422,17 +423,19 @@ def test_triton_fallback_blocks_give_float64_gradients(monkeypatch):
     included (the torch backward makes the delta the Triton one would have made); stats name the
     engine that ran and the one that fell back."""
     import adaattn
-    from adaattn.distributed import ring, ring_attention
+    from adaattn.backends import ring_blocks
+    from adaattn.distributed import ring_attention
 
-    monkeypatch.setattr(ring._TritonBlocks, "failed", True)
+    monkeypatch.setattr(ring_blocks.TritonBlocks, "failed", True)
     q, k, v, go = _inputs(torch.float32, 2, 24, seed=7)
     qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
     with adaattn.stats.collect() as recs:
         out = ring_attention(qs, ks, vs, is_causal=True, enable_gqa=True, cu_seqlens=[0, 10, 24], kernel="triton")
     assert [(r.backend, r.fallbacks) for r in recs] == [("ring.torch", ("ring.triton",))]
     # A cuDNN engine whose blocks went to Triton and on to torch names itself as the one that fell back.
-    monkeypatch.setattr(ring._CudnnBlocks, "failed", True)
-    monkeypatch.setattr(ring, "_engine", lambda *a: ring._CudnnBlocks(q.dtype, False))
+    # (on the CPU the planner's ring.cudnn runner declines: here it is told it can run)
+    monkeypatch.setattr(ring_blocks.CudnnBlocks, "failed", True)
+    monkeypatch.setattr(ring_blocks.CudnnRingBlocks, "supports", lambda self, problem, policy=None: [])
     with adaattn.stats.collect() as recs:
         again = ring_attention(q, k, v, is_causal=True, enable_gqa=True, cu_seqlens=[0, 10, 24], kernel="cudnn")
     assert [(r.backend, r.fallbacks) for r in recs] == [("ring.torch", ("ring.cudnn",))]
@@ -667,6 +670,32 @@ def test_cudnn_kernel_is_refused_where_cudnn_cannot_run():
         ring_attention(q, k, v, is_causal=True, kernel="cudnn")
 
 
+def test_explain_ring_block_lists_every_runner_with_its_reasons_on_cpu(monkeypatch):
+    """The planner's choice for one rank's CPU shards, no process group: torch math, with the
+    Triton and cuDNN runners' reasons (the interpreter off, as outside the tests); a named
+    kernel that cannot run them is refused with its reason."""
+    from adaattn import planner
+    from adaattn.distributed import explain_ring_block
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, k, v, _ = _inputs(torch.float32, 2, 16)
+    choice = explain_ring_block(q, k, v, causal=True)
+    assert isinstance(choice, planner.Choice) and choice.kind == "ring_block"
+    assert choice.runner == "ring.torch"
+    reasons = dict(choice.reasons)
+    assert sorted(reasons) == ["ring.cudnn", "ring.torch", "ring.triton"]
+    assert reasons["ring.torch"] == ()
+    assert any("CUDA" in r for r in reasons["ring.triton"]), reasons["ring.triton"]
+    assert "sdpa.cudnn runs on cuda tensors only, got cpu." in reasons["ring.cudnn"]
+    assert "ring.cudnn" in str(choice) and "ring.triton" in str(choice)
+    assert explain_ring_block(q, k, v, kernel="torch").runner == "ring.torch"
+    with pytest.raises(ValueError, match=re.escape("kernel='cudnn' cannot run these tensors: sdpa.cudnn runs on "
+                                                   "cuda tensors only, got cpu.")):
+        explain_ring_block(q, k, v, causal=True, kernel="cudnn")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        explain_ring_block(q, k, v, kernel="cuda")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hkv", [8, 2])
@@ -675,17 +704,20 @@ def test_gpu_cudnn_blocks_merge_and_backward_match_float64(hkv, dtype, monkeypat
     the first half of the keys (a full block) and against the second half (a square causal
     block), merged by log-sum-exp; each block's backward from the merged (global) output and lse.
     Output and gradients against float64, to the measuring standard."""
-    from adaattn.distributed import ring
+    from adaattn import planner
+    from adaattn.backends import ring_blocks
+    from adaattn.distributed import explain_ring_block
 
     torch.manual_seed(5)
     b, hq, n, d, half = 2, 8, 1000, 128, 500
     q, k, v, go = (torch.randn(b, h, n, d, device="cuda", dtype=dtype) for h in (hq, hkv, hkv, hq))
     go = go[:, :, half:].contiguous()
-    eng = ring._CudnnBlocks(dtype, deterministic=False)
-    ring._CudnnBlocks.failed = False
+    qs = q[:, :, half:]
+    eng = planner.ring_block_engine(explain_ring_block(qs, k, v, causal=True, kernel="cudnn"))
+    assert isinstance(eng, ring_blocks.CudnnBlocks)
+    ring_blocks.CudnnBlocks.failed = False
     calls = _count_cudnn_calls(monkeypatch)
     scale = d ** -0.5
-    qs = q[:, :, half:]
     blocks = (((0, half), -1, -1), ((half, n), -1, 0))
     out = lse = None
     for (ka, kb), left, right in blocks:
@@ -703,14 +735,14 @@ def test_gpu_cudnn_blocks_merge_and_backward_match_float64(hkv, dtype, monkeypat
         dq += bdq
         dk[:, :, ka:kb] += bdk
         dv[:, :, ka:kb] += bdv
-    assert ring._CudnnBlocks.failed is False  # cuDNN ran every block (a fallback would hide a bug)
+    assert ring_blocks.CudnnBlocks.failed is False  # cuDNN ran every block (a fallback would hide a bug)
     assert calls == ["fwd", "fwd", "bwd", "bwd"]  # and no block went to Triton
     if torch.cuda.get_device_capability() >= (9, 0):
         # A shard of the cp suite's 128k over 4 ranks: the planner runs cuDNN there (results/
         # 2026-11-27-cp-world4-h100: the auto rows beat the Triton rows), so auto takes its blocks.
-        shard_q = torch.empty(1, 32, 32768, 128, device="cuda", dtype=dtype)
-        shard_v = torch.empty(1, 8, 32768, 128, device="cuda", dtype=dtype)
-        assert ring._engine("auto", shard_q, shard_v, False, True, True, 8).name == "cudnn"
+        shard_q = torch.empty(1, 32, 32768, 128, device="cuda", dtype=dtype, requires_grad=True)
+        shard_kv = torch.empty(1, 8, 32768, 128, device="cuda", dtype=dtype, requires_grad=True)
+        assert explain_ring_block(shard_q, shard_kv, shard_kv, causal=True).runner == "ring.cudnn"
     mask = torch.arange(n, device="cuda").unsqueeze(0) <= torch.arange(half, n, device="cuda").unsqueeze(1)
     qr, kr, vr = (t.double().requires_grad_() for t in (qs, k, v))
     ref = reference_attention(qr, kr, vr, attn_mask=mask)
@@ -726,7 +758,7 @@ def test_gpu_cudnn_blocks_merge_and_backward_match_float64(hkv, dtype, monkeypat
 
 def _count_cudnn_calls(monkeypatch) -> list:
     """The cuDNN engine's kernel calls, in order ("fwd"/"bwd"), from now on in this test."""
-    from adaattn.distributed import ring
+    from adaattn.backends import ring_blocks
 
     calls: list = []
 
@@ -737,8 +769,8 @@ def _count_cudnn_calls(monkeypatch) -> list:
             return got
         return staticmethod(run)
 
-    monkeypatch.setattr(ring._CudnnBlocks, "_fwd", counted("fwd", ring._CudnnBlocks._fwd))
-    monkeypatch.setattr(ring._CudnnBlocks, "_bwd", counted("bwd", ring._CudnnBlocks._bwd))
+    monkeypatch.setattr(ring_blocks.CudnnBlocks, "_fwd", counted("fwd", ring_blocks.CudnnBlocks._fwd))
+    monkeypatch.setattr(ring_blocks.CudnnBlocks, "_bwd", counted("bwd", ring_blocks.CudnnBlocks._bwd))
     return calls
 
 
@@ -750,9 +782,10 @@ def test_gpu_ring_cudnn_kernel_matches_float64_on_transposed_inputs(causal, scal
     shard: (B, N, H, D) tensors viewed as (B, H, N, D), GQA, output and gradients against float64.
     A positive scale runs cuDNN forward and backward; a negative one runs Triton (torch's fused
     kernels give NaN for is_causal with a scale <= 0)."""
-    from adaattn.distributed import ring, ring_attention
+    from adaattn.backends import ring_blocks
+    from adaattn.distributed import ring_attention
 
-    ring._CudnnBlocks.failed = False
+    ring_blocks.CudnnBlocks.failed = False
     calls = _count_cudnn_calls(monkeypatch)
     torch.manual_seed(11)
     b, n, hq, hkv, d = 2, 777, 8, 2, 128
@@ -762,7 +795,7 @@ def test_gpu_ring_cudnn_kernel_matches_float64_on_transposed_inputs(causal, scal
     out = ring_attention(qs, ks, vs, is_causal=causal, scale=scale, enable_gqa=True, kernel="cudnn")
     (out * go).sum().backward()
     assert calls == (["fwd", "bwd"] if scale is None else [])
-    assert ring._CudnnBlocks.failed is False
+    assert ring_blocks.CudnnBlocks.failed is False
     mask = None
     if causal:
         mask = torch.ones(n, n, dtype=torch.bool, device="cuda").tril()

@@ -20,6 +20,7 @@ from . import hardware, policy as policy_mod, settings
 from .adaptive.rank import rank_runners
 from .adaptive.runner import adaptive_runners
 from .backends import ExactAlternative, Runner, exact_runners
+from .backends.ring_blocks import ring_block_runners
 from .kv import decode as kv_decode
 from .kv.runners import decode_problem, decode_runners
 from .policy import Policy
@@ -456,3 +457,57 @@ for _runner in decode_runners():
     register_kind("decode", _runner)
 _ORDERS["decode"] = _decode_order
 DECODE_RUNNER_NAMES = ("sdpa", "triton")
+
+
+# ---- ring blocks
+#
+# The ring's block engines (backends/ring_blocks.py) are runners of kind "ring_block":
+# distributed/ asks choose("ring_block", problem, policy, runner=...) for one, as api/ asks for a
+# plan, and ring_block_engine(choice) for the engine it drives. What those runners need to know of
+# this registry's own runners (sdpa.cudnn's limits, which Triton forward variant takes a band) is
+# asked here and handed to them.
+
+
+def _ring_block_order(problem, names: tuple) -> tuple:
+    """kernel="auto": torch math first off CUDA or where our Triton kernels decline; on CUDA cuDNN
+    first where this planner's own plan for a dense shard-sized call runs sdpa.cudnn, else Triton.
+    The plan is read each call (its cache, which reset() clears)."""
+    if problem.device_type != "cuda" or problem.triton_reasons:
+        order = ("ring.torch", "ring.triton", "ring.cudnn")
+    elif not KINDS["ring_block"]["ring.cudnn"].supports(problem) and _plans_cudnn(problem.shard()):
+        order = ("ring.cudnn", "ring.triton", "ring.torch")
+    else:
+        order = ("ring.triton", "ring.cudnn", "ring.torch")
+    return tuple(n for n in order if n in names)
+
+
+def _plans_cudnn(shard: Problem) -> bool:
+    try:
+        return get_plan(shard, policy_mod.EXACT).backend == "sdpa.cudnn"
+    except Exception:  # no runner takes it: the Triton blocks decide for themselves
+        return False
+
+
+def _sdpa_cudnn_reasons(problem: Problem) -> list[str]:
+    """The sdpa.cudnn runner's reasons for `problem` (the ring's cuDNN blocks call the same op)."""
+    runner = REGISTRY.get("sdpa.cudnn")
+    return ["is not here."] if runner is None else list(runner.supports(problem, policy_mod.EXACT))
+
+
+def _triton_variant(band: Problem) -> str:
+    """The first of our Triton forward variants (warp-specialised, TMA, pointers) that takes a band."""
+    for variant in ("ws", "tma", "ptr"):
+        runner = REGISTRY.get(f"triton.{variant}")
+        if runner is not None and not runner.supports(band, Policy()):
+            return variant
+    return "ptr"
+
+
+def ring_block_engine(choice: Choice):
+    """The block engine of the ring-block runner `choice` names, for its problem."""
+    return KINDS["ring_block"][choice.runner].engine(choice.problem)
+
+
+for _runner in ring_block_runners(_sdpa_cudnn_reasons, _triton_variant):
+    register_kind("ring_block", _runner)
+_ORDERS["ring_block"] = _ring_block_order

@@ -40,9 +40,8 @@ import torch
 from ..adaptive import controller
 from ..adaptive.runner import levels_for
 from ..backends import triton_quant as tq
+from ..backends.ring_blocks import NOT_RECOVERABLE  # errors a fallback cannot help
 
-# Errors a fallback cannot help: torch math needs more memory; a broken context stays broken.
-NOT_RECOVERABLE = tuple(t for t in (torch.OutOfMemoryError, getattr(torch, "AcceleratorError", None)) if t)
 PAYS = 0.95  # quantized blocks run only while they measure under this fraction of the exact ones
 OUTLIER = 4.0  # a verified call where one engine took this many times the other compiled something
 UNJUDGED_MAX = 3
