@@ -1,4 +1,6 @@
-"""The planner: the registry of runners, and the choice of one for a problem under a policy.
+"""The planner: the registry of runners, and the choice of one for a problem under a policy
+(this module: prefill and training calls); decode steps (planner/decode.py) and ring blocks (below,
+with planner/choice.py's chooser) are chosen here too.
 
 Every runner answers the same questions (`supports`, `cost`, `prepare`), so `explain` can say
 of any of them why it did or did not run. The order is measured data (priority.json); under
@@ -16,15 +18,15 @@ from typing import Any
 
 import torch
 
-from . import hardware, policy as policy_mod, settings
-from .adaptive.rank import rank_runners
-from .adaptive.runner import adaptive_runners
-from .backends import ExactAlternative, Runner, exact_runners
-from .backends.ring_blocks import ring_block_runners
-from .kv import decode as kv_decode
-from .kv.runners import decode_problem, decode_runners
-from .policy import Policy
-from .problem import Problem
+from .. import hardware, policy as policy_mod, settings
+from ..adaptive.rank import rank_runners
+from ..adaptive.runner import adaptive_runners
+from ..backends import ExactAlternative, Runner, exact_runners
+from ..backends.ring_blocks import ring_block_runners
+from ..policy import Policy
+from ..problem import Problem
+from .choice import _ORDERS, KINDS, Choice, NoBackendError, choose, register_kind  # noqa: F401 (choose: the public chooser)
+from .decode import DECODE_RUNNER_NAMES, explain_decode, plan_decode  # noqa: F401 (the decode entry points)
 
 REGISTRY: dict[str, Runner] = {}
 
@@ -50,10 +52,6 @@ class Plan:
     @property
     def launch(self) -> Any:
         return self.launches[0]
-
-
-class NoBackendError(ValueError):
-    """No runner can run the problem under the policy; the message lists each one's reasons."""
 
 
 def register(runner: Runner) -> Runner:
@@ -167,142 +165,6 @@ def make_plan(problem: Problem, policy: Policy) -> Plan:
         arch=arch,
         costs=tuple((n, timed.get(n)) for n in candidates),
     )
-
-
-# ----------------------------------------------------------------------------- decode steps, ring blocks
-#
-# A decode step over a KV cache and a block of the ring are chosen here too, from runners of their
-# own kind (kv/runners.py, backends/ring_blocks.py): each has a `name`, `supports(problem, policy)
-# -> reasons` (empty = yes) and `why(problem)`, the sentence said when it is chosen. The first in
-# `order(kind, problem)` with no reasons runs; `explain` lists every one with its reasons.
-
-KINDS: dict[str, dict[str, Any]] = {"decode": {}, "ring_block": {}}
-# Per kind, an order other than registration order (a function of the problem), where one is set.
-_ORDERS: dict[str, Any] = {}
-
-
-@dataclass(frozen=True)
-class Choice:
-    """The runner chosen for a decode step or a ring block, why, and every runner's reasons."""
-
-    kind: str
-    runner: str
-    why: str
-    reasons: tuple[tuple[str, tuple[str, ...]], ...]
-    problem: Any = None
-
-    def __str__(self) -> str:
-        lines = [f"{self.kind}: {self.problem.describe() if hasattr(self.problem, 'describe') else self.problem}",
-                 f"runs: {self.runner} ({self.why})"]
-        for name, why in self.reasons:
-            mark = "*" if name == self.runner else ("ok" if not why else "no")
-            lines.append(f"  {mark:>2} {name:<18} {' '.join(why) if why else 'can run'}")
-        return "\n".join(lines)
-
-    def as_dict(self) -> dict:
-        return {"kind": self.kind, "runner": self.runner, "why": self.why,
-                "reasons": {n: list(w) for n, w in self.reasons}}
-
-
-def register_kind(kind: str, runner: Any) -> Any:
-    """Add a decode or ring-block runner (see KINDS)."""
-    KINDS[kind][runner.name] = runner
-    return runner
-
-
-def choose(kind: str, problem: Any, policy: Policy | None = None, runner: str | None = None) -> Choice:
-    """The runner of `kind` for `problem`: `runner` where named (a ValueError with its reasons where
-    it declines), else the first in order with no reasons (NoBackendError where none can run)."""
-    runners = KINDS[kind]
-    if runner is not None and runner not in runners:
-        raise ValueError(f"runner must be one of {tuple(runners)} or None, got {runner!r}")
-    names = list(_ORDERS[kind](problem, tuple(runners))) if kind in _ORDERS else list(runners)
-    names += [n for n in runners if n not in names]
-    reasons = {n: tuple(runners[n].supports(problem, policy)) for n in names}
-    table = tuple((n, reasons[n]) for n in names)
-    if runner is not None:
-        if reasons[runner]:
-            raise ValueError(f"runner={runner!r} cannot take this call: {' '.join(reasons[runner])}")
-        return Choice(kind, runner, "asked for", table, problem)
-    for n in names:
-        if not reasons[n]:
-            return Choice(kind, n, runners[n].why(problem), table, problem)
-    lines = [f"no {kind} runner can run {problem}:"] + [f"  {n}: {' '.join(w)}" for n, w in table]
-    raise NoBackendError("\n".join(lines))
-
-
-def _decode_order(problem, names: tuple) -> tuple:
-    """Page selection first (it runs only where it pays); then the split-KV kernel on CUDA, and
-    SDPA first elsewhere (the kernel runs on the CPU only in the interpreter)."""
-    dense = ("kv.triton", "kv.sdpa") if problem.device_type == "cuda" else ("kv.sdpa", "kv.triton")
-    return ("kv.sparse",) + dense
-
-
-def plan_decode(cache, seqs=None, *, heads: int, query_len: int = 1, dtype: torch.dtype | None = None,
-                runner: str | None = None, splits: int | None = None, max_len: int | None = None,
-                policy: Policy | None = None, sparse=None):
-    """A plan for decode_attention over `seqs` (default: a KVCache's whole batch) with `heads`
-    query heads and `query_len` rows each, made once per step and shared by the layers.
-
-    max_len: the longest sequence the plan covers (default: the longest now in any layer plus
-    query_len, so it holds after this step's appends); a plan for CUDA-graph capture passes the
-    longest it will replay to. runner: "triton", "sdpa" or None (chosen here, among the decode
-    runners of kv/runners.py: `explain_decode` lists them with their reasons); splits: the triton
-    runner's splits of the longest sequence (default: from the keys of the whole batch against the
-    GPU's SMs). policy: an adaattn.Policy; with mode="auto" and "skip" among its approximations,
-    over a cache with summaries, steps read only the pages that matter (kv/sparse.py) where that
-    pays; sparse=True runs that path whatever the size (a ValueError where it cannot), sparse=False
-    never, and sparse="always" like True but without the site's turns to the dense step where
-    selection does not pay (to measure the selection itself)."""
-    if runner is not None and runner not in DECODE_RUNNER_NAMES:
-        raise ValueError(f"runner must be one of {DECODE_RUNNER_NAMES} or None, got {runner!r}")
-    seqs, dtype, now, max_len = kv_decode.check_step(cache, seqs, heads, query_len, dtype, max_len, policy, sparse)
-    problem = decode_problem(cache, now, heads, query_len, dtype, max_len, sparse)
-    if runner is not None:
-        try:
-            dense = choose("decode", problem, policy, runner=f"kv.{runner}")
-        except ValueError as e:
-            raise ValueError(str(e).replace(f"runner='kv.{runner}'", f"runner='{runner}'")) from None
-    else:
-        dense = choose("decode", problem, policy)
-        if dense.runner == "kv.sparse":  # page selection runs over the first dense runner that can
-            first = next(n for n, why in dense.reasons if not why and n != "kv.sparse")
-            dense = Choice("decode", first, KINDS["decode"][first].why(problem), dense.reasons, problem)
-    sparse_reasons = dict(dense.reasons)["kv.sparse"]
-    if sparse and sparse_reasons:
-        raise ValueError(f"sparse={sparse!r} cannot run: {' '.join(sparse_reasons).rstrip('.')}")
-    sparse_on = not sparse_reasons
-    if policy is None:
-        sparse_why = ""
-    elif sparse_on:
-        sparse_why = (f"reads the pages the queries need, tolerance {policy.tolerance:g} per head, verified on "
-                      f"{policy.verify:.0%} of calls" + (" (asked for)" if sparse else "")
-                      + (", never dense (sparse='always')" if sparse == "always" else ""))
-    else:
-        sparse_why = ("off (sparse=False)" if sparse is False else "dense: " + " ".join(sparse_reasons).rstrip("."))
-    return kv_decode.build_plan(cache, seqs, heads, query_len, max_len, now, dense.runner[len("kv."):], dense.why,
-                                splits, policy, sparse_on, sparse == "always", sparse_why)
-
-
-def explain_decode(cache, seqs=None, *, heads: int, query_len: int = 1, dtype: torch.dtype | None = None,
-                   max_len: int | None = None, policy: Policy | None = None, sparse=None,
-                   lengths: list[int] | None = None, device: str | None = None) -> Choice:
-    """Every decode runner for this step with its reasons, and the one plan_decode runs (its `why`
-    and `runner`; where page selection is chosen it runs over the first dense runner listed that
-    can). lengths: the tokens each sequence holds (default: what the cache holds); device: plan
-    for this device type instead of the cache's (a cache on the meta device, say)."""
-    seqs, dtype, now, max_len = kv_decode.check_step(cache, seqs, heads, query_len, dtype, max_len, policy, sparse)
-    if lengths is not None:
-        if len(lengths) != len(seqs) or min(lengths) < 0:
-            raise ValueError(f"lengths must give each of the {len(seqs)} sequences a length >= 0, got {lengths!r}")
-        now = list(lengths)
-        max_len = max(max_len, max(now) + query_len)
-    problem = decode_problem(cache, now, heads, query_len, dtype, max_len, sparse, device)
-    choice = choose("decode", problem, policy)
-    if choice.runner == "kv.sparse":
-        over = next(n for n, why in choice.reasons if not why and n != "kv.sparse")
-        choice = Choice("decode", choice.runner, f"{choice.why}, over {over}", choice.reasons, problem)
-    return choice
 
 
 def _by_cost(problem: Problem, candidates: list[str], launches: dict, reasons: dict) -> tuple[list[str], dict]:
@@ -451,14 +313,6 @@ def runner_table() -> dict:
     return out
 
 
-for _runner in (*exact_runners(), *rank_runners(), *adaptive_runners()):
-    register(_runner)
-for _runner in decode_runners():
-    register_kind("decode", _runner)
-_ORDERS["decode"] = _decode_order
-DECODE_RUNNER_NAMES = ("sdpa", "triton")
-
-
 # ---- ring blocks
 #
 # The ring's block engines (backends/ring_blocks.py) are runners of kind "ring_block":
@@ -511,3 +365,7 @@ def ring_block_engine(choice: Choice):
 for _runner in ring_block_runners(_sdpa_cudnn_reasons, _triton_variant):
     register_kind("ring_block", _runner)
 _ORDERS["ring_block"] = _ring_block_order
+
+
+for _runner in (*exact_runners(), *rank_runners(), *adaptive_runners()):
+    register(_runner)
