@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 
+import json
 import os
 import re
 import subprocess
@@ -123,3 +124,20 @@ def test_python_dash_m_runs():
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "chosen: sdpa.cpu" in r.stdout
+
+
+def test_explain_ring_lists_every_block_runner_with_its_reasons(capsys, monkeypatch):
+    """`adaattn explain --ring`: the planner's choice for a block of ring_attention, each runner
+    with its reasons; a named kernel that cannot run says why (exit 2)."""
+    from adaattn.cli import main
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # on the CPU proper, Triton declines
+    assert main(["explain", "--ring", "--shape", "1,32,16384,128", "--kv-heads", "8", "--causal", "--device", "cpu",
+                 "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["kind"] == "ring_block" and data["runner"] == "ring.torch"
+    assert set(data["reasons"]) == {"ring.torch", "ring.triton", "ring.cudnn"}
+    assert data["reasons"]["ring.torch"] == [] and data["reasons"]["ring.cudnn"]
+    assert main(["explain", "--ring", "--shape", "1,8,64,64", "--device", "cpu", "--kernel", "cudnn"]) == 2
+    assert "kernel='cudnn' cannot run these tensors" in capsys.readouterr().err
+    assert main(["explain", "--ring", "--decode", "--shape", "1,8,64,64", "--device", "cpu"]) == 2

@@ -67,6 +67,23 @@ def _explain_decode(args, dev, b, h, n, d, kv_heads, policy) -> int:
     return 0
 
 
+def _explain_ring(args, dev, b, h, n, d, kv_heads, policy) -> int:
+    """`explain --ring`: one rank's block of ring_attention, shards of N tokens (the block runners)."""
+    from .distributed import explain_ring_block
+
+    dtype = DTYPES[args.dtype]
+    # Facts only: one row per shard, expanded to N (no N-long allocation).
+    q = torch.empty(b, h, 1, d, dtype=dtype, device=dev).expand(b, h, n, d)
+    k = torch.empty(b, kv_heads, 1, d, dtype=dtype, device=dev).expand(b, kv_heads, n, d)
+    try:
+        choice = explain_ring_block(q, k, k, causal=args.causal, kernel=args.kernel, policy=policy)
+    except (TypeError, ValueError) as e:
+        print(f"adaattn explain: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(choice.as_dict(), indent=2) if args.json else choice)
+    return 0
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
     from .api import explain_problem
     from .policy import Policy
@@ -103,8 +120,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
     except (TypeError, ValueError) as e:
         print(f"adaattn explain: {e}", file=sys.stderr)
         return 2
+    if args.decode and args.ring:
+        print("adaattn explain: --decode and --ring are two kinds of call; give one", file=sys.stderr)
+        return 2
     if args.decode:
         return _explain_decode(args, dev, b, h, n, d, kv_heads, policy)
+    if args.ring:
+        return _explain_ring(args, dev, b, h, n, d, kv_heads, policy)
     try:
         left, right = window_sides(check_window(args.window))
     except ValueError as e:
@@ -165,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
     pe.add_argument("--storage", choices=("native", "fp8", "int8"), default="native", help="--decode: page storage")
     pe.add_argument("--page-size", type=int, default=64, help="--decode: tokens per page")
     pe.add_argument("--summaries", action="store_true", help="--decode: the cache keeps page summaries")
+    pe.add_argument("--ring", action="store_true",
+                    help="a block of ring_attention: one rank's shards of N tokens (the ring's block runners)")
+    pe.add_argument("--kernel", choices=("auto", "torch", "triton", "cudnn"), default="auto",
+                    help="--ring: the block kernel asked for (ring_attention's kernel=)")
     pe.add_argument("--json", action="store_true")
     pe.set_defaults(func=cmd_explain)
 
