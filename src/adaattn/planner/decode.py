@@ -51,6 +51,8 @@ def plan_decode(cache, seqs=None, *, heads: int, query_len: int = 1, dtype: torc
             first = next(n for n, why in dense.reasons if not why and n != "kv.sparse")
             dense = Choice("decode", first, KINDS["decode"][first].why(problem), dense.reasons, problem)
     sparse_reasons = dict(dense.reasons)["kv.sparse"]
+    if sparse is None and not sparse_reasons and dense.runner != "kv.triton":  # (a named kv.sdpa)
+        sparse_reasons = ("the dense path reads every page anyway (sparse=True runs it, for testing).",)
     if sparse and sparse_reasons:
         raise ValueError(f"sparse={sparse!r} cannot run: {' '.join(sparse_reasons).rstrip('.')}")
     sparse_on = not sparse_reasons
