@@ -79,18 +79,18 @@ def decode_reference(q, k, v):
 
 def gluon_here() -> bool:
     """Whether the Gluon kernels run on this machine's GPU (Hopper, a triton with Gluon)."""
-    from adaattn.backends import triton_launch
+    from adaattn.backends.triton import common
 
-    return torch.cuda.is_available() and triton_launch.gluon_fwd_here(torch.zeros(1, device="cuda"))
+    return torch.cuda.is_available() and common.gluon_fwd_here(torch.zeros(1, device="cuda"))
 
 
 def break_gluon(monkeypatch, module, launcher: str) -> None:
     """Make module.launcher (a Gluon kernel's launch) fail as a compile failure would, with no
     Gluon failure recorded before it in this process."""
-    from adaattn.backends import triton_launch
+    from adaattn.backends.triton import common
 
     def broken(*args, **kwargs):
         raise RuntimeError("compile failure")
 
     monkeypatch.setattr(module, launcher, broken)
-    monkeypatch.setattr(triton_launch, "_GLUON_BROKEN", [])
+    monkeypatch.setattr(common, "_GLUON_BROKEN", [])

@@ -20,9 +20,10 @@ from dataclasses import replace  # noqa: E402
 import adaattn  # noqa: E402
 from adaattn import settings, stats  # noqa: E402
 from adaattn.adaptive import controller, runner, sites, structured  # noqa: E402
-from adaattn.backends import triton_attention as ta  # noqa: E402
-from adaattn.backends import triton_quant as tq  # noqa: E402
-from adaattn.backends import triton_tuner, triton_verify  # noqa: E402
+from adaattn.adaptive import quant_launch as tq  # noqa: E402
+from adaattn.adaptive import verify_launch  # noqa: E402
+from adaattn.backends.triton import runner as ta  # noqa: E402
+from adaattn.backends.triton import tuner as triton_tuner  # noqa: E402
 from adaattn.backends.reference import reference_attention  # noqa: E402
 
 from helpers import DEVICE, NEEDS_CUDA_OR_INTERPRETER, rel_err  # noqa: E402
@@ -111,12 +112,12 @@ def test_a_head_over_the_tolerance_is_recomputed_one_level_up_and_remembered(mon
     ran = []
     if verify_kernels:  # kernels/verify.py, one launch per stage: record that they ran
         for name in ("exact_rows", "verify_step"):
-            real = getattr(triton_verify, name)
-            monkeypatch.setattr(triton_verify, name, lambda *a, real=real, name=name: ran.append(
+            real = getattr(verify_launch, name)
+            monkeypatch.setattr(verify_launch, name, lambda *a, real=real, name=name: ran.append(
                 (name, real(*a))) or ran[-1][1])
     else:  # the torch path of sampled verification (masks, other dtypes)
-        monkeypatch.setattr(triton_verify, "exact_rows", lambda *a: None)
-        monkeypatch.setattr(triton_verify, "verify_step", lambda *a: False)
+        monkeypatch.setattr(verify_launch, "exact_rows", lambda *a: None)
+        monkeypatch.setattr(verify_launch, "verify_step", lambda *a: False)
     q, k, v = structured.make("large_logits", 1, 4, 128, 64, torch.bfloat16, DEVICE, seed=2)
     policy = adaattn.Policy(mode="auto", precisions=ALL, tolerance=2e-2, verify=1.0)
     adaattn.attention(q, k, v, policy=policy, label="drift")  # warm-up

@@ -12,7 +12,7 @@ triton = pytest.importorskip("triton")
 import adaattn  # noqa: E402
 from adaattn import costs, hardware, planner, stats  # noqa: E402
 from adaattn.adaptive import choice, controller, sites, structured  # noqa: E402
-from adaattn.backends import triton_tuner  # noqa: E402
+from adaattn.backends.triton import tuner as triton_tuner  # noqa: E402
 from adaattn.problem import validate  # noqa: E402
 
 from helpers import DEVICE, NEEDS_CUDA_OR_INTERPRETER  # noqa: E402

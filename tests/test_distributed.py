@@ -391,10 +391,10 @@ def test_torch_context_parallel_user_swaps_in_ring_attention(tmp_path):
 
 @pytest.mark.parametrize("block_dtype", [torch.float32, torch.float16])
 def test_triton_merge_matches_the_torch_merge(block_dtype):
-    """backends.triton_merge.merge_into (one launch) against ring_blocks.lse_merge (torch, the reference):
+    """backends.triton.merge.merge_into (one launch) against ring_blocks.lse_merge (torch, the reference):
     rows unseen on either side or both, a view of rows, Dv not a power of two."""
     from adaattn.backends.ring_blocks import lse_merge
-    from adaattn.backends.triton_merge import merge_into
+    from adaattn.backends.triton.merge import merge_into
 
     g = torch.Generator().manual_seed(1)
     b, h, n, dv = 2, 3, 45, 24
@@ -568,7 +568,7 @@ def test_policy_blocks_meet_the_tolerance_across_ranks(tmp_path):
 
 
 def test_policy_site_judges_speed_only_on_a_repeated_level_set():
-    from adaattn.backends import triton_quant as tq
+    from adaattn.adaptive import quant_launch as tq
     from adaattn.distributed import adaptive
 
     dev = torch.device("cpu")
@@ -639,7 +639,7 @@ def test_policy_kernel_failure_runs_exact_blocks_under_the_same_kind(monkeypatch
     all-reduce and backward ring pass would wait for it): exact blocks run under it, one warning."""
     import adaattn
     from adaattn import Policy
-    from adaattn.backends import triton_quant as tq
+    from adaattn.adaptive import quant_launch as tq
     from adaattn.distributed import adaptive, ring_attention
 
     def broken(*a, **k):

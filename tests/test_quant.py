@@ -21,9 +21,10 @@ from adaattn.adaptive.quant_reference import (  # noqa: E402
 import adaattn  # noqa: E402
 from adaattn import hardware, settings  # noqa: E402
 from adaattn.adaptive import runner  # noqa: E402
-from adaattn.backends import triton_quant as tq  # noqa: E402
-from adaattn.backends import triton_tuner  # noqa: E402
-from adaattn.backends.triton_configs import KernelConfig  # noqa: E402
+from adaattn.adaptive import quant_launch as tq  # noqa: E402
+from adaattn.adaptive import quant_prepass  # noqa: E402
+from adaattn.backends.triton import tuner as triton_tuner  # noqa: E402
+from adaattn.backends.triton.common import KernelConfig  # noqa: E402
 from adaattn.problem import validate  # noqa: E402
 from adaattn.backends.reference import reference_attention  # noqa: E402
 from adaattn.kernels.attention_quant import INT_BIAS, biased_float, to_fp8  # noqa: E402
@@ -276,7 +277,7 @@ def test_queries_quantized_in_the_prepass_launch_or_alone_give_the_same_output(m
 
 SM90_QUANT_WS_COMPILE = r"""
 import json
-from adaattn.backends import triton_quant as tq
+from adaattn.adaptive import quant_launch as tq
 from adaattn.kernels import attention_quant_ws
 
 level = "LEVEL"
@@ -328,7 +329,7 @@ FP8_GLUON_SM90_COMPILE = r"""
 import json, re
 import triton
 from triton.experimental.gluon import language as gl
-from adaattn.backends import triton_quant as tq
+from adaattn.adaptive import quant_launch as tq
 from adaattn.kernels.attention_quant_gluon import attention_fp8_gluon_kernel as fn
 from sm90 import compile_for_sm90
 
@@ -450,9 +451,9 @@ def test_heads_run_at_their_own_levels_and_others_are_left_alone():
 
 
 # Key blocks per program 1, 2 (of 3) and 2 (of 2), with 16-row slices: one and two per block.
-@pytest.mark.parametrize("programs,bn", [(tq.PREPASS_PROGRAMS, 16), (3, 16), (1, 32)])
+@pytest.mark.parametrize("programs,bn", [(quant_prepass.PREPASS_PROGRAMS, 16), (3, 16), (1, 32)])
 def test_prepass_writes_what_the_simulation_quantizes(monkeypatch, programs, bn):
-    monkeypatch.setattr(tq, "PREPASS_PROGRAMS", programs)
+    monkeypatch.setattr(quant_prepass, "PREPASS_PROGRAMS", programs)
     _, k, v = _inputs(1, 2, 2, 8, 45, 64, torch.bfloat16, seed=2, v_shift=1.0)
     prep = tq.Prepared(k, v)
     kq, kscale, vq, v_scale, v_mean, n_blocks = prep.get(tq.QK_INT8, tq.PV_FP8, bn)
@@ -580,7 +581,7 @@ def test_fp8_conversion_rounds_to_nearest_even_like_torch():
 
 SM90_COMPILE = r"""
 import json, re
-from adaattn.backends import triton_quant as tq
+from adaattn.adaptive import quant_launch as tq
 from adaattn.kernels.attention_quant import attention_quant_fwd_kernel as kernel
 from sm90 import compile_for_sm90 as compile_sm90
 
@@ -637,7 +638,8 @@ def test_quant_kernels_compile_for_hopper_with_8bit_tensor_cores_and_pipelined_f
 
 SM90_PREPASS = r"""
 import json
-from adaattn.backends import triton_quant as tq
+from adaattn.adaptive import quant_launch as tq
+from adaattn.adaptive import quant_prepass
 from adaattn.kernels.attention_quant import quantize_kv_kernel
 from sm90 import compile_for_sm90
 
@@ -664,9 +666,9 @@ for d in (64, 128):
         # The general kernel's modes, then the warp-specialised levels' (Q quantized in the launch).
         for QK, pv, QM in ((1, 1, 0), (2, 1, 0), (1, 0, 0), (0, 1, 0), (1, 0, 1), (2, 1, 2)):
             c = compile_for_sm90(quantize_kv_kernel, dict(HEAD_DIM=d, BLOCK_D=d, BLOCK_N=block_n,
-                                                          BLOCK_R=tq.MEAN_TILE // d,
-                                                          BLOCK_S=min(tq.PREPASS_SLICE // d, block_n), QK_MODE=QK, PV_MODE=pv,
-                                                          EMULATE=False, Q_MODE=QM, BLOCK_Q=tq.Q_BLOCK),
+                                                          BLOCK_R=quant_prepass.MEAN_TILE // d,
+                                                          BLOCK_S=min(quant_prepass.PREPASS_SLICE // d, block_n), QK_MODE=QK, PV_MODE=pv,
+                                                          EMULATE=False, Q_MODE=QM, BLOCK_Q=quant_prepass.Q_BLOCK),
                                  types, divisible, 4, 1)
             stacks.append(("quantize", d, block_n, QK, pv, QM, c["stack"]))
 print(json.dumps(stacks))

@@ -64,7 +64,7 @@ def _triton_attention():
     # A moved module fails here, never skips: these regressions must keep running.
     fn = getattr(adaattn, "triton_attention", None)
     if fn is None:
-        from adaattn.backends.triton_attention import triton_attention as fn
+        from adaattn.backends.triton.runner import triton_attention as fn
     return fn
 
 

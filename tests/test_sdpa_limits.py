@@ -126,7 +126,7 @@ def test_fused_kernels_decline_gradients_at_head_dims_they_would_pad(name):
 
 
 def test_triton_runners_decline_gradients_of_calls_that_are_not_4d():
-    from adaattn.backends.triton_attention import triton_runners
+    from adaattn.backends.triton.runner import triton_runners
 
     ptr = next(r for r in triton_runners() if r.name == "triton.ptr")
     grad = _problem(device_type="cpu", device_index=None, needs_grad=True, out_lead=(2, 2, 4))

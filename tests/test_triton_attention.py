@@ -28,13 +28,18 @@ triton = pytest.importorskip("triton")
 
 import adaattn  # noqa: E402
 from adaattn import hardware, planner, settings, stats  # noqa: E402
-from adaattn.backends import triton_attention as ta  # noqa: E402
-from adaattn.backends import triton_configs as tc  # noqa: E402
-from adaattn.backends import triton_launch as tl_launch  # noqa: E402
-from adaattn.backends import triton_ops, triton_tuner, varlen  # noqa: E402
+from adaattn.backends import varlen  # noqa: E402
+from adaattn.backends.triton import backward as tl_backward  # noqa: E402
+from adaattn.backends.triton import common  # noqa: E402
+from adaattn.backends.triton import configs as tc  # noqa: E402
+from adaattn.backends.triton import forward as tl_forward  # noqa: E402
+from adaattn.backends.triton import launch as tl_launch  # noqa: E402
+from adaattn.backends.triton import ops as triton_ops  # noqa: E402
+from adaattn.backends.triton import runner as ta  # noqa: E402
+from adaattn.backends.triton import tuner as triton_tuner  # noqa: E402
 from adaattn.backends.reference import reference_attention  # noqa: E402
-from adaattn.backends.triton_configs import KernelConfig  # noqa: E402
-from adaattn.backends.triton_launch import launch_id, make_launch  # noqa: E402
+from adaattn.backends.triton.common import KernelConfig  # noqa: E402
+from adaattn.backends.triton.launch import launch_id, make_launch  # noqa: E402
 from adaattn.kernels import attention_bwd as bwd_kernels  # noqa: E402
 from adaattn.kernels import attention_fwd as fwd_kernels  # noqa: E402
 from adaattn.problem import Problem, validate  # noqa: E402
@@ -60,12 +65,13 @@ def _poison_outputs(monkeypatch):
 def emulate_gpu_glue(monkeypatch, smem=232448):
     """The launch glue as it runs on a GPU (config tables, shared-memory fit, timing, caching)
     with the kernels still interpreted: a fresh config chooser that times (do_bench returns 1)."""
-    for module in (tc, triton_tuner, tl_launch):
+    for module in (common, triton_tuner, tl_launch, tl_forward, tl_backward):
         monkeypatch.setattr(module, "interpreting", lambda: False)
     monkeypatch.setattr(hardware, "max_shared_memory", lambda index: smem)
     chooser = triton_tuner.ConfigChooser()
     monkeypatch.setattr(triton_tuner, "CONFIGS", chooser)
-    monkeypatch.setattr(tl_launch, "CONFIGS", chooser)
+    monkeypatch.setattr(tl_forward, "CONFIGS", chooser)
+    monkeypatch.setattr(tl_backward, "CONFIGS", chooser)
     return chooser
 
 
@@ -386,7 +392,7 @@ def test_configs_fit_the_device_shared_memory(monkeypatch, smem):
     for kind in ("fwd", "dkdv", "dkdv_atomic", "dq"):
         for dtype in (torch.bfloat16, torch.float32):
             for d in (16, 40, 64, 128, 256):
-                block_d = tc.block_d(d)
+                block_d = common.block_d(d)
                 for mask_elem in (0, 1):
                     fit = tc.fitting_configs(kind, block_d, dtype, torch.device("cpu"), mask_elem)
                     assert fit, (kind, dtype, d)
@@ -459,7 +465,7 @@ def test_gpu_launch_path_runs_under_the_interpreter(monkeypatch, dtype):
 
 SM90_COMPILE = r"""
 import json, re
-from adaattn.backends import triton_configs as tc
+from adaattn.backends.triton import configs as tc
 from adaattn.kernels.attention_bwd import attention_bwd_dkdv_kernel, attention_bwd_dq_kernel
 from adaattn.kernels.attention_fwd import attention_fwd_kernel
 from sm90 import compile_for_sm90 as compile_sm90
@@ -529,9 +535,9 @@ def test_kernels_compile_for_hopper_without_spills():
 
 
 def test_config_choice_keys_on_length_buckets():
-    assert tc.length_bucket(1) == 1
-    assert tc.length_bucket(1000) == tc.length_bucket(1024) == 1024
-    assert tc.length_bucket(10**6) == 16384
+    assert common.length_bucket(1) == 1
+    assert common.length_bucket(1000) == common.length_bucket(1024) == 1024
+    assert common.length_bucket(10**6) == 16384
 
 
 def assert_bitwise_deterministic_gradients(q, k, v, dout):
@@ -818,16 +824,16 @@ WS_CASES = {
 }
 
 
-def spy_launch(monkeypatch, name):
-    """Count the calls of tl_launch.<name>, which still runs."""
+def spy_launch(monkeypatch, module, name):
+    """Count the calls of module.<name>, which still runs."""
     calls = []
-    real = getattr(tl_launch, name)
-    monkeypatch.setattr(tl_launch, name, lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
+    real = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **kw: (calls.append(1), real(*a, **kw))[1])
     return calls
 
 
 def spy_ws_launches(monkeypatch):
-    return spy_launch(monkeypatch, "_launch_fwd_ws")
+    return spy_launch(monkeypatch, tl_forward, "_launch_fwd_ws")
 
 
 @pytest.mark.parametrize("case", _runner_cases(WS_CASES))
@@ -863,7 +869,7 @@ def test_descriptor_forwards_align_bottom_right(monkeypatch, variant, d, nq, nk)
 
 SM90_WS_COMPILE = r"""
 import json
-from adaattn.backends import triton_configs as tc
+from adaattn.backends.triton import configs as tc
 from adaattn.kernels.attention_fwd_ws import attention_fwd_ws_kernel as kernel
 from sm90 import ws_kernel_rows
 
@@ -921,7 +927,7 @@ BWD_WS_CASES = {
 
 
 def spy_bwd_ws(monkeypatch):
-    return spy_launch(monkeypatch, "_launch_bwd_ws")
+    return spy_launch(monkeypatch, tl_backward, "_launch_bwd_ws")
 
 
 @pytest.mark.parametrize("case", _runner_cases(BWD_WS_CASES))
@@ -964,7 +970,7 @@ def test_warp_specialised_backward_is_bitwise_reproducible_and_follows_the_setti
 
 SM90_BWD_WS_COMPILE = r"""
 import json
-from adaattn.backends import triton_configs as tc
+from adaattn.backends.triton import configs as tc
 from adaattn.kernels import attention_bwd_ws as m
 from sm90 import ws_kernel_rows
 
@@ -1023,7 +1029,7 @@ def test_descriptor_forwards_read_strided_views(fwd, d, dtype):
     ref = reference_attention(q, k, v, is_causal=True)
     peer = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert_standard(out, ref, peer, "output")
-    assert all(tl_launch.tma_ok(t) for t in (q, k, v))
+    assert all(common.tma_ok(t) for t in (q, k, v))
     problem = validate(q, k, v, None, 0.0, True, None, False, "bhsd", None)
     assert problem.tma_aligned and ta.TritonRunner(fwd).supports(problem, adaattn.Policy()) == []
     # The runner on the same views, through adaattn.attention with layout="bshd".
@@ -1034,7 +1040,7 @@ def test_descriptor_forwards_read_strided_views(fwd, d, dtype):
     assert torch.equal(via_runner.transpose(1, 2), out)
     # A view whose row stride is not a multiple of 16 bytes cannot be described.
     odd = _randn((1, 2, 30, 36), torch.bfloat16, g)[..., :32]  # rows 72 bytes apart
-    assert not tl_launch.tma_ok(odd)
+    assert not common.tma_ok(odd)
     odd_problem = validate(odd, odd, odd, None, 0.0, False, None, False, "bhsd", None)
     assert not odd_problem.tma_aligned
     assert any("16-byte" in r for r in ta.TritonRunner(fwd).supports(odd_problem, adaattn.Policy()))
@@ -1504,7 +1510,7 @@ def test_gpu_gradients_at_the_gpt_training_shape(n):
 GLUON_SM90_COMPILE = r'''
 import json, re
 from triton.experimental.gluon import language as gl
-from adaattn.backends.triton_configs import HALF_CONFIGS
+from adaattn.backends.triton.configs import HALF_CONFIGS
 from adaattn.kernels.attention_fwd_gluon import attention_fwd_gluon_kernel as fn
 from sm90 import compile_for_sm90
 
@@ -1568,9 +1574,7 @@ def test_gluon_settings_are_checked(field, variable):
 
 @pytest.mark.parametrize("here", ["gluon_fwd_here", "gluon_bwd_here"])
 def test_gluon_kernels_are_not_used_off_hopper_or_in_the_interpreter(here):
-    from adaattn.backends import triton_launch
-
-    assert not getattr(triton_launch, here)(torch.zeros(1))
+    assert not getattr(common, here)(torch.zeros(1))
 
 
 def gluon_config(d: int, i: int) -> KernelConfig:
@@ -1616,9 +1620,7 @@ def test_gpu_gluon_forward_meets_the_standard(b, hq, hkv, nq, nk, d, dtype, caus
 def test_gpu_gluon_forward_failure_falls_back_to_the_triton_kernel_with_one_warning(monkeypatch):
     if not gluon_here():
         pytest.skip("the Gluon forward runs on Hopper with triton >= 3.6 only")
-    from adaattn.backends import triton_launch
-
-    break_gluon(monkeypatch, triton_launch, "_launch_fwd_gluon")
+    break_gluon(monkeypatch, tl_forward, "_launch_fwd_gluon")
     g = _gen(21)
     q, k, v = (_randn((1, 4, 500, 128), torch.bfloat16, g) for _ in range(3))
     policy = adaattn.Policy(backends=("triton.ws",))
@@ -1628,7 +1630,7 @@ def test_gpu_gluon_forward_failure_falls_back_to_the_triton_kernel_with_one_warn
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             again = adaattn.attention(q, k, v, is_causal=True, policy=policy)
-    assert not triton_launch.gluon_fwd_here(q)
+    assert not common.gluon_fwd_here(q)
     peer = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     assert_standard(out, reference_attention(q, k, v, is_causal=True), peer, "output")
     assert torch.equal(out, again)
@@ -1641,7 +1643,7 @@ def test_gpu_gluon_forward_failure_falls_back_to_the_triton_kernel_with_one_warn
 GLUON_BWD_SM90_COMPILE = r'''
 import json, re
 from triton.experimental.gluon import language as gl
-from adaattn.backends.triton_configs import HALF_CONFIGS
+from adaattn.backends.triton.configs import HALF_CONFIGS
 from adaattn.kernels.attention_bwd_gluon import attention_bwd_gluon_kernel as fn
 from sm90 import compile_for_sm90
 
@@ -1662,7 +1664,7 @@ for d, d_class in ((64, "small_d"), (128, "mid_d")):
                      "DK": "*bf16", "DV": "*bf16"}
             types["do_desc"] = types["q_desc"]
             types["v_desc"] = types["dk_desc"] = types["dv_desc"] = types["k_desc"]
-            # The launch's choices (triton_launch._run_bwd_gluon): P through shared memory and dq in
+            # The launch's choices (backward._run_bwd_gluon): P through shared memory and dq in
             # two column halves at head dim 128.
             consts = dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, CAUSAL=causal,
                           BOTTOM_RIGHT=causal, HAS_LEFT=left, P_SMEM=d > 64, DQ_SPLIT=2 if d > 64 else 1)
@@ -1706,15 +1708,13 @@ def test_gluon_backward_compiles_for_sm90_into_its_partitions():
 
 def count_gluon_backward(monkeypatch) -> list:
     """Calls of the Gluon backward's launch from now on (one entry per call)."""
-    from adaattn.backends import triton_launch
-
-    calls, real = [], triton_launch._run_bwd_gluon
+    calls, real = [], tl_backward._run_bwd_gluon
 
     def counted(*args, **kwargs):
         calls.append(True)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(triton_launch, "_run_bwd_gluon", counted)
+    monkeypatch.setattr(tl_backward, "_run_bwd_gluon", counted)
     return calls
 
 
@@ -1773,9 +1773,7 @@ def test_gpu_gluon_backward_is_not_used_for_deterministic_gradients(monkeypatch)
 def test_gpu_gluon_backward_failure_falls_back_to_the_pair_with_one_warning(monkeypatch):
     if not gluon_here():
         pytest.skip("the Gluon backward runs on Hopper with triton >= 3.6 only")
-    from adaattn.backends import triton_launch
-
-    break_gluon(monkeypatch, triton_launch, "_run_bwd_gluon")
+    break_gluon(monkeypatch, tl_backward, "_run_bwd_gluon")
     policy = adaattn.Policy(backends=("triton.ws",))
     with triton_tuner.forced_configs(bwd_gluon=tc.HALF_CONFIGS["bwd_gluon"]["mid_d"][0]):
         with pytest.warns(RuntimeWarning, match="Gluon kernel failed"):
@@ -1783,7 +1781,7 @@ def test_gpu_gluon_backward_failure_falls_back_to_the_pair_with_one_warning(monk
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             check_case(b=1, hq=4, nq=500, d=128, dtype=torch.bfloat16, causal=True, policy=policy, ran=[], seed=6)
-    assert not triton_launch.gluon_bwd_here(torch.zeros(1, device="cuda"))
+    assert not common.gluon_bwd_here(torch.zeros(1, device="cuda"))
 
 
 # Packed sequences (varlen, documents) through the Gluon kernels: sequence bounds read in the
@@ -1813,7 +1811,7 @@ def test_gpu_gluon_kernels_take_packed_sequences(monkeypatch, case, ci):
     if not gluon_here():
         pytest.skip("the Gluon kernels run on Hopper with triton >= 3.6 only")
     lengths_q, lengths_k, hq, hkv, d, causal, window, align, dtype = VARLEN_GLUON_CASES[case]
-    fwd_calls, bwd_calls = spy_launch(monkeypatch, "_launch_fwd_gluon"), count_gluon_backward(monkeypatch)
+    fwd_calls, bwd_calls = spy_launch(monkeypatch, tl_forward, "_launch_fwd_gluon"), count_gluon_backward(monkeypatch)
     with triton_tuner.forced_configs(fwd=gluon_config(d, ci), bwd_gluon=tc.HALF_CONFIGS["bwd_gluon"][tc.d_class(d)][0]):
         with warnings.catch_warnings():
             warnings.simplefilter("error", RuntimeWarning)  # a Gluon failure would warn and run the Triton kernels
@@ -1849,7 +1847,7 @@ def test_gpu_gluon_packed_rows_past_the_last_sequence_give_zeros():
 def test_pointer_ready_copies_views_at_odd_offsets_and_keeps_aligned_ones():
     """K and V both at odd offsets made the compiled forward read outside them (seed 5300 #16237,
     H200); the launch glue hands the kernels 16-byte aligned rows."""
-    from adaattn.backends.triton_launch import pointer_ready
+    from adaattn.backends.triton.common import pointer_ready
 
     base = torch.randn(1, 1, 9, 134, dtype=torch.bfloat16)
     k = base[..., 5:133]  # rows of 268 bytes at a 10-byte offset

@@ -143,7 +143,7 @@ def test_deterministic_gradients_are_reproducible(d, dv):
 def test_equal_head_dims_launch_as_before(monkeypatch):
     # D == Dv passes BLOCK_DV == BLOCK_D (the same constexprs, so the same compiled kernel);
     # D != Dv pads each tile to its own power of two.
-    from adaattn.backends import triton_launch
+    from adaattn.backends.triton import common
     from adaattn.kernels import attention_bwd, attention_fwd
 
     seen = []
@@ -167,7 +167,7 @@ def test_equal_head_dims_launch_as_before(monkeypatch):
         for d, dv in ((80, 80), (48, 128)):
             q, k, v, dout, mask, kw = _inputs("causal", d, dv, torch.float16, 5)
             _ours(q, k, v, dout, mask, kw)
-    assert triton_launch.block_d(80) == 128
+    assert common.block_d(80) == 128
     want = {(80, 80): (128, 128), (48, 128): (64, 128)}
     assert len(seen) == 8
     for _, hd, bd, hdv, bdv in seen:
@@ -176,7 +176,8 @@ def test_equal_head_dims_launch_as_before(monkeypatch):
 
 def test_shared_memory_model_counts_both_head_dims(monkeypatch):
     from adaattn import hardware
-    from adaattn.backends.triton_configs import KernelConfig, fitting_configs, shared_memory_estimate
+    from adaattn.backends.triton.common import KernelConfig
+    from adaattn.backends.triton.configs import fitting_configs, shared_memory_estimate
 
     monkeypatch.setattr(hardware, "max_shared_memory", lambda index=None: 232448)  # an H100's
 
@@ -198,7 +199,7 @@ def test_shared_memory_model_counts_both_head_dims(monkeypatch):
 
 @pytest.mark.parametrize("variant", ["tma", "ws"])
 def test_descriptor_variants_decline_differing_value_dim(variant):
-    from adaattn.backends.triton_attention import TritonRunner
+    from adaattn.backends.triton.runner import TritonRunner
     from adaattn.problem import Problem
 
     p = Problem(batch=1, q_heads=2, kv_heads=2, q_len=64, kv_len=64, head_dim=64, value_dim=128,
@@ -320,7 +321,7 @@ FEW_KEYS = {
 def test_backward_meets_the_standard_with_small_value_dims_and_few_keys(monkeypatch, case):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from adaattn.backends import triton_launch
+    from adaattn.backends.triton import backward
 
     seed, dtype, (b, hq, hkv, nq, nk, d, dv), causal, window, mask_kind, q_scale, over = FEW_KEYS[case]
     g = _gen(seed)
@@ -337,8 +338,8 @@ def test_backward_meets_the_standard_with_small_value_dims_and_few_keys(monkeypa
         mask = mask.to(dtype)
     kw = dict(is_causal=causal, window=window, enable_gqa=hq != hkv)
     ws_calls = []
-    launch_ws = triton_launch._launch_bwd_ws
-    monkeypatch.setattr(triton_launch, "_launch_bwd_ws", lambda *a, **kws: ws_calls.append(1) or launch_ws(*a, **kws))
+    launch_ws = backward._launch_bwd_ws
+    monkeypatch.setattr(backward, "_launch_bwd_ws", lambda *a, **kws: ws_calls.append(1) or launch_ws(*a, **kws))
     with settings.override(**over):
         ours, ours_g = _ours(q, k, v, dout, mask, kw)
     assert len(ws_calls) == (1 if over.get("bwd_ws") == "on" else 0)

@@ -10,8 +10,8 @@ import pytest
 triton = pytest.importorskip("triton")
 
 from adaattn.adaptive import analysis, controller  # noqa: E402
-from adaattn.backends import triton_quant as tq  # noqa: E402
-from adaattn.backends import triton_verify  # noqa: E402
+from adaattn.adaptive import quant_launch as tq  # noqa: E402
+from adaattn.adaptive import verify_launch  # noqa: E402
 
 from helpers import DEVICE, NEEDS_CUDA_OR_INTERPRETER, keep_mask  # noqa: E402
 
@@ -44,7 +44,7 @@ def _float64_rows(q, k, v, rows, scale, keep):
 @pytest.mark.parametrize("split", [False, True])
 def test_exact_rows_kernel_matches_float64(monkeypatch, split, b, hq, hkv, nq, nk, d, dtype, causal, window, align, r):
     if split:  # keys over several programs, combined after: splits of 32 keys
-        monkeypatch.setattr(triton_verify, "SPLIT_MIN_KEYS", 32)
+        monkeypatch.setattr(verify_launch, "SPLIT_MIN_KEYS", 32)
     g = torch.Generator().manual_seed(nq * 31 + nk)
     q, k, v = ((torch.randn(b, h, n, d, generator=g) * 1.5).to(dtype).to(DEVICE)
                for h, n in ((hq, nq), (hkv, nk), (hkv, nk)))
@@ -52,7 +52,7 @@ def test_exact_rows_kernel_matches_float64(monkeypatch, split, b, hq, hkv, nq, n
     scale = d ** -0.5
     left, right = (-1, -1) if window is None else (-1 if window[0] is None else window[0],
                                                      -1 if window[1] is None else window[1])
-    ref = triton_verify.exact_rows(q, k, v, rows, None, scale, causal, align == "bottom_right", left, right)
+    ref = verify_launch.exact_rows(q, k, v, rows, None, scale, causal, align == "bottom_right", left, right)
     assert ref is not None, "the kernel should run here"
     keep = keep_mask(nq, nk, causal, window, bottom_right=align == "bottom_right") if (causal or window is not None) else None
     want = _float64_rows(q.cpu(), k.cpu(), v.cpu(), rows.cpu(), scale, keep)
@@ -70,8 +70,8 @@ def test_exact_rows_kernel_declines_what_it_does_not_cover():
     q = torch.randn(1, 2, 16, 64, dtype=torch.bfloat16, device=DEVICE)
     rows = torch.arange(8, device=DEVICE)
     mask = torch.ones(16, 16, dtype=torch.bool, device=DEVICE)
-    assert triton_verify.exact_rows(q, q, q, rows, mask, 0.1, False, False, -1, -1) is None
-    assert triton_verify.exact_rows(q.float(), q.float(), q.float(), rows, None, 0.1, False, False, -1, -1) is None
+    assert verify_launch.exact_rows(q, q, q, rows, mask, 0.1, False, False, -1, -1) is None
+    assert verify_launch.exact_rows(q.float(), q.float(), q.float(), rows, None, 0.1, False, False, -1, -1) is None
 
 
 @pytest.mark.parametrize("allowed", [(tq.LEVEL_QK8, tq.LEVEL_FP8), (tq.LEVEL_FP8,)])
@@ -94,7 +94,7 @@ def test_verify_steps_match_their_torch_equivalent(monkeypatch, allowed):
     for kernel in (True, False):
         out = first_out
         if not kernel:
-            monkeypatch.setattr(triton_verify, "verify_step", lambda *a: False)
+            monkeypatch.setattr(verify_launch, "verify_step", lambda *a: False)
         work = torch.full((3, 8), -7, dtype=torch.int32, device=DEVICE)
         errs = torch.zeros((3, 8), dtype=torch.float32, device=DEVICE)
         for stage in (0, 1, 2):

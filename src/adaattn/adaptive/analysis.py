@@ -64,15 +64,15 @@ def exact_rows(q, k, v, rows, attn_mask, scale, causal=False, bottom_right=False
                window_right=-1, need_p=True):
     """Exact attention for query `rows` of every (batch, head): (o (B, Hq, R, Dv) float32,
     p (B, Hq, R, Nk) float32 or None). Without p, bf16/fp16 inputs and no explicit mask, one
-    Triton launch computes o (backends/triton_verify.py, about 1e-5 relative). Otherwise torch,
+    Triton launch computes o (adaptive/verify_launch.py, about 1e-5 relative). Otherwise torch,
     one kv head at a time, so the temporaries stay a
     (B, group * R, Nk) slice; P.V runs in float64 (P is not a bf16/fp16 value, and a float32
     matmul may run in TF32 or bf16 under the caller's precision settings). GQA heads share
     their kv head without copies; fully masked rows give 0."""
     if not need_p:  # one Triton launch where it applies (bf16/fp16, no explicit mask)
-        from ..backends import triton_verify
+        from . import verify_launch
 
-        ref = triton_verify.exact_rows(q, k, v, rows, attn_mask, scale, causal, bottom_right, window_left,
+        ref = verify_launch.exact_rows(q, k, v, rows, attn_mask, scale, causal, bottom_right, window_left,
                                        window_right)
         if ref is not None:
             return ref, None

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..backends.triton_configs import cdiv
+from ..backends.triton.common import cdiv
 
 LOCAL_BLOCKS = 1  # key blocks just before a causal query block's own, kept exact
 

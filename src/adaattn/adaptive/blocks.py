@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backends.triton_configs import cdiv, interpreting
+from ..backends.triton.common import cdiv, interpreting
 from .block_layout import (  # noqa: F401 - the types and layouts of this module's results, named here too
     LOCAL_BLOCKS,
     Estimate,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from .. import costs
-from ..backends import triton_quant as tq
+from . import quant_launch as tq
 
 # A quantized option runs only where it costs at most this fraction of the exact runner's time:
 # the margin covers verification (a fraction Policy.verify of calls check sampled rows) and

@@ -34,10 +34,10 @@ from collections import deque
 import torch
 
 from .. import hardware
-from ..backends import triton_quant as tq
-from ..backends import triton_verify
 from . import analysis
 from . import choice as choice_mod
+from . import quant_launch as tq
+from . import verify_launch
 
 PREDICT_MARGIN = 0.7
 VERIFY_MARGIN = 0.8
@@ -473,7 +473,7 @@ def _step(out, rows, ref, levels, up, work, err, limit: float, stage: int) -> No
     where it does not run): per-head errors into err; stage 0 writes which heads are redone one
     level up (work[0], -1: not) and the levels they end at (work[2]); stage 1, after that redo,
     which are still over and redone exact (work[1]) and the final levels (work[2])."""
-    if triton_verify.verify_step(out, rows, ref, levels, up, work, err, limit, stage):
+    if verify_launch.verify_step(out, rows, ref, levels, up, work, err, limit, stage):
         return
     e = analysis.head_errors(out.index_select(2, rows), ref)
     err.copy_(e)

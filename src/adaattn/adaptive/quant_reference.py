@@ -25,7 +25,7 @@ _TINY = 1e-30
 V_SCALE_FLOOR = 2.0 ** -40
 
 
-from ..backends.triton_quant import SMOOTHING_SAMPLE  # the kernels' sample, in one place
+from .quant_prepass import SMOOTHING_SAMPLE  # the kernels' sample, in one place
 
 
 def smoothing_mean(x: torch.Tensor) -> torch.Tensor:

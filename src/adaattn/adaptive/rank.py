@@ -22,7 +22,7 @@ from typing import Optional
 import torch
 
 from ..backends.base import ExactAlternative, Runner
-from ..backends.triton_configs import interpreting
+from ..backends.triton.common import interpreting
 from . import analysis, blocks, sites
 from .rank_launch import rank_forward
 

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..backends.triton_configs import cdiv, interpreting, next_pow2
-from ..backends.triton_launch import LOG2E, dot_precision
+from ..backends.triton.common import LOG2E, cdiv, dot_precision, interpreting, next_pow2
 from .block_layout import Estimate, Plan, Summaries, sampled_rows
 
 

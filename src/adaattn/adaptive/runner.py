@@ -22,11 +22,11 @@ from typing import Optional
 
 import torch
 
-from ..backends import triton_quant as tq
 from .. import hardware
 from ..backends.base import ExactAlternative, Runner
-from ..backends.triton_attention import unsupported_options
+from ..backends.triton.common import unsupported_options
 from . import choice, controller, sites
+from . import quant_launch as tq
 
 
 # Below this many query rows per key/value head (q_len x GQA group), against at least 4x as many
@@ -111,7 +111,7 @@ def _site_key_eager(problem, launch: QuantLaunch, label: Optional[str]) -> str:
 def _controller(site: str, tolerance: float, verify: float, levels, allow_ws: bool, q, attn_mask, causal: bool,
                 left: int, right: int) -> controller.PrecisionController:
     """The controller of `site`, made on first use; its fp8 level's Q.K^T precision is chosen
-    then (triton_quant.fp8_level_uses_fp8_qk: FP8 on Hopper)."""
+    then (quant_launch.fp8_level_uses_fp8_qk: FP8 on Hopper)."""
     runner = "triton.quant.ws" if allow_ws else choice.GENERAL
     return sites.get(site, lambda: controller.PrecisionController(
         site, tolerance, verify, tuple(levels), q.shape[1],
@@ -144,8 +144,8 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, dout):
     """Exact gradients: the exact forward is recomputed for its log-sum-exp, then the exact
     backward kernels run (the quantized forward's output is not differentiated)."""
-    from ..backends.triton_launch import launch_id, make_launch
-    from ..backends.triton_ops import triton_bwd, triton_fwd
+    from ..backends.triton.launch import launch_id, make_launch
+    from ..backends.triton.ops import triton_bwd, triton_fwd
 
     q, k, v, attn_mask = ctx.saved_tensors
     scale, causal, left, right, deterministic = ctx.options

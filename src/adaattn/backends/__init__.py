@@ -14,7 +14,7 @@ def exact_runners() -> list[Runner]:
     from .meta import MetaRunner
     from .reference import ReferenceRunner
     from .sdpa import sdpa_runners
-    from .triton_attention import triton_runners
+    from .triton.runner import triton_runners
     from .varlen import varlen_runners
 
     return [*sdpa_runners(), FlashAttnRunner(), *triton_runners(), *varlen_runners(), ReferenceRunner(), MetaRunner()]

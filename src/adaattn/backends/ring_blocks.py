@@ -29,9 +29,11 @@ import torch
 from ..policy import Policy
 from ..problem import Problem, default_scale, tma_aligned
 from .masks import position_keep
-from .triton_attention import triton_reasons
-from .triton_launch import launch_bwd, launch_fwd, make_launch
-from .triton_merge import merge_into
+from .triton.backward import launch_bwd
+from .triton.forward import launch_fwd
+from .triton.launch import make_launch
+from .triton.merge import merge_into
+from .triton.runner import triton_reasons
 
 KERNELS = ("auto", "cudnn", "triton", "torch")
 # Errors a fallback cannot help: torch math needs more memory; a broken context stays broken.

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 
 from .base import Runner
 from .masks import position_keep
-from .triton_attention import triton_reasons, unsupported_options
-from .triton_launch import AttentionLaunch, launch_id, make_launch
+from .triton.common import unsupported_options
+from .triton.launch import AttentionLaunch, launch_id, make_launch
+from .triton.runner import triton_reasons
 
 OFFSET_DTYPES = (torch.int32, torch.int64)
 
@@ -141,7 +142,7 @@ class VarlenTritonRunner(Runner):
                            bool(policy.deterministic) or torch.are_deterministic_algorithms_enabled())
 
     def run_varlen(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, problem, launch):
-        from .triton_ops import attention_fwd
+        from .triton.ops import attention_fwd
 
         cu_q = cu_seqlens_q.to(torch.int32)
         cu_k = cu_seqlens_k.to(torch.int32)

@@ -39,7 +39,7 @@ import torch
 
 from ..adaptive import controller
 from ..adaptive.runner import levels_for
-from ..backends import triton_quant as tq
+from ..adaptive import quant_launch as tq
 from ..backends.ring_blocks import NOT_RECOVERABLE  # errors a fallback cannot help
 
 PAYS = 0.95  # quantized blocks run only while they measure under this fraction of the exact ones

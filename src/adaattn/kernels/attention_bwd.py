@@ -35,7 +35,7 @@ kernel (fp32 inside), fp16/bf16 dq and dk came out at 2-5x its error (a fuzzer: 
 4x: at any Nk). The delta kernels therefore recompute delta = rowsum(p * dp) in fp32 (two products
 per key tile, p and dp as the dq kernel makes them) for query tiles none of whose rows sees more
 than EXACT_KEYS keys, and keep rowsum(dO * O), as FA2 and cuDNN do, elsewhere. The launch sets
-EXACT_KEYS (triton_launch.exact_delta_keys) only where out and lse are these keys' own (not a ring
+EXACT_KEYS (backends/triton/backward.py, exact_delta_keys) only where out and lse are these keys' own (not a ring
 step's global ones) and enough rows see few keys. Cost on an H200 (bf16, B2 H16, Nq 4096, 64 keys):
 the backward 4-7% slower (16k with a 31-key causal window 9%; a 512 causal backward 3 us of 43 in
 a CUDA graph); none where the exact pass is not compiled in.

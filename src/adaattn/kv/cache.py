@@ -251,7 +251,7 @@ class PagedKVCache:
     def _append_kernel(self, layer, seqs, key, value) -> None:
         from triton import next_power_of_2
 
-        from ..backends.triton_launch import interpreting
+        from ..backends.triton.common import interpreting
         from ..kernels.kv_append import append_kernel
 
         s, hkv, t, d = key.shape

@@ -298,7 +298,7 @@ def _split_kv(query, cache, layer, plan, scale, sel=None, count=None, pages=1.0)
     that fraction: heads listing more get more programs, and the launch covers a head listing all."""
     from triton import next_power_of_2
 
-    from ..backends.triton_launch import dot_precision
+    from ..backends.triton.common import dot_precision
     from ..kernels.decode import decode_merge_kernel, decode_split_kernel
 
     s, hq, t, d = query.shape

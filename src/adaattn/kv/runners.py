@@ -74,7 +74,7 @@ def triton_declines(problem: DecodeProblem) -> list[str]:
     """Why the split-KV kernel cannot take this step (empty when it can)."""
     reasons = []
     if problem.device_type != "cuda":
-        from ..backends.triton_launch import interpreting
+        from ..backends.triton.common import interpreting
 
         if not interpreting():
             reasons.append("the split-KV kernel runs on CUDA (or under TRITON_INTERPRET=1).")

@@ -83,7 +83,7 @@ def _level_peers(problem, q, k, v, arch) -> list:
     one level (no verification): the steady state of a call site at that level. Entries are
     named "<runner>:<level>" (adaptive/choice.py reads them)."""
     from ...adaptive import choice, controller
-    from ...backends import triton_quant as tq
+    from ...adaptive import quant_launch as tq
 
     if problem.device_type == "cpu":
         return []  # the interpreter: a correctness path, never timed

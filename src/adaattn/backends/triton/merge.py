@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .triton_configs import cdiv, next_pow2
+from .common import cdiv, next_pow2
 
 MERGE_ROWS = 32  # rows per program: 32 x 128 float32 accumulator values and as many of the block
 
@@ -16,7 +16,7 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, bl
     and (block_out, block_lse) (same shapes; block_out any float dtype, block_lse float32), in
     place. Unit strides along Dv and along n of the lse's (views of contiguous tensors along n
     qualify)."""
-    from ..kernels.lse_merge import lse_merge_kernel
+    from ...kernels.lse_merge import lse_merge_kernel
 
     b, h, n, dv = out.shape
     if out.numel() == 0:

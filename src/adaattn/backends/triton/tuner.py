@@ -10,8 +10,9 @@ from typing import Callable, Optional
 
 import torch
 
-from .. import settings
-from .triton_configs import INTERPRET_CONFIGS, KernelConfig, interpreting
+from ... import settings
+from .common import KernelConfig, interpreting
+from .configs import INTERPRET_CONFIGS
 
 
 class ConfigChooser:

@@ -1,37 +1,14 @@
-"""Kernel configs of our Triton attention: the candidate tables per kernel and head-dim class,
-the shared-memory model that keeps only those that fit the device, and the shape buckets
-configs are tuned on."""
+"""Kernel configs of our exact Triton attention: the candidate tables per kernel and head-dim
+class, and the shared-memory model that keeps only those that fit the device (fitting_configs).
+A config itself is common.KernelConfig; the shape buckets configs are tuned on are
+common.length_bucket."""
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-
 import torch
 
-from .. import hardware
-
-
-def interpreting() -> bool:
-    """Triton runs in its CPU interpreter (TRITON_INTERPRET=1): tests, never timing."""
-    return os.environ.get("TRITON_INTERPRET", "") == "1"
-
-
-@dataclass(frozen=True)
-class KernelConfig:
-    block_m: int
-    block_n: int
-    num_warps: int = 4
-    num_stages: int = 2
-    # "" for the kernel of the kind; "gluon": the Gluon kernel of the same kind, which the tuner
-    # times beside it (kernels/attention_fwd_gluon.py for "fwd_ws", attention_quant_gluon.py
-    # for "quant_fp8_ws").
-    impl: str = ""
-
-    def __str__(self) -> str:
-        tail = f"/{self.impl}" if self.impl else ""
-        return f"BM{self.block_m}/BN{self.block_n}/w{self.num_warps}/s{self.num_stages}{tail}"
-
+from ... import hardware
+from .common import KernelConfig
 
 # One small config for the CPU interpreter: BLOCK_M != BLOCK_N exercises the tile ranges.
 INTERPRET_CONFIGS = {
@@ -188,23 +165,3 @@ def fitting_configs(kind: str, block_d: int, dtype: torch.dtype, device: torch.d
             c = KernelConfig(max(c.block_m // 2, 16), max(c.block_n // 2, 16), c.num_warps, c.num_stages)
         fit = [c]
     return fit
-
-
-def next_pow2(n: int) -> int:
-    # triton.next_power_of_2 / triton.cdiv cost microseconds per call on the host (they are
-    # wrapped for use inside kernels); the launch glue calls these on every call.
-    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def length_bucket(n: int) -> int:
-    """Lengths share a tuned config within a power of two; 1 (decode) is its own class."""
-    return 1 if n <= 1 else min(next_pow2(n), 16384)
-
-
-def block_d(head_dim: int) -> int:
-    """The padded head dim of a tile: a power of two, at least 16."""
-    return max(16, next_pow2(head_dim))

@@ -15,9 +15,7 @@ from typing import Optional
 
 import torch
 
-from .triton_attention import TRITON_FOUND
-from .triton_configs import cdiv, interpreting, next_pow2
-from .triton_launch import dot_precision
+from ..backends.triton.common import TRITON_FOUND, cdiv, dot_precision, interpreting, next_pow2
 
 
 def _kernels():

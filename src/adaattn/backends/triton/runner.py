@@ -1,4 +1,5 @@
-"""Our exact fused attention in Triton: the runners (one per forward variant) and `triton_attention`.
+"""Our exact fused attention in Triton: the runners (one per forward variant), the reasons they
+decline a call, and `triton_attention`, the function over the same launches.
 
     triton.ws    warp-specialised forward (kernels/attention_fwd_ws.py, and on Hopper with Gluon
                  kernels/attention_fwd_gluon.py, the tuner keeping the faster): Hopper, dense
@@ -9,28 +10,27 @@
                  TMA-aligned tensors
     triton.ptr   pointer loads (cp.async pipelining): everything the kernels take
 
-All three share the backward (kernels/attention_bwd.py) and the custom ops of triton_ops.py.
+All three share the backward (kernels/attention_bwd.py) and the custom ops of ops.py.
 The priority data lists triton.ws before triton.ptr; triton.tma runs when named in
 Policy.backends (measured slower than both on the H100: benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Optional
 
 import torch
 
-from .. import hardware
-from ..problem import default_scale, window_sides
-from .base import Runner
-from .triton_configs import block_d, interpreting
-from .triton_launch import AttentionLaunch, launch_fwd, launch_id, make_launch
+from ... import hardware
+from ...problem import default_scale, window_sides
+from ..base import Runner
+from .common import TRITON_FOUND, block_d, interpreting, unsupported_options
+from .forward import launch_fwd
+from .launch import AttentionLaunch, launch_id, make_launch
 
 MAX_HEAD_DIM = 256
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ALIGNMENTS = ("top_left", "bottom_right")
-TRITON_FOUND = importlib.util.find_spec("triton") is not None
 
 
 def triton_reasons(device_type: str, device_index: Optional[int], dtype: torch.dtype, head_dim: int,
@@ -51,16 +51,6 @@ def triton_reasons(device_type: str, device_index: Optional[int], dtype: torch.d
     if device_type == "cuda" and not interpreting():
         if not hardware.capability_at_least(device_index, 8, 0):
             reasons.append(f"needs compute capability sm80 or newer, this GPU is {hardware.arch('cuda', device_index)}.")
-    return reasons
-
-
-def unsupported_options(problem) -> list[str]:
-    """Reasons, shared by our Triton runners, from call options the kernels do not implement."""
-    reasons = []
-    if problem.dropout_p > 0:
-        reasons.append("dropout is not implemented.")
-    if problem.mask_grad:
-        reasons.append("an attn_mask that requires grad would get no gradient (not implemented).")
     return reasons
 
 
@@ -128,8 +118,8 @@ class TritonRunner(Runner):
 
 def run_dense(query, key, value, attn_mask, launch: AttentionLaunch) -> torch.Tensor:
     """The forward of `launch` on (B, H, N, D) tensors, differentiable where needed
-    (triton_ops.attention_fwd)."""
-    from .triton_ops import attention_fwd
+    (ops.attention_fwd)."""
+    from .ops import attention_fwd
 
     if _direct_ok(query, key, value, attn_mask):
         out, _ = launch_fwd(query, key, value, attn_mask, None, None, query.shape[2], key.shape[2], launch)
@@ -145,8 +135,8 @@ def triton_runners() -> list[TritonRunner]:
 
 def _direct_ok(*tensors) -> bool:
     """Whether a forward may call launch_fwd with no autograd at all: no gradient wanted, and no
-    compiler, transform or mode watching (triton_ops.eager_ok)."""
-    from .triton_ops import eager_ok
+    compiler, transform or mode watching (ops.eager_ok)."""
+    from .ops import eager_ok
 
     present = [t for t in tensors if t is not None]
     if torch.is_grad_enabled() and any(t.requires_grad for t in present):

@@ -1,6 +1,6 @@
 """torch custom ops over our exact Triton kernels (`adaattn::triton_fwd`, `adaattn::triton_bwd`),
 with fake (meta) implementations and autograd, so torch.compile(fullgraph=True) traces through
-them. The launch description (triton_launch.AttentionLaunch) travels as a string (launch_id).
+them. The launch description (launch.AttentionLaunch) travels as a string (launch_id).
 Eager calls with no compiler, transform or mode watching skip the ops' dispatch (attention_fwd:
 the same launches through an autograd.Function)."""
 
@@ -10,7 +10,11 @@ from typing import Optional
 
 import torch
 
-from .triton_launch import launch_bwd, launch_fwd, launch_of, lse_shape, new_output, out_shape, stats_shape
+from .backward import launch_bwd
+from .common import new_output
+from .forward import launch_fwd
+from .launch import launch_of
+from .layout import lse_shape, out_shape, stats_shape
 
 
 @torch.library.custom_op("adaattn::triton_fwd", mutates_args=())
@@ -20,7 +24,7 @@ def triton_fwd(
     max_seqlen_q: int, max_seqlen_k: int, launch: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(out, lse, stats). Dense q (B, Hq, Nq, D) or packed (T, Hq, D) with cu_seqlens. stats:
-    the split row statistics the backward reads under an additive mask (triton_launch.stats_shape),
+    the split row statistics the backward reads under an additive mask (layout.stats_shape),
     empty otherwise."""
     return _forward(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, launch)
 
@@ -48,7 +52,7 @@ def triton_bwd(
     stats: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv). stats: triton_fwd's third output. out and lse are these keys' own forward, so
-    the backward may recompute delta from them (triton_launch.launch_bwd, exact_delta)."""
+    the backward may recompute delta from them (backward.launch_bwd, exact_delta)."""
     return launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                       max_seqlen_k, launch_of(launch), stats, exact_delta=True)
 
