@@ -335,3 +335,21 @@ def test_the_planner_is_the_only_module_that_chooses_a_runner():
     assert orders == []
     for module in SUPPORTS_CALLERS:  # a stale entry fails too
         assert any(c.startswith(module + ":") for c in callers), module
+
+
+def test_docs_layout_lists_every_file_of_the_package():
+    """docs/layout.md, the code as it stands, names each file under src/adaattn/ once, and no other."""
+    import re
+
+    text = (ROOT / "docs" / "layout.md").read_text()
+    listed, folder = set(), None
+    for line in text.splitlines():
+        m = re.match(r"## `(adaattn(?:/[\w/]+)?)/`$", line)
+        if m:
+            folder = m.group(1)
+            continue
+        m = re.match(r"- `([\w.]+\.py)`:", line)
+        if m and folder:
+            listed.add(f"{folder}/{m.group(1)}")
+    actual = {p.relative_to(SRC).as_posix() for p in (SRC / "adaattn").rglob("*.py")}
+    assert sorted(actual - listed) == [] and sorted(listed - actual) == []
