@@ -1,7 +1,7 @@
 """Merge a partial attention result into an accumulator by log-sum-exp, in one pass: per row,
 lse = log(exp(lse) + exp(lse_b)) and out = (exp(lse) out + exp(lse_b) out_b) / exp(lse_new).
 Rows where both are -inf (no key seen yet) stay out = 0, lse = -inf. The torch version
-(distributed/ring.py, _merge) is the reference."""
+(backends/ring_blocks.py, lse_merge) is the reference."""
 
 import triton
 import triton.language as tl
