@@ -353,3 +353,15 @@ def test_docs_layout_lists_every_file_of_the_package():
             listed.add(f"{folder}/{m.group(1)}")
     actual = {p.relative_to(SRC).as_posix() for p in (SRC / "adaattn").rglob("*.py")}
     assert sorted(actual - listed) == [] and sorted(listed - actual) == []
+
+
+def test_one_default_scale():
+    """SDPA's default scale is computed in one place, problem.default_scale (kernels aside: they take
+    the scale as an argument)."""
+    import re
+
+    pattern = re.compile(r"\*\*\s*-0\.5|1(\.0)?\s*/\s*math\.sqrt\(")
+    found = [f"{p.relative_to(SRC)}:{i}" for p in (SRC / "adaattn").rglob("*.py")
+             if p.parent.name != "kernels" and p.name != "problem.py"
+             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line.split("#")[0])]
+    assert found == []

@@ -18,12 +18,12 @@ warp-specialised kernels the same launch quantizes Q per row.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from ..problem import default_scale
 from .. import hardware, settings
 from ..backends.triton.common import (
     LOG2E,
@@ -385,7 +385,7 @@ def quant_attention(q, k, v, attn_mask=None, *, levels, head_levels: Optional[to
     q = q if q.stride(-1) == 1 else q.contiguous()
     k = k if k.stride(-1) == 1 else k.contiguous()
     v = v if v.stride(-1) == 1 else v.contiguous()
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    scale = default_scale(q.shape[-1]) if scale is None else float(scale)
     if out is None:
         out = new_output(q.shape, q.dtype, q.device)
     prepared = Prepared(k, v) if prepared is None else prepared

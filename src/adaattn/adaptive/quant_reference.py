@@ -25,6 +25,7 @@ _TINY = 1e-30
 V_SCALE_FLOOR = 2.0 ** -40
 
 
+from ..problem import default_scale
 from .quant_prepass import SMOOTHING_SAMPLE  # the kernels' sample, in one place
 
 
@@ -128,7 +129,7 @@ def simulate_attention(
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     group = hq // hkv
-    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    scale = default_scale(d) if scale is None else scale
     mean_share = torch.zeros((b, hq, nq), dtype=torch.float64)
     if qk == "native":
         qq, q_scale = q.double(), torch.ones(q.shape[:-1], dtype=torch.float64)

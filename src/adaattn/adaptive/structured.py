@@ -20,9 +20,9 @@ reports as quantized to its tolerance against float64, on each case.
 
 from __future__ import annotations
 
-import math
 
 import torch
+from ..problem import default_scale
 
 KINDS = ("random", "outlier_channels", "large_logits", "one_hot", "large_v_mean", "k_mean")
 
@@ -65,4 +65,4 @@ def cases(n: int = 128, d: int = 64, heads: int = 4, dtype=torch.bfloat16, devic
 
 
 def scale_for(d: int) -> float:
-    return 1.0 / math.sqrt(d)
+    return default_scale(d)

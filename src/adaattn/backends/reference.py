@@ -3,10 +3,10 @@ benchmarks (sampled_reference: the exact rows of a long call, with relative_erro
 
 from __future__ import annotations
 
-import math
 
 import torch
 
+from ..problem import default_scale
 from .base import Runner
 from .masks import fold_positions
 
@@ -31,7 +31,7 @@ def reference_attention(
         k = k.repeat_interleave(hq // hk, dim=1)
         v = v.repeat_interleave(hq // hk, dim=1)
     nq, nk = q.shape[2], k.shape[2]
-    s = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    s = (q @ k.transpose(-2, -1)) * (default_scale(q.shape[-1]) if scale is None else scale)
     mask = fold_positions(attn_mask, nq, nk, is_causal, window, q.device, q.dtype)
     if mask is not None:
         if mask.dtype == torch.bool:

@@ -42,6 +42,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..problem import default_scale
 from .. import stats
 from . import sparse
 from .gathered import sdpa_gathered
@@ -239,7 +240,7 @@ def _sparse_step(query, cache, layer, plan, scale, lengths):
             return out, {}
         return out, {"sparse": "dense", "sparse_why": f"{site.why_dense}; dense until call {site.dense_until}"}
     kernel = plan.runner == "triton"
-    scale_f = query.shape[-1] ** -0.5 if scale is None else float(scale)
+    scale_f = default_scale(query.shape[-1]) if scale is None else float(scale)
     check = sparse.should_verify(site, plan.policy, query)
     # a verified call on the kernel path times its sparse step and the exact one (CUDA events), in
     # turns first (the second finds some of the pages the first read in L2)
@@ -316,7 +317,7 @@ def _split_kv(query, cache, layer, plan, scale, sel=None, count=None, pages=1.0)
     quantized = cache.storage != "native"
     ks = cache.k_scale[layer] if quantized else l_part  # a placeholder pointer when not read
     vs = cache.v_scale[layer] if quantized else l_part
-    scale = d ** -0.5 if scale is None else float(scale)
+    scale = default_scale(d) if scale is None else float(scale)
     precision = dot_precision(query.dtype)
     decode_split_kernel[(splits, s * hkv)](
         query, k_pool, v_pool, ks, vs, cache.block_table, cache.lengths[layer], plan.seq_ids, o_part, l_part,

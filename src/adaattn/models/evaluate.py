@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..problem import default_scale
 from ..api import attention
 from ..backends import reference as accuracy
 from ..kv.cache import STORAGES
@@ -109,7 +110,7 @@ def _row_chunk(heads: int, n: int) -> int:
 def _probabilities(q: torch.Tensor, k: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
     """Causal softmax rows r0..r1 of all heads of one sequence: q (Hq, N, D), k (Hq, N, D) -> (Hq, r1-r0, N) float32."""
     n = k.shape[1]
-    s = (q[:, r0:r1].float() @ k.float().transpose(1, 2)) * (1.0 / math.sqrt(q.shape[-1]))
+    s = (q[:, r0:r1].float() @ k.float().transpose(1, 2)) * default_scale(q.shape[-1])
     cols = torch.arange(n, device=q.device)
     rows = torch.arange(r0, r1, device=q.device)
     s = s.masked_fill(cols[None, None, :] > rows[None, :, None], float("-inf"))

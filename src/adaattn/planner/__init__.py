@@ -24,7 +24,7 @@ from ..adaptive.runner import adaptive_runners
 from ..backends import ExactAlternative, Runner, exact_runners
 from ..backends.ring_blocks import ring_block_runners
 from ..policy import Policy
-from ..problem import Problem
+from ..problem import Problem, default_scale
 from .choice import _ORDERS, KINDS, Choice, NoBackendError, choose, register_kind  # noqa: F401 (choose: the public chooser)
 from .decode import DECODE_RUNNER_NAMES, explain_decode, plan_decode  # noqa: F401 (the decode entry points)
 
@@ -305,7 +305,7 @@ def runner_table() -> dict:
                 batch=1, q_heads=8, kv_heads=8, q_len=1024, kv_len=1024, head_dim=128, value_dim=128,
                 dtype=dtype, device_type=device_type, device_index=0 if device_type == "cuda" else None,
                 causal=False, window_left=-1, window_right=-1, mask_kind="none", dropout_p=0.0,
-                scale=128 ** -0.5, needs_grad=False, tma_aligned=True,
+                scale=default_scale(128), needs_grad=False, tma_aligned=True,
             )
             key = f"{device_type}/{str(dtype).replace('torch.', '')}"
             table[key] = {name: r.supports(probe, Policy()) for name, r in REGISTRY.items()}

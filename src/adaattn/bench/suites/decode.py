@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ...problem import default_scale
 from ...api import decode_attention, plan_decode
 from ...kv import KVCache, PagedKVCache
 from .. import peers
@@ -174,7 +175,7 @@ def _ragged_check(q, k, v, lens):
     for i, m in enumerate(lens):
         kk = k[i, :, :m].double().repeat_interleave(g, 0)
         vv = v[i, :, :m].double().repeat_interleave(g, 0)
-        p = torch.softmax(q[i].double() @ kk.transpose(-1, -2) * q.shape[-1] ** -0.5, -1)
+        p = torch.softmax(q[i].double() @ kk.transpose(-1, -2) * default_scale(q.shape[-1]), -1)
         refs.append(p @ vv)
     ref = torch.stack(refs)
 

@@ -8,6 +8,7 @@ import math
 
 import torch
 
+from ...problem import default_scale
 from ... import stats
 from ...api import attention
 from ...adaptive import blocks, sites
@@ -153,7 +154,7 @@ def _maker(inputs, taus, label, oracles: dict, where: tuple, source):
     def make():
         q, k, v = inputs()
         n = q.shape[2]
-        scale = q.shape[-1] ** -0.5
+        scale = default_scale(q.shape[-1])
         call = Call(q, k, v, causal=True)
         idx = accuracy.sample_rows(n, ERROR_ROWS)
         with torch.no_grad():

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from ...problem import default_scale
 from ...api import decode_attention, plan_decode
 from ...kv import KVCache
 from ...kv import sparse
@@ -103,7 +104,7 @@ def _oracle_pages(q, k, v, tau, n):
     total = 0
     for h, qq in _groups(q, k.shape[0]):
         g = qq.shape[0]
-        s = qq @ k[h, :n].T * d ** -0.5
+        s = qq @ k[h, :n].T * default_scale(d)
         p = torch.softmax(s, -1)  # (G, n)
         o = p @ v[h, :n]
         pad = npages * PAGE - n
@@ -148,7 +149,7 @@ def _make(device, layer, context):
         v = _replicate(v0, reps, hkv0)
         q = _replicate(q0, reps, hkv0)
         k64, v64 = k0[0].double(), v0[0].double()
-        scale = 64 ** -0.5
+        scale = default_scale(64)
         rows = []
         measured = {}
         cache_dense = None
