@@ -365,3 +365,15 @@ def test_one_default_scale():
              if p.parent.name != "kernels" and p.name != "problem.py"
              for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line.split("#")[0])]
     assert found == []
+
+
+def test_one_relative_error():
+    """Relative errors are computed in one place, backends/reference.relative_errors (and the
+    squared-sum form beside it): no module divides a norm of a difference by a clamped norm itself."""
+    import re
+
+    pattern = re.compile(r"norm\(.*\)\s*/\s*.*norm\(|sqrt\(\)\s*/\s*.*\.sqrt\(\)\.clamp_min|/\s*ref\w*\.clamp_min\(1e-30\)")
+    found = [f"{p.relative_to(SRC)}:{i}" for p in (SRC / "adaattn").rglob("*.py")
+             if p.parent.name != "kernels" and p.name != "reference.py"
+             for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    assert found == []

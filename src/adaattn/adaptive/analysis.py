@@ -27,6 +27,7 @@ import math
 
 import torch
 
+from ..backends.reference import relative_errors
 from .quant_reference import smoothing_mean
 
 # e4m3 keeps 3 mantissa bits: the rounding error is uniform within +-2^-4 of the leading
@@ -108,9 +109,7 @@ def exact_rows(q, k, v, rows, attn_mask, scale, causal=False, bottom_right=False
 def head_errors(out_rows: torch.Tensor, ref_rows: torch.Tensor) -> torch.Tensor:
     """Per query head: ||out - ref|| / ||ref|| over batch, rows and channels (float32, (Hq,)).
     A head whose reference is all zero reports ||out|| itself."""
-    diff = (out_rows.float() - ref_rows).pow(2).sum((0, 2, 3)).sqrt()
-    ref = ref_rows.pow(2).sum((0, 2, 3)).sqrt()
-    return torch.where(ref > 0, diff / ref.clamp_min(1e-30), diff)
+    return relative_errors(out_rows, ref_rows, (0, 2, 3), torch.float32)
 
 
 def head_statistics(q, k, v, rows, p, o) -> dict:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.reference import relative_errors
 from ..backends.triton.common import cdiv, interpreting
 from .block_layout import (  # noqa: F401 - the types and layouts of this module's results, named here too
     LOCAL_BLOCKS,
@@ -345,8 +346,7 @@ def true_block_mass(q, k, scale: float, causal: bool, *, query_block: int = QUER
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """Per head (dim 1) ||out - ref|| / ||ref|| over batch, rows and channels, float64."""
-    diff = (out.double() - ref.double()).pow(2).sum((0, 2, 3)).sqrt()
-    return diff / ref.double().pow(2).sum((0, 2, 3)).sqrt().clamp_min(1e-300)
+    return relative_errors(out, ref, (0, 2, 3))
 
 
 __all__ = ["QUERY_BLOCK", "KEY_BLOCK", "Summaries", "block_means", "summarize", "Estimate", "estimate", "Plan", "make_plan",

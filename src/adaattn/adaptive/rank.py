@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from ..backends.base import ExactAlternative, Runner
+from ..backends.reference import relative_from_squares
 from ..backends.triton.common import interpreting
 from . import analysis, blocks, sites
 from .rank_launch import rank_forward
@@ -59,12 +60,6 @@ def stratified_rows(n: int, count: int, generator: torch.Generator) -> torch.Ten
 def verification_rows(n: int) -> int:
     """Query rows a verified call samples at sequence length n (all of them when n is smaller)."""
     return min(MAX_SAMPLE_ROWS, max(SAMPLE_ROWS, n // ROWS_PER_SAMPLE))
-
-
-def _relative(d2: torch.Tensor, r2: torch.Tensor) -> torch.Tensor:
-    """Per head ||out - ref|| / ||ref|| from the squared sums (||out|| where the reference is 0),
-    as analysis.head_errors."""
-    return torch.where(r2 > 0, d2 / r2.clamp_min(1e-30), d2).sqrt()
 
 
 @dataclass(frozen=True)
@@ -168,7 +163,7 @@ class RankController:
         ref, _ = analysis.exact_rows(q, k, v, rows, None, scale, causal, need_p=False)
         d2 = (out.index_select(2, rows).float() - ref).pow(2).sum((0, 2, 3))
         r2 = ref.pow(2).sum((0, 2, 3))
-        errors = _relative(d2, r2)
+        errors = relative_from_squares(d2, r2)
         self.errors = errors.tolist()
         # Thresholds follow the errors pooled over verified calls (other rows each time; the
         # error of trained heads sits in few rows), the earlier calls' scaled to the threshold
@@ -176,7 +171,7 @@ class RankController:
         if self._pool is not None:
             d2 = d2 + POOL_DECAY * self._pool[0]
             r2 = r2 + POOL_DECAY * self._pool[1]
-        pooled = _relative(d2, r2)
+        pooled = relative_from_squares(d2, r2)
         bad = [h for h, e in enumerate(self.errors) if not e <= VERIFY_MARGIN * self.tolerance]
         if bad:
             if redo is None and exact is not None:

@@ -6,6 +6,7 @@ from typing import Callable
 
 import torch
 
+from ..backends.reference import relative_errors
 from . import accuracy
 from .cases import Case, Peer
 from .grid import Shape, dtype_name
@@ -36,10 +37,8 @@ def error_check(call: Call, rows: int = ERROR_ROWS, per_head: bool = False) -> C
 def head_errors(out: torch.Tensor, ref: torch.Tensor, idx: torch.Tensor) -> list[float]:
     """Each query head's relative L2 error over the batch and the sampled rows `idx` of `out`,
     against their float64 reference `ref` (B, H, len(idx), D)."""
-    got = out.detach().index_select(2, idx.to(out.device)).double()
-    want = ref.to(got.device, torch.float64)
-    heads = (got - want).pow(2).sum((0, 2, 3)).sqrt() / want.pow(2).sum((0, 2, 3)).sqrt().clamp_min(1e-300)
-    return [float(x) for x in heads.tolist()]
+    got = out.detach().index_select(2, idx.to(out.device))
+    return [float(x) for x in relative_errors(got, ref.to(got.device), (0, 2, 3)).tolist()]
 
 
 def random_qkv(batch: int, heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int, dtype: torch.dtype,

@@ -169,9 +169,7 @@ def policy_errors(cap: Capture, policy: Policy | None, error_rows: int = 512) ->
             ours = attention(lc.q, lc.k, lc.v, is_causal=True, enable_gqa=lc.gqa, policy=policy,
                              label=f"layer{lc.layer}")
             peer = F.scaled_dot_product_attention(lc.q, lc.k, lc.v, is_causal=True, enable_gqa=lc.gqa)
-        picked = ours.index_select(2, rows.to(ours.device)).double()
-        per_head = ((picked - ref).flatten(2).norm(dim=-1).pow(2).sum(0).sqrt()
-                    / ref.flatten(2).norm(dim=-1).pow(2).sum(0).sqrt().clamp_min(1e-300))
+        per_head = accuracy.relative_errors(ours.index_select(2, rows.to(ours.device)), ref, (0, 2, 3))
         out.append({
             "layer": lc.layer,
             "policy": accuracy.relative_error(ours, ref, rows),

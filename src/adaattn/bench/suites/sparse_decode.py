@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from ...backends.reference import relative_errors
 from ...problem import default_scale
 from ...api import decode_attention, plan_decode
 from ...kv import KVCache
@@ -116,7 +117,7 @@ def _oracle_pages(q, k, v, tau, n):
         num = torch.cumsum(contrib[:, order], 1)
         den = torch.cumsum(mass[:, order], 1)
         approx = num / den[..., None]
-        err = ((approx - o[:, None]).norm(dim=-1) / o.norm(dim=-1)[:, None]).amax(0)  # (P,)
+        err = relative_errors(approx, o[:, None], -1, torch.float32).amax(0)  # (P,)
         ok = torch.nonzero(err <= tau)
         total += int(ok[0, 0]) + 1 if len(ok) else npages
     return total
@@ -135,7 +136,7 @@ def _fixed_budget_error(q, k_min, k_max, k, v, counts, n, scale):
         exact = torch.softmax(s, -1) @ v[h, :n].float()
         approx = torch.softmax(s.masked_fill(~kept[torch.arange(n, device=q.device) // PAGE][None], float("-inf")),
                                -1) @ v[h, :n].float()
-        worst = max(worst, float(((approx - exact).norm(dim=-1) / exact.norm(dim=-1)).max()))
+        worst = max(worst, float(relative_errors(approx, exact, -1, torch.float32).max()))
     return worst
 
 
@@ -221,7 +222,7 @@ def _make(device, layer, context):
         exact = decode_attention(q_last, cache_dense, 0, plan=dplan).float()
 
         def check(out):
-            return float(((out.float() - exact).norm() / exact.norm()))
+            return float(relative_errors(out, exact, dtype=torch.float32))
 
         return rows, check
 
@@ -271,7 +272,7 @@ def _random_case(device, context):
         dplan = plan_decode(first, heads=q.shape[1])
         rows.insert(0, Peer("kv bf16", lambda: decode_attention(q[:, :, -1:], first, 0, plan=dplan)))
         exact = decode_attention(q[:, :, -1:], first, 0, plan=dplan).float()
-        return rows, lambda out: float((out.float() - exact).norm() / exact.norm())
+        return rows, lambda out: float(relative_errors(out, exact, dtype=torch.float32))
 
     return Case("decode", f"{series} KV={context}", context,
                 {"batch": BATCH, "heads": 3 * KV_HEADS, "kv_heads": KV_HEADS, "head_dim": 64, "dtype": "bfloat16",
@@ -324,7 +325,7 @@ def _generation_case(device):
 
         rows = [peer("dense", dense, None), peer(f"sparse tau={GEN_TAU:g}", ours, sparse_policy)]
         exact = rows[0].forward().float()
-        return rows, lambda out: float((out.float() - exact).norm() / exact.norm())
+        return rows, lambda out: float(relative_errors(out, exact, dtype=torch.float32))
 
     return Case("decode", series, n, {"batch": BATCH, "heads": 6, "kv_heads": hkv, "head_dim": d, "dtype": "bfloat16",
                                       "q_len": 1, "kv_len": n, "kv_bytes": kv_bytes, "workload": "generation",
