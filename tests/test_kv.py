@@ -362,7 +362,7 @@ def test_explain_decode_lists_every_decode_runner_with_its_reasons():
     choice = adaattn.explain_decode(cache, heads=4)
     reasons = dict(choice.reasons)
     assert set(reasons) == {"kv.sparse", "kv.triton", "kv.sdpa"}
-    assert choice.runner == "kv.sdpa" and reasons["kv.sdpa"] == ()
+    assert choice.runner == "kv.sdpa" and reasons["kv.sdpa"] == () and "on the CPU" in choice.why
     assert any("skipping" in r for r in reasons["kv.sparse"])
     plan = plan_decode(cache, heads=4)
     assert f"kv.{plan.runner}" == choice.runner and plan.why == choice.why

@@ -241,8 +241,7 @@ class SdpaRunner(Runner):
         """Whether the call may go to the aten op SDPA itself would call (no mask, window, GQA or
         dropout; `dims_ok`: head dims the op takes as they come)."""
         return (self.direct is not None and problem.mask_kind == "none" and problem.window is None
-                and not problem.gqa and problem.dropout_p == 0.0 and dims_ok
-                and (problem.scale > 0 or self.kernel == SDPBackend.EFFICIENT_ATTENTION)  # see supports
+                and not problem.gqa and problem.dropout_p == 0.0 and dims_ok  # (the scale: supports)
                 and not torch.compiler.is_compiling())  # dynamo cannot wrap these ops' SymInt outputs
 
     def _direct(self, query, key, value, problem):

@@ -32,12 +32,8 @@ def choose_blocks(problem: RingBlockProblem, policy: Optional[Policy] = None) ->
     runner = None if problem.kernel == "auto" else f"ring.{problem.kernel}"
     try:
         return planner.choose("ring_block", problem, policy, runner=runner)
-    except ValueError as e:
-        if runner is None or isinstance(e, planner.NoBackendError):
-            raise
-        # The named runner declines: its reasons, as the planner lists every runner's (ring.torch takes any call).
-        why = dict(planner.choose("ring_block", problem, policy).reasons)[runner]
-        raise ValueError(f"kernel={problem.kernel!r} cannot run these tensors: {' '.join(why)} "
+    except planner.RunnerDeclines as e:
+        raise ValueError(f"kernel={problem.kernel!r} cannot run these tensors: {' '.join(e.reasons)} "
                          f"{_INSTEAD.get(problem.kernel, '')}".rstrip()) from e
 
 

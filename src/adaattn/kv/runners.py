@@ -47,6 +47,7 @@ class DecodeProblem:
     kv_bytes: int  # K/V bytes per layer the step reads (dense), from the lengths now
     summaries: bool  # the cache keeps page summaries (sparse decode's key bounds)
     max_pages_per_seq: int
+    kernel_reasons: tuple[str, ...]  # why the split-KV kernel cannot take the step (kernel_declines)
     sparse: Any = None
 
     def describe(self) -> str:
@@ -61,19 +62,25 @@ def decode_problem(cache: PagedKVCache, now: list[int], heads: int, query_len: i
     """The DecodeProblem of a step over `cache` whose sequences hold `now` tokens (the one place
     that makes one); `device_type` plans for another device than the cache's (explain)."""
     elem = {"native": torch.finfo(cache.dtype).bits // 8, "fp8": 1, "int8": 1}[cache.storage]
+    device_type = device_type or cache.device.type
     return DecodeProblem(
-        device_type=device_type or cache.device.type, cache_kind="KVCache" if isinstance(cache, KVCache) else "PagedKVCache",
+        device_type=device_type, cache_kind="KVCache" if isinstance(cache, KVCache) else "PagedKVCache",
         storage=cache.storage, cache_dtype=cache.dtype, dtype=dtype, heads=heads, kv_heads=cache.kv_heads,
         query_len=query_len, head_dim=cache.head_dim, value_dim=cache.value_dim, page_size=cache.page_size,
         sequences=len(now), longest=max(now), max_len=max_len,
         kv_bytes=cache.kv_heads * (cache.head_dim + cache.value_dim) * elem * sum(now),
-        summaries=cache.summaries, max_pages_per_seq=cache.max_pages_per_seq, sparse=sparse_)
+        summaries=cache.summaries, max_pages_per_seq=cache.max_pages_per_seq,
+        kernel_reasons=kernel_declines(device_type, dtype, cache.dtype, max(cache.head_dim, cache.value_dim),
+                                       heads // cache.kv_heads * query_len),
+        sparse=sparse_)
 
 
-def triton_declines(problem: DecodeProblem) -> list[str]:
-    """Why the split-KV kernel cannot take this step (empty when it can)."""
+def kernel_declines(device_type: str, dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int,
+                    rows: int) -> tuple[str, ...]:
+    """Why the split-KV kernel cannot take a step (empty when it can): `head_dim` the larger of
+    the cache's two, `rows` a KV head's query rows (GQA group x query_len)."""
     reasons = []
-    if problem.device_type != "cuda":
+    if device_type != "cuda":
         from ..backends.triton.common import interpreting
 
         if not interpreting():
@@ -82,15 +89,14 @@ def triton_declines(problem: DecodeProblem) -> list[str]:
         import triton  # noqa: F401
     except ImportError:
         reasons.append("triton is not installed.")
-    if problem.dtype != problem.cache_dtype:
-        reasons.append(f"the query's dtype {problem.dtype} is not the cache's {problem.cache_dtype}.")
-    if max(problem.head_dim, problem.value_dim) > 256:
-        reasons.append(f"head dims up to 256 (got {max(problem.head_dim, problem.value_dim)}).")
-    rows = problem.heads // problem.kv_heads * problem.query_len
+    if dtype != cache_dtype:
+        reasons.append(f"the query's dtype {dtype} is not the cache's {cache_dtype}.")
+    if head_dim > 256:
+        reasons.append(f"head dims up to 256 (got {head_dim}).")
     if rows > MAX_TILE_ROWS:
         reasons.append(f"a KV head's query rows (GQA group x query_len = {rows}) fit one tile of up to "
                        f"{MAX_TILE_ROWS}.")
-    return reasons
+    return tuple(reasons)
 
 
 class SparseDecode:
@@ -106,7 +112,7 @@ class SparseDecode:
         if problem.sparse is None and problem.kv_bytes < sparse.MIN_BYTES:
             return [f"{problem.kv_bytes / 2**20:.1f} MiB of K/V per layer, under {sparse.MIN_BYTES >> 20} MiB, where "
                     "selecting pages does not pay."]
-        if problem.sparse is None and (problem.device_type != "cuda" or triton_declines(problem)):
+        if problem.sparse is None and (problem.device_type != "cuda" or problem.kernel_reasons):
             return ["the dense path reads every page anyway (sparse=True runs it, for testing)."]
         return []
 
@@ -119,7 +125,7 @@ class SplitKVDecode:
     exact = True
 
     def supports(self, problem: DecodeProblem, policy) -> list[str]:
-        return triton_declines(problem)
+        return list(problem.kernel_reasons)
 
     def why(self, problem: DecodeProblem) -> str:
         return ("the split-KV kernel reads the cache where it lies (paged, any storage); SDPA needs the pages "
@@ -134,8 +140,8 @@ class SdpaDecode:
         return []
 
     def why(self, problem: DecodeProblem) -> str:
-        kernel = triton_declines(problem)
-        if problem.device_type != "cuda" and len(kernel) == 1 and "runs on CUDA" in kernel[0]:
+        kernel = problem.kernel_reasons
+        if problem.device_type != "cuda" and all("runs on CUDA" in r for r in kernel):  # (none: the interpreter)
             return "on the CPU, torch's SDPA (the kernel runs here only in the interpreter)"
         return "the split-KV kernel declines: " + " ".join(kernel)
 

@@ -25,7 +25,7 @@ from ..backends import ExactAlternative, Runner, exact_runners
 from ..backends.ring_blocks import ring_block_runners
 from ..policy import Policy
 from ..problem import Problem, default_scale
-from .choice import _ORDERS, KINDS, Choice, NoBackendError, choose, register_kind  # noqa: F401 (choose: the public chooser)
+from .choice import _ORDERS, KINDS, Choice, NoBackendError, RunnerDeclines, choose, register_kind  # noqa: F401 (choose: the public chooser)
 from .decode import DECODE_RUNNER_NAMES, explain_decode, plan_decode  # noqa: F401 (the decode entry points)
 
 REGISTRY: dict[str, Runner] = {}
@@ -324,11 +324,12 @@ def runner_table() -> dict:
 
 def _ring_block_order(problem, names: tuple) -> tuple:
     """kernel="auto": torch math first off CUDA or where our Triton kernels decline; on CUDA cuDNN
-    first where this planner's own plan for a dense shard-sized call runs sdpa.cudnn, else Triton.
-    The plan is read each call (its cache, which reset() clears)."""
+    first where this planner's own plan for a dense shard-sized call runs sdpa.cudnn, else Triton
+    (choose passes over a runner with reasons, so cuDNN's own limits need no asking here). The plan
+    is read each call (its cache, which reset() clears)."""
     if problem.device_type != "cuda" or problem.triton_reasons:
         order = ("ring.torch", "ring.triton", "ring.cudnn")
-    elif not KINDS["ring_block"]["ring.cudnn"].supports(problem) and _plans_cudnn(problem.shard()):
+    elif _plans_cudnn(problem.shard()):
         order = ("ring.cudnn", "ring.triton", "ring.torch")
     else:
         order = ("ring.triton", "ring.cudnn", "ring.torch")

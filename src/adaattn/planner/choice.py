@@ -45,6 +45,14 @@ class Choice:
                 "reasons": {n: list(w) for n, w in self.reasons}}
 
 
+class RunnerDeclines(ValueError):
+    """A runner named to `choose` cannot take the call: `runner` and its `reasons`."""
+
+    def __init__(self, runner: str, reasons: tuple[str, ...]):
+        super().__init__(f"runner={runner!r} cannot take this call: {' '.join(reasons)}")
+        self.runner, self.reasons = runner, reasons
+
+
 def register_kind(kind: str, runner: Any) -> Any:
     """Add a decode or ring-block runner (see KINDS)."""
     KINDS[kind][runner.name] = runner
@@ -52,8 +60,9 @@ def register_kind(kind: str, runner: Any) -> Any:
 
 
 def choose(kind: str, problem: Any, policy: Policy | None = None, runner: str | None = None) -> Choice:
-    """The runner of `kind` for `problem`: `runner` where named (a ValueError with its reasons where
-    it declines), else the first in order with no reasons (NoBackendError where none can run)."""
+    """The runner of `kind` for `problem`: `runner` where named (RunnerDeclines, a ValueError with
+    its reasons, where it declines), else the first in order with no reasons (NoBackendError where
+    none can run)."""
     runners = KINDS[kind]
     if runner is not None and runner not in runners:
         raise ValueError(f"runner must be one of {tuple(runners)} or None, got {runner!r}")
@@ -63,7 +72,7 @@ def choose(kind: str, problem: Any, policy: Policy | None = None, runner: str | 
     table = tuple((n, reasons[n]) for n in names)
     if runner is not None:
         if reasons[runner]:
-            raise ValueError(f"runner={runner!r} cannot take this call: {' '.join(reasons[runner])}")
+            raise RunnerDeclines(runner, reasons[runner])
         return Choice(kind, runner, "asked for", table, problem)
     for n in names:
         if not reasons[n]:

@@ -8,7 +8,7 @@ import torch
 from ..kv import decode as kv_decode
 from ..kv.runners import decode_problem, decode_runners
 from ..policy import Policy
-from .choice import KINDS, Choice, _ORDERS, choose, register_kind
+from .choice import KINDS, Choice, _ORDERS, RunnerDeclines, choose, register_kind
 
 DECODE_RUNNER_NAMES = ("sdpa", "triton")
 
@@ -43,8 +43,8 @@ def plan_decode(cache, seqs=None, *, heads: int, query_len: int = 1, dtype: torc
     if runner is not None:
         try:
             dense = choose("decode", problem, policy, runner=f"kv.{runner}")
-        except ValueError as e:
-            raise ValueError(str(e).replace(f"runner='kv.{runner}'", f"runner='{runner}'")) from None
+        except RunnerDeclines as e:
+            raise ValueError(f"runner={runner!r} cannot take this call: {' '.join(e.reasons)}") from None
     else:
         dense = choose("decode", problem, policy)
         if dense.runner == "kv.sparse":  # page selection runs over the first dense runner that can
