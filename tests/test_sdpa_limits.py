@@ -112,8 +112,21 @@ def test_efficient_declines_masks_with_gqa_and_mask_gradients():
 @pytest.mark.parametrize("name", ["sdpa.cudnn", "sdpa.flash", "sdpa.efficient"])
 def test_fused_kernels_decline_gradients_of_calls_that_are_not_4d(name):
     assert "takes 4-D tensors" in _reasons(name, _problem(needs_grad=True, out_lead=(2, 2, 4)))
-    assert "takes 4-D tensors" not in _reasons(name, _problem(out_lead=(2, 2, 4)))
+    assert "takes 4-D tensors" in _reasons(name, _problem(needs_grad=True, out_lead=(2, 2, 4), q_len=4096, kv_len=4096))
     assert "takes 4-D tensors" not in _reasons(name, _problem(needs_grad=True))
+
+
+@pytest.mark.parametrize("name", ["sdpa.cudnn", "sdpa.flash", "sdpa.efficient"])
+def test_fused_kernels_decline_small_calls_that_are_not_4d_forward_too(name):
+    from adaattn.problem import SMALL_SCORES
+
+    small = _problem(out_lead=(2, 2, 4))  # 2 x 4 x 64 x 64 scores: math's cost, and torch's choice
+    assert small.scores <= SMALL_SCORES and "takes 4-D tensors" in _reasons(name, small)
+    large = replace(small, q_len=2048, kv_len=2048)
+    assert large.scores > SMALL_SCORES and "takes 4-D tensors" not in _reasons(name, large)
+    assert "takes 4-D tensors" not in _reasons(name, replace(small, out_lead=None))
+    # A cached plan is keyed on the class: a small and a large 3-D call are not one class.
+    assert small.shape_class != large.shape_class
 
 
 
@@ -123,6 +136,21 @@ def test_fused_kernels_decline_gradients_at_head_dims_they_would_pad(name):
     assert "multiples of 8 only" in _reasons(name, _problem(value_dim=229, needs_grad=True))
     assert "multiples of 8 only" not in _reasons(name, _problem(head_dim=35, value_dim=35))
     assert "multiples of 8 only" not in _reasons(name, _problem(needs_grad=True))
+
+
+@pytest.mark.parametrize("dims,declines", [((40, 8), True), ((216, 8), True), ((100, 19), True), ((64, 8), True),
+                                           ((40, 40), False), ((64, 32), False), ((128, 16), False)])
+def test_triton_kernels_decline_unlike_value_head_dims_where_one_is_padded_on_cuda(monkeypatch, dims, declines):
+    from adaattn.backends.triton import runner
+
+    monkeypatch.setattr(runner, "interpreting", lambda: False)
+    monkeypatch.setattr(runner.hardware, "capability_at_least", lambda *a: True)
+    monkeypatch.setattr(runner, "TRITON_FOUND", True)
+    reasons = " ".join(runner.triton_reasons("cuda", 0, torch.bfloat16, *dims))
+    assert ("its forward faulted" in reasons) == declines, reasons
+    # The interpreter (CPU) runs them: its tests keep covering these head dims.
+    monkeypatch.setattr(runner, "interpreting", lambda: True)
+    assert "its forward faulted" not in " ".join(runner.triton_reasons("cpu", None, torch.bfloat16, *dims))
 
 
 def test_triton_runners_decline_gradients_of_calls_that_are_not_4d():
@@ -195,3 +223,39 @@ def test_a_kernel_selection_refusal_declines_without_a_warning():
     probe.direct = fail
     with pytest.raises(RuntimeError, match="illegal memory"):
         probe._direct(None, None, None, _problem())
+
+
+def test_cudnn_takes_masks_value_dims_and_wide_heads_with_torch_2_11():
+    from adaattn.backends.sdpa import CUDNN_WIDE
+
+    def _reasons(name, problem):  # what the kernel takes (this machine has no GPU to ask about)
+        return " ".join(r for r in RUNNERS[name].supports(problem, Policy()) if "compute capability" not in r)
+
+    cudnn = "sdpa.cudnn"
+    for mask in ("bool", "additive"):
+        assert _reasons(cudnn, _problem(mask_kind=mask, mask_dtype=torch.float16 if mask == "additive" else None)) == ""
+    assert "no gradient for an attn_mask" in _reasons(cudnn, _problem(mask_kind="additive", mask_grad=True,
+                                                                      needs_grad=True))
+    wide = [_problem(value_dim=72), _problem(head_dim=256, value_dim=256), _problem(causal=True, q_len=3)]
+    for p in wide:
+        assert (_reasons(cudnn, p) == "") == CUDNN_WIDE, p
+    assert "exceeds its limit" in _reasons(cudnn, _problem(head_dim=264, value_dim=264))
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float16])
+def test_cudnn_bias_unmasks_dead_rows_and_names_the_live_ones(dtype):
+    from adaattn.backends.sdpa import cudnn_bias
+
+    keep = torch.rand(2, 1, 6, 7) < 0.6
+    keep[0, 0, 2] = False  # a dead row
+    keep[1, 0, 5] = False
+    keep[0, 0, 3] = True
+    mask = keep if dtype == torch.bool else torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, -math.inf)
+    bias, live = cudnn_bias(mask, torch.float16, 7, floor=True)
+    assert live.shape == (2, 1, 6, 1) and torch.equal(live[..., 0], keep.any(-1))
+    assert bias.dtype == torch.float16 and bias.shape == (2, 1, 6, 7)
+    assert torch.equal(bias[0, 0, 2], torch.zeros(7, dtype=torch.float16))  # unmasked: finite, zeroed after
+    rows = live[..., 0]
+    assert torch.equal(torch.isneginf(bias)[rows], ~keep[rows])
+    assert bias.stride(-2) * 2 % 16 == 0  # 16-byte rows, as the fused kernels load them
+

@@ -103,7 +103,14 @@ class Problem:
             self.tma_aligned,
             self.varlen,
             self.bottom_right,
+            self.out_lead is not None,  # runners decline calls that are not 4-D
+            self.out_lead is not None and self.scores <= SMALL_SCORES,  # and small ones of them, forward too
         )
+
+    @property
+    def scores(self) -> int:
+        """The size of the score matrix: B x Hq x Nq x Nk."""
+        return self.batch * self.q_heads * self.q_len * self.kv_len
 
     def describe(self) -> str:
         parts = [
@@ -142,6 +149,11 @@ def window_sides(window: tuple[int | None, int | None] | None) -> tuple[int, int
         return -1, -1
     left, right = window
     return (-1 if left is None else int(left)), (-1 if right is None else int(right))
+
+
+# A call that is not 4-D runs torch's math kernel in torch's SDPA; where its score matrix has at most
+# this many elements adaattn runs math too, forward as well (backends/sdpa.py says why).
+SMALL_SCORES = 1 << 22
 
 
 def tma_aligned(*tensors: torch.Tensor) -> bool:

@@ -19,6 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import hardware
 from .base import Declined, Runner
+from ..problem import SMALL_SCORES
 from .masks import fold_positions
 
 HALF = (torch.float16, torch.bfloat16)
@@ -26,6 +27,24 @@ FUSED = (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFI
 ALIGN_BYTES = 16  # the fused kernels' vector loads: base pointer and row strides
 ALIGN_DIM = 8  # and head dims, in elements (torch's SDPA pads to this too)
 F32_ALIGN_DIM = 4  # float32 head dims torch's efficient kernel takes (16-byte rows); others run its math kernel
+
+
+def _torch_at_least(major: int, minor: int) -> bool:
+    try:
+        have = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    except ValueError:
+        return False
+    return have >= (major, minor)
+
+
+# torch 2.11's cuDNN kernel (pinned, H200) took value head dims unlike the key's, head dims up to
+# 256 and causal calls with q_len != k_len (top-left, as SDPA), at errors below its efficient
+# kernel's; it is torch's own choice there. Older torch keeps the limits it was measured with.
+CUDNN_WIDE = _torch_at_least(2, 11)
+# A call that is not 4-D runs torch's math kernel in torch's SDPA; where its score matrix is at
+# most SMALL_SCORES elements (B x Hq x Nq x Nk) we run it too, forward as well: a fused kernel on
+# the flattened call gave outputs 2.4-3.2x math's error in half precision (seed 5300 #3318,
+# #19544). Above it the fused kernel's speed and memory pay, at its usual error.
 
 
 def padded_dim(dim: int) -> int:
@@ -96,6 +115,29 @@ def efficient_bias(attn_mask: torch.Tensor, dtype: torch.dtype, kv_len: int, flo
         laid = attn_mask.new_empty(*attn_mask.shape[:-1], width)[..., :kv_len]
         attn_mask = laid.copy_(attn_mask.expand(*attn_mask.shape[:-1], kv_len))
     return attn_mask
+
+
+def live_rows(attn_mask: torch.Tensor) -> torch.Tensor:
+    """(..., Nq, 1) bool: the rows of a mask that keep at least one key (bool True, or an additive
+    value above -inf)."""
+    keep = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")
+    return keep.any(-1, keepdim=True)
+
+
+def cudnn_bias(attn_mask: torch.Tensor, dtype: torch.dtype, kv_len: int, floor: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A mask as cuDNN's fused kernel takes it, and the rows that keep a key (live_rows).
+
+    cuDNN gives a fully masked row (every key False, or -inf) non-zero output (0.4-0.7 relative,
+    inf gradients: H200, torch 2.11) where SDPA's rule is zeros. Such a row goes in unmasked (any
+    finite answer) and its output is multiplied by 0 after (so are its gradients, as the rule's
+    constant output asks). Otherwise the mask is efficient_bias's: additive in the query dtype,
+    floored where `floor`, with 16-byte rows."""
+    live = live_rows(attn_mask)
+    if attn_mask.dtype == torch.bool:
+        attn_mask = attn_mask | ~live
+    else:
+        attn_mask = attn_mask.masked_fill(~live, 0.0)
+    return efficient_bias(attn_mask, dtype, kv_len, floor=floor), live
 
 
 _CAN_USE = {
@@ -175,6 +217,8 @@ class SdpaRunner(Runner):
             reasons.append("needs a positive scale (the efficient kernel, in float32, takes any): torch's flash and "
                            "cuDNN kernels gave NaN outputs and gradients at a scale <= 0, and in half precision the "
                            "efficient kernel's gradients there were 2.4x math's (a CUDA fuzzer, H200, torch 2.11).")
+        if self.kernel == SDPBackend.CUDNN_ATTENTION and problem.mask_grad:
+            reasons.append("gives no gradient for an attn_mask (its backward returns dq, dk and dv only).")
         if self.kernel == SDPBackend.EFFICIENT_ATTENTION and problem.mask_grad:
             reasons.append("gives no safe gradient for an attn_mask: its backward faulted (illegal memory access) "
                            "on broadcast masks, and raised where q, k and v need none (a CUDA fuzzer, H200, "
@@ -188,6 +232,10 @@ class SdpaRunner(Runner):
             reasons.append("takes 4-D tensors: for other ranks torch runs its math kernel, whose gradients were "
                            "2-4x more accurate than this kernel's on the flattened call (a CUDA fuzzer, H200, "
                            "torch 2.11).")
+        elif self.kernel in FUSED and problem.out_lead is not None and problem.scores <= SMALL_SCORES:
+            reasons.append(f"takes 4-D tensors, or calls of more than {SMALL_SCORES} scores: for other ranks torch "
+                           "runs its math kernel, whose half-precision outputs were 2.4-3.2x more accurate than this "
+                           "kernel's on the flattened call (a CUDA fuzzer, H200, torch 2.11).")
         if self.kernel == SDPBackend.EFFICIENT_ATTENTION and problem.dtype == torch.float32 and (
                 problem.gqa or problem.out_lead is not None
                 or problem.head_dim % F32_ALIGN_DIM or problem.value_dim % F32_ALIGN_DIM):
@@ -222,6 +270,12 @@ class SdpaRunner(Runner):
         # With a mask or a window as well, causal goes in folded into the mask, which the fused
         # kernel takes at any scale: torch's choice for that mask (seed 4700 #51284: math's float32
         # dk was 2.4x the fused kernel's at logits x100).
+        if self.kernel == SDPBackend.MATH and not torch.compiler.is_compiling() and not problem.tma_aligned:
+            # torch's SDPA runs its math kernel on views its fused kernels cannot load; the same
+            # call on aligned copies (what the fused kernels take) gave float32 gradients 8x more
+            # accurate at logits x100 (seed 5300 #19290): math runs on such copies too.
+            query, key, value = (t if fused_ready(t) else t.clone(memory_format=torch.contiguous_format)
+                                 for t in (query, key, value))
         causal_alone = problem.causal and problem.mask_kind == "none" and problem.window is None
         math_like_torch = self.kernel is None and query.device.type == "cpu" and (
             problem.out_lead is not None or (causal_alone and problem.scale <= 0))
@@ -305,6 +359,9 @@ class SdpaRunner(Runner):
             # gradients in bfloat16, 3x torch's error in float32: a CUDA fuzzer, H100). Unfloored,
             # the call is torch's own efficient call, forward and backward alike.
             attn_mask = efficient_bias(attn_mask, query.dtype, problem.kv_len, floor=not problem.needs_grad)
+        live = None
+        if self.kernel == SDPBackend.CUDNN_ATTENTION and attn_mask is not None:
+            attn_mask, live = cudnn_bias(attn_mask, query.dtype, problem.kv_len, floor=cudnn_floors(problem))
         gqa = problem.gqa
         if gqa and not self.native_gqa:
             key = key.repeat_interleave(problem.gqa_groups, dim=1)
@@ -318,10 +375,16 @@ class SdpaRunner(Runner):
                 is_causal=causal, scale=problem.scale, enable_gqa=gqa,
             )
         with sdpa_kernel(self.kernel), self._refusals_decline():
-            return F.scaled_dot_product_attention(
+            out = F.scaled_dot_product_attention(
                 query, key, value, attn_mask=attn_mask, dropout_p=problem.dropout_p,
                 is_causal=causal, scale=problem.scale, enable_gqa=gqa,
             )
+        return out if live is None else out * live
+
+
+def cudnn_floors(problem) -> bool:
+    """Whether cuDNN's additive mask has its finite values floored (finite_floor)."""
+    return not problem.needs_grad
 
 
 # The efficient kernel picks one of its instantiations on the host, before any launch; where none
@@ -352,10 +415,8 @@ def sdpa_runners() -> list[SdpaRunner]:
         SdpaRunner("sdpa.cpu", None, "cpu", all_float),
         SdpaRunner(
             "sdpa.cudnn", SDPBackend.CUDNN_ATTENTION, "cuda", HALF, min_capability=(8, 0),
-            max_head_dim=128, masks=False, dropout=False, native_gqa=True,
-            causal_unequal=False, value_dim_differs=False, empty=False, direct=_cudnn,
-            masks_reason="takes no attn_mask here: with one, a fully masked row gives non-zero output "
-            "where SDPA's math backend gives zeros (seen on H100, torch 2.11).",
+            max_head_dim=256 if CUDNN_WIDE else 128, dropout=False, native_gqa=True,
+            causal_unequal=CUDNN_WIDE, value_dim_differs=CUDNN_WIDE, empty=False, direct=_cudnn,
         ),
         SdpaRunner(
             "sdpa.flash", SDPBackend.FLASH_ATTENTION, "cuda", HALF, min_capability=(8, 0),

@@ -51,6 +51,10 @@ def triton_reasons(device_type: str, device_index: Optional[int], dtype: torch.d
     if device_type == "cuda" and not interpreting():
         if not hardware.capability_at_least(device_index, 8, 0):
             reasons.append(f"needs compute capability sm80 or newer, this GPU is {hardware.arch('cuda', device_index)}.")
+        if value_dim != head_dim and (head_dim != block_d(head_dim) or value_dim != block_d(value_dim)):
+            reasons.append(f"its forward faulted (illegal memory access) with a value head dim unlike the key's where "
+                           f"either is padded to its tile (D/Dv 40/8, 216/8, 100/19; 40/16, 40/32 and 64/8 ran: "
+                           f"a CUDA fuzzer, H200, triton 3.6; not yet traced), got {head_dim} and {value_dim}.")
     return reasons
 
 
