@@ -206,10 +206,14 @@ def test_output_attentions_raises_a_clear_error():
         model(ids, output_attentions=True)
 
 
-def test_softcap_raises_a_clear_error():
-    q = torch.randn(1, 2, 4, 8)
-    with pytest.raises(ValueError, match=r"soft-capping \(softcap\)"):
-        hf.attention_forward(torch.nn.Module(), q, q, q, None, softcap=30.0)
+def test_softcap_and_sinks_reach_adaattn_as_score_modifiers():
+    from adaattn.backends.reference import reference_attention
+
+    q = torch.randn(1, 2, 4, 8, dtype=torch.float64)
+    sinks = torch.randn(2, dtype=torch.float64)
+    out, weights = hf.attention_forward(torch.nn.Module(), q, q, q, None, is_causal=False, softcap=3.0, s_aux=sinks)
+    want = reference_attention(q, q, q, softcap=3.0, sinks=sinks)
+    assert weights is None and torch.allclose(out, want.transpose(1, 2), atol=1e-12)
 
 
 def _sdpa_forward():

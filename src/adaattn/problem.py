@@ -57,6 +57,18 @@ class Problem:
     tma_aligned: bool = False
     varlen: bool = False
     bottom_right: bool = False  # causal/window aligned to the end of the keys (KV caches)
+    # Score modifiers (see Modifiers): the soft cap c (0.0: none), and whether sinks or ALiBi slopes
+    # come with the call, and whether either wants a gradient.
+    softcap: float = 0.0
+    sinks: bool = False
+    alibi: bool = False
+    modifier_grad: bool = False
+
+    @property
+    def modifiers(self) -> tuple[str, ...]:
+        """The score modifiers of the call, by argument name."""
+        return tuple(n for n, on in (("softcap", self.softcap > 0), ("sinks", self.sinks),
+                                     ("alibi_slopes", self.alibi)) if on)
 
     @property
     def window(self) -> tuple[int | None, int | None] | None:
@@ -103,6 +115,7 @@ class Problem:
             self.tma_aligned,
             self.varlen,
             self.bottom_right,
+            self.softcap, self.sinks, self.alibi, self.modifier_grad,
             self.out_lead is not None,  # runners decline calls that are not 4-D
             self.out_lead is not None and self.scores <= SMALL_SCORES,  # and small ones of them, forward too
         )
@@ -132,9 +145,83 @@ class Problem:
                                                       if self.mask_dtype not in (None, self.dtype) else ""))
         if self.dropout_p:
             parts.append(f"dropout={self.dropout_p}")
+        if self.softcap > 0:
+            parts.append(f"softcap={self.softcap:g}")
+        if self.sinks:
+            parts.append("sinks")
+        if self.alibi:
+            parts.append("alibi_slopes")
         if self.needs_grad:
             parts.append("grad")
         return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class Modifiers:
+    """The score modifiers of one call, applied to each score s = scale * q.k before masking:
+
+    softcap c > 0:   s -> c * tanh(s / c)                      (Gemma 2's logit soft-capping)
+    alibi_slopes m:  s -> s - m[b, h] * |i - j|                (ALiBi; positions aligned as the causal
+                     mask is: query i at i, or at i + Nk - Nq where the call is bottom-right)
+    sinks z:         softmax over the row's keys and one more logit z[h] that carries no value, so
+                     out_i = sum_j exp(s_ij) v_j / (exp(z[h]) + sum_j exp(s_ij))   (gpt-oss's s_aux)
+
+    A row with every key masked gives zeros, with or without a sink. A further modifier slots in as
+    one more field here, its check in check_modifiers, its term in the reference
+    (backends/reference.py) and in the runners that apply it (their `modifiers`)."""
+
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None  # (Hq,)
+    alibi_slopes: torch.Tensor | None = None  # (Hq,) or (B, Hq)
+
+    @property
+    def none(self) -> bool:
+        return self.softcap is None and self.sinks is None and self.alibi_slopes is None
+
+
+NO_MODIFIERS = Modifiers()
+
+
+def check_modifiers(problem: Problem, softcap: object = None, sinks: object = None,
+                    alibi_slopes: object = None) -> tuple[Problem, Modifiers]:
+    """Check the score modifiers of a call against its problem; returns the problem with their facts
+    and the Modifiers to hand a runner. Raises TypeError/ValueError naming the argument."""
+    if softcap is None and sinks is None and alibi_slopes is None:
+        return problem, NO_MODIFIERS
+    import dataclasses
+
+    cap = None
+    if softcap is not None:
+        if isinstance(softcap, torch.Tensor) and softcap.dim() == 0 and softcap.is_floating_point():
+            softcap = float(softcap)
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+            raise TypeError(f"softcap must be a float > 0 or None, got {_name(softcap)}")
+        cap = float(softcap)
+        if not (cap > 0 and math.isfinite(cap)):
+            raise ValueError(f"softcap must be a finite float > 0 (scores become softcap * tanh(s / softcap)), "
+                             f"got {softcap}")
+    heads = problem.q_heads
+    for name, t in (("sinks", sinks), ("alibi_slopes", alibi_slopes)):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {_name(t)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must have a floating dtype, got {t.dtype}")
+        if t.device.type != problem.device_type:
+            raise ValueError(f"{name} must be on the query's device ({problem.device_type}), got {t.device}")
+    if sinks is not None and tuple(sinks.shape) != (heads,):
+        raise ValueError(f"sinks must have shape (Hq,) = ({heads},): one logit per query head, got "
+                         f"{tuple(sinks.shape)}")
+    if alibi_slopes is not None and tuple(alibi_slopes.shape) not in ((heads,), (problem.batch, heads)):
+        raise ValueError(f"alibi_slopes must have shape (Hq,) = ({heads},) or (B, Hq) = ({problem.batch}, {heads}), "
+                         f"got {tuple(alibi_slopes.shape)}")
+    if problem.varlen:
+        raise ValueError("score modifiers (softcap, sinks, alibi_slopes) are not yet applied to packed sequences")
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (sinks, alibi_slopes))
+    problem = dataclasses.replace(problem, softcap=cap or 0.0, sinks=sinks is not None, alibi=alibi_slopes is not None,
+                                  modifier_grad=grad, needs_grad=problem.needs_grad or grad)
+    return problem, Modifiers(cap, sinks, alibi_slopes)
 
 
 def default_scale(head_dim: int) -> float:

@@ -9,7 +9,7 @@ import torch
 from .. import planner, stats
 from ..backends.varlen import check_varlen
 from ..policy import Policy
-from ..problem import Documents, Problem, check_dropout, check_scale, default_scale, documents, from_internal, validate, window_sides
+from ..problem import Documents, Problem, check_dropout, check_modifiers, check_scale, default_scale, documents, from_internal, validate, window_sides
 from .run import _check_policy, _compiling, _runner_form, _signature_or_none, _first_that_runs, _run, _run_recorded, _record
 
 
@@ -28,6 +28,9 @@ def attention(
     policy: Policy | None = None,
     label: str | None = None,
     documents: Documents | torch.Tensor | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Scaled dot-product attention, a drop-in for torch.nn.functional.scaled_dot_product_attention.
 
@@ -52,6 +55,14 @@ def attention(
         themselves, at a host sync per call). Self-attention (Nq == Nk), 3-D or 4-D tensors, no
         attn_mask or dropout; it runs as varlen_attention over the documents, without padding.
 
+    Score modifiers, on each score s = scale * q.k before masking (adaattn.problem.Modifiers):
+    softcap: a float c > 0: s -> c * tanh(s / c) (Gemma 2's logit soft-capping).
+    sinks: a (Hq,) tensor of logits, one per query head, each joining its rows' softmax
+        denominator without a value: out_i = sum_j e^(s_ij) v_j / (e^(sinks[h]) + sum_j e^(s_ij))
+        (gpt-oss's s_aux). Differentiable.
+    alibi_slopes: (Hq,) or (B, Hq): s -> s - slope * |i - j|, positions aligned as the causal mask
+        is (query i at position i). Differentiable where it requires grad.
+
     A row with no key to attend (fully masked) gives zeros, as SDPA's math backend.
     Raises TypeError/ValueError on bad arguments, NoBackendError (a ValueError) when no
     backend can run the call under the policy.
@@ -60,6 +71,11 @@ def attention(
         # ints, NumPy scalars and 0-d tensors, as SDPA takes them, become Python floats here, once:
         # the call's signature (the plan cache's key) then holds no tensor.
         dropout_p, scale = check_dropout(dropout_p), check_scale(scale)
+    if softcap is not None or sinks is not None or alibi_slopes is not None:
+        if documents is not None:
+            raise ValueError("score modifiers (softcap, sinks, alibi_slopes) are not yet applied with documents")
+        return _modified_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout,
+                                   window, policy, label, softcap, sinks, alibi_slopes)
     if documents is not None:
         return _document_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout,
                                    window, policy, label, documents)
@@ -94,6 +110,34 @@ def attention(
     else:
         out = _run(query, key, value, attn_mask, problem, plan, label)[0]
     if problem.out_lead is not None and not call_form:
+        out = from_internal(problem, out)
+    if problem.layout == "bshd":
+        return out.transpose(-3, -2)
+    return out
+
+
+def _modified_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout, window,
+                        policy, label, softcap, sinks, alibi_slopes) -> torch.Tensor:
+    """attention() with score modifiers: validated and planned every call (the modifiers' tensors
+    are not part of the call cache's key), run by a runner that applies them."""
+    problem = validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout, window)
+    problem, modifiers = check_modifiers(problem, softcap, sinks, alibi_slopes)
+    pol = _check_policy(policy)
+    compiling = _compiling()
+    plan = planner.get_plan(problem, pol, compiling)
+    query, key, value, attn_mask = _runner_form(problem, query, key, value, attn_mask)
+    if problem.out_lead is not None and modifiers.alibi_slopes is not None and modifiers.alibi_slopes.dim() == 2:
+        raise ValueError("alibi_slopes of shape (B, Hq) needs 4-D (B, H, N, D) tensors; pass (Hq,) slopes for "
+                         "other ranks")
+    if compiling or not stats.enabled:
+        out, _ = _first_that_runs(problem, plan, lambda r, launch: r.run(query, key, value, attn_mask, problem, launch,
+                                                                          label, modifiers=modifiers))
+    else:
+        (out, decisions), failed = _first_that_runs(
+            problem, plan, lambda r, launch: r.run_recorded(query, key, value, attn_mask, problem, launch, label,
+                                                            modifiers=modifiers))
+        _record(problem, plan, pol, label, failed, decisions, None)
+    if problem.out_lead is not None:
         out = from_internal(problem, out)
     if problem.layout == "bshd":
         return out.transpose(-3, -2)

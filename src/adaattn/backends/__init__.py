@@ -12,12 +12,14 @@ from .base import Backend, Declined, ExactAlternative, Runner
 def exact_runners() -> list[Runner]:
     from .flash_attn import FlashAttnRunner
     from .meta import MetaRunner
+    from .modifiers import ModifiedTorchRunner
     from .reference import ReferenceRunner
     from .sdpa import sdpa_runners
     from .triton.runner import triton_runners
     from .varlen import varlen_runners
 
-    return [*sdpa_runners(), FlashAttnRunner(), *triton_runners(), *varlen_runners(), ReferenceRunner(), MetaRunner()]
+    return [*sdpa_runners(), FlashAttnRunner(), *triton_runners(), *varlen_runners(), ModifiedTorchRunner(), ReferenceRunner(),
+            MetaRunner()]
 
 
 __all__ = ["Backend", "Declined", "ExactAlternative", "Runner", "exact_runners"]

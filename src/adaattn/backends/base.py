@@ -32,6 +32,10 @@ class Runner:
     # Takes a call that is not plain 4-D in its own rank (the api then does not flatten it): torch's
     # CPU SDPA, whose math kernel runs such calls as they are.
     takes_call_form: bool = False
+    # The score modifiers it applies (problem.Modifiers, by argument name: "softcap", "sinks",
+    # "alibi_slopes"); the planner declines it for a call with any other. A runner that names one
+    # takes run(..., modifiers=Modifiers) on such calls.
+    modifiers: frozenset = frozenset()
 
     def supports(self, problem: Problem, policy: Policy) -> list[str]:
         """Reasons this runner cannot run `problem` under `policy`, each a short sentence naming
@@ -73,9 +77,10 @@ class Runner:
         self.run(query, key, value, attn_mask, problem, launch)
         return [self.name]
 
-    def run_recorded(self, query, key, value, attn_mask, problem, launch, label=None) -> tuple[torch.Tensor, dict]:
+    def run_recorded(self, query, key, value, attn_mask, problem, launch, label=None,
+                     **modifiers) -> tuple[torch.Tensor, dict]:
         """(out, decisions): `run` and what it decided, for adaattn.stats."""
-        out = self.run(query, key, value, attn_mask, problem, launch, label)
+        out = self.run(query, key, value, attn_mask, problem, launch, label, **modifiers)
         return out, {"precision": "native", "approximation": "none"}
 
     def __repr__(self) -> str:
@@ -94,3 +99,12 @@ class ExactAlternative:
 
 # The earlier name of the interface.
 Backend = Runner
+
+
+def modifier_reasons(runner: Runner, problem: Problem) -> list[str]:
+    """Why `runner` cannot apply the call's score modifiers (empty where it applies them all)."""
+    missing = [m for m in problem.modifiers if m not in runner.modifiers]
+    if not missing:
+        return []
+    return [f"applies no {' or '.join(missing)} (score modifiers: its kernel has no such term; the mods.torch "
+            "runner applies them exactly)."]

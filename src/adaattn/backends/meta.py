@@ -8,11 +8,12 @@ from .base import Runner
 
 class MetaRunner(Runner):
     name = "meta"
+    modifiers = frozenset(("softcap", "sinks", "alibi_slopes"))  # they change no shape
 
     def supports(self, problem, policy) -> list[str]:
         if problem.device_type != "meta":
             return [f"takes meta tensors only, got {problem.device_type}."]
         return []
 
-    def run(self, query, key, value, attn_mask, problem, launch, label=None):
+    def run(self, query, key, value, attn_mask, problem, launch, label=None, modifiers=None):
         return query.new_empty(query.shape[:-1] + (value.shape[-1],))

@@ -8,7 +8,7 @@ import torch
 
 from ..problem import default_scale
 from .base import Runner
-from .masks import fold_positions
+from .masks import merge, position_keep
 
 
 def reference_attention(
@@ -19,11 +19,19 @@ def reference_attention(
     is_causal: bool = False,
     scale: float | None = None,
     window: tuple[int | None, int | None] | None = None,
+    *,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    bottom_right: bool = False,
 ) -> torch.Tensor:
     """Attention in float64 on (B, H, N, D) tensors; returns float64 (B, Hq, Nq, Dv).
 
     Semantics follow torch SDPA's math backend: causal is top-left aligned, GQA repeats
-    key/value heads, and a row with no key to attend gives zeros.
+    key/value heads, and a row with no key to attend gives zeros. The score modifiers
+    (problem.Modifiers has the formulas) apply to s = scale * q.k before masking: softcap
+    c * tanh(s / c), then the ALiBi bias -slope * |i - j|, then the masks; sinks join each
+    row's denominator. `bottom_right` puts query i at i + Nk - Nq (causal, window and ALiBi).
     """
     q, k, v = query.double(), key.double(), value.double()
     hq, hk = q.shape[1], k.shape[1]
@@ -32,16 +40,30 @@ def reference_attention(
         v = v.repeat_interleave(hq // hk, dim=1)
     nq, nk = q.shape[2], k.shape[2]
     s = (q @ k.transpose(-2, -1)) * (default_scale(q.shape[-1]) if scale is None else scale)
-    mask = fold_positions(attn_mask, nq, nk, is_causal, window, q.device, q.dtype)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if alibi_slopes is not None:
+        i = torch.arange(nq, device=q.device, dtype=torch.float64)[:, None] + (nk - nq if bottom_right else 0)
+        j = torch.arange(nk, device=q.device, dtype=torch.float64)[None, :]
+        slopes = alibi_slopes.double()
+        slopes = slopes[None, :, None, None] if slopes.dim() == 1 else slopes[:, :, None, None]
+        s = s - slopes * (i - j).abs()
+    keep = position_keep(nq, nk, is_causal, window, q.device, bottom_right)
+    mask = merge(attn_mask, keep, q.dtype)
     if mask is not None:
         if mask.dtype == torch.bool:
             s = s.masked_fill(~mask, float("-inf"))
         else:
             s = s + mask.double()
     if nk == 0:
-        return q.new_zeros(*q.shape[:-1], v.shape[-1])
+        return q.new_zeros(*s.shape[:-1], v.shape[-1])
     row_max = s.amax(dim=-1, keepdim=True)
     dead = torch.isneginf(row_max)
+    if sinks is not None:  # the sink is never masked: a row whose keys are all masked gives 0 by it
+        z = sinks.double()[None, :, None, None]
+        row_max = torch.where(dead, z, torch.maximum(row_max, z))
+        p = torch.exp(s - row_max)
+        return (p @ v) / (p.sum(dim=-1, keepdim=True) + torch.exp(z - row_max))
     p = torch.exp(s - torch.where(dead, torch.zeros_like(row_max), row_max))
     denom = p.sum(dim=-1, keepdim=True)
     p = torch.where(dead, torch.zeros_like(p), p / torch.where(dead, torch.ones_like(denom), denom))
@@ -143,8 +165,13 @@ class ReferenceRunner(Runner):
             reasons.append("dropout is not implemented in the float64 reference.")
         return reasons
 
-    def run(self, query, key, value, attn_mask, problem, launch, label=None):
+    modifiers = frozenset(("softcap", "sinks", "alibi_slopes"))
+
+    def run(self, query, key, value, attn_mask, problem, launch, label=None, modifiers=None):
+        m = modifiers
         out = reference_attention(
-            query, key, value, attn_mask, problem.causal, problem.scale, problem.window
+            query, key, value, attn_mask, problem.causal, problem.scale, problem.window,
+            softcap=None if m is None else m.softcap, sinks=None if m is None else m.sinks,
+            alibi_slopes=None if m is None else m.alibi_slopes, bottom_right=problem.bottom_right,
         )
         return out.to(query.dtype)

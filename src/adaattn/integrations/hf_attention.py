@@ -1,7 +1,8 @@
 """The attention function of `attn_implementation="adaattn"`: transformers' attention-function
 interface (`attention_forward`), computed by `adaattn.attention`, or for the keys of an adaattn
-Cache by what the Cache's handle says (see hf_decode). Refuses, with a ValueError, what adaattn
-cannot honour: attention weights, softcap, attention sinks and the paged cache of continuous batching.
+Cache by what the Cache's handle says (see hf_decode). Logit soft-capping (Gemma 2's `softcap`) and
+attention sinks (gpt-oss's `s_aux`) go to adaattn.attention as its score modifiers. Refuses, with a
+ValueError, what adaattn cannot honour: attention weights and the paged cache of continuous batching.
 """
 
 from __future__ import annotations
@@ -10,12 +11,6 @@ import torch
 from torch import nn
 
 from ..api import attention
-
-_UNSUPPORTED = {
-    "softcap": "logit soft-capping (softcap)",
-    "s_aux": "attention sinks (s_aux)",
-}
-
 
 def attention_forward(
     module: nn.Module,
@@ -36,13 +31,19 @@ def attention_forward(
 
     The policy is `module.adaattn_policy` (see `set_policy`; None = exact), the stats label
     `module.adaattn_label` or "layers.<layer_idx>.<class name>".
-    Raises ValueError for what adaattn cannot honour: output_attentions, softcap, s_aux, a paged cache.
+    softcap and s_aux (a (Hq,) tensor of sink logits) are applied as adaattn.attention's `softcap` and
+    `sinks`.
+    Raises ValueError for what adaattn cannot honour: output_attentions, a paged cache.
     """
     _check_unsupported(kwargs)
+    softcap, sinks = kwargs.get("softcap"), kwargs.get("s_aux")
+    modifiers = {} if softcap is None and sinks is None else dict(
+        softcap=None if softcap is None else float(softcap), sinks=sinks)
     handle = getattr(key, "_adaattn_kv", None)
     if handle is not None:  # keys and values of an adaattn Cache (see Cache below)
         window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
-        out = handle.decode(query, attention_mask, dropout, scaling, window)
+        # The Cache's decode kernels apply no score modifier yet: such calls attend its dense keys.
+        out = None if modifiers else handle.decode(query, attention_mask, dropout, scaling, window)
         if out is not None:
             return out.transpose(1, 2).contiguous(), None
         key, value = handle.dense()
@@ -52,9 +53,13 @@ def attention_forward(
                                    "windowed prompt) got none")
             if attention_mask.dtype != torch.bool and attention_mask.dtype != query.dtype:
                 attention_mask = attention_mask.to(query.dtype)
-            out = torch.nn.functional.scaled_dot_product_attention(
-                query, key, value, attn_mask=attention_mask, dropout_p=0.0, scale=scaling,
-                enable_gqa=query.shape[1] != key.shape[1])
+            if modifiers:
+                out = attention(query, key, value, attn_mask=attention_mask, scale=scaling,
+                                enable_gqa=query.shape[1] != key.shape[1], **modifiers)
+            else:
+                out = torch.nn.functional.scaled_dot_product_attention(
+                    query, key, value, attn_mask=attention_mask, dropout_p=0.0, scale=scaling,
+                    enable_gqa=query.shape[1] != key.shape[1])
             return out.transpose(1, 2).contiguous(), None
     q_len, kv_len = query.shape[2], key.shape[2]
     if is_causal is None:
@@ -86,6 +91,7 @@ def attention_forward(
         enable_gqa=query.shape[1] != key.shape[1],
         policy=getattr(module, "adaattn_policy", None),
         label=_label(module),
+        **modifiers,
     )
     return out.transpose(1, 2).contiguous(), None
 
@@ -96,12 +102,6 @@ def _check_unsupported(kwargs: dict) -> None:
             "attn_implementation='adaattn' does not return attention weights (output_attentions=True); "
             "run that call with model.set_attn_implementation('eager') and switch back after"
         )
-    for name, what in _UNSUPPORTED.items():
-        if kwargs.get(name) is not None:
-            raise ValueError(
-                f"attn_implementation='adaattn' does not support {what}, which this model asks for; "
-                "use attn_implementation='eager' for this model"
-            )
     cache = kwargs.get("cache")
     if cache is not None and type(cache).__name__ == "PagedAttentionCache":
         raise ValueError(

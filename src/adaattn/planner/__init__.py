@@ -22,6 +22,7 @@ from .. import hardware, policy as policy_mod, settings
 from ..adaptive.rank import rank_runners
 from ..adaptive.runner import adaptive_runners
 from ..backends import ExactAlternative, Runner, exact_runners
+from ..backends.base import modifier_reasons
 from ..backends.ring_blocks import ring_block_runners
 from ..policy import Policy
 from ..problem import Problem, default_scale
@@ -101,6 +102,7 @@ def priority(problem: Problem, arch: str) -> tuple[str, ...]:
         "window": problem.window is not None,
         "needs_grad": problem.needs_grad,
         "varlen": problem.varlen,
+        "modifiers": bool(problem.modifiers),
     }
     for rule in PRIORITY_RULES:
         if _matches(rule, facts):
@@ -120,7 +122,7 @@ def make_plan(problem: Problem, policy: Policy) -> Plan:
         order = order + tuple(dict.fromkeys(extra))
     reasons: dict[str, list[str]] = {}
     for name, runner in REGISTRY.items():
-        why = list(runner.supports(problem, policy))
+        why = list(runner.supports(problem, policy)) + modifier_reasons(runner, problem)
         if not runner.exact and policy.mode != "auto":
             why.append("approximate: runs only under Policy(mode='auto').")
         elif name not in order and runner.exact and policy.admits(name):

@@ -1,0 +1,207 @@
+"""Score modifiers (softcap, sinks, alibi_slopes) through adaattn.attention, against float64: the
+reference in backends/reference.py, and independent forms of each (the models' own eager code:
+Gemma 2's soft-capping, gpt-oss's sink column, ALiBi as an additive mask to torch's SDPA)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import adaattn
+from adaattn.backends.reference import reference_attention
+
+
+def _eager(q, k, v, mask=None, causal=False, scale=None, softcap=None, sinks=None, alibi=None, window=None):
+    """Attention as the models' eager code writes it, in the inputs' dtype (the yardstick's dtype)."""
+    hq, hk = q.shape[-3], k.shape[-3]
+    k, v = k.repeat_interleave(hq // hk, -3), v.repeat_interleave(hq // hk, -3)
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    s = q @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    nq, nk = s.shape[-2:]
+    i, j = torch.arange(nq)[:, None], torch.arange(nk)[None, :]
+    if alibi is not None:
+        sl = alibi[..., None, None] if alibi.dim() == 1 else alibi[:, :, None, None]
+        s = s - sl.to(s.dtype) * (i - j).abs().to(s.dtype)
+    keep = torch.ones(nq, nk, dtype=torch.bool)
+    if causal:
+        keep &= j <= i
+    if window is not None:
+        keep &= (j >= i - window[0]) & (j <= i + window[1])
+    s = s.masked_fill(~keep, float("-inf"))
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+    if sinks is not None:
+        col = sinks.to(s.dtype).reshape(-1, 1, 1).expand(*s.shape[:-1], 1)
+        s = torch.cat([s, col], -1)
+    top = s.amax(-1, keepdim=True)
+    top = torch.where(torch.isneginf(top), torch.zeros_like(top), top)
+    p = torch.exp(s - top)
+    p = p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
+    if sinks is not None:
+        p = p[..., :-1]
+    return p @ v
+
+
+def _inputs(dtype, b=2, hq=4, hk=2, nq=13, nk=17, d=16, dv=16, grad=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = [torch.randn(b, h, n, e, generator=g, dtype=torch.float64).to(dtype).requires_grad_(grad)
+         for h, n, e in ((hq, nq, d), (hk, nk, d), (hk, nk, dv))]
+    sinks = (torch.randn(hq, generator=g, dtype=torch.float64) * 2).to(dtype).requires_grad_(grad)
+    slopes = (torch.rand(hq, generator=g, dtype=torch.float64) * 0.5).to(dtype).requires_grad_(grad)
+    return t, sinks, slopes
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-300)).item()
+
+
+def _mods(name, sinks, slopes):
+    return {"softcap": dict(softcap=2.0), "sinks": dict(sinks=sinks), "alibi": dict(alibi_slopes=slopes),
+            "all": dict(softcap=3.0, sinks=sinks, alibi_slopes=slopes)}[name]
+
+
+def _eager_kw(kw):
+    return dict(softcap=kw.get("softcap"), sinks=kw.get("sinks"), alibi=kw.get("alibi_slopes"))
+
+
+CASES = [
+    dict(),
+    dict(is_causal=True),
+    dict(window=(3, 2)),
+    dict(is_causal=True, window=(4, 0)),
+    dict(mask="bool"),
+    dict(mask="additive"),
+    dict(mask="dead_rows"),
+]
+
+
+def _mask(kind, b, hq, nq, nk, dtype):
+    if kind is None:
+        return None
+    g = torch.Generator().manual_seed(7)
+    keep = torch.rand(b, 1, nq, nk, generator=g) < 0.6
+    if kind == "dead_rows":
+        keep[0, 0, 3] = False
+        return keep
+    if kind == "bool":
+        return keep
+    return torch.randn(b, hq, nq, nk, generator=g, dtype=torch.float64).to(dtype).masked_fill(~keep, float("-inf"))
+
+
+@pytest.mark.parametrize("mod", ["softcap", "sinks", "alibi", "all"])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_modifiers_match_float64_forward_and_gradients(mod, case):
+    c = dict(CASES[case])
+    (q, k, v), sinks, slopes = _inputs(torch.float64)
+    mask = _mask(c.pop("mask", None), 2, 4, 13, 17, torch.float64)
+    kw = _mods(mod, sinks, slopes)
+    out = adaattn.attention(q, k, v, attn_mask=mask, enable_gqa=True, **c, **kw)
+    ref = reference_attention(q, k, v, mask, c.get("is_causal", False), None, c.get("window"),
+                              softcap=kw.get("softcap"), sinks=kw.get("sinks"), alibi_slopes=kw.get("alibi_slopes"))
+    eager = _eager(q, k, v, mask, c.get("is_causal", False), window=c.get("window"), **_eager_kw(kw))
+    assert _rel(out, ref) < 1e-12 and _rel(eager, ref) < 1e-12  # the reference is the models' formula
+    wrt = [q, k, v] + [t for t in (kw.get("sinks"), kw.get("alibi_slopes")) if t is not None]
+    go = torch.randn_like(out)
+    got = torch.autograd.grad(out, wrt, go)
+    want = torch.autograd.grad(eager, wrt, go)
+    for name, a, b in zip(["dq", "dk", "dv", "dmod1", "dmod2"], got, want):
+        assert _rel(a, b) < 1e-10, name
+    if mask is not None and mask.dtype == torch.bool and not mask.any(-1).all():
+        assert torch.all(out[0, :, 3] == 0)  # a row with every key masked gives zeros, sink or not
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("mod", ["softcap", "sinks", "alibi", "all"])
+def test_modifiers_meet_the_standard_in_each_dtype(dtype, mod):
+    """err(ours) <= 2 err(eager in the dtype) + 1e-6 against float64, output and every gradient."""
+    (q, k, v), sinks, slopes = _inputs(dtype, nq=33, nk=40, d=32, dv=24)
+    kw = _mods(mod, sinks, slopes)
+    out = adaattn.attention(q, k, v, is_causal=True, enable_gqa=True, **kw)
+    eager = _eager(q, k, v, causal=True, **_eager_kw(kw))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    kw64 = {n: (t.detach().double().requires_grad_() if isinstance(t, torch.Tensor) else t) for n, t in kw.items()}
+    ref = reference_attention(q64, k64, v64, None, True, None, None, **{n: kw64.get(n) for n in
+                                                                        ("softcap", "sinks", "alibi_slopes")})
+    go = torch.randn_like(ref)
+    tensors = [n for n in ("sinks", "alibi_slopes") if n in kw]
+    got = torch.autograd.grad(out, [q, k, v] + [kw[n] for n in tensors], go.to(dtype))
+    yard = torch.autograd.grad(eager, [q, k, v] + [kw[n] for n in tensors], go.to(dtype))
+    exact = torch.autograd.grad(ref, [q64, k64, v64] + [kw64[n] for n in tensors], go)
+    assert _rel(out, ref) <= 2 * _rel(eager, ref) + 1e-6
+    for a, y, r in zip(got, yard, exact):
+        assert _rel(a, r) <= 2 * _rel(y, r) + 1e-6
+
+
+def test_gqa_layouts_and_ranks_give_the_4d_result():
+    (q, k, v), sinks, slopes = _inputs(torch.float64, grad=False)
+    want = adaattn.attention(q, k, v, is_causal=True, enable_gqa=True, softcap=2.0, sinks=sinks, alibi_slopes=slopes)
+    bshd = adaattn.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+                             enable_gqa=True, layout="bshd", softcap=2.0, sinks=sinks, alibi_slopes=slopes)
+    assert torch.allclose(bshd.transpose(1, 2), want, atol=1e-12)
+    three = adaattn.attention(q[0], k[0], v[0], is_causal=True, enable_gqa=True, softcap=2.0, sinks=sinks,
+                              alibi_slopes=slopes)
+    assert torch.allclose(three, want[0], atol=1e-12)
+    per_batch = adaattn.attention(q, k, v, is_causal=True, enable_gqa=True, alibi_slopes=torch.stack([slopes, 2 * slopes]))
+    assert torch.allclose(per_batch[1], adaattn.attention(q[1:], k[1:], v[1:], is_causal=True, enable_gqa=True,
+                                                          alibi_slopes=2 * slopes)[0], atol=1e-12)
+
+
+def test_alibi_matches_its_bias_through_torch_sdpa():
+    (q, k, v), _, slopes = _inputs(torch.float64, grad=False)
+    i, j = torch.arange(13)[:, None], torch.arange(17)[None, :]
+    bias = -slopes[:, None, None] * (i - j).abs().double()
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, enable_gqa=True)
+    assert torch.allclose(adaattn.attention(q, k, v, enable_gqa=True, alibi_slopes=slopes), want, atol=1e-12)
+
+
+def test_a_sink_takes_weight_from_every_row_and_an_empty_key_set_gives_zeros():
+    (q, k, v), sinks, _ = _inputs(torch.float64, grad=False)
+    plain = adaattn.attention(q, k, v, enable_gqa=True)
+    huge = adaattn.attention(q, k, v, enable_gqa=True, sinks=torch.full((4,), 1e4, dtype=torch.float64))
+    assert huge.abs().max() < 1e-300 and plain.abs().max() > 0.1
+    tiny = adaattn.attention(q, k, v, enable_gqa=True, sinks=torch.full((4,), -1e4, dtype=torch.float64))
+    assert torch.allclose(tiny, plain, atol=1e-12)
+    empty = adaattn.attention(q, k[:, :, :0], v[:, :, :0], enable_gqa=True, sinks=sinks)
+    assert empty.shape == (2, 4, 13, 16) and not empty.any()
+
+
+def test_plan_names_the_modifier_runner_and_why_the_others_decline():
+    q = torch.randn(1, 2, 8, 16)
+    with adaattn.stats.collect() as records:
+        adaattn.attention(q, q, q, softcap=5.0)
+    assert records[0].backend == "mods.torch"
+    from adaattn import planner
+    from adaattn.problem import check_modifiers, validate
+
+    problem, _ = check_modifiers(validate(q, q, q), softcap=5.0)
+    assert problem.modifiers == ("softcap",) and "softcap=5" in problem.describe()
+    plan = planner.make_plan(problem, adaattn.Policy())
+    reasons = dict(plan.reasons)
+    assert any("applies no softcap" in r for r in reasons["sdpa.cpu"])
+    assert plan.candidates[0] == "mods.torch"
+    assert validate(q, q, q).shape_class != problem.shape_class
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(softcap=0.0), ValueError, "softcap must be a finite float > 0"),
+    (dict(softcap=-1.0), ValueError, "softcap must be a finite float > 0"),
+    (dict(softcap=float("inf")), ValueError, "softcap must be a finite float > 0"),
+    (dict(softcap="3"), TypeError, "softcap must be a float > 0 or None, got str"),
+    (dict(sinks=[1.0, 2.0]), TypeError, "sinks must be a torch.Tensor or None, got list"),
+    (dict(sinks=torch.zeros(3)), ValueError, r"sinks must have shape \(Hq,\) = \(2,\)"),
+    (dict(sinks=torch.zeros(2, dtype=torch.int64)), TypeError, "sinks must have a floating dtype"),
+    (dict(alibi_slopes=torch.zeros(2, 3)), ValueError, r"alibi_slopes must have shape \(Hq,\) = \(2,\) or \(B, Hq\)"),
+])
+def test_bad_modifiers_raise_naming_the_argument(kw, exc, match):
+    q = torch.randn(1, 2, 8, 16)
+    with pytest.raises(exc, match=match):
+        adaattn.attention(q, q, q, **kw)
+
+
+def test_a_0d_tensor_softcap_is_taken_as_its_float():
+    q = torch.randn(1, 2, 8, 16, dtype=torch.float64)
+    a = adaattn.attention(q, q, q, softcap=torch.tensor(2.0))
+    assert torch.equal(a, adaattn.attention(q, q, q, softcap=2.0))
