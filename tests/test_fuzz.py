@@ -24,6 +24,23 @@ def test_default_policy_meets_the_standard_on_fuzzed_configurations():
     assert _run(200, 20261127, "default") == []
 
 
+def test_score_modifiers_meet_the_standard_on_fuzzed_configurations():
+    """--modifiers: softcap, sinks and ALiBi slopes (and their gradients) on top of the plain draw,
+    against the float64 softmax with them and the models' eager attention at the input dtype."""
+    findings = []
+    for index in range(150):
+        config = draw(20261128, index, "cpu", "default", modifiers=True)
+        assert config.modified
+        result = check(config, "cpu")
+        if result["status"] != "ok":
+            findings.append(f"{result['status']}: {result.get('why', '')[:200]} | {result['repro']}")
+    assert findings == []
+    # The plain draw is untouched by the modifiers' own RNG: old seeds keep their configurations.
+    plain, modified = draw(20261128, 7, "cpu"), draw(20261128, 7, "cpu", modifiers=True)
+    assert not plain.modified and plain == type(plain)(**{**modified.__dict__, "softcap": None, "sinks": False,
+                                                          "alibi": False})
+
+
 # Open findings, each with its own strict xfail below (it must keep failing until fixed):
 # (20261127, 66): bfloat16, logits x30, D = Dv = 8: our backward rounds dS to bf16 before the dS.K
 # product (as FA2, FA3 and cuDNN do) and gives dq at 2.13x torch's CPU math error (fp32 inside).

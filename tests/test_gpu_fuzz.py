@@ -50,6 +50,16 @@ def test_fuzzer_finds_nothing_in_2000_configurations_within_two_minutes(tmp_path
 
 
 @cuda
+def test_fuzzer_finds_nothing_in_500_configurations_with_score_modifiers(tmp_path):
+    path = tmp_path / "fuzz.json"
+    code = main(["--device", "cuda", "--n", "500", "--seed", "20261128", "--jobs", "12", "--modifiers",
+                 "--json", str(path)])
+    summary = json.loads(path.read_text())
+    assert [f"{r['status']}: {r.get('why', '')[:200]} | {r['repro']}" for r in summary["findings"]] == []
+    assert code == 0 and summary["ran"] == 500 and summary["modifiers"]
+
+
+@cuda
 @pytest.mark.parametrize("dtype,d,which", [(torch.float32, 256, "k"), (torch.bfloat16, 80, "v"),
                                            (torch.float16, 8, "q"), (torch.float32, 128, "q")])
 def test_views_at_odd_offsets_run_without_a_fault_or_a_warning(dtype, d, which):

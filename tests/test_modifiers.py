@@ -205,3 +205,112 @@ def test_a_0d_tensor_softcap_is_taken_as_its_float():
     q = torch.randn(1, 2, 8, 16, dtype=torch.float64)
     a = adaattn.attention(q, q, q, softcap=torch.tensor(2.0))
     assert torch.equal(a, adaattn.attention(q, q, q, softcap=2.0))
+
+
+@pytest.mark.parametrize("mod", ["softcap", "sinks", "alibi", "all"])
+@pytest.mark.parametrize("t", [1, 3])
+def test_decode_over_a_paged_cache_applies_the_modifiers_at_each_sequences_positions(mod, t):
+    from adaattn.kv import PagedKVCache
+
+    g = torch.Generator().manual_seed(3)
+    hq, hkv, d = 4, 2, 16
+    cache = PagedKVCache(1, hkv, d, num_pages=16, page_size=8, dtype=torch.float32, max_seqs=3)
+    ids = [cache.add() for _ in range(3)]
+    lengths = {ids[0]: 19, ids[2]: 7}  # sequences of different lengths: each query sits at its own position
+    keys = {s: (torch.randn(1, hkv, n, d, generator=g), torch.randn(1, hkv, n, d, generator=g))
+            for s, n in lengths.items()}
+    for s, (k, v) in keys.items():
+        cache.append(0, [s], k, v)
+    (_, _, _), sinks, slopes = _inputs(torch.float32, grad=False)
+    kw = _mods(mod, sinks, slopes)
+    q = torch.randn(2, hq, t, d, generator=g)
+    with adaattn.stats.collect() as records:
+        out = adaattn.decode_attention(q, cache, 0, seqs=list(lengths), **kw)
+    assert records[-1].backend == "kv.mods"
+    for row, (s, (k, v)) in enumerate(keys.items()):
+        want = reference_attention(q[row:row + 1], k, v, None, True, None, None, bottom_right=True,
+                                   softcap=kw.get("softcap"), sinks=kw.get("sinks"), alibi_slopes=kw.get("alibi_slopes"))
+        assert _rel(out[row:row + 1], want) < 1e-6, s
+
+
+@pytest.mark.parametrize("alignment", ["top_left", "bottom_right"])
+def test_packed_sequences_apply_the_modifiers_within_each_sequence(alignment):
+    g = torch.Generator().manual_seed(5)
+    hq, hkv, d = 4, 2, 16
+    lq, lk = [5, 9, 3], [7, 9, 6]
+    cu = lambda ls: torch.tensor([0] + list(torch.tensor(ls).cumsum(0)), dtype=torch.int32)  # noqa: E731
+    q = torch.randn(sum(lq) + 2, hq, d, generator=g, dtype=torch.float64, requires_grad=True)  # 2 rows past the end
+    k = torch.randn(sum(lk), hkv, d, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(sum(lk), hkv, d, generator=g, dtype=torch.float64, requires_grad=True)
+    (_, _, _), sinks, _ = _inputs(torch.float64)
+    slopes = torch.rand(3, hq, generator=g, dtype=torch.float64).requires_grad_()
+    out = adaattn.varlen_attention(q, k, v, cu(lq), cu(lk), max(lq), max(lk), is_causal=True,
+                                   causal_alignment=alignment, softcap=2.0, sinks=sinks, alibi_slopes=slopes)
+    assert out.shape == (sum(lq) + 2, hq, d) and not out[-2:].any()
+    oq = ok = 0
+    for b in range(3):
+        qs, ks, vs = (t[o:o + n].transpose(0, 1)[None] for t, o, n in ((q, oq, lq[b]), (k, ok, lk[b]), (v, ok, lk[b])))
+        want = reference_attention(qs, ks, vs, None, True, None, None, softcap=2.0, sinks=sinks,
+                                   alibi_slopes=slopes[b], bottom_right=alignment == "bottom_right")
+        assert _rel(out[oq:oq + lq[b]], want[0].transpose(0, 1)) < 1e-12
+        oq, ok = oq + lq[b], ok + lk[b]
+    out.sum().backward()
+    assert sinks.grad is not None and slopes.grad is not None and q.grad[-2:].abs().sum() == 0
+
+
+TRITON = pytest.mark.skipif(not (torch.cuda.is_available() or __import__("os").environ.get("TRITON_INTERPRET") == "1"),
+                            reason="the Triton runners need CUDA or the interpreter")
+
+
+@TRITON
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", [dict(), dict(is_causal=True), dict(window=(3, 2)), dict(mask="bool"),
+                                  dict(mask="additive"), dict(is_causal=True, mask="dead_rows")])
+def test_triton_soft_capping_in_tile_meets_the_standard(dtype, case):
+    """Our pointer kernels apply the soft cap in-tile, forward and backward (the chain factor
+    1 - tanh^2), against float64 and the models' eager code at the input dtype."""
+    pytest.importorskip("triton")
+    c = dict(case)
+    (q, k, v), _, _ = _inputs(dtype, nq=21, nk=19, d=32, dv=32)
+    with torch.no_grad():
+        q.mul_(3)
+        k.mul_(3)  # scores past the cap
+    mask = _mask(c.pop("mask", None), 2, 4, 21, 19, dtype)
+    with adaattn.stats.collect() as records:
+        out = adaattn.attention(q, k, v, attn_mask=mask, enable_gqa=True, softcap=2.0,
+                                policy=adaattn.Policy(backends=("triton",)), **c)
+    assert records[0].backend == "triton.ptr"
+    eager = _eager(q, k, v, mask, c.get("is_causal", False), window=c.get("window"), softcap=2.0)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    m64 = None if mask is None or mask.dtype == torch.bool else mask.double()
+    ref = reference_attention(q64, k64, v64, mask if m64 is None else m64, c.get("is_causal", False), None,
+                              c.get("window"), softcap=2.0)
+    go = torch.randn_like(ref)
+    got = torch.autograd.grad(out, (q, k, v), go.to(dtype))
+    yard = torch.autograd.grad(eager, (q, k, v), go.to(dtype))
+    exact = torch.autograd.grad(ref, (q64, k64, v64), go)
+    assert _rel(out, ref) <= 2 * _rel(eager, ref) + 1e-6
+    for name, a, y, r in zip(("dq", "dk", "dv"), got, yard, exact):
+        assert _rel(a, r) <= 2 * _rel(y, r) + 1e-6, name
+    if mask is not None and mask.dtype == torch.bool and not mask.any(-1).all():
+        assert torch.all(out[0, :, 3] == 0)
+
+
+def test_triton_takes_soft_capping_only_and_declines_it_on_the_gpu_until_checked_there(monkeypatch):
+    from adaattn.backends.triton import runner
+    from adaattn.problem import check_modifiers, validate
+
+    ptr = next(r for r in runner.triton_runners() if r.name == "triton.ptr")
+    assert ptr.modifiers == {"softcap"}
+    assert all(not r.modifiers for r in runner.triton_runners() if r.name != "triton.ptr")
+    q = torch.randn(1, 2, 8, 16)
+    problem, _ = check_modifiers(validate(q, q, q), softcap=5.0)
+    import dataclasses
+
+    cuda = dataclasses.replace(problem, device_type="cuda", device_index=0, tma_aligned=True)
+    monkeypatch.setattr(runner, "interpreting", lambda: False)
+    monkeypatch.setattr(runner.hardware, "capability_at_least", lambda *a: True)
+    monkeypatch.setattr(runner, "TRITON_FOUND", True)
+    assert any("fuzzer is owed" in r for r in ptr.supports(cuda, adaattn.Policy()))
+    with pytest.raises(ValueError, match="applies no sinks"):
+        adaattn.attention(q, q, q, sinks=torch.zeros(2), policy=adaattn.Policy(backends=("triton",)))

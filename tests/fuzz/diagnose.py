@@ -38,7 +38,7 @@ def diagnose(config: fz.Config, device: str) -> dict:
         ["dmask"] if config.mask_grad and inputs.mask is not None else [])
     units = [fz._unit(inputs, config, n) for n in names]
     ref_in = fz._as64(inputs)
-    ref_out, ref_grads = fz._forward_backward(lambda q, k, v, m: fz.reference(config, q, k, v, m), ref_in, config,
+    ref_out, ref_grads = fz._forward_backward(lambda q, k, v, m, *mods: fz.reference(config, q, k, v, m, *mods), ref_in, config,
                                               fz._wrt(ref_in, config))
     refs = [ref_out] + ref_grads
     row = {"index": config.index, "status": fz.check(config, device)["status"]}

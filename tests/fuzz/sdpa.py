@@ -9,7 +9,10 @@ few longer ones reach the runners of the medium bucket), GQA, causal and windows
 additive masks of every broadcast shape (finfo.min, -inf, -1e4, fully masked rows; float32 masks
 with half queries), tensor views (transposed, last-dimension slices at odd offsets, strided,
 expanded, permuted, misaligned bases), layout="bshd", 2- to 5-D inputs, an explicit scale,
-dropout 0, gradients (the mask's too). The standard is MEASURING.md's:
+dropout 0, gradients (the mask's too). With --modifiers each configuration also draws score
+modifiers (softcap, sinks, alibi_slopes; their gradients too), from an RNG of its own so the
+rest of the draw is the plain one's; torch has no SDPA with them, so the yardstick is the
+models' eager attention at the input dtype. The standard is MEASURING.md's:
 
     err(x) = ||x - ref64|| / ||ref64||,  pass if err(ours) <= 2 err(torch) + 1e-6
 
@@ -76,14 +79,24 @@ class Config:
     logit_scale: float  # multiplies q: large logits
     pass_dropout: bool
     policy: str = "default"
+    softcap: float | None = None  # score modifiers (--modifiers)
+    sinks: bool = False
+    alibi: bool = False
+
+    @property
+    def modified(self) -> bool:
+        return self.softcap is not None or self.sinks or self.alibi
 
     def repro(self, device: str) -> str:
         return (f"python -m tests.fuzz --device {device} --seed {self.seed} --only {self.index}"
-                + (f" --policy {self.policy}" if self.policy != "default" else ""))
+                + (f" --policy {self.policy}" if self.policy != "default" else "")
+                + (" --modifiers" if self.modified else ""))
 
 
-def draw(seed: int, index: int, device: str, policy: str = "default", max_len: int = 300) -> Config:
-    """The configuration (seed, index): its own RNG, so any one can be rerun alone."""
+def draw(seed: int, index: int, device: str, policy: str = "default", max_len: int = 300,
+         modifiers: bool = False) -> Config:
+    """The configuration (seed, index): its own RNG, so any one can be rerun alone. With
+    `modifiers`, score modifiers from a second RNG of its own (the rest is the plain draw)."""
     rng = random.Random(seed * 1_000_003 + index)
     interp = policy == "triton" and device == "cpu"
     dtype = rng.choice(["float16", "bfloat16", "float32"] * 3 + ["float64"])
@@ -147,8 +160,17 @@ def draw(seed: int, index: int, device: str, policy: str = "default", max_len: i
         mask_view=rng.choice(["contiguous", "contiguous", "transposed", "expanded", "offset_base"]),
         mask_grad=mask == "additive" and mask_fill != "-inf" and rng.random() < 0.3,
         grad=grad, logit_scale=rng.choice([1.0] * 8 + [30.0, 100.0]), pass_dropout=rng.random() < 0.3,
-        policy=policy,
+        policy=policy, **(_draw_modifiers(seed, index) if modifiers else {}),
     )
+
+
+def _draw_modifiers(seed: int, index: int) -> dict:
+    m = random.Random(seed * 1_000_003 + index + 0x5EED)
+    softcap = m.choice([None, None, 0.5, 2.0, 20.0])
+    sinks, alibi = m.random() < 0.5, m.random() < 0.4
+    if softcap is None and not sinks and not alibi:
+        softcap = 5.0
+    return dict(softcap=softcap, sinks=sinks, alibi=alibi)
 
 
 def _leaf_view(shape: tuple, dtype, device, view: str, gen: torch.Generator, rng: random.Random, scale=1.0):
@@ -221,6 +243,12 @@ class Inputs:
     v: torch.Tensor
     mask: torch.Tensor | None
     grad_out: torch.Tensor | None
+    sinks: torch.Tensor | None = None  # (Hq,), --modifiers
+    slopes: torch.Tensor | None = None  # (Hq,) ALiBi slopes
+
+    def modifiers(self) -> tuple:
+        """(sinks, slopes): what fn(q, k, v, mask, sinks, slopes) takes besides the tensors."""
+        return self.sinks, self.slopes
 
 
 def build(config: Config, device: str) -> Inputs:
@@ -256,7 +284,14 @@ def build(config: Config, device: str) -> Inputs:
         grad_out = torch.randn(*out_shape, generator=gen, dtype=torch.float64).to(dtype).to(device)
     if config.mask_grad and mask is not None:
         mask = mask.detach().requires_grad_(True) if mask._base is None else _mask_leaf(mask)
-    return Inputs(q, k, v, mask, grad_out)
+    sinks = slopes = None
+    if config.modified:  # a generator of their own: the plain draw's tensors stay what they were
+        gm = torch.Generator().manual_seed(config.seed * 1_000_003 + config.index + 0x5EED)
+        sinks = (torch.randn(config.q_heads, generator=gm, dtype=torch.float64) * 2).to(dtype).to(device)
+        slopes = (torch.rand(config.q_heads, generator=gm, dtype=torch.float64) * 0.3).to(dtype).to(device)
+        sinks = sinks.requires_grad_(config.grad) if config.sinks else None
+        slopes = slopes.requires_grad_(config.grad) if config.alibi else None
+    return Inputs(q, k, v, mask, grad_out, sinks, slopes)
 
 
 def _reapply(leaf: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
@@ -291,7 +326,7 @@ def positions(config: Config, device) -> torch.Tensor:
     return keep
 
 
-def reference(config: Config, q, k, v, mask) -> torch.Tensor:
+def reference(config: Config, q, k, v, mask, sinks=None, slopes=None) -> torch.Tensor:
     """float64 softmax attention, written here: SDPA's semantics (top-left causal, GQA, masks
     broadcast to (..., Hq, Nq, Nk), rows with no key give zeros) plus windows. Takes float64
     tensors in the call's layout and returns the output in it."""
@@ -300,19 +335,40 @@ def reference(config: Config, q, k, v, mask) -> torch.Tensor:
         groups = config.q_heads // config.kv_heads
         k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
     scale = 1.0 / math.sqrt(config.head_dim) if config.scale is None else config.scale
-    return _bhsd(softmax_attention(q, k, v, scale, positions(config, q.device), mask), config.layout)
+    return _bhsd(softmax_attention(q, k, v, scale, positions(config, q.device), mask, config.softcap,
+                                   _per_head(sinks, config), _per_head(slopes, config)), config.layout)
 
 
-def softmax_attention(q, k, v, scale, keep, mask) -> torch.Tensor:
+def _per_head(t, config: Config):
+    """A (Hq,) modifier as it broadcasts against (..., Hq, Nq, Nk) scores (no heads dim at rank 2)."""
+    if t is None:
+        return None
+    return t.reshape(-1, 1, 1) if config.rank >= 3 else t.reshape(1, 1)
+
+
+def softmax_attention(q, k, v, scale, keep, mask, softcap=None, sinks=None, slopes=None) -> torch.Tensor:
     """softmax(q k^T scale + mask) v over the keys `keep` (and a bool `mask`) allows, float64,
-    on (..., N, D) tensors of equal heads; a row with no key gives zeros."""
+    on (..., N, D) tensors of equal heads; a row with no key gives zeros. Score modifiers: the
+    soft cap c tanh(s / c) first, then the ALiBi bias -slope |i - j|, then the masks; a sink's
+    logit joins each row's denominator (sinks, slopes broadcast against the scores)."""
     s = (q @ k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if slopes is not None:
+        i = torch.arange(s.shape[-2], device=s.device, dtype=s.dtype)[:, None]
+        j = torch.arange(s.shape[-1], device=s.device, dtype=s.dtype)[None, :]
+        s = s - slopes.to(s.dtype) * (i - j).abs()
     if mask is not None:
         if mask.dtype == torch.bool:
             keep = keep & mask
         else:
             s = s + mask.double()
     s = s.masked_fill(~keep, -math.inf)
+    if sinks is not None:  # one more logit per row, never masked, with a zero value
+        z = sinks.to(s.dtype).expand(*s.shape[:-1], 1)
+        s = torch.cat([s, z], -1)
+        v = torch.cat([v.expand(*s.shape[:-2], *v.shape[-2:]), v.new_zeros(1).expand(*s.shape[:-2], 1, v.shape[-1])],
+                      -2)
     top = s.amax(-1, keepdim=True) if s.shape[-1] > 0 else s.sum(-1, keepdim=True)
     dead = torch.isneginf(top)
     p = torch.exp(s - torch.where(dead, torch.zeros_like(top), top))
@@ -346,6 +402,38 @@ def sdpa_yardstick(config: Config, q, k, v, mask, backend=None) -> torch.Tensor:
     return _bhsd(out, config.layout)
 
 
+def eager_yardstick(config: Config, q, k, v, mask, sinks=None, slopes=None) -> torch.Tensor:
+    """Attention with the score modifiers as the models' eager code computes it (Gemma 2's soft cap,
+    gpt-oss's sink column), every step at the input dtype, a fully masked row giving zeros."""
+    q, k, v = _bhsd(q, config.layout), _bhsd(k, config.layout), _bhsd(v, config.layout)
+    if config.rank >= 3 and config.q_heads != config.kv_heads:
+        groups = config.q_heads // config.kv_heads
+        k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+    scale = 1.0 / math.sqrt(config.head_dim) if config.scale is None else config.scale
+    s = (q @ k.transpose(-1, -2)) * scale
+    if config.softcap is not None:
+        s = torch.tanh(s / config.softcap) * config.softcap
+    if slopes is not None:
+        i = torch.arange(s.shape[-2], device=s.device)[:, None]
+        j = torch.arange(s.shape[-1], device=s.device)[None, :]
+        s = s - _per_head(slopes, config) * (i - j).abs().to(s.dtype)
+    keep = positions(config, q.device)
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            keep = keep & mask
+        else:
+            s = s + mask.to(s.dtype)
+    s = s.masked_fill(~keep, -math.inf)
+    if sinks is not None:
+        s = torch.cat([s, _per_head(sinks, config).expand(*s.shape[:-1], 1)], -1)
+        p = torch.softmax(s, dim=-1)[..., :-1]
+    else:  # a row with every key masked gives zeros (its scores made finite first: no NaN gradient)
+        dead = torch.isneginf(s.amax(-1, keepdim=True)) if s.shape[-1] else torch.zeros(
+            s.shape[:-1] + (1,), dtype=torch.bool, device=s.device)
+        p = torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
+    return _bhsd(p @ v, config.layout)
+
+
 def rel_err(x: torch.Tensor | None, ref: torch.Tensor, unit: float) -> float:
     """||x - ref|| / ||ref||; where the exact answer is (nearly) zero (a gradient of a one-key
     softmax, say), relative to `unit`, the size the quantity has when it is not zero."""
@@ -367,7 +455,8 @@ def rel_err(x: torch.Tensor | None, ref: torch.Tensor, unit: float) -> float:
 def _forward_backward(fn, inputs: Inputs, config: Config, wrt: list):
     """fn(q, k, v, mask) and, where the configuration wants them, the gradients of
     <out, grad_out> with respect to `wrt`."""
-    out = fn(inputs.q, inputs.k, inputs.v, inputs.mask)
+    extra = () if inputs.sinks is None and inputs.slopes is None else inputs.modifiers()
+    out = fn(inputs.q, inputs.k, inputs.v, inputs.mask, *extra)
     grads = []
     if wrt and not out.requires_grad:  # nothing to attend (an empty key): no graph, zero gradients
         grads = [None] * len(wrt)
@@ -381,6 +470,8 @@ def _wrt(inputs: Inputs, config: Config) -> list:
     wrt = [inputs.q, inputs.k, inputs.v] if config.grad else []
     if config.mask_grad and inputs.mask is not None:
         wrt.append(inputs.mask)
+    if config.grad:
+        wrt += [t for t in (inputs.sinks, inputs.slopes) if t is not None]
     return wrt
 
 
@@ -418,7 +509,8 @@ def _for_torch(inputs: Inputs, config: Config | None = None) -> Inputs:
         dense.copy_(m.detach().expand(*m.shape[:-1], nk))
         return dense
 
-    return Inputs(fix(inputs.q), fix(inputs.k), fix(inputs.v), fix_mask(inputs.mask), inputs.grad_out)
+    return Inputs(fix(inputs.q), fix(inputs.k), fix(inputs.v), fix_mask(inputs.mask), inputs.grad_out, inputs.sinks,
+                  inputs.slopes)
 
 
 def _copy(inputs: Inputs, convert) -> Inputs:
@@ -434,7 +526,8 @@ def _copy(inputs: Inputs, convert) -> Inputs:
         return fresh if t is leaf else fresh.as_strided(t.shape, t.stride(), t.storage_offset())
 
     grad_out = None if inputs.grad_out is None else convert(inputs.grad_out)
-    return Inputs(copy(inputs.q), copy(inputs.k), copy(inputs.v), copy(inputs.mask), grad_out)
+    return Inputs(copy(inputs.q), copy(inputs.k), copy(inputs.v), copy(inputs.mask), grad_out, copy(inputs.sinks),
+                  copy(inputs.slopes))
 
 
 def _as64(inputs: Inputs) -> Inputs:
@@ -467,14 +560,16 @@ def check(config: Config, device: str) -> dict:
     wrt = _wrt(inputs, config)
     policy = policy_of(config.policy)
     ref_in = _as64(inputs)
-    ref_out, ref_grads = _forward_backward(lambda q, k, v, m: reference(config, q, k, v, m), ref_in, config,
+    ref_out, ref_grads = _forward_backward(lambda q, k, v, m, *mods: reference(config, q, k, v, m, *mods), ref_in, config,
                                            _wrt(ref_in, config))
 
-    def ours(q, k, v, m):
+    def ours(q, k, v, m, sinks=None, slopes=None):
         kwargs = dict(attn_mask=m, is_causal=config.causal, scale=config.scale, enable_gqa=config.enable_gqa,
                       layout=config.layout, window=config.window, policy=policy)
         if config.pass_dropout:
             kwargs["dropout_p"] = 0.0
+        if config.modified:
+            kwargs.update(softcap=config.softcap, sinks=sinks, alibi_slopes=slopes)
         return adaattn.attention(q, k, v, **kwargs)
 
     with warnings.catch_warnings(record=True) as caught:
@@ -502,6 +597,8 @@ def check(config: Config, device: str) -> dict:
     errors = {}
     names = ["out"] + [f"d{n}" for n in ("q", "k", "v")[: 3 if config.grad else 0]] + (
         ["dmask"] if config.mask_grad and inputs.mask is not None else [])
+    if config.grad:
+        names += [n for n, t in (("dsinks", inputs.sinks), ("dslopes", inputs.slopes)) if t is not None]
     ours_all, torch_all, ref_all = [our_out] + our_grads, [torch_out] + torch_grads, [ref_out] + ref_grads
     failed = []
     units = [_unit(inputs, config, name) for name in names]
@@ -547,6 +644,9 @@ def _torch_side(config: Config, inputs: Inputs, wrt: list, device: str):
     gives a non-finite result, its math kernel; then its CPU kernel."""
     from torch.nn.attention import SDPBackend
 
+    if config.modified:  # no SDPA takes them: the models' eager attention at the input dtype
+        return _forward_backward(lambda q, k, v, m, *mods: eager_yardstick(config, q, k, v, m, *mods), inputs,
+                                 config, wrt)
     attempts = [None] + ([SDPBackend.MATH, "cpu"] if device == "cuda" else [SDPBackend.MATH])
     if device == "cuda" and config.mask_grad and inputs.mask is not None:
         # torch 2.11's default (efficient) gradient of a mask faulted (illegal memory access) on
@@ -587,7 +687,7 @@ def work(args) -> int:
         for index in indices:
             if args.deadline and time.time() > args.deadline:
                 return 0
-            config = draw(args.seed, index, device, args.policy, args.max_len)
+            config = draw(args.seed, index, device, args.policy, args.max_len, args.modifiers)
             t0 = time.perf_counter()
             try:
                 result = check(config, device)
@@ -632,7 +732,7 @@ def drive(args) -> dict:
             files[start] = part
             cmd = [sys.executable, "-m", "tests.fuzz", "--worker", "--device", args.device, "--seed", str(args.seed),
                    "--start", str(start), "--end", str(end), "--policy", args.policy, "--max-len", str(args.max_len),
-                   "--lines", part, "--deadline", str(args.deadline or 0)]
+                   "--lines", part, "--deadline", str(args.deadline or 0)] + (["--modifiers"] if args.modifiers else [])
             procs[subprocess.Popen(cmd, cwd=root, env=env)] = (start, end, part)
         for p in list(procs):
             if p.poll() is None:
@@ -646,7 +746,8 @@ def drive(args) -> dict:
                 if p.returncode != 3 and (not done or done[-1]["status"] not in ("fault", "torch_fault")):
                     with open(part, "a") as f:
                         f.write(json.dumps({"index": last + 1, "status": "fault", "repro": draw(
-                            args.seed, last + 1, args.device, args.policy, args.max_len).repro(args.device),
+                            args.seed, last + 1, args.device, args.policy, args.max_len, args.modifiers
+                        ).repro(args.device),
                             "why": f"worker died with exit code {p.returncode}"}) + "\n")
                     last += 1
                 pending.append((last + 1, end))
@@ -667,6 +768,7 @@ def drive(args) -> dict:
         "triton": _triton_version(),
         "git_commit": _git_commit(root), "source_digest": source_digest(root),
         "seed": args.seed, "n": args.n, "ran": len(results), "start": args.start, "policy": args.policy,
+        "modifiers": args.modifiers,
         "max_len": args.max_len,
         "seconds": round(time.perf_counter() - t0, 1), "restarts": restarts,
         "counts": counts,
@@ -723,6 +825,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", type=int, default=None, help="run one configuration and print its result")
     ap.add_argument("--policy", choices=("default", "triton", "auto"), default="default")
     ap.add_argument("--max-len", type=int, default=300)
+    ap.add_argument("--modifiers", action="store_true", help="draw score modifiers (softcap, sinks, alibi_slopes)")
     ap.add_argument("--jobs", type=int, default=1, help="worker processes (CPU runs)")
     ap.add_argument("--json", default=None, help="write the summary here")
     ap.add_argument("--seconds", type=float, default=None, help="stop starting configurations after this long")
@@ -735,7 +838,7 @@ def main(argv=None) -> int:
             print("set TRITON_INTERPRET=1 for --policy triton on the CPU", file=sys.stderr)
             return 2
     if args.only is not None:
-        config = draw(args.seed, args.only, args.device, args.policy, args.max_len)
+        config = draw(args.seed, args.only, args.device, args.policy, args.max_len, args.modifiers)
         print(json.dumps(asdict(config)))
         result = check(config, args.device)
         print(json.dumps({k: v for k, v in result.items() if k != "config"}, indent=1))

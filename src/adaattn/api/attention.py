@@ -160,6 +160,9 @@ def varlen_attention(
     deterministic: bool = False,
     check_offsets: bool = True,
     policy: Optional[Policy] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention over a batch of sequences of different lengths, packed without padding.
 
@@ -176,11 +179,50 @@ def varlen_attention(
         known good and the read matters.
     Returns (total_q, Hq, Dv) in q's dtype; differentiable. The planner picks the runner
     (varlen.triton: our kernels, no padding, no host sync; varlen.sdpa: torch SDPA per sequence).
+    softcap, sinks, alibi_slopes: score modifiers as attention() takes them (alibi_slopes (Hq,) or
+    (batch, Hq), positions within each sequence, aligned as causal_alignment says). Such a call
+    runs sequence by sequence in torch ops (mods.torch), after one host read of the offsets: our
+    varlen kernels apply none of them yet.
     Raises ValueError/TypeError for inconsistent shapes, dtypes, devices or offsets, each naming
     the argument.
     """
+    if softcap is not None or sinks is not None or alibi_slopes is not None:
+        return _modified_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
+                                window, causal_alignment, check_offsets, softcap, sinks, alibi_slopes)
     return _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
                              window, causal_alignment, deterministic, check_offsets, policy, None)
+
+
+def _modified_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, window,
+                     causal_alignment, check_offsets, softcap, sinks, alibi_slopes) -> torch.Tensor:
+    """varlen_attention with score modifiers: each sequence through mods.torch (one host read of the
+    offsets); rows of q past the last offset give 0, as the kernels give."""
+    import dataclasses
+
+    from ..backends.modifiers import modified_attention
+
+    check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(check_offsets))
+    if causal_alignment not in ("top_left", "bottom_right"):
+        raise ValueError(f"causal_alignment must be 'top_left' or 'bottom_right', got {causal_alignment!r}")
+    batch = cu_seqlens_q.shape[0] - 1
+    if alibi_slopes is not None and isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.dim() == 2 \
+            and alibi_slopes.shape[0] != batch:
+        raise ValueError(f"alibi_slopes must have shape (Hq,) = ({q.shape[1]},) or (batch, Hq) = ({batch}, "
+                         f"{q.shape[1]}), got {tuple(alibi_slopes.shape)}")
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    outs = []
+    for b in range(batch):
+        qs, ks, vs = (t[lo:hi].transpose(0, 1)[None] for t, lo, hi in
+                      ((q, cq[b], cq[b + 1]), (k, ck[b], ck[b + 1]), (v, ck[b], ck[b + 1])))
+        problem = validate(qs, ks, vs, None, 0.0, bool(is_causal), scale, q.shape[1] != k.shape[1], "bhsd", window)
+        problem = dataclasses.replace(problem, bottom_right=causal_alignment == "bottom_right")
+        slopes = alibi_slopes[b] if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.dim() == 2 else alibi_slopes
+        problem, modifiers = check_modifiers(problem, softcap, sinks, slopes)
+        outs.append(modified_attention(qs, ks, vs, None, problem, modifiers)[0].transpose(0, 1))
+    rest = q.shape[0] - cq[-1]
+    if rest:
+        outs.append(q.new_zeros(rest, q.shape[1], v.shape[-1]))
+    return torch.cat(outs) if outs else q.new_zeros(0, q.shape[1], v.shape[-1])
 
 
 def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale, window,

@@ -1,8 +1,8 @@
 """`mods.torch`: attention with score modifiers (soft-capping, sinks, ALiBi) in plain torch ops.
 
 The exact fallback for calls with a score modifier (problem.Modifiers has the formulas), on any
-device: the scores in float32 (float64 for float64 inputs), as torch's math kernel computes half
-precision, a block of query rows at a time so the scores of a long call never sit in memory
+device: the scores in float32 for half precision, as torch's math kernel computes it, and in float64
+for float32 and float64, a block of query rows at a time so the scores of a long call never sit in memory
 whole. Gradients flow to q, k, v, an additive mask that wants one, the sinks and the ALiBi slopes
 through autograd. Our kernels apply the modifiers in-tile where they can (their `modifiers`);
 this runner takes what they decline.
@@ -15,18 +15,21 @@ import torch
 from .base import Runner
 from .masks import position_keep
 
-# Bytes of float32 scores one block of query rows may hold (the softmax keeps a few such tensors).
+# Bytes of scores one block of query rows may hold (the softmax keeps a few such tensors).
 BLOCK_BYTES = 128 * 2**20
 
 
-def _rows_per_block(problem) -> int:
-    per_row = max(1, problem.batch * problem.q_heads * max(problem.kv_len, 1) * 4)
+def _rows_per_block(problem, compute: torch.dtype) -> int:
+    per_row = max(1, problem.batch * problem.q_heads * max(problem.kv_len, 1) * (8 if compute == torch.float64 else 4))
     return max(1, min(problem.q_len, BLOCK_BYTES // per_row))
 
 
 def modified_attention(query, key, value, attn_mask, problem, modifiers) -> torch.Tensor:
     """(B, Hq, Nq, D), (B, Hkv, Nk, D), (B, Hkv, Nk, Dv) -> (B, Hq, Nq, Dv) in the query dtype."""
-    compute = torch.float64 if query.dtype == torch.float64 else torch.float32
+    # Half precision computes in float32, as torch's math kernel; float32 in float64: gradients that sum
+    # the whole score matrix (the ALiBi slopes') lost their low bits to float32 cancellation (a CPU fuzzer,
+    # seed 4900 --modifiers #62: 4.6x eager's float32 error).
+    compute = torch.float32 if query.dtype in (torch.float16, torch.bfloat16) else torch.float64
     b, hq, nq, _ = query.shape
     hkv, nk, dv = key.shape[1], key.shape[2], value.shape[-1]
     groups = hq // hkv if hkv else 1
@@ -43,15 +46,15 @@ def modified_attention(query, key, value, attn_mask, problem, modifiers) -> torc
     if keep is not None:
         keep = keep.view(1, 1, 1, nq, nk)
     slopes = modifiers.alibi_slopes
-    if slopes is not None:
-        slopes = slopes.to(compute)
+    if slopes is not None:  # in float64: the slopes' gradient sums the whole score matrix (float32 lost 10x)
+        slopes = slopes.to(torch.float64)
         slopes = (slopes[None] if slopes.dim() == 1 else slopes).expand(b, hq).reshape(b, hkv, groups, 1, 1)
     sinks = None
     if modifiers.sinks is not None:
         sinks = modifiers.sinks.to(compute).view(1, hkv, groups, 1, 1)
     offset = nk - nq if problem.bottom_right else 0
-    cols = torch.arange(nk, device=query.device, dtype=compute)
-    step = _rows_per_block(problem)
+    cols = torch.arange(nk, device=query.device, dtype=torch.float64)
+    step = _rows_per_block(problem, compute)
     outs = []
     for r0 in range(0, nq, step):
         r1 = min(nq, r0 + step)
@@ -59,22 +62,21 @@ def modified_attention(query, key, value, attn_mask, problem, modifiers) -> torc
         if modifiers.softcap is not None:
             s = torch.tanh(s / modifiers.softcap) * modifiers.softcap
         if slopes is not None:
-            rows = torch.arange(r0, r1, device=query.device, dtype=compute)[:, None] + offset
-            s = s - slopes * (rows - cols).abs()
+            rows = torch.arange(r0, r1, device=query.device, dtype=torch.float64)[:, None] + offset
+            s = s - (slopes * (rows - cols).abs()).to(compute)
         if keep is not None:
             s = s.masked_fill(~keep[..., r0:r1, :], float("-inf"))
         if mask is not None:
             m = mask[..., r0:r1, :]
             s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.to(compute)
-        top = s.amax(dim=-1, keepdim=True)
-        if sinks is not None:
-            top = torch.maximum(top, sinks)  # the sink is never masked
-        top = torch.where(torch.isneginf(top), torch.zeros_like(top), top).detach()
-        p = torch.exp(s - top)
-        denom = p.sum(dim=-1, keepdim=True)
-        if sinks is not None:
-            denom = denom + torch.exp(sinks - top)
-        p = p / torch.where(denom == 0, torch.ones_like(denom), denom)  # a dead row: zeros
+        # torch.softmax, whose backward p * (g - sum p g) keeps each row's gradient summing to zero
+        # (an exp / sum / divide graph did not: float32 ALiBi slope gradients 10-300x eager's error).
+        if sinks is not None:  # one more logit a row, never masked, its weight dropped after
+            s = torch.cat([s, sinks.expand(*s.shape[:-1], 1)], dim=-1)
+            p = torch.softmax(s, dim=-1)[..., :-1]
+        else:
+            dead = torch.isneginf(s.amax(dim=-1, keepdim=True))  # every key masked: zeros, not NaN
+            p = torch.softmax(s.masked_fill(dead, 0.0), dim=-1).masked_fill(dead, 0.0)
         if problem.dropout_p > 0:
             p = torch.nn.functional.dropout(p, problem.dropout_p)
         outs.append(torch.matmul(p, v))

@@ -58,6 +58,7 @@ from .attention_fwd import (
     round_to,
     sequence_bounds,
     store_rows,
+    soft_cap,
 )
 
 
@@ -135,7 +136,7 @@ def exact_delta(q, do, row_a, row_b, k_base, v_base, mask_base, lo, hi, offs_m, 
                 scale_log2, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                 BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
                 HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                SPLIT_STATS: tl.constexpr):
+                SPLIT_STATS: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):
     """delta = rowsum(p * dp) in fp32 over key tiles [lo, hi), p and dp as dq_tile makes them (row
     statistics as there: row_a = lse, or with SPLIT_STATS the row max and row_b = log2 row sum)."""
     delta = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -146,6 +147,8 @@ def exact_delta(q, do, row_a, row_b, k_base, v_base, mask_base, lo, hi, offs_m, 
         v = load_rows(v_base + cols[:, None] * stride_vn + offs_dv[None, :], cols, k_len, offs_dv,
                       HEAD_DIM_V, BLOCK_DV, True)
         s = dot(q, tl.trans(k), None, DOT_PRECISION) * scale_log2
+        if SOFTCAP != 0.0:
+            s, _ = soft_cap(s, SOFTCAP)
         s = apply_masks(s, offs_m[:, None], cols[None, :], q_len, k_len, diag, window_left, window_right,
                         mask_base, stride_mm, stride_mn, True, HAS_LEFT, HAS_RIGHT, MASK_KIND)
         if SPLIT_STATS:
@@ -187,6 +190,7 @@ def attention_bwd_delta_kernel(
     BLOCK_N: tl.constexpr = 16, BOTTOM_RIGHT: tl.constexpr = False,
     HAS_LEFT: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False,
     MASK_KIND: tl.constexpr = 0, DOT_PRECISION: tl.constexpr = "ieee", EXACT_KEYS: tl.constexpr = 0,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
     """Grid: (query blocks, batch * q_heads). Delta has the layout of the saved lse: the sum
     over the HEAD_DIM_V value columns of o * do, or with EXACT_KEYS > 0, for a query block none of
@@ -252,7 +256,7 @@ def attention_bwd_delta_kernel(
                                     tl.arange(0, BLOCK_N), offs_d, offs_dv, q_len, k_len, diag, window_left,
                                     window_right, stride_kn, stride_vn, stride_mm, stride_mn, scale_log2, HEAD_DIM,
                                     BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                                    DOT_PRECISION, True)
+                                    DOT_PRECISION, True, SOFTCAP)
             else:
                 lse = tl.load(l_base + offs_m * stride_lm, mask=offs_m < q_len, other=float("inf"))
                 lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E_K
@@ -260,7 +264,7 @@ def attention_bwd_delta_kernel(
                                     tl.arange(0, BLOCK_N), offs_d, offs_dv, q_len, k_len, diag, window_left,
                                     window_right, stride_kn, stride_vn, stride_mm, stride_mn, scale_log2, HEAD_DIM,
                                     BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                                    DOT_PRECISION, False)
+                                    DOT_PRECISION, False, SOFTCAP)
         else:
             delta = delta_from_out(o_base, do, offs_m, offs_dv, q_len, stride_om, HEAD_DIM_V, BLOCK_DV)
     else:
@@ -307,7 +311,8 @@ def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, m
               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
               BLOCK_DV: tl.constexpr, EDGE: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
-              DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, SPLIT_STATS: tl.constexpr):
+              DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, SPLIT_STATS: tl.constexpr,
+              SOFTCAP: tl.constexpr = 0.0):
     """Add one query tile's contribution to dk and dv, in (key, query) orientation; with
     ATOMIC_DQ also add its dq contribution (ds^T k) to the fp32 accumulator at dq_base."""
     rows = start_m + offs_m
@@ -317,6 +322,8 @@ def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, m
                    HEAD_DIM_V, BLOCK_DV, EDGE)
     lse, delta = load_row_stats(lse_base, delta_base, rows, q_len, stride_lm, EDGE)
     s_t = dot(k, tl.trans(q), None, DOT_PRECISION) * scale_log2
+    if SOFTCAP != 0.0:
+        s_t, cap_t = soft_cap(s_t, SOFTCAP)
     s_t = apply_masks(s_t, rows[None, :], offs_n[:, None], q_len, k_len, diag, window_left, window_right,
                       mask_base, stride_mm, stride_mn, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND)
     if SPLIT_STATS:
@@ -331,6 +338,8 @@ def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, m
     # softmax scale keeps ds in half precision's range for near-overflow inputs; a tiny one (1e-4)
     # made it subnormal (a fuzzer: fp16 dq and dk 10x SDPA's error).
     ds_t = p_t * (dp_t - delta[None, :]) * scale
+    if SOFTCAP != 0.0:  # through the cap: d(c tanh(s / c)) / ds = 1 - tanh^2
+        ds_t = ds_t * (1.0 - cap_t * cap_t)
     ds_c = round_to(ds_t, q.dtype, DOT_PRECISION)
     dk = dot(ds_c, q, dk, DOT_PRECISION)
     if ATOMIC_DQ:
@@ -350,7 +359,7 @@ def dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_bas
                   BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                   EDGE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                   MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                  ROTATE: tl.constexpr, SPLIT_STATS: tl.constexpr):
+                  ROTATE: tl.constexpr, SPLIT_STATS: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):
     """The tile loop over query rows [tile_start, tile_end), in steps of BLOCK_M. With ROTATE
     (whole tiles only: tile_start and tile_end multiples of BLOCK_M) it starts at tile
     `rotate` modulo the count and wraps around, so programs of one head that run together
@@ -367,7 +376,7 @@ def dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_bas
                                offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                                stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
                                scale_log2, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                               DOT_PRECISION, ATOMIC_DQ, SPLIT_STATS)
+                               DOT_PRECISION, ATOMIC_DQ, SPLIT_STATS, SOFTCAP)
     else:
         for start_m in range(tile_start, tile_end, BLOCK_M):
             start_m = tl.multiple_of(start_m, BLOCK_M)
@@ -376,7 +385,7 @@ def dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_bas
                                offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                                stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
                                scale_log2, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                               DOT_PRECISION, ATOMIC_DQ, SPLIT_STATS)
+                               DOT_PRECISION, ATOMIC_DQ, SPLIT_STATS, SOFTCAP)
     return dk, dv
 
 
@@ -387,24 +396,24 @@ def dkdv_runs(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, m
               scale_log2, pid_n, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
               BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
               MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, ROTATE: tl.constexpr,
-              SPLIT_STATS: tl.constexpr):
+              SPLIT_STATS: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):
     """One query head's three runs of query tiles against this program's keys: [lo, full_lo) edge,
     [full_lo, full_hi) fully visible (rotated with ROTATE), [full_hi, hi) edge."""
     dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, mask_base, dq_base, lo,
                            full_lo, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                            stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
                            scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, True,
-                           HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False, SPLIT_STATS)
+                           HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False, SPLIT_STATS, SOFTCAP)
     dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, mask_base, dq_base,
                            full_lo, full_hi, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left,
                            window_right, stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm,
                            scale, scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, False,
-                           HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, ROTATE, SPLIT_STATS)
+                           HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, ROTATE, SPLIT_STATS, SOFTCAP)
     dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, mask_base, dq_base,
                            full_hi, hi, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                            stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
                            scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, True,
-                           HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False, SPLIT_STATS)
+                           HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False, SPLIT_STATS, SOFTCAP)
     return dk, dv
 
 
@@ -430,6 +439,7 @@ def attention_bwd_dkdv_kernel(
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ATOMIC_DQ: tl.constexpr = False, ROTATE: tl.constexpr = False,
     Stats=None, Flags=None, stride_ls=0, SPLIT_STATS: tl.constexpr = False, post_scale=1.0,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
     """Grid: (key blocks, batch * kv_heads). dk (B, Hkv, Nk, D) and dv (B, Hkv, Nk, Dv), summed
     over the group.
@@ -498,14 +508,14 @@ def attention_bwd_dkdv_kernel(
                                window_left, window_right, stride_qm, stride_dom, stride_lm, stride_ls, stride_mm,
                                stride_mn, stride_dqm, scale, scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
                                BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, ROTATE,
-                               True)
+                               True, SOFTCAP)
         else:
             dk, dv = dkdv_runs(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, mask_base, dq_base,
                                lo, full_lo, full_hi, hi, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag,
                                window_left, window_right, stride_qm, stride_dom, stride_lm, stride_ls, stride_mm,
                                stride_mn, stride_dqm, scale, scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
                                BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, ROTATE,
-                               False)
+                               False, SOFTCAP)
 
     store_rows(dk_base + offs_n[:, None] * stride_dkn + offs_d[None, :],
                round_to(dk * post_scale, DK.dtype.element_ty, DOT_PRECISION), offs_n, k_len, offs_d, HEAD_DIM,
@@ -521,7 +531,7 @@ def dq_tile(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, start_n,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
             BLOCK_DV: tl.constexpr, EDGE: tl.constexpr,
             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
-            DOT_PRECISION: tl.constexpr, SPLIT_STATS: tl.constexpr):
+            DOT_PRECISION: tl.constexpr, SPLIT_STATS: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):
     """Add one key tile's contribution to dq. Row statistics: row_a = lse (log2 domain), or with
     SPLIT_STATS row_a = the row max and row_b = log2 of the row sum (load_split_stats)."""
     cols = start_n + offs_n
@@ -530,6 +540,8 @@ def dq_tile(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, start_n,
     v = load_rows(v_base + cols[:, None] * stride_vn + offs_dv[None, :], cols, k_len, offs_dv,
                   HEAD_DIM_V, BLOCK_DV, EDGE)
     s = dot(q, tl.trans(k), None, DOT_PRECISION) * scale_log2
+    if SOFTCAP != 0.0:
+        s, cap = soft_cap(s, SOFTCAP)
     s = apply_masks(s, offs_m[:, None], cols[None, :], q_len, k_len, diag, window_left, window_right,
                     mask_base, stride_mm, stride_mn, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND)
     if SPLIT_STATS:
@@ -538,6 +550,8 @@ def dq_tile(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, start_n,
         p = tl.math.exp2(s - row_a[:, None])
     dp = dot(do, tl.trans(v), None, DOT_PRECISION)
     ds = p * (dp - delta[:, None]) * scale  # the ds scale (dkdv_tile says why)
+    if SOFTCAP != 0.0:
+        ds = ds * (1.0 - cap * cap)
     dq = dot(round_to(ds, k.dtype, DOT_PRECISION), k, dq, DOT_PRECISION)
     return dq
 
@@ -549,7 +563,8 @@ def dq_tile_run(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, tile_
                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                 BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                 EDGE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_STATS: tl.constexpr):
+                MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_STATS: tl.constexpr,
+                SOFTCAP: tl.constexpr = 0.0):
     """The tile loop over keys [tile_start, tile_end), in steps of BLOCK_N."""
     for start_n in range(tile_start, tile_end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -557,7 +572,7 @@ def dq_tile_run(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, tile_
                      offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                      stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
                      HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION,
-                     SPLIT_STATS)
+                     SPLIT_STATS, SOFTCAP)
     return dq
 
 
@@ -567,24 +582,24 @@ def dq_runs(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, lo, full_
             stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
             BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
-            DOT_PRECISION: tl.constexpr, SPLIT_STATS: tl.constexpr):
+            DOT_PRECISION: tl.constexpr, SPLIT_STATS: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):
     """The three runs of key tiles of one query tile: [lo, full_lo) edge, [full_lo, full_hi) fully
     visible, [full_hi, hi) edge."""
     dq = dq_tile_run(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, lo, full_lo,
                      offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                      stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
                      HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                     DOT_PRECISION, SPLIT_STATS)
+                     DOT_PRECISION, SPLIT_STATS, SOFTCAP)
     dq = dq_tile_run(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, full_lo, full_hi,
                      offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                      stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
                      HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                     DOT_PRECISION, SPLIT_STATS)
+                     DOT_PRECISION, SPLIT_STATS, SOFTCAP)
     dq = dq_tile_run(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, full_hi, hi,
                      offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                      stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
                      HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                     DOT_PRECISION, SPLIT_STATS)
+                     DOT_PRECISION, SPLIT_STATS, SOFTCAP)
     return dq
 
 
@@ -607,6 +622,7 @@ def attention_bwd_dq_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
     Stats=None, Flags=None, stride_ls=0, SPLIT_STATS: tl.constexpr = False, post_scale=1.0,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
     """Grid: (query blocks, batch * q_heads). dq is (B, Hq, Nq, D); dO (B, Hq, Nq, Dv)."""
     # Query blocks run last-first: under causal masks the last blocks do the most work, and
@@ -668,12 +684,12 @@ def attention_bwd_dq_kernel(
         dq = dq_runs(dq, q, do, m, l2, delta, k_base, v_base, mask_base, lo, full_lo, full_hi, hi, offs_m, offs_n,
                      offs_d, offs_dv, q_len, k_len, diag, window_left, window_right, stride_kn, stride_vn, stride_mm,
                      stride_mn, scale, scale_log2, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, HAS_LEFT,
-                     HAS_RIGHT, MASK_KIND, DOT_PRECISION, True)
+                     HAS_RIGHT, MASK_KIND, DOT_PRECISION, True, SOFTCAP)
     else:
         dq = dq_runs(dq, q, do, lse, lse, delta, k_base, v_base, mask_base, lo, full_lo, full_hi, hi, offs_m, offs_n,
                      offs_d, offs_dv, q_len, k_len, diag, window_left, window_right, stride_kn, stride_vn, stride_mm,
                      stride_mn, scale, scale_log2, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, HAS_LEFT,
-                     HAS_RIGHT, MASK_KIND, DOT_PRECISION, False)
+                     HAS_RIGHT, MASK_KIND, DOT_PRECISION, False, SOFTCAP)
     store_rows(dq_base + offs_m[:, None] * stride_dqm + offs_d[None, :],
                round_to(dq * post_scale, DQ.dtype.element_ty, DOT_PRECISION), offs_m, q_len, offs_d, HEAD_DIM,
                BLOCK_D)

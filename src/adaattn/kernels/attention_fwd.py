@@ -219,6 +219,18 @@ def apply_masks(s, q_idx, k_idx, q_len, k_len, diag, window_left, window_right,
 
 
 @triton.jit
+def soft_cap(s, SOFTCAP: tl.constexpr):
+    """(SOFTCAP * tanh(s / SOFTCAP), tanh(s / SOFTCAP)): logit soft-capping of scores s, both in
+    the log2 domain (SOFTCAP is the cap c times log2(e)); the tanh also gives the backward its
+    chain factor 1 - tanh^2. tanh(x) = sign(x) (1 - e^-2|x|) / (1 + e^-2|x|), exact to fp32 rounding."""
+    x = s * (1.0 / SOFTCAP)
+    e = tl.math.exp2(tl.abs(x) * (-2.0 * LOG2E_K))
+    t = (1.0 - e) / (1.0 + e)
+    t = tl.where(x < 0.0, -t, t)
+    return t * SOFTCAP, t
+
+
+@triton.jit
 def masked_softmax_step(s, m_i):
     """A tile's scores s (log2 domain, -inf where masked) against the running row max m_i:
     (p = exp2(s - new max), alpha = the rescale of what came before, the new max). A row that
@@ -234,7 +246,8 @@ def fwd_tile(acc, l_i, m_i, q, k_base, v_base, mask_base, start_n,
              stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
              EDGE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
-             DOT_PRECISION: tl.constexpr, SCALE_POSITIVE: tl.constexpr, EXP_FMA: tl.constexpr = 0):
+             DOT_PRECISION: tl.constexpr, SCALE_POSITIVE: tl.constexpr, EXP_FMA: tl.constexpr = 0,
+             SOFTCAP: tl.constexpr = 0.0):
     """Fold one key tile into the running (acc, l_i, m_i) of the online softmax. EXP_FMA: the
     share of the fully visible tiles' exp2 computed on the FMA units (exp2_tile). K tiles are
     (BLOCK_N, BLOCK_D) over HEAD_DIM columns, V tiles and acc (., BLOCK_DV) over HEAD_DIM_V."""
@@ -242,14 +255,17 @@ def fwd_tile(acc, l_i, m_i, q, k_base, v_base, mask_base, start_n,
     k = load_rows(k_base + cols[:, None] * stride_kn + offs_d[None, :], cols, k_len, offs_d,
                   HEAD_DIM, BLOCK_D, EDGE)
     qk = dot(q, tl.trans(k), None, DOT_PRECISION)
-    if (not EDGE) and MASK_KIND == 0 and SCALE_POSITIVE:
+    if (not EDGE) and MASK_KIND == 0 and SCALE_POSITIVE and SOFTCAP == 0.0:
         # Every score of the tile is visible and finite: take the row max of the raw scores
         # (a positive scale keeps the argmax) and fold scale and shift into one FMA per score.
         m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
         alpha = tl.math.exp2(m_i - m_new)
         p = exp2_tile(qk * scale_log2 - m_new[:, None], EXP_FMA)
     else:
-        s = apply_masks(qk * scale_log2, offs_m[:, None], cols[None, :], q_len, k_len, diag,
+        s = qk * scale_log2
+        if SOFTCAP != 0.0:
+            s, _ = soft_cap(s, SOFTCAP)
+        s = apply_masks(s, offs_m[:, None], cols[None, :], q_len, k_len, diag,
                         window_left, window_right, mask_base, stride_mm, stride_mn, EDGE,
                         HAS_LEFT, HAS_RIGHT, MASK_KIND)
         p, alpha, m_new = masked_softmax_step(s, m_i)
@@ -269,7 +285,7 @@ def fwd_tile_run(acc, l_i, m_i, q, k_base, v_base, mask_base, tile_start, tile_e
                  BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                  EDGE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                  MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALE_POSITIVE: tl.constexpr,
-                 EXP_FMA: tl.constexpr = 0):
+                 EXP_FMA: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0):
     """The tile loop over keys [tile_start, tile_end), in steps of BLOCK_N."""
     for start_n in range(tile_start, tile_end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -277,7 +293,7 @@ def fwd_tile_run(acc, l_i, m_i, q, k_base, v_base, mask_base, tile_start, tile_e
                                  offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                                  stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
                                  HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                                 DOT_PRECISION, SCALE_POSITIVE, EXP_FMA)
+                                 DOT_PRECISION, SCALE_POSITIVE, EXP_FMA, SOFTCAP)
     return acc, l_i, m_i
 
 
@@ -330,6 +346,7 @@ def attention_fwd_kernel(
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALE_POSITIVE: tl.constexpr,
     KDesc=None, VDesc=None, USE_TMA: tl.constexpr = False, HEAD_MAJOR: tl.constexpr = False,
     EXP_FMA: tl.constexpr = 0, Stats=None, stride_ls=0, STORE_STATS: tl.constexpr = False,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
     """Grid: (query blocks, batch * q_heads), or (batch * q_heads, query blocks) with
     HEAD_MAJOR. Writes Out rows and their log-sum-exp.
@@ -401,7 +418,7 @@ def attention_fwd_kernel(
                                  offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                                  stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
                                  HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
-                                 MASK_KIND, DOT_PRECISION, SCALE_POSITIVE)
+                                 MASK_KIND, DOT_PRECISION, SCALE_POSITIVE, 0, SOFTCAP)
     if USE_TMA:
         acc, l_i, m_i = fwd_tile_run_tma(acc, l_i, m_i, q, KDesc, VDesc, batch, kv_head, full_lo, full_hi, scale_log2,
                                          BLOCK_N, BLOCK_D, DOT_PRECISION, BLOCK_DV)
@@ -410,12 +427,12 @@ def attention_fwd_kernel(
                                      offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left,
                                      window_right, stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
                                      HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
-                                     MASK_KIND, DOT_PRECISION, SCALE_POSITIVE, EXP_FMA)
+                                     MASK_KIND, DOT_PRECISION, SCALE_POSITIVE, EXP_FMA, SOFTCAP)
     acc, l_i, m_i = fwd_tile_run(acc, l_i, m_i, q, k_base, v_base, mask_base, full_hi, hi,
                                  offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                                  stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
                                  HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
-                                 MASK_KIND, DOT_PRECISION, SCALE_POSITIVE)
+                                 MASK_KIND, DOT_PRECISION, SCALE_POSITIVE, 0, SOFTCAP)
 
     # A row that saw no key (fully masked) writes 0 and lse = -inf, as SDPA's math path.
     seen = l_i > 0.0

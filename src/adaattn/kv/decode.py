@@ -183,7 +183,9 @@ def build_plan(cache: PagedKVCache, seqs: tuple, heads: int, query_len: int, max
 
 
 def run_decode(query: torch.Tensor, cache: PagedKVCache, layer: int, plan: DecodePlan,
-               seqs: Optional[Sequence[int]] = None, scale: Optional[float] = None) -> torch.Tensor:
+               seqs: Optional[Sequence[int]] = None, scale: Optional[float] = None,
+               softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
+               alibi_slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One layer's step under `plan` (see adaattn.decode_attention)."""
     if query.dim() != 4:
         raise ValueError(f"query must be (S, Hq, T, D), got {tuple(query.shape)}")
@@ -207,19 +209,48 @@ def run_decode(query: torch.Tensor, cache: PagedKVCache, layer: int, plan: Decod
     if plan.runner == "triton" and query.dtype != cache.dtype:
         raise TypeError(f"query dtype {query.dtype} must be the cache's dtype {cache.dtype} for runner='triton'")
     extra = {}
-    if plan.sparse:
+    modified = softcap is not None or sinks is not None or alibi_slopes is not None
+    if modified:
+        out = _modified(query, cache, layer, plan, scale, lengths, softcap, sinks, alibi_slopes)
+    elif plan.sparse:
         out, extra = _sparse_step(query, cache, layer, plan, scale, lengths)
     else:
         out = _dense(query, cache, layer, plan, scale, lengths)
     if stats.enabled:
         stats.add(stats.CallRecord(
-            backend=f"kv.{plan.runner}" + (".sparse" if extra.get("sparse") == "sparse" else ""),
+            backend="kv.mods" if modified else f"kv.{plan.runner}" + (".sparse" if extra.get("sparse") == "sparse" else ""),
             shape=f"S={s} Hq={hq} Hkv={cache.kv_heads} T={t} Nk<={max(lengths)} D={d}",
             dtype=str(query.dtype).replace("torch.", ""), device=str(query.device.type),
             mode="decode" if not plan.sparse else "decode.auto",
             decisions={"why": plan.why, "storage": cache.storage, "page_size": cache.page_size,
                        "splits": plan.splits if plan.runner == "triton" else None, "layer": layer, **extra}))
     return out
+
+
+def _modified(query, cache, layer, plan, scale, lengths, softcap, sinks, alibi_slopes):
+    """A step with score modifiers (problem.Modifiers): the sequences' keys gathered (dequantized), the
+    bottom-right causal mask of each sequence's own length and its ALiBi bias, -slope * (position - key),
+    folded into one additive mask (it is added after the soft cap, as the modifiers' order asks), then
+    mods.torch (backends/modifiers.py). The split-KV kernel applies none of them yet."""
+    from ..backends.modifiers import modified_attention
+    from ..problem import check_modifiers, validate
+
+    s, hq, t, _ = query.shape
+    longest = max(lengths)
+    k, v = cache.gather(layer, plan.seqs, longest, dtype=query.dtype)
+    keys = torch.arange(longest, device=query.device)
+    pos = torch.tensor(lengths, device=query.device)[:, None] - t + torch.arange(t, device=query.device)  # (S, T)
+    distance = (pos[:, None, :, None] - keys).float()  # (S, 1, T, L): how far back each key is
+    bias = torch.zeros_like(distance).masked_fill(distance < 0, float("-inf"))
+    if alibi_slopes is not None:
+        problem = validate(query, k, v, None, 0.0, False, scale, hq != cache.kv_heads)
+        check_modifiers(problem, alibi_slopes=alibi_slopes)  # its shape and dtype, named
+        slopes = alibi_slopes.float()
+        slopes = slopes[:, :, None, None] if slopes.dim() == 2 else slopes[None, :, None, None]
+        bias = bias - slopes * distance.clamp_min(0)
+    problem = validate(query, k, v, bias, 0.0, False, scale, hq != cache.kv_heads)
+    problem, modifiers = check_modifiers(problem, softcap, sinks)
+    return modified_attention(query, k, v, bias, problem, modifiers)
 
 
 def _dense(query, cache, layer, plan, scale, lengths):

@@ -117,7 +117,8 @@ def _launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, 
     bd, bdv = block_d(lay.head_dim), block_d(lay.value_dim)  # Q/K/dQ/dK tiles; V/O/dO/dV tiles
     cu_q, cu_k = lay.offsets(cu_seqlens_q, cu_seqlens_k, q)
     flags = dict(IS_VARLEN=lay.varlen, BOTTOM_RIGHT=launch.bottom_right, HAS_LEFT=launch.has_left,
-                 HAS_RIGHT=launch.has_right, MASK_KIND=mask_kind, DOT_PRECISION=dot_precision(q.dtype))
+                 HAS_RIGHT=launch.has_right, MASK_KIND=mask_kind, DOT_PRECISION=dot_precision(q.dtype),
+                 SOFTCAP=launch.softcap * LOG2E)
     lse_st = lse_strides(lse, lay)
     dcfg = INTERPRET_CONFIGS["delta"] if interpreting() else DELTA_CONFIG
     split = {}
@@ -153,7 +154,8 @@ def _launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, 
             kv_group=lay.q_heads // lay.kv_heads, k_len_dense=lay.k_len, scale_log2=launch.scale * LOG2E,
             window_left=left, window_right=right, BLOCK_N=dcfg.block_n, BOTTOM_RIGHT=launch.bottom_right,
             HAS_LEFT=launch.has_left, HAS_RIGHT=launch.has_right, MASK_KIND=mask_kind,
-            DOT_PRECISION=flags["DOT_PRECISION"], EXACT_KEYS=exact_delta_keys(lay, launch))
+            DOT_PRECISION=flags["DOT_PRECISION"], EXACT_KEYS=exact_delta_keys(lay, launch),
+            SOFTCAP=launch.softcap * LOG2E)
         if split:
             exact["stride_ls"] = stats.stride(0)
     attention_bwd_delta_kernel[(cdiv(lay.q_len, dcfg.block_m), lay.batch * lay.q_heads)](

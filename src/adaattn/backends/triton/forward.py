@@ -93,7 +93,7 @@ def _launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             IS_VARLEN=lay.varlen, BOTTOM_RIGHT=launch.bottom_right, HAS_LEFT=launch.has_left,
             HAS_RIGHT=launch.has_right, MASK_KIND=mask_kind, DOT_PRECISION=dot_precision(q.dtype),
             SCALE_POSITIVE=launch.scale > 0, HEAD_MAJOR=head_major, EXP_FMA=launch.exp_fma,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
+            SOFTCAP=launch.softcap * LOG2E, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra,
         )
 
     mask_elem = mask.element_size() if mask_kind else 0

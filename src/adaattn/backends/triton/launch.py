@@ -40,6 +40,7 @@ class AttentionLaunch(WindowSides):
     variant: "ws" (warp-specialised, Hopper), "tma" (tensor-descriptor K/V loads) or "ptr".
     window_left / window_right: -1 where unbounded; causal is the right bound 0.
     dq_mode: how the backward makes dq ("separate" is the deterministic, atomic-free one).
+    softcap: logit soft-capping c (scores c * tanh(s / c)), 0.0 for none: the pointer kernels only.
     """
 
     variant: str
@@ -51,6 +52,7 @@ class AttentionLaunch(WindowSides):
     grid_order: str = "query_major"
     exp_fma: int = 0
     dq_mode: str = "atomic"
+    softcap: float = 0.0
 
     def __post_init__(self) -> None:
         if self.variant not in FWD_VARIANTS:
@@ -61,14 +63,18 @@ class AttentionLaunch(WindowSides):
             raise ValueError(f"dq_mode must be one of {DQ_MODES}, got {self.dq_mode!r}")
         if self.exp_fma not in (0, 2, 4):
             raise ValueError(f"exp_fma must be 0, 2 or 4, got {self.exp_fma!r}")
+        if not self.softcap >= 0.0:
+            raise ValueError(f"softcap must be >= 0 (0: none), got {self.softcap!r}")
+        if self.softcap and self.variant != "ptr":
+            raise ValueError(f"softcap runs on the ptr variant only, got {self.variant!r}")
 
 def make_launch(variant: str, scale: float, causal: bool, window_left: int = -1, window_right: int = -1,
-                bottom_right: bool = False, deterministic: bool = False) -> AttentionLaunch:
+                bottom_right: bool = False, deterministic: bool = False, softcap: float = 0.0) -> AttentionLaunch:
     """A launch description with the current settings' grid order, exp share and dq mode."""
     current = settings.current()
     return AttentionLaunch(variant, float(scale), bool(causal), bool(bottom_right), int(window_left),
                            int(window_right), current.fwd_grid, int(current.exp_fma),
-                           "separate" if deterministic else current.dq)
+                           "separate" if deterministic else current.dq, float(softcap))
 
 
 # Custom ops take plain arguments: a launch description travels as a string of its fields
@@ -79,22 +85,24 @@ _parsed: dict[str, AttentionLaunch] = {}
 def launch_id(launch: AttentionLaunch) -> str:
     """The launch description as the custom ops take it (launch_of turns it back)."""
     return (f"{launch.variant},{launch.scale!r},{int(launch.causal)},{int(launch.bottom_right)},"
-            f"{launch.window_left},{launch.window_right},{launch.grid_order},{launch.exp_fma},{launch.dq_mode}")
+            f"{launch.window_left},{launch.window_right},{launch.grid_order},{launch.exp_fma},{launch.dq_mode},"
+            f"{launch.softcap!r}")
 
 
 def launch_of(key: str) -> AttentionLaunch:
     got = _parsed.get(key)
     if got is None:
-        v, scale, causal, bottom_right, left, right, grid, exp_fma, dq = key.split(",")
+        v, scale, causal, bottom_right, left, right, grid, exp_fma, dq, softcap = key.split(",")
         got = _parsed[key] = AttentionLaunch(v, float(scale), causal == "1", bottom_right == "1", int(left),
-                                             int(right), grid, int(exp_fma), dq)
+                                             int(right), grid, int(exp_fma), dq, float(softcap))
     return got
 
 
 def shape_key(q, lay: RowLayout, launch: AttentionLaunch, mask_kind, mask_elem=0) -> tuple:
     return (q.device.type, q.device.index, q.dtype, lay.head_dim, lay.value_dim, lay.varlen, launch.causal,
             launch.bottom_right, launch.has_left, launch.window_right >= 0, mask_kind, mask_elem,
-            lay.q_heads != lay.kv_heads, length_bucket(lay.q_len), length_bucket(lay.k_len))
+            lay.q_heads != lay.kv_heads, length_bucket(lay.q_len), length_bucket(lay.k_len)) + (
+                ("softcap",) if launch.softcap else ())
 
 
 def descriptor_scope(launch: AttentionLaunch, *tensors) -> bool:
@@ -140,7 +148,7 @@ def bwd_ws_ok(dout, q, k, v, attn_mask, varlen: bool, launch: AttentionLaunch) -
     """Whether the warp-specialised backward (kernels/attention_bwd_ws.py) takes this call (tensors
     with a unit last stride): dense or packed varlen, no mask, causal or not, a left window only
     under causal, head dim 64 or 128, and descriptor_scope."""
-    if attn_mask is not None or q.shape[-1] not in (64, 128):
+    if attn_mask is not None or q.shape[-1] not in (64, 128) or launch.softcap:
         return False
     if (launch.has_right and launch.right != 0) or (launch.has_left and not launch.has_right):
         return False

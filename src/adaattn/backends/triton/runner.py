@@ -70,6 +70,8 @@ class TritonRunner(Runner):
     def __init__(self, variant: str):
         self.variant = variant
         self.name = f"triton.{variant}"
+        # Soft-capping in-tile: the pointer kernels, forward and backward (kernels/attention_fwd.soft_cap).
+        self.modifiers = frozenset(("softcap",)) if variant == "ptr" else frozenset()
 
     def supports(self, problem, policy) -> list[str]:
         reasons = triton_reasons(problem.device_type, problem.device_index, problem.dtype, problem.head_dim,
@@ -85,6 +87,9 @@ class TritonRunner(Runner):
             reasons.append(f"its backward faulted (illegal memory access) at head dims that are not a power of two "
                            f"(D 40-103 with masks or windows, a CUDA fuzzer, H200, triton 3.6; not yet traced), got "
                            f"{problem.head_dim} and {problem.value_dim}.")
+        if problem.softcap > 0 and problem.device_type == "cuda" and not interpreting():
+            reasons.append("applies soft-capping in-tile, checked under the interpreter (CPU) so far: its run "
+                           "through the CUDA fuzzer is owed before it takes GPU calls.")
         if self.variant == "ptr" or reasons:
             return reasons
         # TMA and warp-specialised loads: what a tensor descriptor takes.
@@ -114,9 +119,9 @@ class TritonRunner(Runner):
 
     def prepare(self, problem, policy) -> AttentionLaunch:
         return make_launch(self.variant, problem.scale, problem.causal, problem.window_left, problem.window_right,
-                           problem.bottom_right, _deterministic(policy))
+                           problem.bottom_right, _deterministic(policy), problem.softcap)
 
-    def run(self, query, key, value, attn_mask, problem, launch, label=None):
+    def run(self, query, key, value, attn_mask, problem, launch, label=None, modifiers=None):
         return run_dense(query, key, value, attn_mask, launch)
 
 
