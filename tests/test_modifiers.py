@@ -266,42 +266,46 @@ TRITON = pytest.mark.skipif(not (torch.cuda.is_available() or __import__("os").e
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", [dict(), dict(is_causal=True), dict(window=(3, 2)), dict(mask="bool"),
                                   dict(mask="additive"), dict(is_causal=True, mask="dead_rows")])
-def test_triton_soft_capping_in_tile_meets_the_standard(dtype, case):
+@pytest.mark.parametrize("mod", ["softcap", "sinks", "both"])
+def test_triton_soft_capping_and_sinks_meet_the_standard(dtype, case, mod):
     """Our pointer kernels apply the soft cap in-tile, forward and backward (the chain factor
-    1 - tanh^2), against float64 and the models' eager code at the input dtype."""
+    1 - tanh^2), and fold the sinks into each row's softmax (d sinks from the lse), against float64
+    and the models' eager code at the input dtype."""
     pytest.importorskip("triton")
     c = dict(case)
-    (q, k, v), _, _ = _inputs(dtype, nq=21, nk=19, d=32, dv=32)
+    (q, k, v), sinks, _ = _inputs(dtype, nq=21, nk=19, d=32, dv=32)
     with torch.no_grad():
         q.mul_(3)
         k.mul_(3)  # scores past the cap
+    kw = {"softcap": dict(softcap=2.0), "sinks": dict(sinks=sinks), "both": dict(softcap=2.0, sinks=sinks)}[mod]
     mask = _mask(c.pop("mask", None), 2, 4, 21, 19, dtype)
     with adaattn.stats.collect() as records:
-        out = adaattn.attention(q, k, v, attn_mask=mask, enable_gqa=True, softcap=2.0,
-                                policy=adaattn.Policy(backends=("triton",)), **c)
+        out = adaattn.attention(q, k, v, attn_mask=mask, enable_gqa=True, policy=adaattn.Policy(backends=("triton",)),
+                                **c, **kw)
     assert records[0].backend == "triton.ptr"
-    eager = _eager(q, k, v, mask, c.get("is_causal", False), window=c.get("window"), softcap=2.0)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    eager = _eager(q, k, v, mask, c.get("is_causal", False), window=c.get("window"), **_eager_kw(kw))
+    q64, k64, v64, s64 = (t.detach().double().requires_grad_() for t in (q, k, v, sinks))
     m64 = None if mask is None or mask.dtype == torch.bool else mask.double()
     ref = reference_attention(q64, k64, v64, mask if m64 is None else m64, c.get("is_causal", False), None,
-                              c.get("window"), softcap=2.0)
+                              c.get("window"), softcap=kw.get("softcap"), sinks=s64 if "sinks" in kw else None)
+    wrt, wrt64 = [q, k, v] + ([sinks] if "sinks" in kw else []), [q64, k64, v64] + ([s64] if "sinks" in kw else [])
     go = torch.randn_like(ref)
-    got = torch.autograd.grad(out, (q, k, v), go.to(dtype))
-    yard = torch.autograd.grad(eager, (q, k, v), go.to(dtype))
-    exact = torch.autograd.grad(ref, (q64, k64, v64), go)
+    got = torch.autograd.grad(out, wrt, go.to(dtype))
+    yard = torch.autograd.grad(eager, wrt, go.to(dtype))
+    exact = torch.autograd.grad(ref, wrt64, go)
     assert _rel(out, ref) <= 2 * _rel(eager, ref) + 1e-6
-    for name, a, y, r in zip(("dq", "dk", "dv"), got, yard, exact):
+    for name, a, y, r in zip(("dq", "dk", "dv", "dsinks"), got, yard, exact):
         assert _rel(a, r) <= 2 * _rel(y, r) + 1e-6, name
     if mask is not None and mask.dtype == torch.bool and not mask.any(-1).all():
         assert torch.all(out[0, :, 3] == 0)
 
 
-def test_triton_takes_soft_capping_only_and_declines_it_on_the_gpu_until_checked_there(monkeypatch):
+def test_triton_takes_soft_capping_and_sinks_and_declines_them_on_the_gpu_until_checked_there(monkeypatch):
     from adaattn.backends.triton import runner
     from adaattn.problem import check_modifiers, validate
 
     ptr = next(r for r in runner.triton_runners() if r.name == "triton.ptr")
-    assert ptr.modifiers == {"softcap"}
+    assert ptr.modifiers == {"softcap", "sinks"}
     assert all(not r.modifiers for r in runner.triton_runners() if r.name != "triton.ptr")
     q = torch.randn(1, 2, 8, 16)
     problem, _ = check_modifiers(validate(q, q, q), softcap=5.0)
@@ -312,5 +316,5 @@ def test_triton_takes_soft_capping_only_and_declines_it_on_the_gpu_until_checked
     monkeypatch.setattr(runner.hardware, "capability_at_least", lambda *a: True)
     monkeypatch.setattr(runner, "TRITON_FOUND", True)
     assert any("fuzzer is owed" in r for r in ptr.supports(cuda, adaattn.Policy()))
-    with pytest.raises(ValueError, match="applies no sinks"):
-        adaattn.attention(q, q, q, sinks=torch.zeros(2), policy=adaattn.Policy(backends=("triton",)))
+    with pytest.raises(ValueError, match="applies no alibi_slopes"):
+        adaattn.attention(q, q, q, alibi_slopes=torch.zeros(2), policy=adaattn.Policy(backends=("triton",)))

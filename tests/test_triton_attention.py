@@ -470,20 +470,22 @@ from adaattn.kernels.attention_bwd import attention_bwd_dkdv_kernel, attention_b
 from adaattn.kernels.attention_fwd import attention_fwd_kernel
 from sm90 import compile_for_sm90 as compile_sm90
 
-def compile_for_sm90(kernel, kind, d=128, tma=False):
+def compile_for_sm90(kernel, kind, d=128, tma=False, softcap=0.0, sinks=False):
     cfg = tc.HALF_CONFIGS[kind][tc.d_class(d)][0]
     consts = dict(HEAD_DIM=d, BLOCK_D=d, HEAD_DIM_V=d, BLOCK_DV=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, IS_VARLEN=False,
                   BOTTOM_RIGHT=False, HAS_LEFT=False, HAS_RIGHT=True, MASK_KIND=0, DOT_PRECISION="tf32",
                   ATOMIC_DQ=kind == "dkdv_atomic", ROTATE=False, USE_TMA=tma, HEAD_MAJOR=False,
-                  SCALE_POSITIVE=True, EXP_FMA=0,
+                  SCALE_POSITIVE=True, EXP_FMA=0, SOFTCAP=softcap, HAS_SINKS=sinks,
                   Stats=None, Flags=None, STORE_STATS=False, SPLIT_STATS=False)  # no split statistics
+    if not sinks:
+        consts.update(Sinks=None)
     if not tma:
         consts.update(KDesc=None, VDesc=None)
 
     def types(name):
         if name.endswith("Desc"):  # a host tensor descriptor's (B, Hkv, Nk, D) box
             return f"tensordesc<bf16[1, 1, {cfg.block_n}, {d}]>"
-        if name in ("LSE", "Delta", "DQAcc"):
+        if name in ("LSE", "Delta", "DQAcc", "Sinks"):
             return "*fp32"
         if name.startswith("CuSeqlens"):
             return "*i32"
@@ -497,7 +499,8 @@ def compile_for_sm90(kernel, kind, d=128, tma=False):
 
     c = compile_sm90(kernel, consts, types, divisible, cfg.num_warps, cfg.num_stages)
     ptx = c["ptx"]
-    return {"kind": kind + ("_tma" if tma else ""), "smem": c["smem"], "wgmma": "wgmma" in ptx,
+    return {"kind": kind + ("_tma" if tma else "") + ("_softcap" if softcap else "") + ("_sinks" if sinks else ""),
+            "smem": c["smem"], "wgmma": "wgmma" in ptx,
             "stack": c["stack"], "tma": "cp.async.bulk.tensor" in ptx,
             "mma_sync": "mma.sync" in ptx,
             "vector_red": bool(re.search(r"red\.global\.gpu\.relaxed\.add\.v[24]\.f32", ptx)),
@@ -507,7 +510,11 @@ print(json.dumps([compile_for_sm90(attention_fwd_kernel, "fwd"),
                   compile_for_sm90(attention_bwd_dkdv_kernel, "dkdv"),
                   compile_for_sm90(attention_bwd_dq_kernel, "dq"),
                   compile_for_sm90(attention_bwd_dkdv_kernel, "dkdv_atomic"),
-                  compile_for_sm90(attention_fwd_kernel, "fwd", tma=True)]))
+                  compile_for_sm90(attention_fwd_kernel, "fwd", tma=True),
+                  # score modifiers: soft-capping in every kernel that recomputes scores, sinks in the forward
+                  compile_for_sm90(attention_fwd_kernel, "fwd", softcap=50.0 * 1.4426950408889634, sinks=True),
+                  compile_for_sm90(attention_bwd_dkdv_kernel, "dkdv_atomic", softcap=50.0 * 1.4426950408889634),
+                  compile_for_sm90(attention_bwd_dq_kernel, "dq", softcap=50.0 * 1.4426950408889634)]))
 """
 
 
@@ -521,12 +528,14 @@ def test_kernels_compile_for_hopper_without_spills():
     for r in sm90.run_json(SM90_COMPILE):
         assert r["wgmma"] and not r["mma_sync"], r
         assert r["smem"] <= 232448, r
-        if r["kind"] == "dkdv_atomic":
+        if r["kind"].startswith("dkdv_atomic"):
             # One product more than dkdv: a small spill is the price (triton 3.9, first config
             # 64/128/8/2: 856 bytes; it still measured fastest on the H100 with triton 3.6, see
             # results/2026-11-22-triton-variants-h100.json); dq goes out as vectorised
             # fire-and-forget reductions, never as atomics that return a value.
-            assert r["stack"] is None or r["stack"] <= 1024, r
+            # Soft-capped, the tanh tile stays live until ds (the chain factor): 1064 bytes (triton 3.9);
+            # what that costs is for the GPU timing of the softcap line (issue 49).
+            assert r["stack"] is None or r["stack"] <= (1536 if "softcap" in r["kind"] else 1024), r
             assert r["vector_red"] and not r["atom"], r
         else:
             assert r["atom"] is False and r["stack"] in (0, None), r

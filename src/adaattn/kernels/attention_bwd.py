@@ -148,7 +148,7 @@ def exact_delta(q, do, row_a, row_b, k_base, v_base, mask_base, lo, hi, offs_m, 
                       HEAD_DIM_V, BLOCK_DV, True)
         s = dot(q, tl.trans(k), None, DOT_PRECISION) * scale_log2
         if SOFTCAP != 0.0:
-            s, _ = soft_cap(s, SOFTCAP)
+            s, _ = soft_cap(s, SOFTCAP, DOT_PRECISION)
         s = apply_masks(s, offs_m[:, None], cols[None, :], q_len, k_len, diag, window_left, window_right,
                         mask_base, stride_mm, stride_mn, True, HAS_LEFT, HAS_RIGHT, MASK_KIND)
         if SPLIT_STATS:
@@ -323,7 +323,7 @@ def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, m
     lse, delta = load_row_stats(lse_base, delta_base, rows, q_len, stride_lm, EDGE)
     s_t = dot(k, tl.trans(q), None, DOT_PRECISION) * scale_log2
     if SOFTCAP != 0.0:
-        s_t, cap_t = soft_cap(s_t, SOFTCAP)
+        s_t, cap_t = soft_cap(s_t, SOFTCAP, DOT_PRECISION)
     s_t = apply_masks(s_t, rows[None, :], offs_n[:, None], q_len, k_len, diag, window_left, window_right,
                       mask_base, stride_mm, stride_mn, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND)
     if SPLIT_STATS:
@@ -541,7 +541,7 @@ def dq_tile(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, start_n,
                   HEAD_DIM_V, BLOCK_DV, EDGE)
     s = dot(q, tl.trans(k), None, DOT_PRECISION) * scale_log2
     if SOFTCAP != 0.0:
-        s, cap = soft_cap(s, SOFTCAP)
+        s, cap = soft_cap(s, SOFTCAP, DOT_PRECISION)
     s = apply_masks(s, offs_m[:, None], cols[None, :], q_len, k_len, diag, window_left, window_right,
                     mask_base, stride_mm, stride_mn, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND)
     if SPLIT_STATS:

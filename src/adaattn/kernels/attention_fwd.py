@@ -219,14 +219,20 @@ def apply_masks(s, q_idx, k_idx, q_len, k_len, diag, window_left, window_right,
 
 
 @triton.jit
-def soft_cap(s, SOFTCAP: tl.constexpr):
+def soft_cap(s, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """(SOFTCAP * tanh(s / SOFTCAP), tanh(s / SOFTCAP)): logit soft-capping of scores s, both in
     the log2 domain (SOFTCAP is the cap c times log2(e)); the tanh also gives the backward its
-    chain factor 1 - tanh^2. tanh(x) = sign(x) (1 - e^-2|x|) / (1 + e^-2|x|), exact to fp32 rounding."""
-    x = s * (1.0 / SOFTCAP)
-    e = tl.math.exp2(tl.abs(x) * (-2.0 * LOG2E_K))
-    t = (1.0 - e) / (1.0 + e)
-    t = tl.where(x < 0.0, -t, t)
+    chain factor 1 - tanh^2. Half precision: tanh(x) = 2 / (1 + e^-2x) - 1, one exp2 and one
+    division, to fp32's absolute rounding near 0 (far below a half-precision P). float32 ("ieee"):
+    sign(x) (1 - e^-2|x|) / (1 + e^-2|x|), 2-4x more accurate near 0 (the sigmoid form gave float32
+    outputs 3x eager's error at a cap of 20), one tile more live (a spill in the half kernels)."""
+    if DOT_PRECISION == "ieee":
+        x = s * (1.0 / SOFTCAP)
+        e = tl.math.exp2(tl.abs(x) * (-2.0 * LOG2E_K))
+        t = (1.0 - e) / (1.0 + e)
+        t = tl.where(x < 0.0, -t, t)
+    else:
+        t = 2.0 / (1.0 + tl.math.exp2(s * (-2.0 * LOG2E_K / SOFTCAP))) - 1.0
     return t * SOFTCAP, t
 
 
@@ -264,7 +270,7 @@ def fwd_tile(acc, l_i, m_i, q, k_base, v_base, mask_base, start_n,
     else:
         s = qk * scale_log2
         if SOFTCAP != 0.0:
-            s, _ = soft_cap(s, SOFTCAP)
+            s, _ = soft_cap(s, SOFTCAP, DOT_PRECISION)
         s = apply_masks(s, offs_m[:, None], cols[None, :], q_len, k_len, diag,
                         window_left, window_right, mask_base, stride_mm, stride_mn, EDGE,
                         HAS_LEFT, HAS_RIGHT, MASK_KIND)
@@ -346,7 +352,7 @@ def attention_fwd_kernel(
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALE_POSITIVE: tl.constexpr,
     KDesc=None, VDesc=None, USE_TMA: tl.constexpr = False, HEAD_MAJOR: tl.constexpr = False,
     EXP_FMA: tl.constexpr = 0, Stats=None, stride_ls=0, STORE_STATS: tl.constexpr = False,
-    SOFTCAP: tl.constexpr = 0.0,
+    SOFTCAP: tl.constexpr = 0.0, Sinks=None, HAS_SINKS: tl.constexpr = False,
 ):
     """Grid: (query blocks, batch * q_heads), or (batch * q_heads, query blocks) with
     HEAD_MAJOR. Writes Out rows and their log-sum-exp.
@@ -434,13 +440,26 @@ def attention_fwd_kernel(
                                  HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
                                  MASK_KIND, DOT_PRECISION, SCALE_POSITIVE, 0, SOFTCAP)
 
+    if HAS_SINKS:
+        # The head's sink logit z joins the row's denominator with no value (gpt-oss's s_aux): one
+        # more term of the online softmax. A row with every key masked then gives 0 and lse = z.
+        z = tl.load(Sinks + head).to(tl.float32) * LOG2E_K
+        m_z = tl.maximum(m_i, z)
+        alpha = tl.math.exp2(m_i - m_z)
+        l_i = l_i * alpha + tl.math.exp2(z - m_z)
+        acc = acc * alpha[:, None]
+        m_i = m_z
     # A row that saw no key (fully masked) writes 0 and lse = -inf, as SDPA's math path.
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     log2_sum = tl.math.log2(tl.where(seen, l_i, 1.0))
     lse = tl.where(seen, (m_i + log2_sum) * LN2_K, float("-inf"))
-    store_rows(o_base + offs_m[:, None] * stride_om + offs_dv[None, :],
-               round_to(out, Out.dtype.element_ty, DOT_PRECISION), offs_m, q_len, offs_dv, HEAD_DIM_V, BLOCK_DV)
+    if Out.dtype.element_ty == tl.float32:  # float32 out for half inputs too (the sinks' backward reads it)
+        store_rows(o_base + offs_m[:, None] * stride_om + offs_dv[None, :], out, offs_m, q_len, offs_dv,
+                   HEAD_DIM_V, BLOCK_DV)
+    else:
+        store_rows(o_base + offs_m[:, None] * stride_om + offs_dv[None, :],
+                   round_to(out, Out.dtype.element_ty, DOT_PRECISION), offs_m, q_len, offs_dv, HEAD_DIM_V, BLOCK_DV)
     tl.store(l_base + offs_m * stride_lm, lse, mask=offs_m < q_len)
     if STORE_STATS:
         s_base = Stats + b64 * stride_lb + head.to(tl.int64) * stride_lh

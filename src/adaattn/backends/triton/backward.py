@@ -105,8 +105,8 @@ def _launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, 
     atomic = mode != "separate"
     q, k, v = pointer_ready(q), pointer_ready(k), pointer_ready(v)
     dout, out = pointer_ready(dout), pointer_ready(out)
-    if mode != "atomic_rotate" and bwd_ws_here(q) and bwd_ws_ok(dout, q, k, v, attn_mask, cu_seqlens_q is not None,
-                                                                 launch):
+    if mode != "atomic_rotate" and out.dtype == q.dtype and bwd_ws_here(q) and bwd_ws_ok(
+            dout, q, k, v, attn_mask, cu_seqlens_q is not None, launch):
         return _launch_bwd_ws(dout, q, k, v, out, lse, launch, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, exact_delta=exact_delta)
     lay = row_layout(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k)

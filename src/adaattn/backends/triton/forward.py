@@ -34,26 +34,41 @@ from .tuner import CONFIGS
 
 
 def launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-               launch: AttentionLaunch, stats: Optional[torch.Tensor] = None):
+               launch: AttentionLaunch, stats: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
+               out_dtype: Optional[torch.dtype] = None):
     """Run the forward kernel; returns (out (..., Dv) like q, lse fp32 (B, Hq, Nq) or (Hq, T)).
     stats: a (2, *lse shape) fp32 tensor (stats_shape) the kernel fills with the row max and
     log2 row sum under an additive mask, for launch_bwd; ignored without one. Packed rows past
-    the last sequence give 0 (and an lse of -inf)."""
-    out, lse = _launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, launch, stats)
+    the last sequence give 0 (and an lse of -inf). sinks: (Hq,) logits joining each row's denominator
+    (the ptr variant, dense calls); the lse then includes them. out_dtype: float32 for an unrounded
+    output (the ptr variant; default q's dtype)."""
+    out, lse = _launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, launch, stats,
+                           sinks, out_dtype)
     if cu_seqlens_q is not None:
         clear_packed_tails((out, cu_seqlens_q, 0, 0.0), (lse, cu_seqlens_q, 1, float("-inf")))
     return out, lse
 
 
 def _launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                launch: AttentionLaunch, stats: Optional[torch.Tensor] = None):
+                launch: AttentionLaunch, stats: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
+                out_dtype: Optional[torch.dtype] = None):
     q, k, v = pointer_ready(q), pointer_ready(k), pointer_ready(v)
     lay = row_layout(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
-    out = new_output(out_shape(q, v), q.dtype, q.device)
+    if out_dtype not in (None, q.dtype) and (out_dtype != torch.float32 or launch.variant != "ptr"):
+        raise ValueError(f"out_dtype must be None or float32 on the ptr variant, got {out_dtype} ({launch.variant})")
+    out = new_output(out_shape(q, v), out_dtype or q.dtype, q.device)
     lse = new_output(lse_shape(q, lay.varlen), torch.float32, q.device)
     if lay.batch * lay.q_heads == 0 or lay.q_len == 0 or q.numel() == 0 or out.numel() == 0:
         return out, lse
-    if lay.k_len == 0 or k.numel() == 0:  # no key: rows give 0, as SDPA's math; the lse is -inf
+    if sinks is not None and (launch.variant != "ptr" or lay.varlen):
+        raise ValueError("sinks run on the ptr forward of dense calls only")
+    if lay.k_len == 0 or k.numel() == 0:  # no key: rows give 0, as SDPA's math; the lse is -inf (with sinks: z)
+        if sinks is not None:
+            lse.copy_(sinks.float()[None, :, None].expand_as(lse))
+            if stats is not None and stats.numel():
+                stats[0].copy_(lse * LOG2E)
+                stats[1].zero_()
+            return out.zero_(), lse
         if stats is not None and stats.numel():
             stats[0].fill_(float("-inf"))
             stats[1].zero_()
@@ -78,6 +93,8 @@ def _launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         blocks = cdiv(lay.q_len, cfg.block_m)
         grid = (lay.batch * lay.q_heads, blocks) if head_major else (blocks, lay.batch * lay.q_heads)
         extra = dict(Stats=stats, stride_ls=stats.stride(0), STORE_STATS=True) if split else {}
+        if sinks is not None:
+            extra.update(Sinks=sinks, HAS_SINKS=True)
         if use_tma:
             extra.update(KDesc=descriptor(k, list(k.shape), list(k.stride()), [1, 1, cfg.block_n, bd]),
                          VDesc=descriptor(v, list(v.shape), list(v.stride()), [1, 1, cfg.block_n, bdv]),

@@ -24,7 +24,7 @@ import torch
 from ... import hardware
 from ...problem import default_scale, window_sides
 from ..base import Runner
-from .common import TRITON_FOUND, block_d, interpreting, unsupported_options
+from .common import TRITON_FOUND, block_d, interpreting, pointer_ready, unsupported_options
 from .forward import launch_fwd
 from .launch import AttentionLaunch, launch_id, make_launch
 
@@ -70,8 +70,9 @@ class TritonRunner(Runner):
     def __init__(self, variant: str):
         self.variant = variant
         self.name = f"triton.{variant}"
-        # Soft-capping in-tile: the pointer kernels, forward and backward (kernels/attention_fwd.soft_cap).
-        self.modifiers = frozenset(("softcap",)) if variant == "ptr" else frozenset()
+        # The pointer kernels: soft-capping in-tile, forward and backward (kernels/attention_fwd.soft_cap);
+        # sinks from the forward's log-sum-exp (ops.attention_with_sinks).
+        self.modifiers = frozenset(("softcap", "sinks")) if variant == "ptr" else frozenset()
 
     def supports(self, problem, policy) -> list[str]:
         reasons = triton_reasons(problem.device_type, problem.device_index, problem.dtype, problem.head_dim,
@@ -87,9 +88,11 @@ class TritonRunner(Runner):
             reasons.append(f"its backward faulted (illegal memory access) at head dims that are not a power of two "
                            f"(D 40-103 with masks or windows, a CUDA fuzzer, H200, triton 3.6; not yet traced), got "
                            f"{problem.head_dim} and {problem.value_dim}.")
-        if problem.softcap > 0 and problem.device_type == "cuda" and not interpreting():
-            reasons.append("applies soft-capping in-tile, checked under the interpreter (CPU) so far: its run "
-                           "through the CUDA fuzzer is owed before it takes GPU calls.")
+        if problem.modifiers and problem.device_type == "cuda" and not interpreting():
+            reasons.append("applies soft-capping and sinks, checked under the interpreter (CPU) so far: their run "
+                           "through the CUDA fuzzer is owed before they take GPU calls.")
+        if problem.sinks and (problem.out_lead is not None or torch.compiler.is_compiling()):
+            reasons.append("takes sinks in eager 4-D calls only (an autograd function around its kernels).")
         if self.variant == "ptr" or reasons:
             return reasons
         # TMA and warp-specialised loads: what a tensor descriptor takes.
@@ -122,6 +125,11 @@ class TritonRunner(Runner):
                            problem.bottom_right, _deterministic(policy), problem.softcap)
 
     def run(self, query, key, value, attn_mask, problem, launch, label=None, modifiers=None):
+        if modifiers is not None and modifiers.sinks is not None:
+            from .ops import attention_with_sinks
+
+            return attention_with_sinks(pointer_ready(query), pointer_ready(key), pointer_ready(value), attn_mask,
+                                        modifiers.sinks, launch_id(launch))
         return run_dense(query, key, value, attn_mask, launch)
 
 
