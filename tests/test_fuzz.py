@@ -61,12 +61,12 @@ def test_triton_score_modifiers_meet_the_standard_on_fuzzed_configurations():
     """Soft-capping and sinks in our pointer kernels (ALiBi declined: the default runner takes it)."""
     pytest.importorskip("triton")
     findings, ran = [], 0
-    for index in range(120):
+    for index in range(60):
         result = check(draw(20261129, index, "cpu", "triton", modifiers=True), "cpu")
         ran += result["status"] == "ok"
         if result["status"] not in ("ok", "declined"):
             findings.append(f"{result['status']}: {result.get('why', '')[:200]} | {result['repro']}")
-    assert findings == [] and ran >= 30
+    assert findings == [] and ran >= 15
 
 
 @INTERPRETED

@@ -35,13 +35,10 @@ def _eager(q, k, v, mask=None, causal=False, scale=None, softcap=None, sinks=Non
         s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
     if sinks is not None:
         col = sinks.to(s.dtype).reshape(-1, 1, 1).expand(*s.shape[:-1], 1)
-        s = torch.cat([s, col], -1)
-    top = s.amax(-1, keepdim=True)
-    top = torch.where(torch.isneginf(top), torch.zeros_like(top), top)
-    p = torch.exp(s - top)
-    p = p / p.sum(-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
-    if sinks is not None:
-        p = p[..., :-1]
+        p = torch.softmax(torch.cat([s, col], -1), -1)[..., :-1]
+    else:  # a row with every key masked gives zeros (made finite first: no NaN in its gradient)
+        dead = torch.isneginf(s.amax(-1, keepdim=True))
+        p = torch.softmax(s.masked_fill(dead, 0.0), -1).masked_fill(dead, 0.0)
     return p @ v
 
 
@@ -264,20 +261,21 @@ TRITON = pytest.mark.skipif(not (torch.cuda.is_available() or __import__("os").e
 
 @TRITON
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("case", [dict(), dict(is_causal=True), dict(window=(3, 2)), dict(mask="bool"),
-                                  dict(mask="additive"), dict(is_causal=True, mask="dead_rows")])
-@pytest.mark.parametrize("mod", ["softcap", "sinks", "both"])
-def test_triton_soft_capping_and_sinks_meet_the_standard(dtype, case, mod):
+@pytest.mark.parametrize("case", [dict(), dict(is_causal=True, mask="dead_rows"), dict(window=(3, 2), mask="additive")])
+@pytest.mark.parametrize("mod", ["softcap", "sinks", "alibi", "all"])
+def test_triton_score_modifiers_meet_the_standard(dtype, case, mod):
     """Our pointer kernels apply the soft cap in-tile, forward and backward (the chain factor
-    1 - tanh^2), and fold the sinks into each row's softmax (d sinks from the lse), against float64
-    and the models' eager code at the input dtype."""
+    1 - tanh^2), the ALiBi bias in every tile, and fold the sinks into each row's softmax (d sinks
+    from the lse), against float64 and the models' eager code at the input dtype."""
     pytest.importorskip("triton")
     c = dict(case)
-    (q, k, v), sinks, _ = _inputs(dtype, nq=21, nk=19, d=32, dv=32)
+    (q, k, v), sinks, slopes = _inputs(dtype, nq=21, nk=19, d=32, dv=32)
+    slopes = slopes.detach()  # no gradient from our kernels: the runner declines slopes that want one
     with torch.no_grad():
         q.mul_(3)
         k.mul_(3)  # scores past the cap
-    kw = {"softcap": dict(softcap=2.0), "sinks": dict(sinks=sinks), "both": dict(softcap=2.0, sinks=sinks)}[mod]
+    kw = {"softcap": dict(softcap=2.0), "sinks": dict(sinks=sinks), "alibi": dict(alibi_slopes=slopes),
+          "all": dict(softcap=2.0, sinks=sinks, alibi_slopes=slopes)}[mod]
     mask = _mask(c.pop("mask", None), 2, 4, 21, 19, dtype)
     with adaattn.stats.collect() as records:
         out = adaattn.attention(q, k, v, attn_mask=mask, enable_gqa=True, policy=adaattn.Policy(backends=("triton",)),
@@ -287,7 +285,8 @@ def test_triton_soft_capping_and_sinks_meet_the_standard(dtype, case, mod):
     q64, k64, v64, s64 = (t.detach().double().requires_grad_() for t in (q, k, v, sinks))
     m64 = None if mask is None or mask.dtype == torch.bool else mask.double()
     ref = reference_attention(q64, k64, v64, mask if m64 is None else m64, c.get("is_causal", False), None,
-                              c.get("window"), softcap=kw.get("softcap"), sinks=s64 if "sinks" in kw else None)
+                              c.get("window"), softcap=kw.get("softcap"), sinks=s64 if "sinks" in kw else None,
+                              alibi_slopes=kw.get("alibi_slopes"))
     wrt, wrt64 = [q, k, v] + ([sinks] if "sinks" in kw else []), [q64, k64, v64] + ([s64] if "sinks" in kw else [])
     go = torch.randn_like(ref)
     got = torch.autograd.grad(out, wrt, go.to(dtype))
@@ -300,12 +299,12 @@ def test_triton_soft_capping_and_sinks_meet_the_standard(dtype, case, mod):
         assert torch.all(out[0, :, 3] == 0)
 
 
-def test_triton_takes_soft_capping_and_sinks_and_declines_them_on_the_gpu_until_checked_there(monkeypatch):
+def test_triton_takes_the_modifiers_and_declines_them_on_the_gpu_until_checked_there(monkeypatch):
     from adaattn.backends.triton import runner
     from adaattn.problem import check_modifiers, validate
 
     ptr = next(r for r in runner.triton_runners() if r.name == "triton.ptr")
-    assert ptr.modifiers == {"softcap", "sinks"}
+    assert ptr.modifiers == {"softcap", "sinks", "alibi_slopes"}
     assert all(not r.modifiers for r in runner.triton_runners() if r.name != "triton.ptr")
     q = torch.randn(1, 2, 8, 16)
     problem, _ = check_modifiers(validate(q, q, q), softcap=5.0)
@@ -316,5 +315,6 @@ def test_triton_takes_soft_capping_and_sinks_and_declines_them_on_the_gpu_until_
     monkeypatch.setattr(runner.hardware, "capability_at_least", lambda *a: True)
     monkeypatch.setattr(runner, "TRITON_FOUND", True)
     assert any("fuzzer is owed" in r for r in ptr.supports(cuda, adaattn.Policy()))
-    with pytest.raises(ValueError, match="applies no alibi_slopes"):
-        adaattn.attention(q, q, q, alibi_slopes=torch.zeros(2), policy=adaattn.Policy(backends=("triton",)))
+    with pytest.raises(ValueError, match="gives no gradient for alibi_slopes"):
+        adaattn.attention(q, q, q, alibi_slopes=torch.zeros(2, requires_grad=True),
+                          policy=adaattn.Policy(backends=("triton",)))

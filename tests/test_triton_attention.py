@@ -470,22 +470,24 @@ from adaattn.kernels.attention_bwd import attention_bwd_dkdv_kernel, attention_b
 from adaattn.kernels.attention_fwd import attention_fwd_kernel
 from sm90 import compile_for_sm90 as compile_sm90
 
-def compile_for_sm90(kernel, kind, d=128, tma=False, softcap=0.0, sinks=False):
+def compile_for_sm90(kernel, kind, d=128, tma=False, softcap=0.0, sinks=False, alibi=False):
     cfg = tc.HALF_CONFIGS[kind][tc.d_class(d)][0]
     consts = dict(HEAD_DIM=d, BLOCK_D=d, HEAD_DIM_V=d, BLOCK_DV=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, IS_VARLEN=False,
                   BOTTOM_RIGHT=False, HAS_LEFT=False, HAS_RIGHT=True, MASK_KIND=0, DOT_PRECISION="tf32",
                   ATOMIC_DQ=kind == "dkdv_atomic", ROTATE=False, USE_TMA=tma, HEAD_MAJOR=False,
-                  SCALE_POSITIVE=True, EXP_FMA=0, SOFTCAP=softcap, HAS_SINKS=sinks,
+                  SCALE_POSITIVE=True, EXP_FMA=0, SOFTCAP=softcap, HAS_SINKS=sinks, HAS_ALIBI=alibi,
                   Stats=None, Flags=None, STORE_STATS=False, SPLIT_STATS=False)  # no split statistics
     if not sinks:
         consts.update(Sinks=None)
+    if not alibi:
+        consts.update(Slopes=None)
     if not tma:
         consts.update(KDesc=None, VDesc=None)
 
     def types(name):
         if name.endswith("Desc"):  # a host tensor descriptor's (B, Hkv, Nk, D) box
             return f"tensordesc<bf16[1, 1, {cfg.block_n}, {d}]>"
-        if name in ("LSE", "Delta", "DQAcc", "Sinks"):
+        if name in ("LSE", "Delta", "DQAcc", "Sinks", "Slopes"):
             return "*fp32"
         if name.startswith("CuSeqlens"):
             return "*i32"
@@ -499,7 +501,8 @@ def compile_for_sm90(kernel, kind, d=128, tma=False, softcap=0.0, sinks=False):
 
     c = compile_sm90(kernel, consts, types, divisible, cfg.num_warps, cfg.num_stages)
     ptx = c["ptx"]
-    return {"kind": kind + ("_tma" if tma else "") + ("_softcap" if softcap else "") + ("_sinks" if sinks else ""),
+    return {"kind": kind + ("_tma" if tma else "") + ("_softcap" if softcap else "") + ("_sinks" if sinks else "")
+            + ("_alibi" if alibi else ""),
             "smem": c["smem"], "wgmma": "wgmma" in ptx,
             "stack": c["stack"], "tma": "cp.async.bulk.tensor" in ptx,
             "mma_sync": "mma.sync" in ptx,
@@ -514,7 +517,10 @@ print(json.dumps([compile_for_sm90(attention_fwd_kernel, "fwd"),
                   # score modifiers: soft-capping in every kernel that recomputes scores, sinks in the forward
                   compile_for_sm90(attention_fwd_kernel, "fwd", softcap=50.0 * 1.4426950408889634, sinks=True),
                   compile_for_sm90(attention_bwd_dkdv_kernel, "dkdv_atomic", softcap=50.0 * 1.4426950408889634),
-                  compile_for_sm90(attention_bwd_dq_kernel, "dq", softcap=50.0 * 1.4426950408889634)]))
+                  compile_for_sm90(attention_bwd_dq_kernel, "dq", softcap=50.0 * 1.4426950408889634),
+                  compile_for_sm90(attention_fwd_kernel, "fwd", alibi=True),
+                  compile_for_sm90(attention_bwd_dkdv_kernel, "dkdv_atomic", alibi=True),
+                  compile_for_sm90(attention_bwd_dq_kernel, "dq", alibi=True)]))
 """
 
 

@@ -63,6 +63,7 @@ class Problem:
     sinks: bool = False
     alibi: bool = False
     modifier_grad: bool = False
+    alibi_grad: bool = False  # the ALiBi slopes want a gradient
 
     @property
     def modifiers(self) -> tuple[str, ...]:
@@ -115,7 +116,7 @@ class Problem:
             self.tma_aligned,
             self.varlen,
             self.bottom_right,
-            self.softcap, self.sinks, self.alibi, self.modifier_grad,
+            self.softcap, self.sinks, self.alibi, self.modifier_grad, self.alibi_grad,
             self.out_lead is not None,  # runners decline calls that are not 4-D
             self.out_lead is not None and self.scores <= SMALL_SCORES,  # and small ones of them, forward too
         )
@@ -219,8 +220,9 @@ def check_modifiers(problem: Problem, softcap: object = None, sinks: object = No
     if problem.varlen:
         raise ValueError("score modifiers (softcap, sinks, alibi_slopes) are not yet applied to packed sequences")
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (sinks, alibi_slopes))
+    alibi_grad = torch.is_grad_enabled() and alibi_slopes is not None and alibi_slopes.requires_grad
     problem = dataclasses.replace(problem, softcap=cap or 0.0, sinks=sinks is not None, alibi=alibi_slopes is not None,
-                                  modifier_grad=grad, needs_grad=problem.needs_grad or grad)
+                                  modifier_grad=grad, alibi_grad=alibi_grad, needs_grad=problem.needs_grad or grad)
     return problem, Modifiers(cap, sinks, alibi_slopes)
 
 

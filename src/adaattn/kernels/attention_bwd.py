@@ -59,6 +59,7 @@ from .attention_fwd import (
     sequence_bounds,
     store_rows,
     soft_cap,
+    alibi_bias,
 )
 
 
@@ -136,7 +137,8 @@ def exact_delta(q, do, row_a, row_b, k_base, v_base, mask_base, lo, hi, offs_m, 
                 scale_log2, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
                 BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
                 HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                SPLIT_STATS: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):
+                SPLIT_STATS: tl.constexpr, SOFTCAP: tl.constexpr = 0.0, HAS_ALIBI: tl.constexpr = False,
+                alibi2=0.0):
     """delta = rowsum(p * dp) in fp32 over key tiles [lo, hi), p and dp as dq_tile makes them (row
     statistics as there: row_a = lse, or with SPLIT_STATS the row max and row_b = log2 row sum)."""
     delta = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -149,6 +151,8 @@ def exact_delta(q, do, row_a, row_b, k_base, v_base, mask_base, lo, hi, offs_m, 
         s = dot(q, tl.trans(k), None, DOT_PRECISION) * scale_log2
         if SOFTCAP != 0.0:
             s, _ = soft_cap(s, SOFTCAP, DOT_PRECISION)
+        if HAS_ALIBI:
+            s = alibi_bias(s, offs_m[:, None], cols[None, :], diag, alibi2)
         s = apply_masks(s, offs_m[:, None], cols[None, :], q_len, k_len, diag, window_left, window_right,
                         mask_base, stride_mm, stride_mn, True, HAS_LEFT, HAS_RIGHT, MASK_KIND)
         if SPLIT_STATS:
@@ -190,7 +194,7 @@ def attention_bwd_delta_kernel(
     BLOCK_N: tl.constexpr = 16, BOTTOM_RIGHT: tl.constexpr = False,
     HAS_LEFT: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False,
     MASK_KIND: tl.constexpr = 0, DOT_PRECISION: tl.constexpr = "ieee", EXACT_KEYS: tl.constexpr = 0,
-    SOFTCAP: tl.constexpr = 0.0,
+    SOFTCAP: tl.constexpr = 0.0, Slopes=None, stride_sb=0, HAS_ALIBI: tl.constexpr = False,
 ):
     """Grid: (query blocks, batch * q_heads). Delta has the layout of the saved lse: the sum
     over the HEAD_DIM_V value columns of o * do, or with EXACT_KEYS > 0, for a query block none of
@@ -233,6 +237,10 @@ def attention_bwd_delta_kernel(
         if HAS_LEFT and HAS_RIGHT:
             seen = tl.minimum(seen, window_left + window_right + 1)
         if seen <= EXACT_KEYS:
+            if HAS_ALIBI:
+                alibi2 = tl.load(Slopes + b64 * stride_sb + head).to(tl.float32) * LOG2E_K
+            else:
+                alibi2 = 0.0
             kv_head = head // kv_group
             q_base = Q + b64 * stride_qb + head.to(tl.int64) * stride_qh
             l_base = LSE + b64 * stride_lb + head.to(tl.int64) * stride_lh
@@ -256,7 +264,7 @@ def attention_bwd_delta_kernel(
                                     tl.arange(0, BLOCK_N), offs_d, offs_dv, q_len, k_len, diag, window_left,
                                     window_right, stride_kn, stride_vn, stride_mm, stride_mn, scale_log2, HEAD_DIM,
                                     BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                                    DOT_PRECISION, True, SOFTCAP)
+                                    DOT_PRECISION, True, SOFTCAP, HAS_ALIBI, alibi2)
             else:
                 lse = tl.load(l_base + offs_m * stride_lm, mask=offs_m < q_len, other=float("inf"))
                 lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E_K
@@ -264,7 +272,7 @@ def attention_bwd_delta_kernel(
                                     tl.arange(0, BLOCK_N), offs_d, offs_dv, q_len, k_len, diag, window_left,
                                     window_right, stride_kn, stride_vn, stride_mm, stride_mn, scale_log2, HEAD_DIM,
                                     BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                                    DOT_PRECISION, False, SOFTCAP)
+                                    DOT_PRECISION, False, SOFTCAP, HAS_ALIBI, alibi2)
         else:
             delta = delta_from_out(o_base, do, offs_m, offs_dv, q_len, stride_om, HEAD_DIM_V, BLOCK_DV)
     else:
@@ -312,7 +320,7 @@ def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, m
               BLOCK_DV: tl.constexpr, EDGE: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
               DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, SPLIT_STATS: tl.constexpr,
-              SOFTCAP: tl.constexpr = 0.0):
+              SOFTCAP: tl.constexpr = 0.0, HAS_ALIBI: tl.constexpr = False, alibi2=0.0):
     """Add one query tile's contribution to dk and dv, in (key, query) orientation; with
     ATOMIC_DQ also add its dq contribution (ds^T k) to the fp32 accumulator at dq_base."""
     rows = start_m + offs_m
@@ -324,6 +332,8 @@ def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, m
     s_t = dot(k, tl.trans(q), None, DOT_PRECISION) * scale_log2
     if SOFTCAP != 0.0:
         s_t, cap_t = soft_cap(s_t, SOFTCAP, DOT_PRECISION)
+    if HAS_ALIBI:
+        s_t = alibi_bias(s_t, rows[None, :], offs_n[:, None], diag, alibi2)
     s_t = apply_masks(s_t, rows[None, :], offs_n[:, None], q_len, k_len, diag, window_left, window_right,
                       mask_base, stride_mm, stride_mn, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND)
     if SPLIT_STATS:
@@ -359,7 +369,8 @@ def dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_bas
                   BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
                   EDGE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                   MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-                  ROTATE: tl.constexpr, SPLIT_STATS: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):
+                  ROTATE: tl.constexpr, SPLIT_STATS: tl.constexpr, SOFTCAP: tl.constexpr = 0.0,
+                  HAS_ALIBI: tl.constexpr = False, alibi2=0.0):
     """The tile loop over query rows [tile_start, tile_end), in steps of BLOCK_M. With ROTATE
     (whole tiles only: tile_start and tile_end multiples of BLOCK_M) it starts at tile
     `rotate` modulo the count and wraps around, so programs of one head that run together
@@ -376,7 +387,7 @@ def dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_bas
                                offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                                stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
                                scale_log2, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                               DOT_PRECISION, ATOMIC_DQ, SPLIT_STATS, SOFTCAP)
+                               DOT_PRECISION, ATOMIC_DQ, SPLIT_STATS, SOFTCAP, HAS_ALIBI, alibi2)
     else:
         for start_m in range(tile_start, tile_end, BLOCK_M):
             start_m = tl.multiple_of(start_m, BLOCK_M)
@@ -385,7 +396,7 @@ def dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_bas
                                offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                                stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
                                scale_log2, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                               DOT_PRECISION, ATOMIC_DQ, SPLIT_STATS, SOFTCAP)
+                               DOT_PRECISION, ATOMIC_DQ, SPLIT_STATS, SOFTCAP, HAS_ALIBI, alibi2)
     return dk, dv
 
 
@@ -396,24 +407,25 @@ def dkdv_runs(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, m
               scale_log2, pid_n, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
               BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
               MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, ROTATE: tl.constexpr,
-              SPLIT_STATS: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):
+              SPLIT_STATS: tl.constexpr, SOFTCAP: tl.constexpr = 0.0, HAS_ALIBI: tl.constexpr = False,
+              alibi2=0.0):
     """One query head's three runs of query tiles against this program's keys: [lo, full_lo) edge,
     [full_lo, full_hi) fully visible (rotated with ROTATE), [full_hi, hi) edge."""
     dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, mask_base, dq_base, lo,
                            full_lo, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                            stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
                            scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, True,
-                           HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False, SPLIT_STATS, SOFTCAP)
+                           HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False, SPLIT_STATS, SOFTCAP, HAS_ALIBI, alibi2)
     dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, mask_base, dq_base,
                            full_lo, full_hi, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left,
                            window_right, stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm,
                            scale, scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, False,
-                           HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, ROTATE, SPLIT_STATS, SOFTCAP)
+                           HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, ROTATE, SPLIT_STATS, SOFTCAP, HAS_ALIBI, alibi2)
     dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, mask_base, dq_base,
                            full_hi, hi, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                            stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
                            scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, True,
-                           HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False, SPLIT_STATS, SOFTCAP)
+                           HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False, SPLIT_STATS, SOFTCAP, HAS_ALIBI, alibi2)
     return dk, dv
 
 
@@ -439,7 +451,7 @@ def attention_bwd_dkdv_kernel(
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ATOMIC_DQ: tl.constexpr = False, ROTATE: tl.constexpr = False,
     Stats=None, Flags=None, stride_ls=0, SPLIT_STATS: tl.constexpr = False, post_scale=1.0,
-    SOFTCAP: tl.constexpr = 0.0,
+    SOFTCAP: tl.constexpr = 0.0, Slopes=None, stride_sb=0, HAS_ALIBI: tl.constexpr = False,
 ):
     """Grid: (key blocks, batch * kv_heads). dk (B, Hkv, Nk, D) and dv (B, Hkv, Nk, Dv), summed
     over the group.
@@ -484,6 +496,10 @@ def attention_bwd_dkdv_kernel(
                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     for g in range(0, kv_group):
         head = (kv_head * kv_group + g).to(tl.int64)
+        if HAS_ALIBI:  # this query head's slope, in the log2 domain
+            alibi2 = tl.load(Slopes + b64 * stride_sb + head).to(tl.float32) * LOG2E_K
+        else:
+            alibi2 = 0.0
         q_base = Q + b64 * stride_qb + head * stride_qh
         do_base = DOut + b64 * stride_dob + head * stride_doh
         lse_base = LSE + b64 * stride_lb + head * stride_lh
@@ -508,14 +524,14 @@ def attention_bwd_dkdv_kernel(
                                window_left, window_right, stride_qm, stride_dom, stride_lm, stride_ls, stride_mm,
                                stride_mn, stride_dqm, scale, scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
                                BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, ROTATE,
-                               True, SOFTCAP)
+                               True, SOFTCAP, HAS_ALIBI, alibi2)
         else:
             dk, dv = dkdv_runs(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, mask_base, dq_base,
                                lo, full_lo, full_hi, hi, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag,
                                window_left, window_right, stride_qm, stride_dom, stride_lm, stride_ls, stride_mm,
                                stride_mn, stride_dqm, scale, scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
                                BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, ROTATE,
-                               False, SOFTCAP)
+                               False, SOFTCAP, HAS_ALIBI, alibi2)
 
     store_rows(dk_base + offs_n[:, None] * stride_dkn + offs_d[None, :],
                round_to(dk * post_scale, DK.dtype.element_ty, DOT_PRECISION), offs_n, k_len, offs_d, HEAD_DIM,
@@ -531,7 +547,8 @@ def dq_tile(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, start_n,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr,
             BLOCK_DV: tl.constexpr, EDGE: tl.constexpr,
             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
-            DOT_PRECISION: tl.constexpr, SPLIT_STATS: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):
+            DOT_PRECISION: tl.constexpr, SPLIT_STATS: tl.constexpr, SOFTCAP: tl.constexpr = 0.0,
+            HAS_ALIBI: tl.constexpr = False, alibi2=0.0):
     """Add one key tile's contribution to dq. Row statistics: row_a = lse (log2 domain), or with
     SPLIT_STATS row_a = the row max and row_b = log2 of the row sum (load_split_stats)."""
     cols = start_n + offs_n
@@ -542,6 +559,8 @@ def dq_tile(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, start_n,
     s = dot(q, tl.trans(k), None, DOT_PRECISION) * scale_log2
     if SOFTCAP != 0.0:
         s, cap = soft_cap(s, SOFTCAP, DOT_PRECISION)
+    if HAS_ALIBI:
+        s = alibi_bias(s, offs_m[:, None], cols[None, :], diag, alibi2)
     s = apply_masks(s, offs_m[:, None], cols[None, :], q_len, k_len, diag, window_left, window_right,
                     mask_base, stride_mm, stride_mn, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND)
     if SPLIT_STATS:
@@ -564,7 +583,8 @@ def dq_tile_run(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, tile_
                 BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                 EDGE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                 MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_STATS: tl.constexpr,
-                SOFTCAP: tl.constexpr = 0.0):
+                SOFTCAP: tl.constexpr = 0.0,
+                HAS_ALIBI: tl.constexpr = False, alibi2=0.0):
     """The tile loop over keys [tile_start, tile_end), in steps of BLOCK_N."""
     for start_n in range(tile_start, tile_end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -572,7 +592,7 @@ def dq_tile_run(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, tile_
                      offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                      stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
                      HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION,
-                     SPLIT_STATS, SOFTCAP)
+                     SPLIT_STATS, SOFTCAP, HAS_ALIBI, alibi2)
     return dq
 
 
@@ -582,24 +602,25 @@ def dq_runs(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, lo, full_
             stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
             BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
-            DOT_PRECISION: tl.constexpr, SPLIT_STATS: tl.constexpr, SOFTCAP: tl.constexpr = 0.0):
+            DOT_PRECISION: tl.constexpr, SPLIT_STATS: tl.constexpr, SOFTCAP: tl.constexpr = 0.0,
+                HAS_ALIBI: tl.constexpr = False, alibi2=0.0):
     """The three runs of key tiles of one query tile: [lo, full_lo) edge, [full_lo, full_hi) fully
     visible, [full_hi, hi) edge."""
     dq = dq_tile_run(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, lo, full_lo,
                      offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                      stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
                      HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                     DOT_PRECISION, SPLIT_STATS, SOFTCAP)
+                     DOT_PRECISION, SPLIT_STATS, SOFTCAP, HAS_ALIBI, alibi2)
     dq = dq_tile_run(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, full_lo, full_hi,
                      offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                      stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
                      HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                     DOT_PRECISION, SPLIT_STATS, SOFTCAP)
+                     DOT_PRECISION, SPLIT_STATS, SOFTCAP, HAS_ALIBI, alibi2)
     dq = dq_tile_run(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, full_hi, hi,
                      offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                      stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
                      HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                     DOT_PRECISION, SPLIT_STATS, SOFTCAP)
+                     DOT_PRECISION, SPLIT_STATS, SOFTCAP, HAS_ALIBI, alibi2)
     return dq
 
 
@@ -622,7 +643,7 @@ def attention_bwd_dq_kernel(
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
     Stats=None, Flags=None, stride_ls=0, SPLIT_STATS: tl.constexpr = False, post_scale=1.0,
-    SOFTCAP: tl.constexpr = 0.0,
+    SOFTCAP: tl.constexpr = 0.0, Slopes=None, stride_sb=0, HAS_ALIBI: tl.constexpr = False,
 ):
     """Grid: (query blocks, batch * q_heads). dq is (B, Hq, Nq, D); dO (B, Hq, Nq, Dv)."""
     # Query blocks run last-first: under causal masks the last blocks do the most work, and
@@ -653,6 +674,10 @@ def attention_bwd_dq_kernel(
     k_base = K + b64 * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_base = V + b64 * stride_vb + kv_head.to(tl.int64) * stride_vh
     mask_base = Mask + b64 * stride_mb + head.to(tl.int64) * stride_mh
+    if HAS_ALIBI:  # this query head's slope, in the log2 domain
+        alibi2 = tl.load(Slopes + b64 * stride_sb + head).to(tl.float32) * LOG2E_K
+    else:
+        alibi2 = 0.0
     if IS_VARLEN:
         q_base += q_start.to(tl.int64) * stride_qm
         do_base += q_start.to(tl.int64) * stride_dom
@@ -684,12 +709,12 @@ def attention_bwd_dq_kernel(
         dq = dq_runs(dq, q, do, m, l2, delta, k_base, v_base, mask_base, lo, full_lo, full_hi, hi, offs_m, offs_n,
                      offs_d, offs_dv, q_len, k_len, diag, window_left, window_right, stride_kn, stride_vn, stride_mm,
                      stride_mn, scale, scale_log2, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, HAS_LEFT,
-                     HAS_RIGHT, MASK_KIND, DOT_PRECISION, True, SOFTCAP)
+                     HAS_RIGHT, MASK_KIND, DOT_PRECISION, True, SOFTCAP, HAS_ALIBI, alibi2)
     else:
         dq = dq_runs(dq, q, do, lse, lse, delta, k_base, v_base, mask_base, lo, full_lo, full_hi, hi, offs_m, offs_n,
                      offs_d, offs_dv, q_len, k_len, diag, window_left, window_right, stride_kn, stride_vn, stride_mm,
                      stride_mn, scale, scale_log2, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, HAS_LEFT,
-                     HAS_RIGHT, MASK_KIND, DOT_PRECISION, False, SOFTCAP)
+                     HAS_RIGHT, MASK_KIND, DOT_PRECISION, False, SOFTCAP, HAS_ALIBI, alibi2)
     store_rows(dq_base + offs_m[:, None] * stride_dqm + offs_d[None, :],
                round_to(dq * post_scale, DQ.dtype.element_ty, DOT_PRECISION), offs_m, q_len, offs_d, HEAD_DIM,
                BLOCK_D)

@@ -237,6 +237,13 @@ def soft_cap(s, SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def alibi_bias(s, q_idx, k_idx, diag, alibi2):
+    """Scores s (log2 domain) less the ALiBi bias slope * |position - key| (alibi2: the slope times
+    log2(e)); q_idx and k_idx broadcast as apply_masks takes them, the query at q_idx + diag."""
+    return s - alibi2 * tl.abs((q_idx + diag) - k_idx).to(tl.float32)
+
+
+@triton.jit
 def masked_softmax_step(s, m_i):
     """A tile's scores s (log2 domain, -inf where masked) against the running row max m_i:
     (p = exp2(s - new max), alpha = the rescale of what came before, the new max). A row that
@@ -253,7 +260,7 @@ def fwd_tile(acc, l_i, m_i, q, k_base, v_base, mask_base, start_n,
              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
              EDGE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
              DOT_PRECISION: tl.constexpr, SCALE_POSITIVE: tl.constexpr, EXP_FMA: tl.constexpr = 0,
-             SOFTCAP: tl.constexpr = 0.0):
+             SOFTCAP: tl.constexpr = 0.0, HAS_ALIBI: tl.constexpr = False, alibi2=0.0):
     """Fold one key tile into the running (acc, l_i, m_i) of the online softmax. EXP_FMA: the
     share of the fully visible tiles' exp2 computed on the FMA units (exp2_tile). K tiles are
     (BLOCK_N, BLOCK_D) over HEAD_DIM columns, V tiles and acc (., BLOCK_DV) over HEAD_DIM_V."""
@@ -261,7 +268,7 @@ def fwd_tile(acc, l_i, m_i, q, k_base, v_base, mask_base, start_n,
     k = load_rows(k_base + cols[:, None] * stride_kn + offs_d[None, :], cols, k_len, offs_d,
                   HEAD_DIM, BLOCK_D, EDGE)
     qk = dot(q, tl.trans(k), None, DOT_PRECISION)
-    if (not EDGE) and MASK_KIND == 0 and SCALE_POSITIVE and SOFTCAP == 0.0:
+    if (not EDGE) and MASK_KIND == 0 and SCALE_POSITIVE and SOFTCAP == 0.0 and not HAS_ALIBI:
         # Every score of the tile is visible and finite: take the row max of the raw scores
         # (a positive scale keeps the argmax) and fold scale and shift into one FMA per score.
         m_new = tl.maximum(m_i, tl.max(qk, 1) * scale_log2)
@@ -271,6 +278,8 @@ def fwd_tile(acc, l_i, m_i, q, k_base, v_base, mask_base, start_n,
         s = qk * scale_log2
         if SOFTCAP != 0.0:
             s, _ = soft_cap(s, SOFTCAP, DOT_PRECISION)
+        if HAS_ALIBI:
+            s = alibi_bias(s, offs_m[:, None], cols[None, :], diag, alibi2)
         s = apply_masks(s, offs_m[:, None], cols[None, :], q_len, k_len, diag,
                         window_left, window_right, mask_base, stride_mm, stride_mn, EDGE,
                         HAS_LEFT, HAS_RIGHT, MASK_KIND)
@@ -291,7 +300,8 @@ def fwd_tile_run(acc, l_i, m_i, q, k_base, v_base, mask_base, tile_start, tile_e
                  BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr,
                  EDGE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                  MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, SCALE_POSITIVE: tl.constexpr,
-                 EXP_FMA: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0):
+                 EXP_FMA: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, HAS_ALIBI: tl.constexpr = False,
+                 alibi2=0.0):
     """The tile loop over keys [tile_start, tile_end), in steps of BLOCK_N."""
     for start_n in range(tile_start, tile_end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -299,7 +309,7 @@ def fwd_tile_run(acc, l_i, m_i, q, k_base, v_base, mask_base, tile_start, tile_e
                                  offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                                  stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
                                  HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                                 DOT_PRECISION, SCALE_POSITIVE, EXP_FMA, SOFTCAP)
+                                 DOT_PRECISION, SCALE_POSITIVE, EXP_FMA, SOFTCAP, HAS_ALIBI, alibi2)
     return acc, l_i, m_i
 
 
@@ -353,6 +363,7 @@ def attention_fwd_kernel(
     KDesc=None, VDesc=None, USE_TMA: tl.constexpr = False, HEAD_MAJOR: tl.constexpr = False,
     EXP_FMA: tl.constexpr = 0, Stats=None, stride_ls=0, STORE_STATS: tl.constexpr = False,
     SOFTCAP: tl.constexpr = 0.0, Sinks=None, HAS_SINKS: tl.constexpr = False,
+    Slopes=None, stride_sb=0, HAS_ALIBI: tl.constexpr = False,
 ):
     """Grid: (query blocks, batch * q_heads), or (batch * q_heads, query blocks) with
     HEAD_MAJOR. Writes Out rows and their log-sum-exp.
@@ -417,6 +428,10 @@ def attention_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    if HAS_ALIBI:  # this (batch, head)'s slope, in the log2 domain
+        alibi2 = tl.load(Slopes + b64 * stride_sb + head).to(tl.float32) * LOG2E_K
+    else:
+        alibi2 = 0.0
 
     lo, full_lo, full_hi, hi = key_tile_range(start_m, q_len, k_len, diag, window_left, window_right,
                                               BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
@@ -424,7 +439,7 @@ def attention_fwd_kernel(
                                  offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                                  stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
                                  HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
-                                 MASK_KIND, DOT_PRECISION, SCALE_POSITIVE, 0, SOFTCAP)
+                                 MASK_KIND, DOT_PRECISION, SCALE_POSITIVE, 0, SOFTCAP, HAS_ALIBI, alibi2)
     if USE_TMA:
         acc, l_i, m_i = fwd_tile_run_tma(acc, l_i, m_i, q, KDesc, VDesc, batch, kv_head, full_lo, full_hi, scale_log2,
                                          BLOCK_N, BLOCK_D, DOT_PRECISION, BLOCK_DV)
@@ -433,12 +448,13 @@ def attention_fwd_kernel(
                                      offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left,
                                      window_right, stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
                                      HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT,
-                                     MASK_KIND, DOT_PRECISION, SCALE_POSITIVE, EXP_FMA, SOFTCAP)
+                                     MASK_KIND, DOT_PRECISION, SCALE_POSITIVE, EXP_FMA, SOFTCAP, HAS_ALIBI,
+                                     alibi2)
     acc, l_i, m_i = fwd_tile_run(acc, l_i, m_i, q, k_base, v_base, mask_base, full_hi, hi,
                                  offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                                  stride_kn, stride_vn, stride_mm, stride_mn, scale_log2,
                                  HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT,
-                                 MASK_KIND, DOT_PRECISION, SCALE_POSITIVE, 0, SOFTCAP)
+                                 MASK_KIND, DOT_PRECISION, SCALE_POSITIVE, 0, SOFTCAP, HAS_ALIBI, alibi2)
 
     if HAS_SINKS:
         # The head's sink logit z joins the row's denominator with no value (gpt-oss's s_aux): one

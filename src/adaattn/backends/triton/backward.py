@@ -14,6 +14,7 @@ import torch
 
 from .common import (
     LOG2E,
+    alibi_args,
     MASK_NONE,
     KernelConfig,
     RowLayout,
@@ -81,20 +82,23 @@ def _clear_packed_grads(grads: tuple, cu_seqlens_q, cu_seqlens_k) -> tuple:
 
 
 def launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-               launch: AttentionLaunch, stats: Optional[torch.Tensor] = None, exact_delta: bool = False):
+               launch: AttentionLaunch, stats: Optional[torch.Tensor] = None, exact_delta: bool = False,
+               slopes: Optional[torch.Tensor] = None):
     """Run delta, dk/dv and dq kernels; returns (dq, dk, dv) shaped like q, k, v.
     launch.dq_mode "separate" is the one whose bits do not depend on timing. stats: what
     launch_fwd filled under an additive mask (recomputed probabilities then keep full precision
     under large biases); without it the backward reads lse alone. Packed rows past the last
     sequence get 0. exact_delta: out and lse are these keys' own forward (not a ring step's global
-    ones), so delta may be recomputed from q, k, v where a query tile sees few keys (EXACT_DELTA_KEYS)."""
+    ones), so delta may be recomputed from q, k, v where a query tile sees few keys (EXACT_DELTA_KEYS).
+    slopes: the forward's ALiBi slopes (launch_fwd), float32; no gradient reaches them."""
     return _clear_packed_grads(_launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k,
-                                           max_seqlen_q, max_seqlen_k, launch, stats, exact_delta),
+                                           max_seqlen_q, max_seqlen_k, launch, stats, exact_delta, slopes),
                                cu_seqlens_q, cu_seqlens_k)
 
 
 def _launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                launch: AttentionLaunch, stats: Optional[torch.Tensor] = None, exact_delta: bool = False):
+                launch: AttentionLaunch, stats: Optional[torch.Tensor] = None, exact_delta: bool = False,
+                slopes: Optional[torch.Tensor] = None):
     from ...kernels.attention_bwd import (
         attention_bwd_delta_kernel,
         attention_bwd_dkdv_kernel,
@@ -105,7 +109,7 @@ def _launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, 
     atomic = mode != "separate"
     q, k, v = pointer_ready(q), pointer_ready(k), pointer_ready(v)
     dout, out = pointer_ready(dout), pointer_ready(out)
-    if mode != "atomic_rotate" and out.dtype == q.dtype and bwd_ws_here(q) and bwd_ws_ok(
+    if mode != "atomic_rotate" and out.dtype == q.dtype and slopes is None and bwd_ws_here(q) and bwd_ws_ok(
             dout, q, k, v, attn_mask, cu_seqlens_q is not None, launch):
         return _launch_bwd_ws(dout, q, k, v, out, lse, launch, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, exact_delta=exact_delta)
@@ -118,7 +122,7 @@ def _launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, 
     cu_q, cu_k = lay.offsets(cu_seqlens_q, cu_seqlens_k, q)
     flags = dict(IS_VARLEN=lay.varlen, BOTTOM_RIGHT=launch.bottom_right, HAS_LEFT=launch.has_left,
                  HAS_RIGHT=launch.has_right, MASK_KIND=mask_kind, DOT_PRECISION=dot_precision(q.dtype),
-                 SOFTCAP=launch.softcap * LOG2E)
+                 SOFTCAP=launch.softcap * LOG2E, **(alibi_args(slopes) if slopes is not None else {}))
     lse_st = lse_strides(lse, lay)
     dcfg = INTERPRET_CONFIGS["delta"] if interpreting() else DELTA_CONFIG
     split = {}
@@ -155,7 +159,7 @@ def _launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, 
             window_left=left, window_right=right, BLOCK_N=dcfg.block_n, BOTTOM_RIGHT=launch.bottom_right,
             HAS_LEFT=launch.has_left, HAS_RIGHT=launch.has_right, MASK_KIND=mask_kind,
             DOT_PRECISION=flags["DOT_PRECISION"], EXACT_KEYS=exact_delta_keys(lay, launch),
-            SOFTCAP=launch.softcap * LOG2E)
+            SOFTCAP=launch.softcap * LOG2E, **(alibi_args(slopes) if slopes is not None else {}))
         if split:
             exact["stride_ls"] = stats.stride(0)
     attention_bwd_delta_kernel[(cdiv(lay.q_len, dcfg.block_m), lay.batch * lay.q_heads)](

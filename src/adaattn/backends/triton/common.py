@@ -157,6 +157,12 @@ def mask_args(attn_mask, lay: RowLayout, like: torch.Tensor):
     return m, m.stride(), MASK_ADDITIVE
 
 
+def alibi_args(slopes: torch.Tensor) -> dict:
+    """The kernels' ALiBi arguments for float32 slopes of shape (Hq,) or (B, Hq): a row of Hq per
+    batch (stride 0 for one row shared by the batch)."""
+    return dict(Slopes=slopes, stride_sb=slopes.stride(0) if slopes.dim() == 2 else 0, HAS_ALIBI=True)
+
+
 def tma_ok(t: torch.Tensor) -> bool:
     """A tensor a TMA descriptor takes as it is (problem.tma_aligned, the fact the planner read)."""
     return tma_aligned(t)

@@ -11,6 +11,7 @@ import torch
 
 from .common import (
     LOG2E,
+    alibi_args,
     MASK_NONE,
     KernelConfig,
     RowLayout,
@@ -35,15 +36,16 @@ from .tuner import CONFIGS
 
 def launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                launch: AttentionLaunch, stats: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
-               out_dtype: Optional[torch.dtype] = None):
+               out_dtype: Optional[torch.dtype] = None, slopes: Optional[torch.Tensor] = None):
     """Run the forward kernel; returns (out (..., Dv) like q, lse fp32 (B, Hq, Nq) or (Hq, T)).
     stats: a (2, *lse shape) fp32 tensor (stats_shape) the kernel fills with the row max and
     log2 row sum under an additive mask, for launch_bwd; ignored without one. Packed rows past
     the last sequence give 0 (and an lse of -inf). sinks: (Hq,) logits joining each row's denominator
     (the ptr variant, dense calls); the lse then includes them. out_dtype: float32 for an unrounded
-    output (the ptr variant; default q's dtype)."""
+    output (the ptr variant; default q's dtype). slopes: ALiBi slopes, float32 (Hq,) or (B, Hq)
+    (the ptr variant, dense calls)."""
     out, lse = _launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, launch, stats,
-                           sinks, out_dtype)
+                           sinks, out_dtype, slopes)
     if cu_seqlens_q is not None:
         clear_packed_tails((out, cu_seqlens_q, 0, 0.0), (lse, cu_seqlens_q, 1, float("-inf")))
     return out, lse
@@ -51,7 +53,7 @@ def launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 
 def _launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 launch: AttentionLaunch, stats: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
-                out_dtype: Optional[torch.dtype] = None):
+                out_dtype: Optional[torch.dtype] = None, slopes: Optional[torch.Tensor] = None):
     q, k, v = pointer_ready(q), pointer_ready(k), pointer_ready(v)
     lay = row_layout(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     if out_dtype not in (None, q.dtype) and (out_dtype != torch.float32 or launch.variant != "ptr"):
@@ -60,8 +62,8 @@ def _launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     lse = new_output(lse_shape(q, lay.varlen), torch.float32, q.device)
     if lay.batch * lay.q_heads == 0 or lay.q_len == 0 or q.numel() == 0 or out.numel() == 0:
         return out, lse
-    if sinks is not None and (launch.variant != "ptr" or lay.varlen):
-        raise ValueError("sinks run on the ptr forward of dense calls only")
+    if (sinks is not None or slopes is not None) and (launch.variant != "ptr" or lay.varlen):
+        raise ValueError("sinks and ALiBi slopes run on the ptr forward of dense calls only")
     if lay.k_len == 0 or k.numel() == 0:  # no key: rows give 0, as SDPA's math; the lse is -inf (with sinks: z)
         if sinks is not None:
             lse.copy_(sinks.float()[None, :, None].expand_as(lse))
@@ -95,6 +97,8 @@ def _launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         extra = dict(Stats=stats, stride_ls=stats.stride(0), STORE_STATS=True) if split else {}
         if sinks is not None:
             extra.update(Sinks=sinks, HAS_SINKS=True)
+        if slopes is not None:
+            extra.update(alibi_args(slopes))
         if use_tma:
             extra.update(KDesc=descriptor(k, list(k.shape), list(k.stride()), [1, 1, cfg.block_n, bd]),
                          VDesc=descriptor(v, list(v.shape), list(v.stride()), [1, 1, cfg.block_n, bdv]),

@@ -133,33 +133,38 @@ def attention_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: 
     return triton_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, launch)
 
 
-class _SinkAttention(torch.autograd.Function):
-    """Attention with sinks (a logit z per query head joining each row's denominator, no value) on
-    our kernels: the forward folds z into each row's softmax (kernels/attention_fwd, HAS_SINKS), so
-    its output and lse are the sinks' own, and the kernels' backward from them is the whole
-    gradient of q, k and v (the sink's weight carries no value). d z = -sum_rows e^(z - lse) delta,
-    delta = rowsum(dO . out), from the output unrounded (the forward writes it in float32: from the
-    rounded one, bfloat16 d z was 2.2-2.3x eager's error). Eager calls only: the runner declines
-    sinks under torch.compile."""
+class _ModifiedAttention(torch.autograd.Function):
+    """Attention with sinks and/or ALiBi slopes on our pointer kernels (soft-capping rides in the
+    launch). Sinks (a logit z per query head joining each row's denominator, no value): the forward
+    folds z into each row's softmax (kernels/attention_fwd, HAS_SINKS), so its output and lse are the
+    sinks' own, and the kernels' backward from them is the whole gradient of q, k and v; d z =
+    -sum_rows e^(z - lse) delta, delta = rowsum(dO . out), from the output unrounded (the forward
+    writes it in float32 then: from the rounded one, bfloat16 d z was 2.2-2.3x eager's error). ALiBi:
+    the slopes go to every kernel that computes scores (alibi_bias); they get no gradient here (the
+    runner declines slopes that want one). Eager calls only: the runner declines these under
+    torch.compile."""
 
     @staticmethod
-    def forward(ctx, q, k, v, attn_mask, sinks, launch):
+    def forward(ctx, q, k, v, attn_mask, sinks, slopes, launch):
         stats = new_output(stats_shape(q, attn_mask, False), torch.float32, q.device)
-        sink_logits = sinks.detach().float().contiguous()
+        z = None if sinks is None else sinks.detach().float().contiguous()
+        m = None if slopes is None else slopes.detach().float().contiguous()
         out, lse = launch_fwd(q, k, v, attn_mask, None, None, q.shape[2], k.shape[2], launch_of(launch), stats,
-                              sink_logits, torch.float32)
-        ctx.save_for_backward(q, k, v, attn_mask, out, lse, stats, sink_logits)
-        ctx.launch, ctx.sinks_dtype = launch, sinks.dtype
+                              z, None if z is None else torch.float32, m)
+        ctx.save_for_backward(q, k, v, attn_mask, out, lse, stats, z, m)
+        ctx.launch, ctx.sinks_dtype = launch, None if sinks is None else sinks.dtype
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, attn_mask, out, lse, stats, z = ctx.saved_tensors
+        q, k, v, attn_mask, out, lse, stats, z, m = ctx.saved_tensors
         dq, dk, dv = launch_bwd(dout, q, k, v, out, lse, attn_mask, None, None, q.shape[2], k.shape[2],
-                                launch_of(ctx.launch), stats, exact_delta=True)
-        delta = (dout.float() * out).sum(-1)  # (B, Hq, Nq)
-        dz = -(torch.exp(sinks_minus_lse(z, lse)) * delta).sum((0, 2))
-        return dq, dk, dv, None, dz.to(ctx.sinks_dtype), None
+                                launch_of(ctx.launch), stats, exact_delta=True, slopes=m)
+        dz = None
+        if z is not None:
+            delta = (dout.float() * out.float()).sum(-1)  # (B, Hq, Nq)
+            dz = -(torch.exp(sinks_minus_lse(z, lse)) * delta).sum((0, 2)).to(ctx.sinks_dtype)
+        return dq, dk, dv, None, dz, None, None
 
 
 def sinks_minus_lse(sinks: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -167,9 +172,10 @@ def sinks_minus_lse(sinks: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return sinks.to(torch.promote_types(sinks.dtype, torch.float32))[None, :, None] - lse
 
 
-def attention_with_sinks(q, k, v, attn_mask, sinks, launch: str) -> torch.Tensor:
-    """Dense (B, Hq, Nq, D) attention with sinks (Hq,) on our kernels (_SinkAttention)."""
-    return _SinkAttention.apply(q, k, v, attn_mask, sinks, launch)
+def modified_attention(q, k, v, attn_mask, sinks, slopes, launch: str) -> torch.Tensor:
+    """Dense (B, Hq, Nq, D) attention with sinks (Hq,) and/or ALiBi slopes ((Hq,) or (B, Hq)) on
+    our kernels (_ModifiedAttention)."""
+    return _ModifiedAttention.apply(q, k, v, attn_mask, sinks, slopes, launch)
 
 
 def eager_ok(*tensors) -> bool:

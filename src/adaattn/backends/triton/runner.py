@@ -70,9 +70,9 @@ class TritonRunner(Runner):
     def __init__(self, variant: str):
         self.variant = variant
         self.name = f"triton.{variant}"
-        # The pointer kernels: soft-capping in-tile, forward and backward (kernels/attention_fwd.soft_cap);
-        # sinks from the forward's log-sum-exp (ops.attention_with_sinks).
-        self.modifiers = frozenset(("softcap", "sinks")) if variant == "ptr" else frozenset()
+        # The pointer kernels: soft-capping and ALiBi in-tile, forward and backward (kernels/attention_fwd
+        # soft_cap, alibi_bias); sinks folded into each row's softmax (ops.modified_attention).
+        self.modifiers = frozenset(("softcap", "sinks", "alibi_slopes")) if variant == "ptr" else frozenset()
 
     def supports(self, problem, policy) -> list[str]:
         reasons = triton_reasons(problem.device_type, problem.device_index, problem.dtype, problem.head_dim,
@@ -89,10 +89,13 @@ class TritonRunner(Runner):
                            f"(D 40-103 with masks or windows, a CUDA fuzzer, H200, triton 3.6; not yet traced), got "
                            f"{problem.head_dim} and {problem.value_dim}.")
         if problem.modifiers and problem.device_type == "cuda" and not interpreting():
-            reasons.append("applies soft-capping and sinks, checked under the interpreter (CPU) so far: their run "
-                           "through the CUDA fuzzer is owed before they take GPU calls.")
-        if problem.sinks and (problem.out_lead is not None or torch.compiler.is_compiling()):
-            reasons.append("takes sinks in eager 4-D calls only (an autograd function around its kernels).")
+            reasons.append("applies soft-capping, sinks and ALiBi, checked under the interpreter (CPU) so far: "
+                           "their run through the CUDA fuzzer is owed before they take GPU calls.")
+        if (problem.sinks or problem.alibi) and (problem.out_lead is not None or torch.compiler.is_compiling()):
+            reasons.append("takes sinks and ALiBi slopes in eager 4-D calls only (an autograd function around its "
+                           "kernels).")
+        if problem.alibi_grad:
+            reasons.append("gives no gradient for alibi_slopes (a sum over every score; mods.torch gives it).")
         if self.variant == "ptr" or reasons:
             return reasons
         # TMA and warp-specialised loads: what a tensor descriptor takes.
@@ -125,11 +128,11 @@ class TritonRunner(Runner):
                            problem.bottom_right, _deterministic(policy), problem.softcap)
 
     def run(self, query, key, value, attn_mask, problem, launch, label=None, modifiers=None):
-        if modifiers is not None and modifiers.sinks is not None:
-            from .ops import attention_with_sinks
+        if modifiers is not None and (modifiers.sinks is not None or modifiers.alibi_slopes is not None):
+            from .ops import modified_attention
 
-            return attention_with_sinks(pointer_ready(query), pointer_ready(key), pointer_ready(value), attn_mask,
-                                        modifiers.sinks, launch_id(launch))
+            return modified_attention(pointer_ready(query), pointer_ready(key), pointer_ready(value), attn_mask,
+                                      modifiers.sinks, modifiers.alibi_slopes, launch_id(launch))
         return run_dense(query, key, value, attn_mask, launch)
 
 
