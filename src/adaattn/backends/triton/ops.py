@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 
 from .backward import launch_bwd
-from .common import new_output
+from .common import LOG2E, new_output
 from .forward import launch_fwd
 from .launch import launch_of
 from .layout import lse_shape, out_shape, stats_shape
@@ -162,8 +162,14 @@ class _ModifiedAttention(torch.autograd.Function):
                                 launch_of(ctx.launch), stats, exact_delta=True, slopes=m)
         dz = None
         if z is not None:
-            delta = (dout.float() * out.float()).sum(-1)  # (B, Hq, Nq)
-            dz = -(torch.exp(sinks_minus_lse(z, lse)) * delta).sum((0, 2)).to(ctx.sinks_dtype)
+            # In float64: d z sums rows of either sign, so what it keeps is what the terms keep.
+            delta = (dout.double() * out.double()).sum(-1)  # (B, Hq, Nq)
+            if stats.numel():  # e^(z - lse) from the split statistics: (z log2 e - m) - log2 sum keeps the
+                # low bits a float32 lse loses at |lse| of a few units (float32 d z was 4x eager's error)
+                weight = torch.exp2((z.double()[None, :, None] * LOG2E - stats[0].double()) - stats[1].double())
+            else:
+                weight = torch.exp(sinks_minus_lse(z.double(), lse.double()))
+            dz = -(weight * delta).sum((0, 2)).to(ctx.sinks_dtype)
         return dq, dk, dv, None, dz, None, None
 
 
