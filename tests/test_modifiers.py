@@ -179,6 +179,8 @@ def test_plan_names_the_modifier_runner_and_why_the_others_decline():
     reasons = dict(plan.reasons)
     assert any("applies no softcap" in r for r in reasons["sdpa.cpu"])
     assert plan.candidates[0] == "mods.torch"
+    told = adaattn.explain(q, q, q, softcap=5.0).as_dict()  # explain takes the modifiers as attention does
+    assert "mods.torch" in str(told) and "applies no softcap" in str(told)
     assert validate(q, q, q).shape_class != problem.shape_class
 
 
@@ -318,3 +320,21 @@ def test_triton_takes_the_modifiers_and_declines_them_on_the_gpu_until_checked_t
     with pytest.raises(ValueError, match="gives no gradient for alibi_slopes"):
         adaattn.attention(q, q, q, alibi_slopes=torch.zeros(2, requires_grad=True),
                           policy=adaattn.Policy(backends=("triton",)))
+
+
+def test_a_repeated_modified_call_reuses_its_plan_and_takes_each_calls_tensors(monkeypatch):
+    import sys
+
+    api = sys.modules["adaattn.api.attention"]  # the module (adaattn.api.attention names the function)
+
+    (q, k, v), sinks, slopes = _inputs(torch.float64, grad=False)
+    first = adaattn.attention(q, k, v, enable_gqa=True, sinks=sinks, alibi_slopes=slopes)
+    with monkeypatch.context() as m:
+        m.setattr(api, "validate", None)  # a call of the same signature validates nothing again
+        again = adaattn.attention(q, k, v, enable_gqa=True, sinks=sinks, alibi_slopes=slopes)
+        other = adaattn.attention(q, k, v, enable_gqa=True, sinks=2 * sinks, alibi_slopes=slopes)
+    assert torch.equal(first, again)
+    want = reference_attention(q, k, v, sinks=2 * sinks, alibi_slopes=slopes)
+    assert _rel(other, want) < 1e-12
+    with pytest.raises(ValueError, match="sinks must have shape"):  # a new shape is checked again
+        adaattn.attention(q, k, v, enable_gqa=True, sinks=sinks[:3])

@@ -57,13 +57,12 @@ class Problem:
     tma_aligned: bool = False
     varlen: bool = False
     bottom_right: bool = False  # causal/window aligned to the end of the keys (KV caches)
-    # Score modifiers (see Modifiers): the soft cap c (0.0: none), and whether sinks or ALiBi slopes
-    # come with the call, and whether either wants a gradient.
+    # Score modifiers (see Modifiers): the soft cap c (0.0: none), whether sinks or ALiBi slopes come
+    # with the call, and whether the slopes want a gradient (a wanted sinks gradient sets needs_grad).
     softcap: float = 0.0
     sinks: bool = False
     alibi: bool = False
-    modifier_grad: bool = False
-    alibi_grad: bool = False  # the ALiBi slopes want a gradient
+    alibi_grad: bool = False
 
     @property
     def modifiers(self) -> tuple[str, ...]:
@@ -116,7 +115,7 @@ class Problem:
             self.tma_aligned,
             self.varlen,
             self.bottom_right,
-            self.softcap, self.sinks, self.alibi, self.modifier_grad, self.alibi_grad,
+            self.softcap, self.sinks, self.alibi, self.alibi_grad,
             self.out_lead is not None,  # runners decline calls that are not 4-D
             self.out_lead is not None and self.scores <= SMALL_SCORES,  # and small ones of them, forward too
         )
@@ -175,10 +174,6 @@ class Modifiers:
     sinks: torch.Tensor | None = None  # (Hq,)
     alibi_slopes: torch.Tensor | None = None  # (Hq,) or (B, Hq)
 
-    @property
-    def none(self) -> bool:
-        return self.softcap is None and self.sinks is None and self.alibi_slopes is None
-
 
 NO_MODIFIERS = Modifiers()
 
@@ -217,12 +212,15 @@ def check_modifiers(problem: Problem, softcap: object = None, sinks: object = No
     if alibi_slopes is not None and tuple(alibi_slopes.shape) not in ((heads,), (problem.batch, heads)):
         raise ValueError(f"alibi_slopes must have shape (Hq,) = ({heads},) or (B, Hq) = ({problem.batch}, {heads}), "
                          f"got {tuple(alibi_slopes.shape)}")
+    if alibi_slopes is not None and alibi_slopes.dim() == 2 and problem.out_lead is not None:
+        raise ValueError("alibi_slopes of shape (B, Hq) needs 4-D (B, H, N, D) tensors; pass (Hq,) slopes for "
+                         "other ranks")
     if problem.varlen:
         raise ValueError("score modifiers (softcap, sinks, alibi_slopes) are not yet applied to packed sequences")
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (sinks, alibi_slopes))
     alibi_grad = torch.is_grad_enabled() and alibi_slopes is not None and alibi_slopes.requires_grad
     problem = dataclasses.replace(problem, softcap=cap or 0.0, sinks=sinks is not None, alibi=alibi_slopes is not None,
-                                  modifier_grad=grad, alibi_grad=alibi_grad, needs_grad=problem.needs_grad or grad)
+                                  alibi_grad=alibi_grad, needs_grad=problem.needs_grad or grad)
     return problem, Modifiers(cap, sinks, alibi_slopes)
 
 

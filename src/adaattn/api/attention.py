@@ -9,8 +9,8 @@ import torch
 from .. import planner, stats
 from ..backends.varlen import check_varlen
 from ..policy import Policy
-from ..problem import Documents, Problem, check_dropout, check_modifiers, check_scale, default_scale, documents, from_internal, validate, window_sides
-from .run import _check_policy, _compiling, _runner_form, _signature_or_none, _first_that_runs, _run, _run_recorded, _record
+from ..problem import NO_MODIFIERS, Documents, Modifiers, Problem, check_dropout, check_modifiers, check_scale, default_scale, documents, from_internal, validate, window_sides
+from .run import _check_policy, _compiling, _modifier_key, _runner_form, _signature_or_none, _first_that_runs, _run, _run_recorded, _record
 
 
 def attention(
@@ -71,17 +71,18 @@ def attention(
         # ints, NumPy scalars and 0-d tensors, as SDPA takes them, become Python floats here, once:
         # the call's signature (the plan cache's key) then holds no tensor.
         dropout_p, scale = check_dropout(dropout_p), check_scale(scale)
-    if softcap is not None or sinks is not None or alibi_slopes is not None:
-        if documents is not None:
-            raise ValueError("score modifiers (softcap, sinks, alibi_slopes) are not yet applied with documents")
-        return _modified_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout,
-                                   window, policy, label, softcap, sinks, alibi_slopes)
+    modified = softcap is not None or sinks is not None or alibi_slopes is not None
     if documents is not None:
+        if modified:
+            raise ValueError("score modifiers (softcap, sinks, alibi_slopes) are not yet applied with documents")
         return _document_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout,
                                    window, policy, label, documents)
     compiling = _compiling()
     signature = None if compiling else _signature_or_none(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                                           enable_gqa, layout, window, policy)
+    if modified and signature is not None:
+        extra = _modifier_key(softcap, sinks, alibi_slopes)
+        signature = None if extra is None else signature + extra
     hit = None
     if signature is not None:
         try:
@@ -90,12 +91,15 @@ def attention(
             signature = None
     if hit is None:
         problem = validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout, window)
+        problem, modifiers = check_modifiers(problem, softcap, sinks, alibi_slopes)
         pol = _check_policy(policy)
         plan = planner.get_plan(problem, pol, compiling)
         if signature is not None:
             planner.remember_call(signature, (problem, pol, plan))
     else:
         problem, pol, plan = hit
+        modifiers = Modifiers(problem.softcap or None, sinks, alibi_slopes) if modified else NO_MODIFIERS
+    mods = modifiers if modified else None
     # torch's CPU SDPA runs its math kernel on a call that is not plain 4-D, on the tensors as given:
     # sdpa.cpu takes such a call in its own rank, so its result is torch's to the bit (flattened
     # to 4-D, math's batched products rounded differently: fp32 gradients of a 2-D call 3-5x torch's
@@ -104,40 +108,13 @@ def attention(
                  and planner.REGISTRY[plan.candidates[0]].takes_call_form)
     query, key, value, attn_mask = _runner_form(problem, query, key, value, attn_mask, call_form)
     if compiling:
-        out = plan.runner.run(query, key, value, attn_mask, problem, plan.launch, label)
+        out = plan.runner.run(query, key, value, attn_mask, problem, plan.launch, label,
+                              **({} if mods is None else {"modifiers": mods}))
     elif stats.enabled:
-        out = _run_recorded(query, key, value, attn_mask, problem, plan, pol, label)
+        out = _run_recorded(query, key, value, attn_mask, problem, plan, pol, label, mods)
     else:
-        out = _run(query, key, value, attn_mask, problem, plan, label)[0]
+        out = _run(query, key, value, attn_mask, problem, plan, label, modifiers=mods)[0]
     if problem.out_lead is not None and not call_form:
-        out = from_internal(problem, out)
-    if problem.layout == "bshd":
-        return out.transpose(-3, -2)
-    return out
-
-
-def _modified_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout, window,
-                        policy, label, softcap, sinks, alibi_slopes) -> torch.Tensor:
-    """attention() with score modifiers: validated and planned every call (the modifiers' tensors
-    are not part of the call cache's key), run by a runner that applies them."""
-    problem = validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout, window)
-    problem, modifiers = check_modifiers(problem, softcap, sinks, alibi_slopes)
-    pol = _check_policy(policy)
-    compiling = _compiling()
-    plan = planner.get_plan(problem, pol, compiling)
-    query, key, value, attn_mask = _runner_form(problem, query, key, value, attn_mask)
-    if problem.out_lead is not None and modifiers.alibi_slopes is not None and modifiers.alibi_slopes.dim() == 2:
-        raise ValueError("alibi_slopes of shape (B, Hq) needs 4-D (B, H, N, D) tensors; pass (Hq,) slopes for "
-                         "other ranks")
-    if compiling or not stats.enabled:
-        out, _ = _first_that_runs(problem, plan, lambda r, launch: r.run(query, key, value, attn_mask, problem, launch,
-                                                                          label, modifiers=modifiers))
-    else:
-        (out, decisions), failed = _first_that_runs(
-            problem, plan, lambda r, launch: r.run_recorded(query, key, value, attn_mask, problem, launch, label,
-                                                            modifiers=modifiers))
-        _record(problem, plan, pol, label, failed, decisions, None)
-    if problem.out_lead is not None:
         out = from_internal(problem, out)
     if problem.layout == "bshd":
         return out.transpose(-3, -2)

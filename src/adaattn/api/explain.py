@@ -9,7 +9,7 @@ import torch
 from .. import planner
 from ..planner import Plan
 from ..policy import Policy
-from ..problem import Problem, validate
+from ..problem import Problem, check_modifiers, validate
 from .run import _check_policy, _runner_form
 
 
@@ -106,13 +106,17 @@ def explain(
     layout: str = "bhsd",
     window: tuple[int | None, int | None] | None = None,
     policy: Policy | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> Explanation:
     """What `attention` with these arguments would run, and why every other backend declined.
 
-    Takes the same arguments as `attention` and raises the same input errors; launches nothing.
-    `str()` of the result is a table; `.as_dict()` gives the same as data.
+    Takes the same arguments as `attention` (the score modifiers too) and raises the same input
+    errors; launches nothing. `str()` of the result is a table; `.as_dict()` gives the same as data.
     """
     problem = validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout, window)
+    problem, _ = check_modifiers(problem, softcap, sinks, alibi_slopes)
     return explain_problem(problem, policy)
 
 

@@ -53,6 +53,20 @@ def _signature(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     )
 
 
+def _modifier_key(softcap, sinks, alibi_slopes):
+    """What check_modifiers depends on, for the call's signature: the cap's value, and each tensor's
+    shape, dtype, device and whether it wants a gradient (None where one cannot be made: the call
+    is then validated every time)."""
+    if softcap is not None and type(softcap) is not float:
+        return None
+    key = [softcap]
+    for t in (sinks, alibi_slopes):
+        if t is not None and not isinstance(t, torch.Tensor):
+            return None
+        key.append(None if t is None else (t.shape, t.dtype, t.device, torch.is_grad_enabled() and t.requires_grad))
+    return tuple(key)
+
+
 def _signature_or_none(*args):
     """The call's signature, the key of its (problem, policy, plan): validation and planning cost
     more than a short kernel, and a repeated call skips both. None where it cannot be made."""
@@ -86,14 +100,17 @@ def _first_that_runs(problem: Problem, plan: Plan, call) -> tuple[object, tuple[
 
 
 def _run(q, k, v, attn_mask, problem: Problem, plan: Plan, label: Optional[str] = None,
-         recorded: bool = False) -> tuple[torch.Tensor, tuple[str, ...], Optional[dict]]:
+         recorded: bool = False, modifiers=None) -> tuple[torch.Tensor, tuple[str, ...], Optional[dict]]:
     """Run the plan (see _first_that_runs). Returns (out, failed runners, the decisions of the
-    runner that ran when `recorded`)."""
+    runner that ran when `recorded`). modifiers: the call's problem.Modifiers (None without any),
+    handed to the runner, which the planner chose for applying them."""
+    kw = {} if modifiers is None else {"modifiers": modifiers}
     if recorded:
         (out, decisions), failed = _first_that_runs(
-            problem, plan, lambda r, launch: r.run_recorded(q, k, v, attn_mask, problem, launch, label))
+            problem, plan, lambda r, launch: r.run_recorded(q, k, v, attn_mask, problem, launch, label, **kw))
         return out, failed, decisions
-    out, failed = _first_that_runs(problem, plan, lambda r, launch: r.run(q, k, v, attn_mask, problem, launch, label))
+    out, failed = _first_that_runs(problem, plan,
+                                   lambda r, launch: r.run(q, k, v, attn_mask, problem, launch, label, **kw))
     return out, failed, None
 
 
@@ -102,13 +119,13 @@ def _raise_if_oom(e: BaseException, name: str, problem: Problem) -> None:
         raise torch.OutOfMemoryError(f"adaattn: out of memory in runner {name} for {problem.describe()}: {e}") from e
 
 
-def _run_recorded(q, k, v, attn_mask, problem, plan, policy, label):
+def _run_recorded(q, k, v, attn_mask, problem, plan, policy, label, modifiers=None):
     if stats.timing():
         with stats.Timer(q.device) as t:
-            out, failed, decisions = _run(q, k, v, attn_mask, problem, plan, label, recorded=True)
+            out, failed, decisions = _run(q, k, v, attn_mask, problem, plan, label, True, modifiers)
         wall = t.ms
     else:
-        out, failed, decisions = _run(q, k, v, attn_mask, problem, plan, label, recorded=True)
+        out, failed, decisions = _run(q, k, v, attn_mask, problem, plan, label, True, modifiers)
         wall = None
     _record(problem, plan, policy, label, failed, decisions, wall)
     return out

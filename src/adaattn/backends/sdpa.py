@@ -29,22 +29,10 @@ ALIGN_DIM = 8  # and head dims, in elements (torch's SDPA pads to this too)
 F32_ALIGN_DIM = 4  # float32 head dims torch's efficient kernel takes (16-byte rows); others run its math kernel
 
 
-def _torch_at_least(major: int, minor: int) -> bool:
-    try:
-        have = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
-    except ValueError:
-        return False
-    return have >= (major, minor)
-
-
 # torch 2.11's cuDNN kernel (pinned, H200) took value head dims unlike the key's, head dims up to
 # 256 and causal calls with q_len != k_len (top-left, as SDPA), at errors below its efficient
 # kernel's; it is torch's own choice there. Older torch keeps the limits it was measured with.
-CUDNN_WIDE = _torch_at_least(2, 11)
-# A call that is not 4-D runs torch's math kernel in torch's SDPA; where its score matrix is at
-# most SMALL_SCORES elements (B x Hq x Nq x Nk) we run it too, forward as well: a fused kernel on
-# the flattened call gave outputs 2.4-3.2x math's error in half precision (seed 5300 #3318,
-# #19544). Above it the fused kernel's speed and memory pay, at its usual error.
+CUDNN_WIDE = torch.__version__ >= (2, 11)  # torch's TorchVersion compares with a tuple
 
 
 def padded_dim(dim: int) -> int:
@@ -133,11 +121,9 @@ def cudnn_bias(attn_mask: torch.Tensor, dtype: torch.dtype, kv_len: int, floor: 
     constant output asks). Otherwise the mask is efficient_bias's: additive in the query dtype,
     floored where `floor`, with 16-byte rows."""
     live = live_rows(attn_mask)
-    if attn_mask.dtype == torch.bool:
-        attn_mask = attn_mask | ~live
-    else:
-        attn_mask = attn_mask.masked_fill(~live, 0.0)
-    return efficient_bias(attn_mask, dtype, kv_len, floor=floor), live
+    if attn_mask.dtype == torch.bool:  # efficient_bias makes a fresh additive mask: its dead rows are zeroed in place
+        return efficient_bias(attn_mask, dtype, kv_len, floor=floor).masked_fill_(~live, 0.0), live
+    return efficient_bias(attn_mask.masked_fill(~live, 0.0), dtype, kv_len, floor=floor), live
 
 
 _CAN_USE = {
@@ -233,6 +219,7 @@ class SdpaRunner(Runner):
                            "2-4x more accurate than this kernel's on the flattened call (a CUDA fuzzer, H200, "
                            "torch 2.11).")
         elif self.kernel in FUSED and problem.out_lead is not None and problem.scores <= SMALL_SCORES:
+            # Above SMALL_SCORES the fused kernel's speed and memory pay, at its usual error.
             reasons.append(f"takes 4-D tensors, or calls of more than {SMALL_SCORES} scores: for other ranks torch "
                            "runs its math kernel, whose half-precision outputs were 2.4-3.2x more accurate than this "
                            "kernel's on the flattened call (a CUDA fuzzer, H200, torch 2.11).")
@@ -361,7 +348,7 @@ class SdpaRunner(Runner):
             attn_mask = efficient_bias(attn_mask, query.dtype, problem.kv_len, floor=not problem.needs_grad)
         live = None
         if self.kernel == SDPBackend.CUDNN_ATTENTION and attn_mask is not None:
-            attn_mask, live = cudnn_bias(attn_mask, query.dtype, problem.kv_len, floor=cudnn_floors(problem))
+            attn_mask, live = cudnn_bias(attn_mask, query.dtype, problem.kv_len, floor=not problem.needs_grad)
         gqa = problem.gqa
         if gqa and not self.native_gqa:
             key = key.repeat_interleave(problem.gqa_groups, dim=1)
@@ -380,11 +367,6 @@ class SdpaRunner(Runner):
                 is_causal=causal, scale=problem.scale, enable_gqa=gqa,
             )
         return out if live is None else out * live
-
-
-def cudnn_floors(problem) -> bool:
-    """Whether cuDNN's additive mask has its finite values floored (finite_floor)."""
-    return not problem.needs_grad
 
 
 # The efficient kernel picks one of its instantiations on the host, before any launch; where none

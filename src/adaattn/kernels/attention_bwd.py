@@ -60,6 +60,7 @@ from .attention_fwd import (
     store_rows,
     soft_cap,
     alibi_bias,
+    head_slope,
 )
 
 
@@ -237,10 +238,7 @@ def attention_bwd_delta_kernel(
         if HAS_LEFT and HAS_RIGHT:
             seen = tl.minimum(seen, window_left + window_right + 1)
         if seen <= EXACT_KEYS:
-            if HAS_ALIBI:
-                alibi2 = tl.load(Slopes + b64 * stride_sb + head).to(tl.float32) * LOG2E_K
-            else:
-                alibi2 = 0.0
+            alibi2 = head_slope(Slopes, b64, stride_sb, head, HAS_ALIBI)
             kv_head = head // kv_group
             q_base = Q + b64 * stride_qb + head.to(tl.int64) * stride_qh
             l_base = LSE + b64 * stride_lb + head.to(tl.int64) * stride_lh
@@ -496,10 +494,7 @@ def attention_bwd_dkdv_kernel(
                                                 BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
     for g in range(0, kv_group):
         head = (kv_head * kv_group + g).to(tl.int64)
-        if HAS_ALIBI:  # this query head's slope, in the log2 domain
-            alibi2 = tl.load(Slopes + b64 * stride_sb + head).to(tl.float32) * LOG2E_K
-        else:
-            alibi2 = 0.0
+        alibi2 = head_slope(Slopes, b64, stride_sb, head, HAS_ALIBI)
         q_base = Q + b64 * stride_qb + head * stride_qh
         do_base = DOut + b64 * stride_dob + head * stride_doh
         lse_base = LSE + b64 * stride_lb + head * stride_lh
@@ -674,10 +669,7 @@ def attention_bwd_dq_kernel(
     k_base = K + b64 * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_base = V + b64 * stride_vb + kv_head.to(tl.int64) * stride_vh
     mask_base = Mask + b64 * stride_mb + head.to(tl.int64) * stride_mh
-    if HAS_ALIBI:  # this query head's slope, in the log2 domain
-        alibi2 = tl.load(Slopes + b64 * stride_sb + head).to(tl.float32) * LOG2E_K
-    else:
-        alibi2 = 0.0
+    alibi2 = head_slope(Slopes, b64, stride_sb, head, HAS_ALIBI)
     if IS_VARLEN:
         q_base += q_start.to(tl.int64) * stride_qm
         do_base += q_start.to(tl.int64) * stride_dom

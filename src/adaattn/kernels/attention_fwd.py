@@ -244,6 +244,15 @@ def alibi_bias(s, q_idx, k_idx, diag, alibi2):
 
 
 @triton.jit
+def head_slope(Slopes, b64, stride_sb, head, HAS_ALIBI: tl.constexpr):
+    """The ALiBi slope of (batch, head) in the log2 domain (times log2(e)); 0.0 without ALiBi."""
+    if HAS_ALIBI:
+        return tl.load(Slopes + b64 * stride_sb + head).to(tl.float32) * LOG2E_K
+    else:
+        return 0.0
+
+
+@triton.jit
 def masked_softmax_step(s, m_i):
     """A tile's scores s (log2 domain, -inf where masked) against the running row max m_i:
     (p = exp2(s - new max), alpha = the rescale of what came before, the new max). A row that
@@ -428,10 +437,7 @@ def attention_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    if HAS_ALIBI:  # this (batch, head)'s slope, in the log2 domain
-        alibi2 = tl.load(Slopes + b64 * stride_sb + head).to(tl.float32) * LOG2E_K
-    else:
-        alibi2 = 0.0
+    alibi2 = head_slope(Slopes, b64, stride_sb, head, HAS_ALIBI)
 
     lo, full_lo, full_hi, hi = key_tile_range(start_m, q_len, k_len, diag, window_left, window_right,
                                               BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)

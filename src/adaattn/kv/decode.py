@@ -232,6 +232,8 @@ def _modified(query, cache, layer, plan, scale, lengths, softcap, sinks, alibi_s
     bottom-right causal mask of each sequence's own length and its ALiBi bias, -slope * (position - key),
     folded into one additive mask (it is added after the soft cap, as the modifiers' order asks), then
     mods.torch (backends/modifiers.py). The split-KV kernel applies none of them yet."""
+    import dataclasses
+
     from ..backends.modifiers import modified_attention
     from ..problem import check_modifiers, validate
 
@@ -242,14 +244,13 @@ def _modified(query, cache, layer, plan, scale, lengths, softcap, sinks, alibi_s
     pos = torch.tensor(lengths, device=query.device)[:, None] - t + torch.arange(t, device=query.device)  # (S, T)
     distance = (pos[:, None, :, None] - keys).float()  # (S, 1, T, L): how far back each key is
     bias = torch.zeros_like(distance).masked_fill(distance < 0, float("-inf"))
-    if alibi_slopes is not None:
-        problem = validate(query, k, v, None, 0.0, False, scale, hq != cache.kv_heads)
-        check_modifiers(problem, alibi_slopes=alibi_slopes)  # its shape and dtype, named
+    problem, modifiers = check_modifiers(validate(query, k, v, None, 0.0, False, scale, hq != cache.kv_heads),
+                                         softcap, sinks, alibi_slopes)
+    if alibi_slopes is not None:  # each sequence's own positions: folded into the additive mask
         slopes = alibi_slopes.float()
         slopes = slopes[:, :, None, None] if slopes.dim() == 2 else slopes[None, :, None, None]
         bias = bias - slopes * distance.clamp_min(0)
-    problem = validate(query, k, v, bias, 0.0, False, scale, hq != cache.kv_heads)
-    problem, modifiers = check_modifiers(problem, softcap, sinks)
+        modifiers = dataclasses.replace(modifiers, alibi_slopes=None)
     return modified_attention(query, k, v, bias, problem, modifiers)
 
 

@@ -118,11 +118,12 @@ def _launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, 
     if empty:
         return dq, dk, dv
     mask, mask_strides, mask_kind = mask_args(attn_mask, lay, q)
+    alibi = alibi_args(slopes) if slopes is not None else {}
     bd, bdv = block_d(lay.head_dim), block_d(lay.value_dim)  # Q/K/dQ/dK tiles; V/O/dO/dV tiles
     cu_q, cu_k = lay.offsets(cu_seqlens_q, cu_seqlens_k, q)
     flags = dict(IS_VARLEN=lay.varlen, BOTTOM_RIGHT=launch.bottom_right, HAS_LEFT=launch.has_left,
                  HAS_RIGHT=launch.has_right, MASK_KIND=mask_kind, DOT_PRECISION=dot_precision(q.dtype),
-                 SOFTCAP=launch.softcap * LOG2E, **(alibi_args(slopes) if slopes is not None else {}))
+                 SOFTCAP=launch.softcap * LOG2E, **alibi)
     lse_st = lse_strides(lse, lay)
     dcfg = INTERPRET_CONFIGS["delta"] if interpreting() else DELTA_CONFIG
     split = {}
@@ -159,7 +160,7 @@ def _launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, 
             window_left=left, window_right=right, BLOCK_N=dcfg.block_n, BOTTOM_RIGHT=launch.bottom_right,
             HAS_LEFT=launch.has_left, HAS_RIGHT=launch.has_right, MASK_KIND=mask_kind,
             DOT_PRECISION=flags["DOT_PRECISION"], EXACT_KEYS=exact_delta_keys(lay, launch),
-            SOFTCAP=launch.softcap * LOG2E, **(alibi_args(slopes) if slopes is not None else {}))
+            SOFTCAP=launch.softcap * LOG2E, **alibi)
         if split:
             exact["stride_ls"] = stats.stride(0)
     attention_bwd_delta_kernel[(cdiv(lay.q_len, dcfg.block_m), lay.batch * lay.q_heads)](

@@ -29,10 +29,11 @@ def triton_fwd(
     return _forward(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, launch)
 
 
-def _forward(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, launch: str) -> tuple:
+def _forward(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, launch: str,
+             sinks=None, out_dtype=None, slopes=None) -> tuple:
     stats = new_output(stats_shape(q, attn_mask, cu_seqlens_q is not None), torch.float32, q.device)
     out, lse = launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                          launch_of(launch), stats)
+                          launch_of(launch), stats, sinks, out_dtype, slopes)
     return out, lse, stats
 
 
@@ -146,11 +147,10 @@ class _ModifiedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, sinks, slopes, launch):
-        stats = new_output(stats_shape(q, attn_mask, False), torch.float32, q.device)
         z = None if sinks is None else sinks.detach().float().contiguous()
         m = None if slopes is None else slopes.detach().float().contiguous()
-        out, lse = launch_fwd(q, k, v, attn_mask, None, None, q.shape[2], k.shape[2], launch_of(launch), stats,
-                              z, None if z is None else torch.float32, m)
+        out, lse, stats = _forward(q, k, v, attn_mask, None, None, q.shape[2], k.shape[2], launch, z,
+                                   None if z is None else torch.float32, m)
         ctx.save_for_backward(q, k, v, attn_mask, out, lse, stats, z, m)
         ctx.launch, ctx.sinks_dtype = launch, None if sinks is None else sinks.dtype
         return out.to(q.dtype)
