@@ -50,13 +50,15 @@ def test_fuzzer_finds_nothing_in_2000_configurations_within_two_minutes(tmp_path
 
 
 @cuda
-def test_fuzzer_finds_nothing_in_500_configurations_with_score_modifiers(tmp_path):
+def test_fuzzer_finds_nothing_in_150_configurations_with_score_modifiers(tmp_path):
+    # Each configuration compiles its own kernel variants (soft cap, ALiBi, sinks; forward and
+    # backward, with their config search): 15 workers ran about 3 a second on an H200.
     path = tmp_path / "fuzz.json"
-    code = main(["--device", "cuda", "--n", "500", "--seed", "20261128", "--jobs", "12", "--modifiers",
+    code = main(["--device", "cuda", "--n", "150", "--seed", "20261128", "--jobs", "15", "--modifiers",
                  "--json", str(path)])
     summary = json.loads(path.read_text())
     assert [f"{r['status']}: {r.get('why', '')[:200]} | {r['repro']}" for r in summary["findings"]] == []
-    assert code == 0 and summary["ran"] == 500 and summary["modifiers"]
+    assert code == 0 and summary["ran"] == 150 and summary["modifiers"]
 
 
 @cuda

@@ -21,11 +21,11 @@ def _eager(q, k, v, mask=None, causal=False, scale=None, softcap=None, sinks=Non
     if softcap is not None:
         s = torch.tanh(s / softcap) * softcap
     nq, nk = s.shape[-2:]
-    i, j = torch.arange(nq)[:, None], torch.arange(nk)[None, :]
+    i, j = torch.arange(nq, device=s.device)[:, None], torch.arange(nk, device=s.device)[None, :]
     if alibi is not None:
         sl = alibi[..., None, None] if alibi.dim() == 1 else alibi[:, :, None, None]
         s = s - sl.to(s.dtype) * (i - j).abs().to(s.dtype)
-    keep = torch.ones(nq, nk, dtype=torch.bool)
+    keep = torch.ones(nq, nk, dtype=torch.bool, device=s.device)
     if causal:
         keep &= j <= i
     if window is not None:
@@ -42,12 +42,12 @@ def _eager(q, k, v, mask=None, causal=False, scale=None, softcap=None, sinks=Non
     return p @ v
 
 
-def _inputs(dtype, b=2, hq=4, hk=2, nq=13, nk=17, d=16, dv=16, grad=True, seed=0):
+def _inputs(dtype, b=2, hq=4, hk=2, nq=13, nk=17, d=16, dv=16, grad=True, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    t = [torch.randn(b, h, n, e, generator=g, dtype=torch.float64).to(dtype).requires_grad_(grad)
+    t = [torch.randn(b, h, n, e, generator=g, dtype=torch.float64).to(device, dtype).requires_grad_(grad)
          for h, n, e in ((hq, nq, d), (hk, nk, d), (hk, nk, dv))]
-    sinks = (torch.randn(hq, generator=g, dtype=torch.float64) * 2).to(dtype).requires_grad_(grad)
-    slopes = (torch.rand(hq, generator=g, dtype=torch.float64) * 0.5).to(dtype).requires_grad_(grad)
+    sinks = (torch.randn(hq, generator=g, dtype=torch.float64) * 2).to(device, dtype).requires_grad_(grad)
+    slopes = (torch.rand(hq, generator=g, dtype=torch.float64) * 0.5).to(device, dtype).requires_grad_(grad)
     return t, sinks, slopes
 
 
@@ -75,17 +75,18 @@ CASES = [
 ]
 
 
-def _mask(kind, b, hq, nq, nk, dtype):
+def _mask(kind, b, hq, nq, nk, dtype, device="cpu"):
     if kind is None:
         return None
     g = torch.Generator().manual_seed(7)
     keep = torch.rand(b, 1, nq, nk, generator=g) < 0.6
     if kind == "dead_rows":
         keep[0, 0, 3] = False
-        return keep
+        return keep.to(device)
     if kind == "bool":
-        return keep
-    return torch.randn(b, hq, nq, nk, generator=g, dtype=torch.float64).to(dtype).masked_fill(~keep, float("-inf"))
+        return keep.to(device)
+    return (torch.randn(b, hq, nq, nk, generator=g, dtype=torch.float64).to(dtype).masked_fill(~keep, float("-inf"))
+            .to(device))
 
 
 @pytest.mark.parametrize("mod", ["softcap", "sinks", "alibi", "all"])
@@ -259,6 +260,8 @@ def test_packed_sequences_apply_the_modifiers_within_each_sequence(alignment):
 
 TRITON = pytest.mark.skipif(not (torch.cuda.is_available() or __import__("os").environ.get("TRITON_INTERPRET") == "1"),
                             reason="the Triton runners need CUDA or the interpreter")
+# The Triton tests' device: CUDA where there is one (the kernels compiled), else the CPU under the interpreter.
+DEV = "cuda" if torch.cuda.is_available() and __import__("os").environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
 
 @TRITON
@@ -271,14 +274,14 @@ def test_triton_score_modifiers_meet_the_standard(dtype, case, mod):
     from the lse), against float64 and the models' eager code at the input dtype."""
     pytest.importorskip("triton")
     c = dict(case)
-    (q, k, v), sinks, slopes = _inputs(dtype, nq=21, nk=19, d=32, dv=32)
+    (q, k, v), sinks, slopes = _inputs(dtype, nq=21, nk=19, d=32, dv=32, device=DEV)
     slopes = slopes.detach()  # no gradient from our kernels: the runner declines slopes that want one
     with torch.no_grad():
         q.mul_(3)
         k.mul_(3)  # scores past the cap
     kw = {"softcap": dict(softcap=2.0), "sinks": dict(sinks=sinks), "alibi": dict(alibi_slopes=slopes),
           "all": dict(softcap=2.0, sinks=sinks, alibi_slopes=slopes)}[mod]
-    mask = _mask(c.pop("mask", None), 2, 4, 21, 19, dtype)
+    mask = _mask(c.pop("mask", None), 2, 4, 21, 19, dtype, DEV)
     with adaattn.stats.collect() as records:
         out = adaattn.attention(q, k, v, attn_mask=mask, enable_gqa=True, policy=adaattn.Policy(backends=("triton",)),
                                 **c, **kw)
@@ -301,7 +304,7 @@ def test_triton_score_modifiers_meet_the_standard(dtype, case, mod):
         assert torch.all(out[0, :, 3] == 0)
 
 
-def test_triton_takes_the_modifiers_and_declines_them_on_the_gpu_until_checked_there(monkeypatch):
+def test_triton_takes_the_modifiers_on_the_gpu_and_declines_slopes_that_want_a_gradient(monkeypatch):
     from adaattn.backends.triton import runner
     from adaattn.problem import check_modifiers, validate
 
@@ -316,7 +319,7 @@ def test_triton_takes_the_modifiers_and_declines_them_on_the_gpu_until_checked_t
     monkeypatch.setattr(runner, "interpreting", lambda: False)
     monkeypatch.setattr(runner.hardware, "capability_at_least", lambda *a: True)
     monkeypatch.setattr(runner, "TRITON_FOUND", True)
-    assert any("fuzzer is owed" in r for r in ptr.supports(cuda, adaattn.Policy()))
+    assert ptr.supports(cuda, adaattn.Policy()) == []
     with pytest.raises(ValueError, match="gives no gradient for alibi_slopes"):
         adaattn.attention(q, q, q, alibi_slopes=torch.zeros(2, requires_grad=True),
                           policy=adaattn.Policy(backends=("triton",)))
@@ -338,3 +341,44 @@ def test_a_repeated_modified_call_reuses_its_plan_and_takes_each_calls_tensors(m
     assert _rel(other, want) < 1e-12
     with pytest.raises(ValueError, match="sinks must have shape"):  # a new shape is checked again
         adaattn.attention(q, k, v, enable_gqa=True, sinks=sinks[:3])
+
+
+@TRITON
+@pytest.mark.parametrize("storage", ["native", "int8"])
+@pytest.mark.parametrize("mod", ["softcap", "sinks", "alibi", "all", "alibi_per_seq"])
+@pytest.mark.parametrize("t", [1, 3])
+def test_split_kv_decode_applies_the_modifiers_in_its_kernels(storage, mod, t):
+    """The split-KV kernel caps and biases the scores in-tile and the merge adds the sinks to each
+    row's denominator: against float64 on the cache's own (dequantized) keys, each sequence at its
+    own positions, over several splits."""
+    pytest.importorskip("triton")
+    from adaattn.kv import PagedKVCache
+
+    g = torch.Generator().manual_seed(11)
+    hq, hkv, d = 4, 2, 16
+    dtype = torch.float32 if storage == "native" else torch.float16
+    cache = PagedKVCache(1, hkv, d, num_pages=24, page_size=8, dtype=dtype, max_seqs=3, storage=storage, device=DEV)
+    ids = [cache.add() for _ in range(3)]
+    lengths = {ids[0]: 37, ids[2]: 9}
+    for s, n in lengths.items():
+        cache.append(0, [s], (torch.randn(1, hkv, n, d, generator=g) * 2).to(DEV, dtype),
+                     torch.randn(1, hkv, n, d, generator=g).to(DEV, dtype))
+    sinks = (torch.randn(hq, generator=g) * 2).to(DEV)
+    slopes = (torch.rand(hq, generator=g) * 0.3).to(DEV)
+    kw = {"softcap": dict(softcap=2.0), "sinks": dict(sinks=sinks), "alibi": dict(alibi_slopes=slopes),
+          "all": dict(softcap=3.0, sinks=sinks.to(dtype), alibi_slopes=slopes),
+          "alibi_per_seq": dict(alibi_slopes=(torch.rand(2, hq, generator=g) * 0.3).to(DEV))}[mod]
+    q = (torch.randn(2, hq, t, d, generator=g) * 2).to(DEV, dtype)
+    with adaattn.stats.collect() as records:
+        out = adaattn.decode_attention(q, cache, 0, seqs=list(lengths), runner="triton", splits=3, **kw)
+    assert records[-1].backend == "kv.triton"
+    k_all, v_all = cache.gather(0, list(lengths), max(lengths.values()), dtype=torch.float64)
+    for row, (s, n) in enumerate(lengths.items()):
+        slopes_row = kw.get("alibi_slopes")
+        if slopes_row is not None and slopes_row.dim() == 2:
+            slopes_row = slopes_row[row]
+        want = reference_attention(q[row:row + 1].double(), k_all[row:row + 1, :, :n], v_all[row:row + 1, :, :n], None,
+                                   True, None, None, bottom_right=True, softcap=kw.get("softcap"),
+                                   sinks=None if "sinks" not in kw else kw["sinks"].double(),
+                                   alibi_slopes=None if slopes_row is None else slopes_row.double())
+        assert _rel(out[row:row + 1], want) < (1e-5 if dtype == torch.float32 else 2e-3), s

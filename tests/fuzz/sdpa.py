@@ -704,6 +704,9 @@ def work(args) -> int:
     return 0
 
 
+GRACE_S = 45
+
+
 def drive(args) -> dict:
     """Run n configurations in worker processes, a fresh one after each CUDA fault; summarise."""
     lines = f"/tmp/adaattn-fuzz-{os.getpid()}.lines"
@@ -734,7 +737,21 @@ def drive(args) -> dict:
                    "--start", str(start), "--end", str(end), "--policy", args.policy, "--max-len", str(args.max_len),
                    "--lines", part, "--deadline", str(args.deadline or 0)] + (["--modifiers"] if args.modifiers else [])
             procs[subprocess.Popen(cmd, cwd=root, env=env)] = (start, end, part)
+        late = args.deadline and time.time() > args.deadline + GRACE_S
         for p in list(procs):
+            if p.poll() is None and late:
+                # Past the deadline and its grace: the configuration it is on hangs or compiles for
+                # minutes. Stop it and report that configuration, so a bounded run still summarises.
+                p.kill()
+                p.wait()
+                start, end, part = procs.pop(p)
+                done = [json.loads(x) for x in open(part) if x.strip()]
+                index = done[-1]["index"] + 1 if done else start
+                with open(part, "a") as f:
+                    f.write(json.dumps({"index": index, "status": "timeout", "repro": draw(
+                        args.seed, index, args.device, args.policy, args.max_len, args.modifiers).repro(args.device),
+                        "why": f"still running {GRACE_S} s after the deadline"}) + "\n")
+                continue
             if p.poll() is None:
                 continue
             start, end, part = procs.pop(p)
@@ -773,6 +790,8 @@ def drive(args) -> dict:
         "seconds": round(time.perf_counter() - t0, 1), "restarts": restarts,
         "counts": counts,
         "findings": [r for r in results if r["status"] not in ("ok", "declined")],
+        "slowest": [{"index": r["index"], "ms": r["ms"], "repro": r["repro"]}
+                    for r in sorted(results, key=lambda r: -r.get("ms", 0))[:8]],
     }
     if args.json:
         with open(args.json, "w") as f:

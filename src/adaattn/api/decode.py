@@ -23,9 +23,10 @@ def decode_attention(query: torch.Tensor, cache: PagedKVCache, layer: int, seqs:
     plan: from plan_decode, made once per step and shared by the layers (default: one per call,
     from runner and splits).
     softcap, sinks, alibi_slopes: score modifiers, as attention() takes them (ALiBi positions are the
-    tokens' own: query row r of a sequence of length L at position L - T + r). Such a step runs
-    exactly in torch ops over the gathered keys (stats backend "kv.mods"): the split-KV kernel
-    applies none of them yet."""
+    tokens' own: query row r of a sequence of length L at position L - T + r). On the split-KV
+    runner (runner "triton") the kernel caps and biases the scores in-tile and its merge adds the
+    sinks to each row's denominator, forward only; a step that needs gradients, or the "sdpa"
+    runner, runs exactly in torch ops over the gathered keys (stats backend "kv.mods")."""
     if query.dim() != 4:
         raise ValueError(f"query must be (S, Hq, T, D), got {tuple(query.shape)}")
     if plan is None:

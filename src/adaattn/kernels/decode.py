@@ -23,7 +23,7 @@ Pool layout per layer: (num_pages, PAGE, Hkv, D), token-major pages (adaattn.kv.
 import triton
 import triton.language as tl
 
-from .attention_fwd import dot, masked_softmax_step, round_to
+from .attention_fwd import dot, masked_softmax_step, round_to, soft_cap
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
@@ -56,7 +56,8 @@ def decode_split_kernel(
     G: tl.constexpr, T: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGE: tl.constexpr, QUANTIZED: tl.constexpr, DOT_PRECISION: tl.constexpr, CONTIG: tl.constexpr = False,
-    SPARSE: tl.constexpr = False,
+    SPARSE: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0, SLOPES=None, stride_slb=0,
+    HAS_ALIBI: tl.constexpr = False, QOFF=None, HAS_QOFF: tl.constexpr = False,
 ):
     """Program (split, sequence x KV head): tiles [split * TILES_PER_SPLIT, ...) of BLOCK_N keys
     of its sequence (a tile may span pages, or a page several tiles: each key's page comes from
@@ -66,7 +67,12 @@ def decode_split_kernel(
     32k in benchmarks/NOTES.md); the query is scaled by a power of two into fp16's range; the
     (page, KV head) scales multiply the scores, and P over the tile's largest V scale.
     CONTIG: the sequence's pages follow each other in the pool from its first (a contiguous
-    KVCache), so a key's page is computed, not read: no dependent load in the loop."""
+    KVCache), so a key's page is computed, not read: no dependent load in the loop.
+    Score modifiers (problem.Modifiers): SOFTCAP > 0 caps the scaled scores at that value (the cap
+    times log2(e)) before the causal mask; HAS_ALIBI subtracts slope * (position - key), SLOPES
+    float32 (Hq,) (stride_slb 0) or one row of Hq per query sequence. HAS_QOFF: QOFF (S, Hq, T)
+    float32, contiguous, is added to each row's scaled scores first: the q.c a quantized cache's
+    centred keys leave out (cache.k_center), which the soft cap and the sinks see."""
     pid_sh = tl.program_id(1)
     split = tl.program_id(0)
     s = pid_sh // HKV
@@ -83,6 +89,10 @@ def decode_split_kernel(
     q_ptr = Q + s * stride_qs + (h * G + g)[:, None] * stride_qh + t[:, None] * stride_qt + dq[None, :] * stride_qd
     q = tl.load(q_ptr, mask=row_ok[:, None] & (dq[None, :] < D), other=0.0)
     pos = length - T + t  # each row's position: it sees keys <= pos
+    if HAS_QOFF:
+        qoff2 = tl.load(QOFF + (s * (HKV * G) + h * G + g) * T + t, mask=row_ok, other=0.0) * LOG2E
+    if HAS_ALIBI:  # each row's slope, times log2(e): the scores are in the log2 domain
+        slope2 = tl.load(SLOPES + s * stride_slb + h * G + g, mask=row_ok, other=0.0) * LOG2E
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -132,6 +142,12 @@ def decode_split_kernel(
             qk = qk * (tl.load(KS + page * stride_sp + h * stride_sh, mask=live, other=0.0) * qk_scale)[None, :]
         else:
             qk = qk * qk_scale
+        if HAS_QOFF:
+            qk = qk + qoff2[:, None]
+        if SOFTCAP > 0:
+            qk, _ = soft_cap(qk, SOFTCAP, DOT_PRECISION)
+        if HAS_ALIBI:
+            qk = qk - slope2[:, None] * (pos[:, None] - keys[None, :]).to(tl.float32)
         visible = (keys[None, :] <= pos[:, None]) & live[None, :]
         qk = tl.where(visible, qk, float("-inf"))
         pexp, alpha, m_new = masked_softmax_step(qk, m_i)
@@ -166,9 +182,11 @@ def decode_merge_kernel(
     stride_s, stride_h, stride_t, stride_d,
     HQ, T, SPLITS,
     DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_S: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    SINKS=None, HAS_SINKS: tl.constexpr = False,
 ):
     """One program per (sequence, query head, row): the splits' outputs weighted by
-    exp(lse_split - lse_total); a row that saw no key gives zeros."""
+    exp(lse_split - lse_total); a row that saw no key gives zeros. HAS_SINKS: SINKS (Hq,) float32
+    logits join each row's denominator as a key with a zero value (problem.Modifiers sinks)."""
     pid = tl.program_id(0)
     s = pid // (HQ * T)
     h = (pid // T) % HQ
@@ -178,9 +196,14 @@ def decode_merge_kernel(
     lse = tl.load(L_PART + s * stride_ls + h * stride_lh + t * stride_lt + sp * stride_lsp, mask=sp < SPLITS,
                   other=float("-inf"))
     m = tl.max(lse, 0)
+    if HAS_SINKS:
+        sink = tl.load(SINKS + h)
+        m = tl.maximum(m, sink)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp(lse - m_safe)
     total = tl.sum(w, 0)
+    if HAS_SINKS:
+        total += tl.exp(sink - m_safe)
     o = tl.load(O_PART + s * stride_os + h * stride_oh + t * stride_ot + sp[:, None] * stride_osp
                 + dv[None, :] * stride_od, mask=(sp[:, None] < SPLITS) & (dv[None, :] < DV), other=0.0)
     out = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)

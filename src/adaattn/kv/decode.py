@@ -36,6 +36,7 @@ lengths are not kernel constants.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -210,7 +211,11 @@ def run_decode(query: torch.Tensor, cache: PagedKVCache, layer: int, plan: Decod
         raise TypeError(f"query dtype {query.dtype} must be the cache's dtype {cache.dtype} for runner='triton'")
     extra = {}
     modified = softcap is not None or sinks is not None or alibi_slopes is not None
-    if modified:
+    in_kernel = modified and _kernel_takes_modifiers(query, plan, sinks, alibi_slopes)
+    if in_kernel:
+        mods = _kernel_modifiers(query, cache, layer, plan, scale, softcap, sinks, alibi_slopes)
+        out = _split_kv(query, cache, layer, plan, scale, mods=mods)
+    elif modified:
         out = _modified(query, cache, layer, plan, scale, lengths, softcap, sinks, alibi_slopes)
     elif plan.sparse:
         out, extra = _sparse_step(query, cache, layer, plan, scale, lengths)
@@ -218,13 +223,53 @@ def run_decode(query: torch.Tensor, cache: PagedKVCache, layer: int, plan: Decod
         out = _dense(query, cache, layer, plan, scale, lengths)
     if stats.enabled:
         stats.add(stats.CallRecord(
-            backend="kv.mods" if modified else f"kv.{plan.runner}" + (".sparse" if extra.get("sparse") == "sparse" else ""),
+            backend="kv.mods" if modified and not in_kernel
+            else f"kv.{plan.runner}" + (".sparse" if extra.get("sparse") == "sparse" else ""),
             shape=f"S={s} Hq={hq} Hkv={cache.kv_heads} T={t} Nk<={max(lengths)} D={d}",
             dtype=str(query.dtype).replace("torch.", ""), device=str(query.device.type),
             mode="decode" if not plan.sparse else "decode.auto",
             decisions={"why": plan.why, "storage": cache.storage, "page_size": cache.page_size,
                        "splits": plan.splits if plan.runner == "triton" else None, "layer": layer, **extra}))
     return out
+
+
+def _kernel_takes_modifiers(query, plan, sinks, alibi_slopes) -> bool:
+    """The split-KV kernel applies soft-capping and ALiBi in-tile and the merge the sinks, forward
+    only: a step that needs no gradient (the usual decode) runs there."""
+    if plan.runner != "triton":
+        return False
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, sinks, alibi_slopes)):
+        return False
+    return True
+
+
+def _kernel_modifiers(query, cache, layer, plan, scale, softcap, sinks, alibi_slopes) -> dict:
+    """The modifiers, checked as attention() checks them (problem.check_modifiers, on a problem of
+    the query against stand-in key views), as _split_kv's kernel arguments."""
+    from ..problem import check_modifiers, validate
+
+    s, hq, t, _ = query.shape
+    keys = query[:, :1].expand(s, cache.kv_heads, t, cache.head_dim)
+    values = query[:, :1, :, :1].expand(s, cache.kv_heads, t, cache.value_dim)
+    _, checked = check_modifiers(validate(query, keys, values, None, 0.0, False, None, hq != cache.kv_heads),
+                                 softcap, sinks, alibi_slopes)
+    mods = {}
+    if checked.softcap is not None:
+        mods["SOFTCAP"] = checked.softcap * math.log2(math.e)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.detach().float().contiguous()
+        mods.update(SLOPES=slopes, stride_slb=slopes.stride(0) if slopes.dim() == 2 else 0, HAS_ALIBI=True)
+    if sinks is not None:
+        mods["merge"] = dict(SINKS=sinks.detach().float().contiguous(), HAS_SINKS=True)
+    if cache.storage != "native" and (softcap is not None or sinks is not None):
+        # Quantized pages hold keys less their sequence's centre c: the scores lack q.c, which the
+        # softmax ignores but the cap and the sinks do not.
+        centre = cache.k_center[layer].index_select(0, plan.seq_ids.long())  # (S, Hkv, D)
+        centre = centre.repeat_interleave(hq // cache.kv_heads, 1)  # (S, Hq, D)
+        scale_f = default_scale(query.shape[-1]) if scale is None else float(scale)
+        qoff = torch.einsum("shtd,shd->sht", query.float(), centre).mul_(scale_f).contiguous()
+        mods.update(QOFF=qoff, HAS_QOFF=True)
+    return mods
 
 
 def _modified(query, cache, layer, plan, scale, lengths, softcap, sinks, alibi_slopes):
@@ -324,7 +369,7 @@ def _sdpa(query, cache, layer, plan, lengths, scale):
     return sdpa_gathered(query, cache, layer, plan.seqs, torch.tensor(lengths, device=query.device), longest, scale)
 
 
-def _split_kv(query, cache, layer, plan, scale, sel=None, count=None, pages=1.0):
+def _split_kv(query, cache, layer, plan, scale, sel=None, count=None, pages=1.0, mods=None):
     """The split-KV kernel and the merge. Sparse (sel, count): each program reads TILES_PER_SPLIT
     tiles of its (sequence, KV head)'s listed pages, sized so that a head listing the fraction
     `pages` of its pages (the site's last read-back figure) gets the dense plan's programs times
@@ -362,11 +407,12 @@ def _split_kv(query, cache, layer, plan, scale, sel=None, count=None, pages=1.0)
         BLOCK_D=max(16, next_power_of_2(d)), BLOCK_DV=max(16, next_power_of_2(dv)), PAGE=cache.page_size,
         QUANTIZED=quantized, DOT_PRECISION=precision, CONTIG=plan.contiguous, SPARSE=sparse_,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
+        **{name: x for name, x in (mods or {}).items() if name != "merge"},
     )
     out = torch.empty(s, hq, t, dv, dtype=query.dtype, device=query.device)
     decode_merge_kernel[(s * hq * t,)](
         o_part, l_part, out, *o_part.stride(), *l_part.stride(), *out.stride(), hq, t, splits,
         DV=dv, BLOCK_DV=max(16, next_power_of_2(dv)), BLOCK_S=max(2, next_power_of_2(splits)),
-        DOT_PRECISION=precision,
+        DOT_PRECISION=precision, **(mods or {}).get("merge", {}),
     )
     return out

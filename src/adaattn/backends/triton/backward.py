@@ -31,7 +31,7 @@ from .common import (
     shared_layout,
     tensor_descriptor,
 )
-from .configs import BWD_WS_PAIR, DELTA_CONFIG, INTERPRET_CONFIGS, fitting_configs
+from .configs import BWD_WS_PAIR, DELTA_CONFIG, INTERPRET_CONFIGS, exact_delta_config, fitting_configs
 from .launch import AttentionLaunch, bwd_ws_here, bwd_ws_ok, shape_key
 from .layout import bwd_outputs, clear_packed_tails, heads_rows, lse_strides, row_layout
 from .tuner import CONFIGS
@@ -152,6 +152,8 @@ def _launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, 
         dq_acc, dq_acc_strides = dq, (0, 0, 0)
     exact = {}
     if exact_delta and exact_delta_keys(lay, launch):  # delta = rowsum(P * dP) where a query tile sees few keys
+        if not interpreting():
+            dcfg = exact_delta_config(bd, q.dtype, q.device, mask.element_size() if mask_kind else 0, bdv)
         exact = dict(Q=q, K=k, V=v, LSE=lse, Mask=mask, CuSeqlensK=cu_k, **dict(zip(
             ("stride_qb", "stride_qh", "stride_qm", "stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh",
              "stride_vn", "stride_mb", "stride_mh", "stride_mm", "stride_mn"),

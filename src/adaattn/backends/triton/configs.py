@@ -129,7 +129,9 @@ def shared_memory_estimate(kind: str, cfg: KernelConfig, block_d: int, elem: int
     if kind == "bwd_gluon":  # K and V; P and dS per group; fp32 dq per group; Q, dO and their statistics
         resident = bn * (qk + vo) * elem + 2 * bm * bn * elem + 2 * bm * qk * 4
         return resident + stages * (bm * (qk + vo) * elem + 2 * bm * 4) + 1024
-    if kind in ("fwd", "fwd_ws", "fwd_gluon"):  # q resident; k and v pipelined
+    if kind == "delta_exact":  # q and do resident; k and v loaded per key tile (the exact delta pass)
+        resident, pipelined = bm * (qk + vo), bn * (qk + vo)
+    elif kind in ("fwd", "fwd_ws", "fwd_gluon"):  # q resident; k and v pipelined
         resident, pipelined = bm * qk, bn * (qk + vo)
     elif kind in ("dkdv", "dkdv_ws"):  # k and v resident; q and do pipelined
         resident, pipelined = bn * (qk + vo), bm * (qk + vo)
@@ -165,3 +167,17 @@ def fitting_configs(kind: str, block_d: int, dtype: torch.dtype, device: torch.d
             c = KernelConfig(max(c.block_m // 2, 16), max(c.block_n // 2, 16), c.num_warps, c.num_stages)
         fit = [c]
     return fit
+
+
+def exact_delta_config(block_d: int, dtype: torch.dtype, device: torch.device, mask_elem: int = 0,
+                       block_dv: int = 0) -> KernelConfig:
+    """DELTA_CONFIG for a delta pass with the exact recompute compiled in, its tiles halved until
+    their shared memory fits the device (fp32 at head dim 256 needed 256 KiB at 64 x 64: an
+    OutOfResources launch on an H200, a CUDA fuzzer with score modifiers)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    limit = hardware.max_shared_memory(device.index)
+    c = DELTA_CONFIG
+    while (shared_memory_estimate("delta_exact", c, block_d, elem, mask_elem, block_dv) > limit
+           and max(c.block_m, c.block_n) > 16):
+        c = KernelConfig(max(c.block_m // 2, 16), max(c.block_n // 2, 16), c.num_warps, c.num_stages)
+    return c

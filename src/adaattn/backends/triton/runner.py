@@ -88,9 +88,6 @@ class TritonRunner(Runner):
             reasons.append(f"its backward faulted (illegal memory access) at head dims that are not a power of two "
                            f"(D 40-103 with masks or windows, a CUDA fuzzer, H200, triton 3.6; not yet traced), got "
                            f"{problem.head_dim} and {problem.value_dim}.")
-        if problem.modifiers and problem.device_type == "cuda" and not interpreting():
-            reasons.append("applies soft-capping, sinks and ALiBi, checked under the interpreter (CPU) so far: "
-                           "their run through the CUDA fuzzer is owed before they take GPU calls.")
         if (problem.sinks or problem.alibi) and (problem.out_lead is not None or torch.compiler.is_compiling()):
             reasons.append("takes sinks and ALiBi slopes in eager 4-D calls only (an autograd function around its "
                            "kernels).")

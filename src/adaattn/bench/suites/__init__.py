@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import calibrate, cp, cpu, decode, distributed, gpt, hf, prefill, quant, rank, train, varlen, window
+from . import calibrate, cp, cpu, decode, distributed, gpt, hf, modifiers, prefill, quant, rank, train, varlen, window
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,8 @@ SUITES = {
     m.NAME: Suite(m.NAME, m.HELP, m.NEEDS_CUDA, m.cases, getattr(m, "DISPATCH_OVERHEAD", False),
                   getattr(m, "finish", None), getattr(m, "summarize", None),
                   getattr(m, "plot", None), getattr(m, "run", None))
-    for m in (prefill, train, decode, quant, window, varlen, hf, gpt, rank, distributed, cp, cpu, calibrate)
+    for m in (prefill, train, decode, quant, window, varlen, hf, gpt, rank, distributed, cp, cpu, calibrate,
+              modifiers)
 }
 
 __all__ = ["SUITES", "Suite"]
