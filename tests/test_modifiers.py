@@ -382,3 +382,55 @@ def test_split_kv_decode_applies_the_modifiers_in_its_kernels(storage, mod, t):
                                    sinks=None if "sinks" not in kw else kw["sinks"].double(),
                                    alibi_slopes=None if slopes_row is None else slopes_row.double())
         assert _rel(out[row:row + 1], want) < (1e-5 if dtype == torch.float32 else 2e-3), s
+
+
+def _sink_runner_check(device, dtype, causal, gqa, backend):
+    """sdpa.<kernel>.sinks against float64, forward and dq, dk, dv, d sinks, to the standard with the
+    eager code in the input dtype as the yardstick."""
+    hk = 2 if gqa else 4
+    (q, k, v), sinks, _ = _inputs(dtype, hk=hk, nq=37, nk=37 if causal else 45, d=64, dv=64, device=device)
+    with adaattn.stats.collect() as records:
+        out = adaattn.attention(q, k, v, is_causal=causal, enable_gqa=gqa, sinks=sinks,
+                                policy=adaattn.Policy(backends=(backend,)))
+    assert records[0].backend == backend
+    eager = _eager(q, k, v, None, causal, sinks=sinks)
+    t64 = [t.detach().double().requires_grad_() for t in (q, k, v, sinks)]
+    ref = reference_attention(*t64[:3], None, causal, sinks=t64[3])
+    go = torch.randn_like(ref)
+    got = torch.autograd.grad(out, (q, k, v, sinks), go.to(dtype))
+    yard = torch.autograd.grad(eager, (q, k, v, sinks), go.to(dtype))
+    exact = torch.autograd.grad(ref, t64, go)
+    assert _rel(out, ref) <= 2 * _rel(eager, ref) + 1e-6
+    for name, a, y, r in zip(("dq", "dk", "dv", "dsinks"), got, yard, exact):
+        assert _rel(a, r) <= 2 * _rel(y, r) + 1e-6, name
+    with torch.no_grad():
+        assert torch.equal(adaattn.attention(q, k, v, is_causal=causal, enable_gqa=gqa, sinks=sinks,
+                                             policy=adaattn.Policy(backends=(backend,))), out.detach())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("gqa", [False, True])
+def test_sinks_through_the_fused_kernels_lse_meet_the_standard(dtype, causal, gqa):
+    """The sink applied from the fused kernel's log-sum-exp, the gradient through its own backward
+    node with the output scaled in place (backends/sdpa_sinks.py): torch's CPU flash kernel here."""
+    _sink_runner_check("cpu", dtype, causal, gqa, "sdpa.cpu.sinks")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("backend", ["sdpa.cudnn.sinks", "sdpa.flash.sinks"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("gqa", [False, True])
+def test_sinks_through_cudnn_and_flash_meet_the_standard(backend, dtype, causal, gqa):
+    _sink_runner_check("cuda", dtype, causal, gqa, backend)
+
+
+def test_the_sinks_runners_decline_what_their_kernels_do_not_take():
+    (q, k, v), sinks, _ = _inputs(torch.float32, nq=8, nk=8, d=16, dv=16, grad=False)
+    text = str(adaattn.explain(q, k, v, enable_gqa=True, sinks=sinks, softcap=2.0))
+    assert "sdpa.cpu.sinks" in text and "applies no softcap" in text
+    with pytest.raises(Exception, match="takes no attn_mask"):
+        adaattn.attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool), enable_gqa=True, sinks=sinks,
+                          policy=adaattn.Policy(backends=("sdpa.cpu.sinks",)))

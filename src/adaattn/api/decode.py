@@ -24,9 +24,10 @@ def decode_attention(query: torch.Tensor, cache: PagedKVCache, layer: int, seqs:
     from runner and splits).
     softcap, sinks, alibi_slopes: score modifiers, as attention() takes them (ALiBi positions are the
     tokens' own: query row r of a sequence of length L at position L - T + r). On the split-KV
-    runner (runner "triton") the kernel caps and biases the scores in-tile and its merge adds the
-    sinks to each row's denominator, forward only; a step that needs gradients, or the "sdpa"
-    runner, runs exactly in torch ops over the gathered keys (stats backend "kv.mods")."""
+    runner (runner "triton") the kernel caps the scores in-tile (and adds ALiBi's bias: under the
+    interpreter so far; on CUDA ALiBi steps take the torch path until their GPU check) and its
+    merge adds the sinks to each row's denominator, forward only; a step that needs gradients, or
+    the "sdpa" runner, runs exactly in torch ops over the gathered keys (stats backend "kv.mods")."""
     if query.dim() != 4:
         raise ValueError(f"query must be (S, Hq, T, D), got {tuple(query.shape)}")
     if plan is None:

@@ -15,11 +15,12 @@ def exact_runners() -> list[Runner]:
     from .modifiers import ModifiedTorchRunner
     from .reference import ReferenceRunner
     from .sdpa import sdpa_runners
+    from .sdpa_sinks import sinks_runners
     from .triton.runner import triton_runners
     from .varlen import varlen_runners
 
-    return [*sdpa_runners(), FlashAttnRunner(), *triton_runners(), *varlen_runners(), ModifiedTorchRunner(), ReferenceRunner(),
-            MetaRunner()]
+    return [*sdpa_runners(), *sinks_runners(), FlashAttnRunner(), *triton_runners(), *varlen_runners(),
+            ModifiedTorchRunner(), ReferenceRunner(), MetaRunner()]
 
 
 __all__ = ["Backend", "Declined", "ExactAlternative", "Runner", "exact_runners"]
