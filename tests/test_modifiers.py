@@ -385,7 +385,7 @@ def test_split_kv_decode_applies_the_modifiers_in_its_kernels(storage, mod, t):
 
 
 def _sink_runner_check(device, dtype, causal, gqa, backend):
-    """sdpa.<kernel>.sinks against float64, forward and dq, dk, dv, d sinks, to the standard with the
+    """sinks.<kernel> against float64, forward and dq, dk, dv, d sinks, to the standard with the
     eager code in the input dtype as the yardstick."""
     hk = 2 if gqa else 4
     (q, k, v), sinks, _ = _inputs(dtype, hk=hk, nq=37, nk=37 if causal else 45, d=64, dv=64, device=device)
@@ -414,12 +414,12 @@ def _sink_runner_check(device, dtype, causal, gqa, backend):
 def test_sinks_through_the_fused_kernels_lse_meet_the_standard(dtype, causal, gqa):
     """The sink applied from the fused kernel's log-sum-exp, the gradient through its own backward
     node with the output scaled in place (backends/sdpa_sinks.py): torch's CPU flash kernel here."""
-    _sink_runner_check("cpu", dtype, causal, gqa, "sdpa.cpu.sinks")
+    _sink_runner_check("cpu", dtype, causal, gqa, "sinks.cpu")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("backend", ["sdpa.cudnn.sinks", "sdpa.flash.sinks"])
+@pytest.mark.parametrize("backend", ["sinks.cudnn", "sinks.flash"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("gqa", [False, True])
@@ -429,8 +429,9 @@ def test_sinks_through_cudnn_and_flash_meet_the_standard(backend, dtype, causal,
 
 def test_the_sinks_runners_decline_what_their_kernels_do_not_take():
     (q, k, v), sinks, _ = _inputs(torch.float32, nq=8, nk=8, d=16, dv=16, grad=False)
-    text = str(adaattn.explain(q, k, v, enable_gqa=True, sinks=sinks, softcap=2.0))
-    assert "sdpa.cpu.sinks" in text and "applies no softcap" in text
+    with pytest.raises(Exception, match="applies no softcap"):
+        adaattn.attention(q, k, v, enable_gqa=True, sinks=sinks, softcap=2.0,
+                          policy=adaattn.Policy(backends=("sinks.cpu",)))
     with pytest.raises(Exception, match="takes no attn_mask"):
         adaattn.attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool), enable_gqa=True, sinks=sinks,
-                          policy=adaattn.Policy(backends=("sdpa.cpu.sinks",)))
+                          policy=adaattn.Policy(backends=("sinks.cpu",)))

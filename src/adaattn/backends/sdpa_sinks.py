@@ -1,4 +1,4 @@
-"""`sdpa.<kernel>.sinks`: attention sinks (gpt-oss's s_aux) on torch's fused kernels, through their
+"""`sinks.<kernel>`: attention sinks (gpt-oss's s_aux) on torch's fused kernels, through their
 log-sum-exp.
 
 A sink z[h] joins each row's softmax as one more logit with no value, so the row's output is the
@@ -64,7 +64,7 @@ class SdpaSinksRunner(Runner):
     modifiers = frozenset(("sinks",))
 
     def __init__(self, kernel: str, device_type: str, dtypes: tuple, max_head_dim: int, op, min_capability=(8, 0)):
-        self.name = f"sdpa.{kernel}.sinks"
+        self.name = f"sinks.{kernel}"
         self.kernel = kernel
         self.device_type = device_type
         self.dtypes = dtypes
