@@ -10,6 +10,8 @@ import pytest
 from fuzz.sdpa import check, draw, main
 import torch
 
+import adaattn
+
 
 def _run(n, seed, policy, device="cpu"):
     findings = []
@@ -41,10 +43,8 @@ def test_score_modifiers_meet_the_standard_on_fuzzed_configurations():
                                                           "alibi": False})
 
 
-# Open findings, each with its own strict xfail below (it must keep failing until fixed):
-# (20261127, 66): bfloat16, logits x30, D = Dv = 8: our backward rounds dS to bf16 before the dS.K
-# product (as FA2, FA3 and cuDNN do) and gives dq at 2.13x torch's CPU math error (fp32 inside).
-KNOWN_TRITON = {66}
+# Open findings, each with its own strict xfail below (it must keep failing until fixed): none.
+KNOWN_TRITON: set = set()
 INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="the Triton runners need the interpreter here")
 
@@ -70,11 +70,67 @@ def test_triton_score_modifiers_meet_the_standard_on_fuzzed_configurations():
 
 
 @INTERPRETED
-@pytest.mark.xfail(strict=True, reason="open: dS rounded to bf16 before dS.K (see KNOWN_TRITON)")
-def test_triton_backward_with_rounded_ds_meets_the_standard():
+@pytest.mark.parametrize("seed,index", [(20261127, 66), (20261128, 528)])
+def test_triton_half_gradients_where_torch_runs_math_meet_the_standard(seed, index):
+    # bfloat16 (#66, dq 2.13x) and float16 (#528, dk 2.2x) against torch's CPU math (fp32 inside):
+    # our backward rounded ds to the input dtype before the dk and dq products, as FA2 and cuDNN
+    # do. Where no fused torch kernel takes a call, ds now goes in two roundings (ds_split).
     pytest.importorskip("triton")
-    result = check(draw(20261127, 66, "cpu", "triton"), "cpu")
+    result = check(draw(seed, index, "cpu", "triton"), "cpu")
     assert result["status"] == "ok", result.get("why")
+
+
+@INTERPRETED
+def test_ds_in_two_roundings_is_closer_to_float64_than_ds_rounded_once():
+    """The same float16 backward (#528's tensors) with ds rounded once (settings ds_split "off", what
+    runs where a fused torch kernel would) and in two roundings ("on"): both near float64, the
+    second nearer; dv does not involve ds and is the same."""
+    pytest.importorskip("triton")
+    from adaattn import settings
+    from adaattn.backends.reference import reference_attention, relative_errors
+
+    g = torch.Generator().manual_seed(528)
+    q, k, v = (torch.randn(2, 1, n, 8, generator=g, dtype=torch.float64) for n in (18, 30, 30))
+    q = q * 10
+    t16 = [x.half().requires_grad_() for x in (q, k, v)]
+    t64 = [x.half().double().requires_grad_() for x in (q, k, v)]
+    go = torch.randn(2, 1, 18, 8, generator=g, dtype=torch.float64)
+    exact = torch.autograd.grad(reference_attention(*t64), t64, go)
+    errs = {}
+    for mode in ("off", "on"):
+        with settings.override(ds_split=mode):
+            out = adaattn.attention(*t16, policy=adaattn.Policy(backends=("triton.ptr",)))
+            got = torch.autograd.grad(out, t16, go.half())
+        errs[mode] = [relative_errors(a, b).item() for a, b in zip(got, exact)]
+    assert all(e < 5e-3 for e in errs["off"] + errs["on"]), errs
+    assert errs["on"][0] < errs["off"][0] and errs["on"][1] < errs["off"][1], errs
+    assert errs["on"][2] == errs["off"][2], errs
+
+
+def test_the_backward_takes_ds_in_two_roundings_only_where_torch_runs_math(monkeypatch):
+    import dataclasses
+
+    from adaattn.backends.triton import runner
+    from adaattn.problem import validate
+
+    q = torch.randn(1, 2, 8, 64, dtype=torch.float16, requires_grad=True)
+    problem = validate(q, q, q)
+    policy = adaattn.Policy()
+    assert runner.torch_runs_math_gradients(problem, policy)  # the CPU: torch runs math
+    cuda = dataclasses.replace(problem, device_type="cuda", device_index=0, tma_aligned=True)
+    monkeypatch.setattr(runner.hardware, "capability_at_least", lambda *a: True)
+    sdpa_mod = __import__("adaattn.backends.sdpa", fromlist=["hardware"])
+    monkeypatch.setattr(sdpa_mod.hardware, "capability_at_least", lambda *a: True)
+    assert not runner.torch_runs_math_gradients(cuda, policy)  # flash and cuDNN take it
+    assert runner.torch_runs_math_gradients(dataclasses.replace(cuda, scale=-0.5), policy)  # none does
+    assert not runner.torch_runs_math_gradients(dataclasses.replace(cuda, dtype=torch.float32), policy)
+    assert not runner.torch_runs_math_gradients(dataclasses.replace(cuda, scale=-0.5, needs_grad=False), policy)
+    from adaattn import settings
+
+    with settings.override(ds_split="on"):
+        assert runner.torch_runs_math_gradients(cuda, policy)
+    with settings.override(ds_split="off"):
+        assert not runner.torch_runs_math_gradients(problem, policy)
 
 
 @INTERPRETED

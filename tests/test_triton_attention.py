@@ -470,13 +470,14 @@ from adaattn.kernels.attention_bwd import attention_bwd_dkdv_kernel, attention_b
 from adaattn.kernels.attention_fwd import attention_fwd_kernel
 from sm90 import compile_for_sm90 as compile_sm90
 
-def compile_for_sm90(kernel, kind, d=128, tma=False, softcap=0.0, sinks=False, alibi=False):
+def compile_for_sm90(kernel, kind, d=128, tma=False, softcap=0.0, sinks=False, alibi=False, ds_split=False):
     cfg = tc.HALF_CONFIGS[kind][tc.d_class(d)][0]
     consts = dict(HEAD_DIM=d, BLOCK_D=d, HEAD_DIM_V=d, BLOCK_DV=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, IS_VARLEN=False,
                   BOTTOM_RIGHT=False, HAS_LEFT=False, HAS_RIGHT=True, MASK_KIND=0, DOT_PRECISION="tf32",
                   ATOMIC_DQ=kind == "dkdv_atomic", ROTATE=False, USE_TMA=tma, HEAD_MAJOR=False,
                   SCALE_POSITIVE=True, EXP_FMA=0, SOFTCAP=softcap, HAS_SINKS=sinks, HAS_ALIBI=alibi,
-                  Stats=None, Flags=None, STORE_STATS=False, SPLIT_STATS=False)  # no split statistics
+                  Stats=None, Flags=None, STORE_STATS=False, SPLIT_STATS=False,  # no split statistics
+                  DS_SPLIT=ds_split)
     if not sinks:
         consts.update(Sinks=None)
     if not alibi:
@@ -502,7 +503,7 @@ def compile_for_sm90(kernel, kind, d=128, tma=False, softcap=0.0, sinks=False, a
     c = compile_sm90(kernel, consts, types, divisible, cfg.num_warps, cfg.num_stages)
     ptx = c["ptx"]
     return {"kind": kind + ("_tma" if tma else "") + ("_softcap" if softcap else "") + ("_sinks" if sinks else "")
-            + ("_alibi" if alibi else ""),
+            + ("_alibi" if alibi else "") + ("_ds_split" if ds_split else ""),
             "smem": c["smem"], "wgmma": "wgmma" in ptx,
             "stack": c["stack"], "tma": "cp.async.bulk.tensor" in ptx,
             "mma_sync": "mma.sync" in ptx,
@@ -520,7 +521,10 @@ print(json.dumps([compile_for_sm90(attention_fwd_kernel, "fwd"),
                   compile_for_sm90(attention_bwd_dq_kernel, "dq", softcap=50.0 * 1.4426950408889634),
                   compile_for_sm90(attention_fwd_kernel, "fwd", alibi=True),
                   compile_for_sm90(attention_bwd_dkdv_kernel, "dkdv_atomic", alibi=True),
-                  compile_for_sm90(attention_bwd_dq_kernel, "dq", alibi=True)]))
+                  compile_for_sm90(attention_bwd_dq_kernel, "dq", alibi=True),
+                  # ds in two roundings (calls torch answers with its math kernel)
+                  compile_for_sm90(attention_bwd_dkdv_kernel, "dkdv_atomic", ds_split=True),
+                  compile_for_sm90(attention_bwd_dq_kernel, "dq", ds_split=True)]))
 """
 
 
@@ -1013,7 +1017,8 @@ rows = {}
 for kind, kernel in (("dkdv_ws", m.attention_bwd_dkdv_ws_kernel), ("dq_ws", m.attention_bwd_dq_ws_kernel)):
     rows[kind] = [row for varlen in (False, True)
                   for row in ws_kernel_rows(kernel, lambda d, kind=kind: tc.HALF_CONFIGS[kind][tc.d_class(d)][0],
-                                            types_for(varlen), {"HAS_LEFT": False, "IS_VARLEN": varlen},
+                                            types_for(varlen), {"HAS_LEFT": False, "IS_VARLEN": varlen,
+                                                                "DS_SPLIT": False},
                                             {"tma": "cp.async.bulk.tensor", "wgmma": "wgmma"})]
 print(json.dumps(rows))
 """

@@ -14,6 +14,9 @@ Every plan is cached under the settings it was made with (`current()` is part of
     ADAATTN_TRITON_BWD_GLUON     auto (default: on Hopper the Gluon backward, dq added by TMA
                                  reductions, is timed beside the warp-specialised pair for
                                  non-deterministic dense calls), off
+    ADAATTN_TRITON_DS_SPLIT      auto (default: half-precision gradients take ds in two roundings
+                                 where torch would run its math kernel), on (every half-precision
+                                 backward), off (ds rounded once, as FA2 and cuDNN do)
     ADAATTN_TRITON_FWD_GRID      query_major (default) or head_major launch grid of our forward
     ADAATTN_TRITON_EXP_FMA       0 (default), 2, 4: share of exp2 on the FMA units (one in N)
     ADAATTN_FP8_LEVEL_QK         auto (default: FP8 on Hopper), int8, fp8: Q.K^T of the fp8 level
@@ -38,6 +41,7 @@ FP8_LEVEL_QK = ("auto", "int8", "fp8")
 BWD_WS = ("auto", "on", "off")
 FWD_GLUON = ("auto", "off")
 BWD_GLUON = ("auto", "off")
+DS_SPLIT = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class Settings:
     bwd_ws: str = "auto"  # kernels/attention_bwd_ws.py; benchmarks/NOTES.md, "A warp-specialised backward for Hopper", has its figures
     fwd_gluon: str = "auto"  # kernels/attention_fwd_gluon.py and attention_quant_gluon.py
     bwd_gluon: str = "auto"  # kernels/attention_bwd_gluon.py
+    ds_split: str = "auto"  # kernels/attention_bwd.ds_low; backends/triton/runner.torch_runs_math_gradients
     fwd_grid: str = "query_major"
     exp_fma: str = "0"
     fp8_level_qk: str = "auto"
@@ -60,7 +65,7 @@ class Settings:
     def __post_init__(self) -> None:
         for name, allowed in (("dq", DQ_MODES), ("fwd_grid", GRID_ORDERS), ("exp_fma", EXP_FMA_SHARES),
                               ("fp8_level_qk", FP8_LEVEL_QK), ("bwd_ws", BWD_WS),
-                              ("fwd_gluon", FWD_GLUON), ("bwd_gluon", BWD_GLUON)):
+                              ("fwd_gluon", FWD_GLUON), ("bwd_gluon", BWD_GLUON), ("ds_split", DS_SPLIT)):
             value = getattr(self, name)
             if str(value) not in allowed:
                 raise ValueError(f"setting {name} must be one of {allowed}, got {value!r}")
@@ -81,6 +86,7 @@ _ENV = {
     "bwd_ws": ("ADAATTN_TRITON_BWD_WS", str),
     "fwd_gluon": ("ADAATTN_TRITON_FWD_GLUON", str),
     "bwd_gluon": ("ADAATTN_TRITON_BWD_GLUON", str),
+    "ds_split": ("ADAATTN_TRITON_DS_SPLIT", str),
     "fwd_grid": ("ADAATTN_TRITON_FWD_GRID", str),
     "exp_fma": ("ADAATTN_TRITON_EXP_FMA", str),
     "fp8_level_qk": ("ADAATTN_FP8_LEVEL_QK", str),

@@ -311,6 +311,15 @@ def atomic_add_rows(ptrs, value, rows, n_rows, offs_d, HEAD_DIM: tl.constexpr, B
 
 
 @triton.jit
+def ds_low(ds, ds_c, DOT_PRECISION: tl.constexpr):
+    """The part of fp32 ds that its rounding to the operand dtype (ds_c) lost, itself rounded: a
+    second product with it gives dk and dq from ds to about twice the dtype's bits. FA2 and cuDNN
+    round ds once; torch's math kernel keeps it in fp32, and where math is what torch runs (no
+    fused kernel takes the call) our float16 gradients were 2.2-2.3x its error (fuzzer #528, #7381)."""
+    return round_to(ds - ds_c.to(tl.float32), ds_c.dtype, DOT_PRECISION)
+
+
+@triton.jit
 def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, mask_base, dq_base, start_m,
               offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
               stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale, scale_log2,
@@ -318,7 +327,7 @@ def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, m
               BLOCK_DV: tl.constexpr, EDGE: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
               DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, SPLIT_STATS: tl.constexpr,
-              SOFTCAP: tl.constexpr = 0.0, HAS_ALIBI: tl.constexpr = False, alibi2=0.0):
+              SOFTCAP: tl.constexpr = 0.0, HAS_ALIBI: tl.constexpr = False, alibi2=0.0, DS_SPLIT: tl.constexpr = False):
     """Add one query tile's contribution to dk and dv, in (key, query) orientation; with
     ATOMIC_DQ also add its dq contribution (ds^T k) to the fp32 accumulator at dq_base."""
     rows = start_m + offs_m
@@ -350,9 +359,13 @@ def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, m
         ds_t = ds_t * (1.0 - cap_t * cap_t)
     ds_c = round_to(ds_t, q.dtype, DOT_PRECISION)
     dk = dot(ds_c, q, dk, DOT_PRECISION)
+    if DS_SPLIT:  # what the rounding of ds lost, as a second product (ds_low's docstring)
+        dk = dot(ds_low(ds_t, ds_c, DOT_PRECISION), q, dk, DOT_PRECISION)
     if ATOMIC_DQ:
         # dq^T = k^T ds: (BLOCK_D, BLOCK_M), so the long side fills the tensor-core M dimension.
         dq_t = dot(tl.trans(k), ds_c, None, DOT_PRECISION)
+        if DS_SPLIT:  # (made again: names made in a compile-time branch stay in it, triton 3.6)
+            dq_t = dot(tl.trans(k), ds_low(ds_t, ds_c, DOT_PRECISION), dq_t, DOT_PRECISION)
         atomic_add_rows(dq_base + rows[:, None] * stride_dqm + offs_d[None, :], tl.trans(dq_t), rows, q_len,
                         offs_d, HEAD_DIM, BLOCK_D, EDGE)
     return dk, dv
@@ -368,7 +381,7 @@ def dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_bas
                   EDGE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                   MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
                   ROTATE: tl.constexpr, SPLIT_STATS: tl.constexpr, SOFTCAP: tl.constexpr = 0.0,
-                  HAS_ALIBI: tl.constexpr = False, alibi2=0.0):
+                  HAS_ALIBI: tl.constexpr = False, alibi2=0.0, DS_SPLIT: tl.constexpr = False):
     """The tile loop over query rows [tile_start, tile_end), in steps of BLOCK_M. With ROTATE
     (whole tiles only: tile_start and tile_end multiples of BLOCK_M) it starts at tile
     `rotate` modulo the count and wraps around, so programs of one head that run together
@@ -385,7 +398,7 @@ def dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_bas
                                offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                                stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
                                scale_log2, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                               DOT_PRECISION, ATOMIC_DQ, SPLIT_STATS, SOFTCAP, HAS_ALIBI, alibi2)
+                               DOT_PRECISION, ATOMIC_DQ, SPLIT_STATS, SOFTCAP, HAS_ALIBI, alibi2, DS_SPLIT)
     else:
         for start_m in range(tile_start, tile_end, BLOCK_M):
             start_m = tl.multiple_of(start_m, BLOCK_M)
@@ -394,7 +407,7 @@ def dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_bas
                                offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                                stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
                                scale_log2, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                               DOT_PRECISION, ATOMIC_DQ, SPLIT_STATS, SOFTCAP, HAS_ALIBI, alibi2)
+                               DOT_PRECISION, ATOMIC_DQ, SPLIT_STATS, SOFTCAP, HAS_ALIBI, alibi2, DS_SPLIT)
     return dk, dv
 
 
@@ -406,24 +419,24 @@ def dkdv_runs(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, m
               BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
               MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, ROTATE: tl.constexpr,
               SPLIT_STATS: tl.constexpr, SOFTCAP: tl.constexpr = 0.0, HAS_ALIBI: tl.constexpr = False,
-              alibi2=0.0):
+              alibi2=0.0, DS_SPLIT: tl.constexpr = False):
     """One query head's three runs of query tiles against this program's keys: [lo, full_lo) edge,
     [full_lo, full_hi) fully visible (rotated with ROTATE), [full_hi, hi) edge."""
     dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, mask_base, dq_base, lo,
                            full_lo, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                            stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
                            scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, True,
-                           HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False, SPLIT_STATS, SOFTCAP, HAS_ALIBI, alibi2)
+                           HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False, SPLIT_STATS, SOFTCAP, HAS_ALIBI, alibi2, DS_SPLIT)
     dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, mask_base, dq_base,
                            full_lo, full_hi, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left,
                            window_right, stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm,
                            scale, scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, False,
-                           HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, ROTATE, SPLIT_STATS, SOFTCAP, HAS_ALIBI, alibi2)
+                           HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, ROTATE, SPLIT_STATS, SOFTCAP, HAS_ALIBI, alibi2, DS_SPLIT)
     dk, dv = dkdv_tile_run(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, mask_base, dq_base,
                            full_hi, hi, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                            stride_qm, stride_dom, stride_lm, stride_ls, stride_mm, stride_mn, stride_dqm, scale,
                            scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, True,
-                           HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False, SPLIT_STATS, SOFTCAP, HAS_ALIBI, alibi2)
+                           HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, False, SPLIT_STATS, SOFTCAP, HAS_ALIBI, alibi2, DS_SPLIT)
     return dk, dv
 
 
@@ -450,6 +463,7 @@ def attention_bwd_dkdv_kernel(
     ATOMIC_DQ: tl.constexpr = False, ROTATE: tl.constexpr = False,
     Stats=None, Flags=None, stride_ls=0, SPLIT_STATS: tl.constexpr = False, post_scale=1.0,
     SOFTCAP: tl.constexpr = 0.0, Slopes=None, stride_sb=0, HAS_ALIBI: tl.constexpr = False,
+    DS_SPLIT: tl.constexpr = False,
 ):
     """Grid: (key blocks, batch * kv_heads). dk (B, Hkv, Nk, D) and dv (B, Hkv, Nk, Dv), summed
     over the group.
@@ -519,14 +533,14 @@ def attention_bwd_dkdv_kernel(
                                window_left, window_right, stride_qm, stride_dom, stride_lm, stride_ls, stride_mm,
                                stride_mn, stride_dqm, scale, scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
                                BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, ROTATE,
-                               True, SOFTCAP, HAS_ALIBI, alibi2)
+                               True, SOFTCAP, HAS_ALIBI, alibi2, DS_SPLIT)
         else:
             dk, dv = dkdv_runs(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, mask_base, dq_base,
                                lo, full_lo, full_hi, hi, offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag,
                                window_left, window_right, stride_qm, stride_dom, stride_lm, stride_ls, stride_mm,
                                stride_mn, stride_dqm, scale, scale_log2, pid_n, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
                                BLOCK_DV, BLOCK_M, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION, ATOMIC_DQ, ROTATE,
-                               False, SOFTCAP, HAS_ALIBI, alibi2)
+                               False, SOFTCAP, HAS_ALIBI, alibi2, DS_SPLIT)
 
     store_rows(dk_base + offs_n[:, None] * stride_dkn + offs_d[None, :],
                round_to(dk * post_scale, DK.dtype.element_ty, DOT_PRECISION), offs_n, k_len, offs_d, HEAD_DIM,
@@ -543,7 +557,7 @@ def dq_tile(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, start_n,
             BLOCK_DV: tl.constexpr, EDGE: tl.constexpr,
             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
             DOT_PRECISION: tl.constexpr, SPLIT_STATS: tl.constexpr, SOFTCAP: tl.constexpr = 0.0,
-            HAS_ALIBI: tl.constexpr = False, alibi2=0.0):
+            HAS_ALIBI: tl.constexpr = False, alibi2=0.0, DS_SPLIT: tl.constexpr = False):
     """Add one key tile's contribution to dq. Row statistics: row_a = lse (log2 domain), or with
     SPLIT_STATS row_a = the row max and row_b = log2 of the row sum (load_split_stats)."""
     cols = start_n + offs_n
@@ -566,7 +580,10 @@ def dq_tile(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, start_n,
     ds = p * (dp - delta[:, None]) * scale  # the ds scale (dkdv_tile says why)
     if SOFTCAP != 0.0:
         ds = ds * (1.0 - cap * cap)
-    dq = dot(round_to(ds, k.dtype, DOT_PRECISION), k, dq, DOT_PRECISION)
+    ds_c = round_to(ds, k.dtype, DOT_PRECISION)
+    dq = dot(ds_c, k, dq, DOT_PRECISION)
+    if DS_SPLIT:
+        dq = dot(ds_low(ds, ds_c, DOT_PRECISION), k, dq, DOT_PRECISION)
     return dq
 
 
@@ -579,7 +596,7 @@ def dq_tile_run(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, tile_
                 EDGE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                 MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr, SPLIT_STATS: tl.constexpr,
                 SOFTCAP: tl.constexpr = 0.0,
-                HAS_ALIBI: tl.constexpr = False, alibi2=0.0):
+                HAS_ALIBI: tl.constexpr = False, alibi2=0.0, DS_SPLIT: tl.constexpr = False):
     """The tile loop over keys [tile_start, tile_end), in steps of BLOCK_N."""
     for start_n in range(tile_start, tile_end, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -587,7 +604,7 @@ def dq_tile_run(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, tile_
                      offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                      stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
                      HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND, DOT_PRECISION,
-                     SPLIT_STATS, SOFTCAP, HAS_ALIBI, alibi2)
+                     SPLIT_STATS, SOFTCAP, HAS_ALIBI, alibi2, DS_SPLIT)
     return dq
 
 
@@ -598,24 +615,24 @@ def dq_runs(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, lo, full_
             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM_V: tl.constexpr, BLOCK_DV: tl.constexpr,
             BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr,
             DOT_PRECISION: tl.constexpr, SPLIT_STATS: tl.constexpr, SOFTCAP: tl.constexpr = 0.0,
-                HAS_ALIBI: tl.constexpr = False, alibi2=0.0):
+                HAS_ALIBI: tl.constexpr = False, alibi2=0.0, DS_SPLIT: tl.constexpr = False):
     """The three runs of key tiles of one query tile: [lo, full_lo) edge, [full_lo, full_hi) fully
     visible, [full_hi, hi) edge."""
     dq = dq_tile_run(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, lo, full_lo,
                      offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                      stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
                      HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                     DOT_PRECISION, SPLIT_STATS, SOFTCAP, HAS_ALIBI, alibi2)
+                     DOT_PRECISION, SPLIT_STATS, SOFTCAP, HAS_ALIBI, alibi2, DS_SPLIT)
     dq = dq_tile_run(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, full_lo, full_hi,
                      offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                      stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
                      HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, False, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                     DOT_PRECISION, SPLIT_STATS, SOFTCAP, HAS_ALIBI, alibi2)
+                     DOT_PRECISION, SPLIT_STATS, SOFTCAP, HAS_ALIBI, alibi2, DS_SPLIT)
     dq = dq_tile_run(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, full_hi, hi,
                      offs_m, offs_n, offs_d, offs_dv, q_len, k_len, diag, window_left, window_right,
                      stride_kn, stride_vn, stride_mm, stride_mn, scale, scale_log2,
                      HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, True, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                     DOT_PRECISION, SPLIT_STATS, SOFTCAP, HAS_ALIBI, alibi2)
+                     DOT_PRECISION, SPLIT_STATS, SOFTCAP, HAS_ALIBI, alibi2, DS_SPLIT)
     return dq
 
 
@@ -639,6 +656,7 @@ def attention_bwd_dq_kernel(
     MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
     Stats=None, Flags=None, stride_ls=0, SPLIT_STATS: tl.constexpr = False, post_scale=1.0,
     SOFTCAP: tl.constexpr = 0.0, Slopes=None, stride_sb=0, HAS_ALIBI: tl.constexpr = False,
+    DS_SPLIT: tl.constexpr = False,
 ):
     """Grid: (query blocks, batch * q_heads). dq is (B, Hq, Nq, D); dO (B, Hq, Nq, Dv)."""
     # Query blocks run last-first: under causal masks the last blocks do the most work, and
@@ -701,12 +719,12 @@ def attention_bwd_dq_kernel(
         dq = dq_runs(dq, q, do, m, l2, delta, k_base, v_base, mask_base, lo, full_lo, full_hi, hi, offs_m, offs_n,
                      offs_d, offs_dv, q_len, k_len, diag, window_left, window_right, stride_kn, stride_vn, stride_mm,
                      stride_mn, scale, scale_log2, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, HAS_LEFT,
-                     HAS_RIGHT, MASK_KIND, DOT_PRECISION, True, SOFTCAP, HAS_ALIBI, alibi2)
+                     HAS_RIGHT, MASK_KIND, DOT_PRECISION, True, SOFTCAP, HAS_ALIBI, alibi2, DS_SPLIT)
     else:
         dq = dq_runs(dq, q, do, lse, lse, delta, k_base, v_base, mask_base, lo, full_lo, full_hi, hi, offs_m, offs_n,
                      offs_d, offs_dv, q_len, k_len, diag, window_left, window_right, stride_kn, stride_vn, stride_mm,
                      stride_mn, scale, scale_log2, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_N, HAS_LEFT,
-                     HAS_RIGHT, MASK_KIND, DOT_PRECISION, False, SOFTCAP, HAS_ALIBI, alibi2)
+                     HAS_RIGHT, MASK_KIND, DOT_PRECISION, False, SOFTCAP, HAS_ALIBI, alibi2, DS_SPLIT)
     store_rows(dq_base + offs_m[:, None] * stride_dqm + offs_d[None, :],
                round_to(dq * post_scale, DQ.dtype.element_ty, DOT_PRECISION), offs_m, q_len, offs_d, HEAD_DIM,
                BLOCK_D)

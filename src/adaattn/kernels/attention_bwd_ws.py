@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from .attention_bwd import delta_from_out
+from .attention_bwd import ds_low
 from .attention_fwd import LOG2E_K, dense_program, dot, load_rows, position_keep, round_to, sequence_bounds
 
 
@@ -180,7 +181,7 @@ def attention_bwd_dkdv_ws_kernel(
     kv_heads, kv_group, q_len, k_len, q_pitch, stat_plane, scale, scale_log2, window_left,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_LEFT: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WARP_SPEC: tl.constexpr, post_scale=1.0,
+    DOT_PRECISION: tl.constexpr, WARP_SPEC: tl.constexpr, post_scale=1.0, DS_SPLIT: tl.constexpr = False,
 ):
     """Grid (key blocks, batch * kv_heads). QDesc/DODesc: host descriptors over Q/dO (B, Hq, Nq, D),
     boxes (1, 1, BLOCK_M, HEAD_DIM), or under IS_VARLEN the packed (T, Hq, D) tensors themselves
@@ -250,7 +251,10 @@ def attention_bwd_dkdv_ws_kernel(
         dv = dot(round_to(p_t, q.dtype, DOT_PRECISION), do, dv, DOT_PRECISION)
         dp_t = dot(v, tl.trans(do), None, DOT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :]) * scale  # the ds scale (attention_bwd.dkdv_tile says why)
-        dk = dot(round_to(ds_t, q.dtype, DOT_PRECISION), q, dk, DOT_PRECISION)
+        ds_c = round_to(ds_t, q.dtype, DOT_PRECISION)
+        dk = dot(ds_c, q, dk, DOT_PRECISION)
+        if DS_SPLIT:  # ds in two roundings (attention_bwd.ds_low)
+            dk = dot(ds_low(ds_t, ds_c, DOT_PRECISION), q, dk, DOT_PRECISION)
 
     if k_len > 0:  # an empty sequence's descriptors have one row: the next sequence's
         dk_desc.store([start_n, 0], round_to(dk * post_scale, DK.dtype.element_ty, DOT_PRECISION))
@@ -268,6 +272,7 @@ def attention_bwd_dq_ws_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, BOTTOM_RIGHT: tl.constexpr, HAS_LEFT: tl.constexpr, K_TAIL: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPEC: tl.constexpr, post_scale=1.0,
+    DS_SPLIT: tl.constexpr = False,
 ):
     """Grid (query blocks, batch * q_heads), last query block first. KDesc/VDesc: host descriptors
     over K/V (B, Hkv, Nk, D), boxes (1, 1, BLOCK_N, HEAD_DIM), or under IS_VARLEN the packed
@@ -324,7 +329,10 @@ def attention_bwd_dq_ws_kernel(
         p = tl.math.exp2(s - lse2[:, None])
         dp = dot(do, tl.trans(v), None, DOT_PRECISION)
         ds = p * (dp - delta[:, None]) * scale
-        dq = dot(round_to(ds, k.dtype, DOT_PRECISION), k, dq, DOT_PRECISION)
+        ds_c = round_to(ds, k.dtype, DOT_PRECISION)
+        dq = dot(ds_c, k, dq, DOT_PRECISION)
+        if DS_SPLIT:
+            dq = dot(ds_low(ds, ds_c, DOT_PRECISION), k, dq, DOT_PRECISION)
 
     if q_len > 0:  # as in the dk/dv kernel
         dq_desc.store([start_m, 0], round_to(dq * post_scale, DQ.dtype.element_ty, DOT_PRECISION))

@@ -123,7 +123,7 @@ def _launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, 
     cu_q, cu_k = lay.offsets(cu_seqlens_q, cu_seqlens_k, q)
     flags = dict(IS_VARLEN=lay.varlen, BOTTOM_RIGHT=launch.bottom_right, HAS_LEFT=launch.has_left,
                  HAS_RIGHT=launch.has_right, MASK_KIND=mask_kind, DOT_PRECISION=dot_precision(q.dtype),
-                 SOFTCAP=launch.softcap * LOG2E, **alibi)
+                 SOFTCAP=launch.softcap * LOG2E, DS_SPLIT=launch.ds_split, **alibi)
     lse_st = lse_strides(lse, lay)
     dcfg = INTERPRET_CONFIGS["delta"] if interpreting() else DELTA_CONFIG
     split = {}
@@ -251,7 +251,8 @@ def _launch_bwd_ws(dout, q, k, v, out, lse, launch: AttentionLaunch, configs: Op
     group = lay.q_heads // lay.kv_heads
     causal = launch.has_right
     common = dict(HEAD_DIM=d, CAUSAL=causal, BOTTOM_RIGHT=launch.bottom_right, HAS_LEFT=launch.has_left,
-                  IS_VARLEN=varlen, DOT_PRECISION=dot_precision(q.dtype), WARP_SPEC=warp_spec and not interpreting())
+                  IS_VARLEN=varlen, DOT_PRECISION=dot_precision(q.dtype), WARP_SPEC=warp_spec and not interpreting(),
+                  DS_SPLIT=launch.ds_split)
     scale, post_scale = ds_scales(launch.scale)
 
     def heads(t, box_rows):
@@ -288,7 +289,8 @@ def _launch_bwd_ws(dout, q, k, v, out, lse, launch: AttentionLaunch, configs: Op
                 run(CONFIGS.pick(kind, key, lambda kind=kind: fitting_configs(kind, d, q.dtype, q.device), run,
                                  lambda written=written: written))
 
-    if configs is not None or not warp_spec or launch.dq_mode == "separate" or not gluon_bwd_here(q):
+    if (configs is not None or not warp_spec or launch.dq_mode == "separate" or launch.ds_split
+            or not gluon_bwd_here(q)):  # (the Gluon backward rounds ds once)
         run_pair()
         return dq, dk, dv
 

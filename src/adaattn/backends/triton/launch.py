@@ -41,6 +41,9 @@ class AttentionLaunch(WindowSides):
     window_left / window_right: -1 where unbounded; causal is the right bound 0.
     dq_mode: how the backward makes dq ("separate" is the deterministic, atomic-free one).
     softcap: logit soft-capping c (scores c * tanh(s / c)), 0.0 for none: the pointer kernels only.
+    ds_split: the backward's dk and dq products take ds in two roundings (hi + lo), to math's
+    accuracy (kernels/attention_bwd.ds_low): the pointer and warp-specialised backward kernels
+    (the Gluon backward is then not timed).
     """
 
     variant: str
@@ -53,6 +56,7 @@ class AttentionLaunch(WindowSides):
     exp_fma: int = 0
     dq_mode: str = "atomic"
     softcap: float = 0.0
+    ds_split: bool = False
 
     def __post_init__(self) -> None:
         if self.variant not in FWD_VARIANTS:
@@ -69,12 +73,13 @@ class AttentionLaunch(WindowSides):
             raise ValueError(f"softcap runs on the ptr variant only, got {self.variant!r}")
 
 def make_launch(variant: str, scale: float, causal: bool, window_left: int = -1, window_right: int = -1,
-                bottom_right: bool = False, deterministic: bool = False, softcap: float = 0.0) -> AttentionLaunch:
+                bottom_right: bool = False, deterministic: bool = False, softcap: float = 0.0,
+                ds_split: bool = False) -> AttentionLaunch:
     """A launch description with the current settings' grid order, exp share and dq mode."""
     current = settings.current()
     return AttentionLaunch(variant, float(scale), bool(causal), bool(bottom_right), int(window_left),
                            int(window_right), current.fwd_grid, int(current.exp_fma),
-                           "separate" if deterministic else current.dq, float(softcap))
+                           "separate" if deterministic else current.dq, float(softcap), bool(ds_split))
 
 
 # Custom ops take plain arguments: a launch description travels as a string of its fields
@@ -86,15 +91,15 @@ def launch_id(launch: AttentionLaunch) -> str:
     """The launch description as the custom ops take it (launch_of turns it back)."""
     return (f"{launch.variant},{launch.scale!r},{int(launch.causal)},{int(launch.bottom_right)},"
             f"{launch.window_left},{launch.window_right},{launch.grid_order},{launch.exp_fma},{launch.dq_mode},"
-            f"{launch.softcap!r}")
+            f"{launch.softcap!r},{int(launch.ds_split)}")
 
 
 def launch_of(key: str) -> AttentionLaunch:
     got = _parsed.get(key)
     if got is None:
-        v, scale, causal, bottom_right, left, right, grid, exp_fma, dq, softcap = key.split(",")
+        v, scale, causal, bottom_right, left, right, grid, exp_fma, dq, softcap, ds_split = key.split(",")
         got = _parsed[key] = AttentionLaunch(v, float(scale), causal == "1", bottom_right == "1", int(left),
-                                             int(right), grid, int(exp_fma), dq, float(softcap))
+                                             int(right), grid, int(exp_fma), dq, float(softcap), ds_split == "1")
     return got
 
 
@@ -102,7 +107,7 @@ def shape_key(q, lay: RowLayout, launch: AttentionLaunch, mask_kind, mask_elem=0
     return (q.device.type, q.device.index, q.dtype, lay.head_dim, lay.value_dim, lay.varlen, launch.causal,
             launch.bottom_right, launch.has_left, launch.window_right >= 0, mask_kind, mask_elem,
             lay.q_heads != lay.kv_heads, length_bucket(lay.q_len), length_bucket(lay.k_len)) + (
-                ("softcap",) if launch.softcap else ())
+                ("softcap",) if launch.softcap else ()) + (("ds_split",) if launch.ds_split else ())
 
 
 def descriptor_scope(launch: AttentionLaunch, *tensors) -> bool:

@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from ... import hardware
+from ... import hardware, settings
 from ...problem import default_scale, window_sides
 from ..base import Runner
 from .common import TRITON_FOUND, block_d, interpreting, pointer_ready, unsupported_options
@@ -122,7 +122,8 @@ class TritonRunner(Runner):
 
     def prepare(self, problem, policy) -> AttentionLaunch:
         return make_launch(self.variant, problem.scale, problem.causal, problem.window_left, problem.window_right,
-                           problem.bottom_right, _deterministic(policy), problem.softcap)
+                           problem.bottom_right, _deterministic(policy), problem.softcap,
+                           self.variant == "ptr" and torch_runs_math_gradients(problem, policy))
 
     def run(self, query, key, value, attn_mask, problem, launch, label=None, modifiers=None):
         if modifiers is not None and (modifiers.sinks is not None or modifiers.alibi_slopes is not None):
@@ -144,6 +145,28 @@ def run_dense(query, key, value, attn_mask, launch: AttentionLaunch) -> torch.Te
     out, _, _ = attention_fwd(query, key, value, attn_mask, None, None, query.shape[2], key.shape[2],
                               launch_id(launch))
     return out
+
+
+_FUSED: list = []
+
+
+def torch_runs_math_gradients(problem, policy) -> bool:
+    """Whether torch's SDPA would answer this half-precision call's gradients with its math kernel
+    (none of its fused kernels takes the call: a scale <= 0, masks with GQA, the CPU, ...). Math
+    keeps ds in fp32, and our backward's dk and dq were 2.1-2.3x its error there (fuzzer: float16
+    #528, #7381; bfloat16 20261127 #66), so such calls take ds in two roundings (launch.ds_split).
+    Where a fused kernel runs, torch rounds ds once as we do, and the second product would cost the
+    backward for nothing."""
+    if problem.dtype not in (torch.float16, torch.bfloat16) or not problem.needs_grad:
+        return False
+    want = settings.current().ds_split
+    if want != "auto":
+        return want == "on"
+    if not _FUSED:
+        from ..sdpa import FUSED, sdpa_runners
+
+        _FUSED.extend(r for r in sdpa_runners() if r.kernel in FUSED)
+    return not any(not r.supports(problem, policy) for r in _FUSED)
 
 
 def triton_runners() -> list[TritonRunner]:
