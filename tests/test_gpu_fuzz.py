@@ -161,6 +161,9 @@ FOUND_AFTER_1E71C02 = [(5101, i) for i in (15, 416, 608, 1625, 1979, 2538, 2602,
     (5200, 3423)] + [(5300, i) for i in (3318, 4174, 8265, 11918, 19290, 19544)] + [
     # Our Triton forward faulted (illegal memory access) at D/Dv 216/8, 100/19, 40/8: it declines them (H200).
     (5400, i) for i in (1453, 3992, 6349)] + [
+    # float16 GQA with a bool mask at scale -0.5: torch ran math, our backward rounded ds once (dq, dk
+    # 2.3x math's error, H200); where torch runs math, ds now goes in two roundings (not yet rerun on a GPU).
+    (5300, 7381)] + [
     pytest.param(seed, i, marks=pytest.mark.xfail(strict=True, reason=why)) for seed, i, why in (
         # The Triton forward read outside K/V with both at odd offsets, at BLOCK_N 64 (illegal memory
         # access, H200): they are now copied to aligned rows first, and it runs. Its gradient stays open.
