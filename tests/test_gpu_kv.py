@@ -219,3 +219,13 @@ def test_sparse_decode_on_cuda_matches_its_reference_and_replays_in_a_cuda_graph
         for i in range(b):
             exact = _reference(q[i], k[i, :, :m], v[i, :, :m])
             assert _rel(out[i], exact) < 0.15, (step, i)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+@pytest.mark.parametrize("t", [1, 3])
+def test_int4_pages_decode_on_the_gpu_as_float64_on_the_caches_values(kind, t):
+    """INT4 pages through the split-KV kernel on CUDA (the interpreter checks it in CI)."""
+    import test_kv_int4
+
+    test_kv_int4.test_int4_decode_matches_float64_on_the_caches_own_values(kind, t, "triton")

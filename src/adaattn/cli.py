@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a decode step: B sequences holding N cached tokens each, H query heads (the decode runners)")
     pe.add_argument("--query-len", type=int, default=1, help="--decode: query rows per sequence (default 1)")
     pe.add_argument("--cache", choices=("kv", "paged"), default="kv", help="--decode: KVCache or PagedKVCache")
-    pe.add_argument("--storage", choices=("native", "fp8", "int8"), default="native", help="--decode: page storage")
+    pe.add_argument("--storage", choices=("native", "fp8", "int8", "int4"), default="native", help="--decode: page storage")
     pe.add_argument("--page-size", type=int, default=64, help="--decode: tokens per page")
     pe.add_argument("--summaries", action="store_true", help="--decode: the cache keeps page summaries")
     pe.add_argument("--ring", action="store_true",

@@ -63,6 +63,10 @@ def _gather_op(token: torch.Tensor, state: list[torch.Tensor], dtype: torch.dtyp
 
 @_gather_op.register_fake
 def _(token, state, dtype, batch, length):
-    hkv = state[1].shape[2]  # pools are (pages, page size, Hkv, D)
-    return (state[1].new_empty(batch, hkv, length, state[1].shape[3], dtype=dtype),
-            state[2].new_empty(batch, hkv, length, state[2].shape[3], dtype=dtype))
+    hkv = state[1].shape[2]  # pools are (pages, page size, Hkv, D), or D / 2 bytes for int4 pages (uint8)
+
+    def width(pool):
+        return pool.shape[3] * (2 if pool.dtype == torch.uint8 else 1)
+
+    return (state[1].new_empty(batch, hkv, length, width(state[1]), dtype=dtype),
+            state[2].new_empty(batch, hkv, length, width(state[2]), dtype=dtype))

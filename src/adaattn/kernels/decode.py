@@ -41,6 +41,19 @@ def as_operand(x, dtype: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
+def unpack_int4(row_ptrs, live, stride_d, WIDTH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    """(BLOCK_N, BLOCK_W) int8 values in [-7, 7] from rows of WIDTH / 2 bytes at row_ptrs (each
+    byte: the even element in its low nibble, the odd one in its high nibble, offset by 8); rows
+    not live and columns past WIDTH give 0."""
+    half = tl.arange(0, BLOCK_W // 2)
+    b = tl.load(row_ptrs + half[None, :] * stride_d, mask=live[:, None] & (half[None, :] < WIDTH // 2), other=8)
+    b = b.to(tl.int16)
+    low = ((b & 15) - 8).to(tl.int8)
+    high = ((b >> 4) - 8).to(tl.int8)
+    return tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_W))
+
+
+@triton.jit
 def decode_split_kernel(
     Q, K, V, KS, VS, TABLE, LENS, SEQS, O_PART, L_PART, SEL, COUNT,
     sm_scale,
@@ -57,7 +70,7 @@ def decode_split_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGE: tl.constexpr, QUANTIZED: tl.constexpr, DOT_PRECISION: tl.constexpr, CONTIG: tl.constexpr = False,
     SPARSE: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0, SLOPES=None, stride_slb=0,
-    HAS_ALIBI: tl.constexpr = False, QOFF=None, HAS_QOFF: tl.constexpr = False,
+    HAS_ALIBI: tl.constexpr = False, QOFF=None, HAS_QOFF: tl.constexpr = False, INT4: tl.constexpr = False,
 ):
     """Program (split, sequence x KV head): tiles [split * TILES_PER_SPLIT, ...) of BLOCK_N keys
     of its sequence (a tile may span pages, or a page several tiles: each key's page comes from
@@ -68,6 +81,8 @@ def decode_split_kernel(
     (page, KV head) scales multiply the scores, and P over the tile's largest V scale.
     CONTIG: the sequence's pages follow each other in the pool from its first (a contiguous
     KVCache), so a key's page is computed, not read: no dependent load in the loop.
+    INT4 (with QUANTIZED): pages hold two values a byte (kv/cache._encode: element 2i in the low
+    nibble of byte i, offset by 8); a tile's bytes are loaded and split into values in registers.
     Score modifiers (problem.Modifiers): SOFTCAP > 0 caps the scaled scores at that value (the cap
     times log2(e)) before the causal mask; HAS_ALIBI subtracts slope * (position - key), SLOPES
     float32 (Hq,) (stride_slb 0) or one row of Hq per query sequence. HAS_QOFF: QOFF (S, Hq, T)
@@ -131,11 +146,17 @@ def decode_split_kernel(
         else:
             page = tl.load(table + (keys // PAGE) * stride_tp, mask=live, other=0).to(tl.int64)
         slot = keys % PAGE
-        k = tl.load(K + page[:, None] * stride_kp + slot[:, None] * stride_kn + h * stride_kh
-                    + dq[None, :] * stride_kd, mask=live[:, None] & (dq[None, :] < D), other=0.0)
+        if INT4:
+            k = unpack_int4(K + page[:, None] * stride_kp + slot[:, None] * stride_kn + h * stride_kh, live,
+                            stride_kd, D, BLOCK_N, BLOCK_D)
+            v = unpack_int4(V + page[:, None] * stride_vp + slot[:, None] * stride_vn + h * stride_vh, live,
+                            stride_vd, DV, BLOCK_N, BLOCK_DV)
+        else:
+            k = tl.load(K + page[:, None] * stride_kp + slot[:, None] * stride_kn + h * stride_kh
+                        + dq[None, :] * stride_kd, mask=live[:, None] & (dq[None, :] < D), other=0.0)
+            v = tl.load(V + page[:, None] * stride_vp + slot[:, None] * stride_vn + h * stride_vh
+                        + dv[None, :] * stride_vd, mask=live[:, None] & (dv[None, :] < DV), other=0.0)
         kt = tl.trans(as_operand(k, q.dtype, DOT_PRECISION))
-        v = tl.load(V + page[:, None] * stride_vp + slot[:, None] * stride_vn + h * stride_vh
-                    + dv[None, :] * stride_vd, mask=live[:, None] & (dv[None, :] < DV), other=0.0)
         v = as_operand(v, q.dtype, DOT_PRECISION)
         qk = dot(q, kt, tl.zeros([BLOCK_M, BLOCK_N], tl.float32), DOT_PRECISION)
         if QUANTIZED:

@@ -1,5 +1,5 @@
 """KV caches: pages of tokens per layer, a block table per sequence, stored in the model dtype or
-quantized once at append (FP8 E4M3 or INT8, one scale per (page, KV head)).
+quantized once at append (FP8 E4M3, INT8 or INT4 two values a byte, one scale per (page, KV head)).
 
 Layout per layer: keys and values are pools of shape (num_pages, page_size, Hkv, D) (token-major
 pages, so a contiguous cache's pages of one sequence read as one (N, Hkv, D) tensor). A sequence
@@ -31,23 +31,44 @@ from typing import Optional, Sequence
 
 import torch
 
-STORAGES = ("native", "fp8", "int8")
+STORAGES = ("native", "fp8", "int8", "int4")
 APPENDS = ("auto", "triton", "torch")  # append: one Triton launch per layer (CUDA's default), or torch indexing
-QMAX = {"fp8": 448.0, "int8": 127.0}
+QMAX = {"fp8": 448.0, "int8": 127.0, "int4": 7.0}
+# Bytes a stored element takes (int4: two values a byte).
+ELEMENT_BYTES = {"fp8": 1.0, "int8": 1.0, "int4": 0.5}
+
+
+def _encode(y: torch.Tensor, storage: str) -> torch.Tensor:
+    """Values already in the scale's units (float) to the storage. int4: round to [-7, 7], stored
+    offset by 8 as nibbles, element 2i in the low nibble of byte i and 2i+1 in the high one."""
+    if storage == "fp8":
+        return y.clamp(-QMAX["fp8"], QMAX["fp8"]).to(torch.float8_e4m3fn)
+    if storage == "int8":
+        return y.round().clamp(-QMAX["int8"], QMAX["int8"]).to(torch.int8)
+    n = (y.round().clamp(-QMAX["int4"], QMAX["int4"]) + 8).to(torch.uint8)
+    return n[..., 0::2] | (n[..., 1::2] << 4)
+
+
+def _decode(stored: torch.Tensor, storage: str) -> torch.Tensor:
+    """The stored values as float32, in the scale's units (the inverse of _encode)."""
+    if storage != "int4":
+        return stored.float()
+    low = (stored & 15).to(torch.int8) - 8
+    high = (stored >> 4).to(torch.int8) - 8
+    return torch.stack((low, high), dim=-1).flatten(-2).float()
 
 
 def _quantize(x: torch.Tensor, scale: torch.Tensor, storage: str) -> torch.Tensor:
     """x (float) / scale, to the storage dtype (scale broadcast against x)."""
-    y = x.float() / scale
-    if storage == "fp8":
-        return y.clamp(-QMAX["fp8"], QMAX["fp8"]).to(torch.float8_e4m3fn)
-    return y.round().clamp(-QMAX["int8"], QMAX["int8"]).to(torch.int8)
+    return _encode(x.float() / scale, storage)
 
 
 class PagedKVCache:
     """Keys and values of many sequences for `layers` layers, in pages of `page_size` tokens.
 
-    storage: "native" (the model dtype `dtype`), "fp8" (E4M3) or "int8", quantized at append.
+    storage: "native" (the model dtype `dtype`), "fp8" (E4M3), "int8" or "int4" (values in [-7, 7],
+    two a byte: a quarter of bf16's bytes), quantized at append. for_budget(...) sizes the pool by
+    bytes.
     num_pages: pages per layer in the pool; max_seqs: sequences at once; max_pages_per_seq: the
     block table's width (default: every page). summaries: keep per-page key sums and per-channel
     bounds for sparse decode (the module's docstring).
@@ -63,6 +84,11 @@ class PagedKVCache:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
         if storage not in STORAGES:
             raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
+        if storage == "int4" and (head_dim % 2 or (value_dim or head_dim) % 2):
+            raise ValueError(f"storage 'int4' packs two values a byte: head_dim and value_dim must be even, got "
+                             f"{head_dim} and {value_dim or head_dim}")
+        if storage == "int4" and append == "triton":
+            raise ValueError("append='triton' does not write int4 pages yet; use append='auto' or 'torch'")
         if append not in APPENDS:
             raise ValueError(f"append must be one of {APPENDS}, got {append!r}")
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -74,10 +100,12 @@ class PagedKVCache:
         self.page_size, self.num_pages, self.max_seqs = page_size, num_pages, max_seqs
         self.max_pages_per_seq = num_pages if max_pages_per_seq is None else max_pages_per_seq
         self.dtype, self.storage, self.device = dtype, storage, torch.device(device)
-        store = {"native": dtype, "fp8": torch.float8_e4m3fn, "int8": torch.int8}[storage]
+        store = {"native": dtype, "fp8": torch.float8_e4m3fn, "int8": torch.int8, "int4": torch.uint8}[storage]
         shape = (num_pages, page_size, kv_heads)
-        self.k = [torch.zeros(*shape, head_dim, dtype=store, device=self.device) for _ in range(layers)]
-        self.v = [torch.zeros(*shape, self.value_dim, dtype=store, device=self.device) for _ in range(layers)]
+        width = 2 if storage == "int4" else 1  # values a stored element holds
+        self.k = [torch.zeros(*shape, head_dim // width, dtype=store, device=self.device) for _ in range(layers)]
+        self.v = [torch.zeros(*shape, self.value_dim // width, dtype=store, device=self.device)
+                  for _ in range(layers)]
         if storage != "native":
             self.k_scale = [torch.zeros(num_pages, kv_heads, device=self.device) for _ in range(layers)]
             self.v_scale = [torch.zeros(num_pages, kv_heads, device=self.device) for _ in range(layers)]
@@ -99,9 +127,43 @@ class PagedKVCache:
         self._count = torch.zeros(max_seqs, dtype=torch.int32, device=self.device)  # append kernel's counters
         self._seq_ids: dict[tuple[int, ...], torch.Tensor] = {}
         self._sparse_sites: dict = {}  # layer -> kv.sparse.SparseSite (sparse decode's thresholds)
-        if append == "auto":
-            append = "triton" if self.device.type == "cuda" else "torch"
+        if append == "auto":  # (int4 pages: torch indexing until the append kernel packs them)
+            append = "triton" if self.device.type == "cuda" and storage != "int4" else "torch"
         self.append_runner = append
+
+    @staticmethod
+    def page_bytes(kv_heads: int, head_dim: int, page_size: int = 64, *, value_dim: Optional[int] = None,
+                   dtype: torch.dtype = torch.bfloat16, storage: str = "native", summaries: bool = False) -> int:
+        """Bytes one page takes in one layer: keys and values in the storage, their (page, KV head)
+        scales (quantized storages) and the page summaries (summaries=True)."""
+        if storage not in STORAGES:
+            raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
+        dv = head_dim if value_dim is None else value_dim
+        per_value = torch.empty((), dtype=dtype).element_size() if storage == "native" else ELEMENT_BYTES[storage]
+        total = page_size * kv_heads * (head_dim + dv) * per_value
+        if storage != "native":
+            total += 2 * kv_heads * 4  # fp32 key and value scales
+        if summaries:
+            total += 3 * kv_heads * head_dim * 4
+        return int(total)
+
+    @classmethod
+    def for_budget(cls, budget_bytes: int, layers: int, kv_heads: int, head_dim: int, page_size: int = 64,
+                   **kwargs) -> "PagedKVCache":
+        """A cache whose page pools (all layers) take at most `budget_bytes`: as many pages as fit
+        at its storage (kwargs as the constructor's; `capacity` then says how many tokens). The
+        block table, lengths and each sequence's key centre are extra, a few bytes a page."""
+        keep = {k: kwargs[k] for k in ("value_dim", "dtype", "storage", "summaries") if k in kwargs}
+        per_page = layers * cls.page_bytes(kv_heads, head_dim, page_size, **keep)
+        pages = int(budget_bytes) // per_page
+        if pages < 1:
+            raise ValueError(f"budget_bytes {budget_bytes} holds no page: one page of every layer takes {per_page}")
+        return cls(layers, kv_heads, head_dim, pages, page_size, **kwargs)
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the pool holds, over all sequences (pages times page size)."""
+        return self.num_pages * self.page_size
 
     # ---- sequences -------------------------------------------------------------------------
 
@@ -307,7 +369,7 @@ class PagedKVCache:
                 pages.append(self._pages[s][index])
                 fill.append(min(p, end - index * p))
         ids = torch.tensor(pages, dtype=torch.long, device=self.device)
-        x = self.k[layer][ids].float()  # (n, page, Hkv, D)
+        x = _decode(self.k[layer][ids], self.storage)  # (n, page, Hkv, D)
         if self.storage != "native":
             x = x * self.k_scale[layer][ids][:, None, :, None]
         live = (torch.arange(p, device=self.device)[None, :] < torch.tensor(fill, device=self.device)[:, None])
@@ -328,11 +390,8 @@ class PagedKVCache:
         pages = torch.unique(touched)
         old = scales[pages]
         ratio = torch.where(grow[pages] & (old > 0), old / new_scale[pages], torch.ones_like(old))
-        stored = pool[pages].float() * ratio[:, None, :, None]  # (P, page, Hkv, D) in the new scale's units
-        if self.storage == "fp8":
-            pool[pages] = stored.to(torch.float8_e4m3fn)
-        else:
-            pool[pages] = stored.round().clamp(-QMAX["int8"], QMAX["int8"]).to(torch.int8)
+        stored = _decode(pool[pages], self.storage) * ratio[:, None, :, None]  # (P, page, Hkv, D), new units
+        pool[pages] = _encode(stored, self.storage)
         scales.copy_(new_scale)
         safe = torch.where(new_scale > 0, new_scale, torch.ones_like(new_scale))
         pool[page, slot] = _quantize(x, safe[page][..., None], self.storage)
@@ -359,7 +418,7 @@ class PagedKVCache:
             if scales is None:
                 x = x.to(dtype)
             else:
-                x = x.float() * scales[table][:, :, None, :, None]
+                x = _decode(x, self.storage) * scales[table][:, :, None, :, None]
                 x = (x if center is None else x + center).to(dtype)
             x = x.reshape(len(sid), pages * self.page_size, self.kv_heads, -1)[:, :length]
             out.append(x.transpose(1, 2))

@@ -54,15 +54,15 @@ from .cache import KVCache, PagedKVCache
 # registers); the split count aims at 4 programs per SM for native pages and 8 for quantized ones;
 # 3 stages where the keys' pages are computed (a contiguous KVCache: the loads pipeline), else 2.
 BLOCK_N = 128
-PROGRAMS_PER_SM = {"native": 4, "fp8": 8, "int8": 8}
+PROGRAMS_PER_SM = {"native": 4, "fp8": 8, "int8": 8, "int4": 8}  # int4: as int8 until measured
 # Tiles a program reads at least, unless that would leave SMs without one: short programs lose to
 # their pipeline's fill and to a wider merge. H100, bf16 pages (benchmarks/NOTES.md, decode at head
 # dim 64): head dim 64, B8 Hkv8 8k, 0.906x -> 0.979x cuDNN in CUDA graphs; head dim 128, B16 8k,
 # 2.72 -> 2.76 TB/s. Quantized pages keep the occupancy rule alone: longer programs moved the
 # shipped GPT's bits per byte through an FP8 cache from +0.095% to +0.102% of exact (the P of keys
 # far under a longer split's running max loses precision in fp16), and INT8 ran slower.
-MIN_TILES = {"native": 32, "fp8": 1, "int8": 1}
-WARPS = {"native": 8, "fp8": 4, "int8": 4}
+MIN_TILES = {"native": 32, "fp8": 1, "int8": 1, "int4": 1}
+WARPS = {"native": 8, "fp8": 4, "int8": 4, "int4": 4}
 STAGES = {True: 3, False: 2}  # by contiguity
 # Warps for native pages of head dim <= 64 (stages as above). H100, CUDA-graph kernel times, 8 ->
 # 4 warps (benchmarks/NOTES.md, decode at head dim 64): B16 Hkv8 32k 446.7 -> 417.3 us, ragged
@@ -407,7 +407,8 @@ def _split_kv(query, cache, layer, plan, scale, sel=None, count=None, pages=1.0,
         hkv, per,
         G=g, T=t, D=d, DV=dv, BLOCK_M=max(16, next_power_of_2(g * t)), BLOCK_N=plan.block_n,
         BLOCK_D=max(16, next_power_of_2(d)), BLOCK_DV=max(16, next_power_of_2(dv)), PAGE=cache.page_size,
-        QUANTIZED=quantized, DOT_PRECISION=precision, CONTIG=plan.contiguous, SPARSE=sparse_,
+        QUANTIZED=quantized, INT4=cache.storage == "int4", DOT_PRECISION=precision, CONTIG=plan.contiguous,
+        SPARSE=sparse_,
         num_warps=plan.num_warps, num_stages=plan.num_stages,
         **{name: x for name, x in (mods or {}).items() if name != "merge"},
     )
