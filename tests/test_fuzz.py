@@ -110,27 +110,26 @@ def test_ds_in_two_roundings_is_closer_to_float64_than_ds_rounded_once():
 def test_the_backward_takes_ds_in_two_roundings_only_where_torch_runs_math(monkeypatch):
     import dataclasses
 
+    from adaattn import planner, settings
     from adaattn.backends.triton import runner
     from adaattn.problem import validate
 
     q = torch.randn(1, 2, 8, 64, dtype=torch.float16, requires_grad=True)
-    problem = validate(q, q, q)
-    policy = adaattn.Policy()
-    assert runner.torch_runs_math_gradients(problem, policy)  # the CPU: torch runs math
-    cuda = dataclasses.replace(problem, device_type="cuda", device_index=0, tma_aligned=True)
-    monkeypatch.setattr(runner.hardware, "capability_at_least", lambda *a: True)
-    sdpa_mod = __import__("adaattn.backends.sdpa", fromlist=["hardware"])
-    monkeypatch.setattr(sdpa_mod.hardware, "capability_at_least", lambda *a: True)
-    assert not runner.torch_runs_math_gradients(cuda, policy)  # flash and cuDNN take it
-    assert runner.torch_runs_math_gradients(dataclasses.replace(cuda, scale=-0.5), policy)  # none does
-    assert not runner.torch_runs_math_gradients(dataclasses.replace(cuda, dtype=torch.float32), policy)
-    assert not runner.torch_runs_math_gradients(dataclasses.replace(cuda, scale=-0.5, needs_grad=False), policy)
-    from adaattn import settings
-
+    problem, policy = validate(q, q, q), adaattn.Policy(backends=("triton.ptr",))
+    fused = dataclasses.replace(problem, torch_fused=True)
+    unfused = dataclasses.replace(problem, torch_fused=False)
+    assert runner.torch_runs_math_gradients(unfused, policy)
+    assert not runner.torch_runs_math_gradients(fused, policy)
+    assert not runner.torch_runs_math_gradients(dataclasses.replace(unfused, dtype=torch.float32), policy)
+    assert not runner.torch_runs_math_gradients(dataclasses.replace(unfused, needs_grad=False), policy)
     with settings.override(ds_split="on"):
-        assert runner.torch_runs_math_gradients(cuda, policy)
+        assert runner.torch_runs_math_gradients(fused, policy)
     with settings.override(ds_split="off"):
-        assert not runner.torch_runs_math_gradients(problem, policy)
+        assert not runner.torch_runs_math_gradients(unfused, policy)
+    # The planner sets torch_fused from torch's fused runners' own answers (here: none, on the CPU).
+    assert planner.make_plan(problem, policy).launches[0].ds_split
+    monkeypatch.setattr(planner.REGISTRY["sdpa.flash"], "supports", lambda p, pol: [])
+    assert not planner.make_plan(problem, policy).launches[0].ds_split
 
 
 @INTERPRETED

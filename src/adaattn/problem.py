@@ -63,6 +63,10 @@ class Problem:
     sinks: bool = False
     alibi: bool = False
     alibi_grad: bool = False
+    # Whether one of torch's fused SDPA kernels (cuDNN, flash, efficient) takes the call, as the
+    # planner finds when it asks every runner (set there, before the runners prepare their launch):
+    # where none does, torch answers with its math kernel, the accuracy our kernels then match.
+    torch_fused: bool = True
 
     @property
     def modifiers(self) -> tuple[str, ...]:

@@ -9,6 +9,8 @@ Policy(mode="auto") approximate runners that can take the call go before the exa
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import threading
 import warnings
@@ -110,6 +112,9 @@ def priority(problem: Problem, arch: str) -> tuple[str, ...]:
     return ()
 
 
+TORCH_FUSED = ("sdpa.cudnn", "sdpa.flash", "sdpa.efficient")  # torch's fused SDPA kernels, as runners
+
+
 def make_plan(problem: Problem, policy: Policy) -> Plan:
     """Ask every registered runner; the first in order with no reasons runs, the rest of those
     with none are its fallbacks."""
@@ -121,8 +126,11 @@ def make_plan(problem: Problem, policy: Policy) -> Plan:
                  if n not in order and (n == b or n.startswith(b + "."))]
         order = order + tuple(dict.fromkeys(extra))
     reasons: dict[str, list[str]] = {}
+    takes: dict[str, bool] = {}  # each runner's own answer, before modifiers and the policy
     for name, runner in REGISTRY.items():
-        why = list(runner.supports(problem, policy)) + modifier_reasons(runner, problem)
+        why = list(runner.supports(problem, policy))
+        takes[name] = not why
+        why += modifier_reasons(runner, problem)
         if not runner.exact and policy.mode != "auto":
             why.append("approximate: runs only under Policy(mode='auto').")
         elif name not in order and runner.exact and policy.admits(name):
@@ -149,6 +157,10 @@ def make_plan(problem: Problem, policy: Policy) -> Plan:
         lines = [f"no runner can run {problem.describe()} under {policy}:"]
         lines += [f"  {n}: {' '.join(reasons[n])}" for n in names]
         raise NoBackendError("\n".join(lines))
+    # What torch's own SDPA would run (problem.torch_fused): some runners match its accuracy.
+    fused = any(takes.get(n, False) for n in TORCH_FUSED)
+    if fused != problem.torch_fused:
+        problem = dataclasses.replace(problem, torch_fused=fused)
     launches = {n: REGISTRY[n].prepare(problem, policy) for n in candidates}
     candidates, timed = _by_cost(problem, candidates, launches, reasons)
     if not candidates:
