@@ -283,7 +283,8 @@ def _tiny_llama():
 
 
 @pytest.mark.parametrize("storage,paged,runner", [("native", False, None), ("native", True, "triton"),
-                                                  ("fp8", False, "triton"), ("int8", True, None)])
+                                                  ("fp8", False, "triton"), ("int8", True, None),
+                                                  ("int4", True, "triton")])
 def test_generate_with_the_adaattn_cache_gives_sdpa_tokens(storage, paged, runner):
     """Greedy generate() through adaattn's Cache: decode steps read the cache (stats name the
     kv runner), and the tokens are those of "sdpa" with transformers' own cache (float32 model:
@@ -339,7 +340,8 @@ def _compile_config():
 
 
 @pytest.mark.parametrize("storage,paged,runner,padded", [("native", False, None, False), ("int8", True, None, False),
-                                                         ("fp8", False, "triton", False), ("native", True, None, True)])
+                                                         ("fp8", False, "triton", False), ("native", True, None, True),
+                                                         ("int4", True, None, False)])
 def test_compiled_decode_steps_give_the_uncompiled_tokens(storage, paged, runner, padded):
     """generate() compiles the decode step over a compileable Cache (the default): one graph, the
     cache's append and decode (or the gathered cache under the mask, after a padded prompt) inside

@@ -50,7 +50,7 @@ def _decode_op(query: torch.Tensor, token: torch.Tensor, state: list[torch.Tenso
 
 @_decode_op.register_fake
 def _(query, token, state, scale):
-    return query.new_empty(*query.shape[:3], state[2].shape[-1])
+    return query.new_empty(*query.shape[:3], _width(state[2]))
 
 
 @torch.library.custom_op("adaattn::hf_cache_gather", mutates_args=())
@@ -63,10 +63,11 @@ def _gather_op(token: torch.Tensor, state: list[torch.Tensor], dtype: torch.dtyp
 
 @_gather_op.register_fake
 def _(token, state, dtype, batch, length):
-    hkv = state[1].shape[2]  # pools are (pages, page size, Hkv, D), or D / 2 bytes for int4 pages (uint8)
+    hkv = state[1].shape[2]  # pools are (pages, page size, Hkv, D)
+    return (state[1].new_empty(batch, hkv, length, _width(state[1]), dtype=dtype),
+            state[2].new_empty(batch, hkv, length, _width(state[2]), dtype=dtype))
 
-    def width(pool):
-        return pool.shape[3] * (2 if pool.dtype == torch.uint8 else 1)
 
-    return (state[1].new_empty(batch, hkv, length, width(state[1]), dtype=dtype),
-            state[2].new_empty(batch, hkv, length, width(state[2]), dtype=dtype))
+def _width(pool: torch.Tensor) -> int:
+    """The head dim a (pages, page size, Hkv, D) pool holds: int4 pages (uint8) hold two values a byte."""
+    return pool.shape[3] * (2 if pool.dtype == torch.uint8 else 1)
