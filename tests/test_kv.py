@@ -306,7 +306,7 @@ def test_split_kv_kernel_refuses_what_it_cannot_take():
         decode_attention(torch.randn(1, 4, 1, 64, dtype=torch.bfloat16), cache, 0, plan=plan_decode(cache, [s], heads=2))
 
 
-@pytest.mark.parametrize("storage", ["native", "fp8", "int8"])
+@pytest.mark.parametrize("storage", ["native", "fp8", "int8", "int4"])
 def test_append_kernel_writes_what_the_torch_append_writes(storage):
     """The one-launch append (kernels/kv_append.py) against the torch path, on ragged appends that
     start mid-page, cross pages and grow quantized pages' scales; device lengths advance once per

@@ -41,7 +41,7 @@ def _filled(cache_cls=PagedKVCache, storage="native", append="torch", seed=0, dt
     return cache, (a, b)
 
 
-@pytest.mark.parametrize("storage", ["native", "fp8", "int8"])
+@pytest.mark.parametrize("storage", ["native", "fp8", "int8", "int4"])
 @pytest.mark.parametrize("append", ["torch", "triton"])
 def test_page_summaries_are_the_stored_keys_sum_min_and_max(storage, append):
     """Both appends keep, per (page, KV head), the sum and per-channel min/max of the keys as

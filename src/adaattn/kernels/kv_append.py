@@ -2,7 +2,7 @@
 
 Program (sequence x KV head, chunk): chunk c covers the c-th page the new tokens touch, from the
 sequence's length in this layer (read from LENS on the device) onwards. It writes the new rows of
-that page for both K and V, in the model dtype or quantized (FP8 E4M3 / INT8) with the page's
+that page for both K and V, in the model dtype or quantized (FP8 E4M3 / INT8 / INT4) with the page's
 scale for this KV head: amax / QMAX over every token the page holds. When the new rows raise the
 scale, the rows already there are requantized to it first (never clipped).
 
@@ -30,6 +30,7 @@ import triton.language as tl
 NATIVE: tl.constexpr = tl.constexpr(0)
 FP8: tl.constexpr = tl.constexpr(1)
 INT8: tl.constexpr = tl.constexpr(2)
+INT4: tl.constexpr = tl.constexpr(3)  # two values a byte: kv/cache._encode's layout
 
 
 @triton.jit
@@ -50,9 +51,28 @@ def _e4m3_grid(y):
 
 
 @triton.jit
+def _pack_int4(q, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """(BLOCK_R, BLOCK_C) fp32 integers in [-7, 7] as (BLOCK_R, BLOCK_C // 2) bytes: element 2i in
+    the low nibble of byte i, 2i + 1 in the high one, each offset by 8."""
+    n = (q + 8.0).to(tl.int32)
+    low, high = tl.split(tl.reshape(n, (BLOCK_R, BLOCK_C // 2, 2)))
+    return (low | (high << 4)).to(tl.uint8)
+
+
+@triton.jit
+def _unpack_int4(b, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The inverse of _pack_int4, as fp32."""
+    b = b.to(tl.int32)
+    return tl.reshape(tl.join((b & 15) - 8, (b >> 4) - 8), (BLOCK_R, BLOCK_C)).to(tl.float32)
+
+
+@triton.jit
 def _encode(y, STORAGE: tl.constexpr, QMAX: tl.constexpr, dtype: tl.constexpr, INTERPRET: tl.constexpr):
-    """y (fp32, already divided by the scale) in the pool's dtype."""
-    if STORAGE == INT8:
+    """y (fp32, already divided by the scale) in the pool's dtype (INT4: the rounded values, fp32,
+    for _pack_int4)."""
+    if STORAGE == INT4:
+        return tl.minimum(tl.maximum(_round_half_even(y), -QMAX), QMAX)
+    elif STORAGE == INT8:
         return tl.minimum(tl.maximum(_round_half_even(y), -QMAX), QMAX).to(dtype)
     else:
         y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
@@ -66,16 +86,22 @@ def _write_page(X, stride_xt, stride_xd, P, S, page, h, stride_pp, stride_pn, st
                 stride_sp, stride_sh, slots, tok, new, old_rows, cols, DIM: tl.constexpr,
                 STORAGE: tl.constexpr, QMAX: tl.constexpr, INTERPRET: tl.constexpr, C=None, stride_cd=0,
                 CENTER: tl.constexpr = False, SUMS=None, MINS=None, MAXS=None, stride_bp=0, stride_bh=0,
-                SUMMARIES: tl.constexpr = False):
+                SUMMARIES: tl.constexpr = False, BLOCK_R: tl.constexpr = 1, BLOCK_C: tl.constexpr = 1):
     """The new rows (slots where `new`, token index `tok` of X) of one page and KV head, less the
     center C (CENTER); the rows already there (`old_rows`) requantized when the page's scale grows.
-    SUMMARIES: the page's key sum and per-channel min/max (SUMS, MINS, MAXS) kept exact."""
+    SUMMARIES: the page's key sum and per-channel min/max (SUMS, MINS, MAXS) kept exact. INT4: the
+    pool's rows hold DIM // 2 bytes; BLOCK_R and BLOCK_C are the tile's (rows, columns)."""
     dmask = cols[None, :] < DIM
     x = tl.load(X + tok[:, None] * stride_xt + cols[None, :] * stride_xd, mask=new[:, None] & dmask,
                 other=0.0).to(tl.float32)
     if CENTER:
         x = tl.where(new[:, None] & dmask, x - tl.load(C + cols * stride_cd, mask=cols < DIM, other=0.0)[None, :], 0.0)
-    dst = P + page * stride_pp + slots[:, None] * stride_pn + h * stride_ph + cols[None, :] * stride_pd
+    if STORAGE == INT4:  # the byte columns
+        bcols = tl.arange(0, BLOCK_C // 2)
+        dst = P + page * stride_pp + slots[:, None] * stride_pn + h * stride_ph + bcols[None, :] * stride_pd
+        bmask = bcols[None, :] < DIM // 2
+    else:
+        dst = P + page * stride_pp + slots[:, None] * stride_pn + h * stride_ph + cols[None, :] * stride_pd
     if SUMMARIES:  # the page's summaries so far: from the rows already there, none for a fresh page
         b_off = page * stride_bp + h * stride_bh + cols
         b_ok = (cols < DIM) & (cols * 0 + tl.sum(old_rows.to(tl.int32), 0) > 0)
@@ -92,9 +118,14 @@ def _write_page(X, stride_xt, stride_xd, P, S, page, h, stride_pp, stride_pn, st
         scale = tl.maximum(old, tl.div_rn(tl.max(tl.max(tl.abs(x), 1), 0), QMAX))
         if (scale > old) & (old > 0):
             keep = old_rows[:, None] & dmask
-            y = tl.load(dst, mask=keep).to(tl.float32) * tl.div_rn(old, scale)  # masked lanes are never stored
-            y = _encode(y, STORAGE, QMAX, P.dtype.element_ty, INTERPRET)
-            tl.store(dst, y, mask=keep)
+            if STORAGE == INT4:
+                y = _unpack_int4(tl.load(dst, mask=old_rows[:, None] & bmask, other=8), BLOCK_R, BLOCK_C)
+                y = _encode(y * tl.div_rn(old, scale), STORAGE, QMAX, P.dtype.element_ty, INTERPRET)
+                tl.store(dst, _pack_int4(y, BLOCK_R, BLOCK_C), mask=old_rows[:, None] & bmask)
+            else:
+                y = tl.load(dst, mask=keep).to(tl.float32) * tl.div_rn(old, scale)  # masked lanes are never stored
+                y = _encode(y, STORAGE, QMAX, P.dtype.element_ty, INTERPRET)
+                tl.store(dst, y, mask=keep)
             if SUMMARIES:  # every stored key changed: the summaries start again from the requantized rows
                 y = y.to(tl.float32) * scale
                 o_sum = tl.sum(tl.where(keep, y, 0.0), 0)
@@ -102,7 +133,10 @@ def _write_page(X, stride_xt, stride_xd, P, S, page, h, stride_pp, stride_pn, st
                 o_max = tl.max(tl.where(keep, y, float("-inf")), 0)
         safe = tl.where(scale > 0, scale, 1.0)
         stored = _encode(tl.div_rn(x, safe), STORAGE, QMAX, P.dtype.element_ty, INTERPRET)
-        tl.store(dst, stored, mask=new[:, None] & dmask)
+        if STORAGE == INT4:
+            tl.store(dst, _pack_int4(stored, BLOCK_R, BLOCK_C), mask=new[:, None] & bmask)
+        else:
+            tl.store(dst, stored, mask=new[:, None] & dmask)
         tl.store(s_ptr, scale)
         stored = stored.to(tl.float32) * safe
     if SUMMARIES:
@@ -148,10 +182,10 @@ def append_kernel(
         _write_page(KEY + s * stride_ks + h * stride_kh, stride_kt, stride_kd, K, KS, page, h,
                     stride_kp, stride_kn, stride_kph, stride_kpd, stride_sp, stride_sh, slots, tok, new, old_rows,
                     tl.arange(0, BLOCK_D), D, STORAGE, QMAX, INTERPRET, KC + seq * stride_cs + h * stride_ch, stride_cd,
-                    STORAGE != NATIVE, SUMS, MINS, MAXS, stride_bp, stride_bh, SUMMARIES)
+                    STORAGE != NATIVE, SUMS, MINS, MAXS, stride_bp, stride_bh, SUMMARIES, BLOCK_P, BLOCK_D)
         _write_page(VALUE + s * stride_vs + h * stride_vh, stride_vt, stride_vd, V, VS, page, h,
                     stride_vp, stride_vn, stride_vph, stride_vpd, stride_sp, stride_sh, slots, tok, new, old_rows,
-                    tl.arange(0, BLOCK_DV), DV, STORAGE, QMAX, INTERPRET)
+                    tl.arange(0, BLOCK_DV), DV, STORAGE, QMAX, INTERPRET, BLOCK_R=BLOCK_P, BLOCK_C=BLOCK_DV)
     done = tl.atomic_add(COUNT + seq, 1)  # every program of this sequence has read LENS[seq] before it counts
     if done == HKV * CHUNKS - 1:
         tl.store(LENS + seq, start + T)

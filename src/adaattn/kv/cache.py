@@ -87,8 +87,6 @@ class PagedKVCache:
         if storage == "int4" and (head_dim % 2 or (value_dim or head_dim) % 2):
             raise ValueError(f"storage 'int4' packs two values a byte: head_dim and value_dim must be even, got "
                              f"{head_dim} and {value_dim or head_dim}")
-        if storage == "int4" and append == "triton":
-            raise ValueError("append='triton' does not write int4 pages yet; use append='auto' or 'torch'")
         if append not in APPENDS:
             raise ValueError(f"append must be one of {APPENDS}, got {append!r}")
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -127,8 +125,8 @@ class PagedKVCache:
         self._count = torch.zeros(max_seqs, dtype=torch.int32, device=self.device)  # append kernel's counters
         self._seq_ids: dict[tuple[int, ...], torch.Tensor] = {}
         self._sparse_sites: dict = {}  # layer -> kv.sparse.SparseSite (sparse decode's thresholds)
-        if append == "auto":  # (int4 pages: torch indexing until the append kernel packs them)
-            append = "triton" if self.device.type == "cuda" and storage != "int4" else "torch"
+        if append == "auto":
+            append = "triton" if self.device.type == "cuda" else "torch"
         self.append_runner = append
 
     @staticmethod
