@@ -126,6 +126,12 @@ def test_the_backward_takes_ds_in_two_roundings_only_where_torch_runs_math(monke
         assert runner.torch_runs_math_gradients(fused, policy)
     with settings.override(ds_split="off"):
         assert not runner.torch_runs_math_gradients(unfused, policy)
+    # torch's own order: flash, then efficient (no GQA there), then math, which leaves cuDNN unreached.
+    gqa = dataclasses.replace(problem, gqa=True)
+    assert planner.torch_takes_fused(problem, {"sdpa.flash": True})
+    assert planner.torch_takes_fused(problem, {"sdpa.efficient": True})
+    assert not planner.torch_takes_fused(gqa, {"sdpa.efficient": True, "sdpa.cudnn": True})
+    assert not planner.torch_takes_fused(problem, {"sdpa.cudnn": True})
     # The planner sets torch_fused from torch's fused runners' own answers (here: none, on the CPU).
     assert planner.make_plan(problem, policy).launches[0].ds_split
     monkeypatch.setattr(planner.REGISTRY["sdpa.flash"], "supports", lambda p, pol: [])

@@ -121,3 +121,16 @@ def test_a_byte_budget_holds_four_times_the_tokens_at_int4():
         PagedKVCache.for_budget(1000, 4, 8, 128, 64, storage="int4", **kw)
     with pytest.raises(ValueError, match="head_dim and value_dim must be even"):
         PagedKVCache(1, 2, 15, 4, storage="int4")
+
+
+def test_an_empty_int4_pool_holds_zeros_and_both_appends_leave_it_so():
+    """Bytes 0x88 are two zeros: the slots no token has filled decode to 0 before and after either
+    append's requantization of a page (the torch path rewrites whole pages)."""
+    from adaattn.kv.cache import _decode
+
+    cache = PagedKVCache(1, 1, 8, num_pages=2, page_size=8, dtype=torch.float32, storage="int4", max_seqs=1)
+    assert torch.equal(_decode(cache.k[0], "int4"), torch.zeros(2, 8, 1, 8))
+    s = cache.add()
+    cache.append(0, [s], torch.ones(1, 1, 2, 8) * 0.1, torch.ones(1, 1, 2, 8) * 0.1)
+    cache.append(0, [s], torch.ones(1, 1, 1, 8) * 5, torch.ones(1, 1, 1, 8) * 5)  # the page's scale grows
+    assert not _decode(cache.v[0], "int4")[0, 3:].any() and not _decode(cache.v[0], "int4")[1].any()

@@ -435,3 +435,24 @@ def test_the_sinks_runners_decline_what_their_kernels_do_not_take():
     with pytest.raises(Exception, match="takes no attn_mask"):
         adaattn.attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool), enable_gqa=True, sinks=sinks,
                           policy=adaattn.Policy(backends=("sinks.cpu",)))
+
+
+def test_the_sinks_runner_stays_exact_under_saved_tensor_hooks_and_refuses_a_second_derivative():
+    """Its gradient scales the kernel's saved output in place: a saved-tensor hook that copies it
+    (save_on_cpu, say) would keep the unscaled one, so under hooks the call runs in torch ops
+    (mods.torch's function). A second derivative through d sinks raises instead of being wrong."""
+    (q, k, v), sinks, _ = _inputs(torch.float64, nq=9, nk=9, d=16, dv=16)
+    policy = adaattn.Policy(backends=("sinks.cpu",))
+    t64 = [t.detach().clone().requires_grad_() for t in (q, k, v, sinks)]
+    ref = reference_attention(*t64[:3], None, True, sinks=t64[3])
+    go = torch.randn_like(ref)
+    exact = torch.autograd.grad(ref, t64, go)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+        out = adaattn.attention(q, k, v, is_causal=True, sinks=sinks, policy=policy, enable_gqa=True)
+        got = torch.autograd.grad(out, (q, k, v, sinks), go)
+    for a, r in zip(got, exact):
+        assert _rel(a, r) < 1e-12
+    out = adaattn.attention(q, k, v, is_causal=True, sinks=sinks, policy=policy, enable_gqa=True)
+    (ds,) = torch.autograd.grad(out, sinks, go, create_graph=True)
+    with pytest.raises(RuntimeError):
+        torch.autograd.grad(ds.sum(), q)

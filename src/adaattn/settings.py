@@ -14,9 +14,10 @@ Every plan is cached under the settings it was made with (`current()` is part of
     ADAATTN_TRITON_BWD_GLUON     auto (default: on Hopper the Gluon backward, dq added by TMA
                                  reductions, is timed beside the warp-specialised pair for
                                  non-deterministic dense calls), off
-    ADAATTN_TRITON_DS_SPLIT      auto (default: half-precision gradients take ds in two roundings
-                                 where torch would run its math kernel), on (every half-precision
-                                 backward), off (ds rounded once, as FA2 and cuDNN do)
+    ADAATTN_TRITON_DS_SPLIT      auto (default: half-precision gradients of triton.ptr take ds in
+                                 two roundings where torch would run its math kernel), on (every
+                                 half-precision backward of triton.ptr), off (ds rounded once, as
+                                 FA2 and cuDNN do)
     ADAATTN_TRITON_FWD_GRID      query_major (default) or head_major launch grid of our forward
     ADAATTN_TRITON_EXP_FMA       0 (default), 2, 4: share of exp2 on the FMA units (one in N)
     ADAATTN_FP8_LEVEL_QK         auto (default: FP8 on Hopper), int8, fp8: Q.K^T of the fp8 level

@@ -18,13 +18,29 @@ check does not see) and a thin autograd function hands it w g; d z = -sum over r
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .base import Runner
 from .sdpa import ALIGN_DIM, CUDNN_WIDE, HALF, fused_ready
 
 
+def _saved_tensor_hooks_active() -> bool:
+    """Whether saved-tensor hooks are set (torch.autograd.graph.saved_tensors_hooks, save_on_cpu,
+    checkpointing): a hook that copies the kernel's saved output packs it before it is scaled in
+    place, and its backward would read O instead of O' (dq and dk 0.4 off, a review's repro). A
+    torch without the query counts as hooks set."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return True
+    try:
+        return top(False) is not None
+    except TypeError:
+        return True
+
+
 class _SinkWeights(torch.autograd.Function):
-    """out (O', scaled in place already) -> out; backward: w g to the kernel's node, d sinks."""
+    """out (O', scaled in place already) -> out; backward: w g to the kernel's node, d sinks.
+    Once differentiable: margin is detached, so a second derivative through d sinks would be wrong."""
 
     @staticmethod
     def forward(ctx, out, sinks, margin):
@@ -33,6 +49,7 @@ class _SinkWeights(torch.autograd.Function):
         return out.view_as(out)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         out, margin = ctx.saved_tensors  # margin = lse - z: w = sigmoid(margin), 1 - w = sigmoid(-margin)
         g = grad.to(margin.dtype)
@@ -107,13 +124,19 @@ class SdpaSinksRunner(Runner):
         return reasons
 
     def run(self, query, key, value, attn_mask, problem, launch, label=None, modifiers=None):
+        sinks = modifiers.sinks
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, sinks))
+        if grad and _saved_tensor_hooks_active():  # (the in-place scaling would not reach a packed copy)
+            from .modifiers import modified_attention
+
+            return modified_attention(query, key, value, None, problem, modifiers)
         if self.device_type == "cuda":  # rows the kernel loads as they are: 16-byte aligned, unit stride
-            query, key, value = (t if fused_ready(t) else t.contiguous() for t in (query, key, value))
+            # (a fresh copy: .contiguous() keeps a contiguous tensor whose base is misaligned)
+            query, key, value = (t if fused_ready(t) else t.clone(memory_format=torch.contiguous_format)
+                                 for t in (query, key, value))
         if problem.gqa:  # each query head's keys (the raw ops' GQA is not relied on; autograd sums back)
             key = key.repeat_interleave(problem.gqa_groups, dim=1)
             value = value.repeat_interleave(problem.gqa_groups, dim=1)
-        sinks = modifiers.sinks
-        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, sinks))
         out, lse = self.op(query, key, value, problem.causal, problem.scale, grad)
         b, h, n = out.shape[:3]
         compute = torch.float64 if out.dtype == torch.float64 else torch.float32

@@ -101,9 +101,8 @@ class PagedKVCache:
         store = {"native": dtype, "fp8": torch.float8_e4m3fn, "int8": torch.int8, "int4": torch.uint8}[storage]
         shape = (num_pages, page_size, kv_heads)
         width = 2 if storage == "int4" else 1  # values a stored element holds
-        self.k = [torch.zeros(*shape, head_dim // width, dtype=store, device=self.device) for _ in range(layers)]
-        self.v = [torch.zeros(*shape, self.value_dim // width, dtype=store, device=self.device)
-                  for _ in range(layers)]
+        self.k = [self._empty_pool((*shape, head_dim // width), store) for _ in range(layers)]
+        self.v = [self._empty_pool((*shape, self.value_dim // width), store) for _ in range(layers)]
         if storage != "native":
             self.k_scale = [torch.zeros(num_pages, kv_heads, device=self.device) for _ in range(layers)]
             self.v_scale = [torch.zeros(num_pages, kv_heads, device=self.device) for _ in range(layers)]
@@ -128,6 +127,12 @@ class PagedKVCache:
         if append == "auto":
             append = "triton" if self.device.type == "cuda" else "torch"
         self.append_runner = append
+
+    def _empty_pool(self, shape: tuple, store: torch.dtype) -> torch.Tensor:
+        """A pool of zeros (int4: bytes 0x88, two zeros as the nibbles hold them, offset by 8)."""
+        if self.storage == "int4":
+            return torch.full(shape, 0x88, dtype=store, device=self.device)
+        return torch.zeros(shape, dtype=store, device=self.device)
 
     @staticmethod
     def page_bytes(kv_heads: int, head_dim: int, page_size: int = 64, *, value_dim: Optional[int] = None,

@@ -112,7 +112,12 @@ def priority(problem: Problem, arch: str) -> tuple[str, ...]:
     return ()
 
 
-TORCH_FUSED = ("sdpa.cudnn", "sdpa.flash", "sdpa.efficient")  # torch's fused SDPA kernels, as runners
+def torch_takes_fused(problem: Problem, takes: dict) -> bool:
+    """Whether torch's SDPA, by its own default order (flash, efficient, math, then cuDNN, which
+    math's acceptance of every call leaves unreached), would run a fused kernel on the call, from
+    the runners' own answers (`takes`, runner name -> no reasons). Its efficient kernel takes no GQA
+    (our sdpa.efficient repeats the heads): torch runs math there."""
+    return takes.get("sdpa.flash", False) or (takes.get("sdpa.efficient", False) and not problem.gqa)
 
 
 def make_plan(problem: Problem, policy: Policy) -> Plan:
@@ -158,7 +163,7 @@ def make_plan(problem: Problem, policy: Policy) -> Plan:
         lines += [f"  {n}: {' '.join(reasons[n])}" for n in names]
         raise NoBackendError("\n".join(lines))
     # What torch's own SDPA would run (problem.torch_fused): some runners match its accuracy.
-    fused = any(takes.get(n, False) for n in TORCH_FUSED)
+    fused = torch_takes_fused(problem, takes)
     if fused != problem.torch_fused:
         problem = dataclasses.replace(problem, torch_fused=fused)
     launches = {n: REGISTRY[n].prepare(problem, policy) for n in candidates}

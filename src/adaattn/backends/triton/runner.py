@@ -149,8 +149,8 @@ def run_dense(query, key, value, attn_mask, launch: AttentionLaunch) -> torch.Te
 
 def torch_runs_math_gradients(problem, policy) -> bool:
     """Whether torch's SDPA would answer this half-precision call's gradients with its math kernel
-    (none of its fused kernels takes the call, problem.torch_fused as the planner found it: a scale
-    <= 0, masks with GQA, the CPU, ...). Math
+    (neither its flash nor its efficient kernel takes the call, problem.torch_fused as the planner
+    found it: a scale <= 0, masks with GQA, the CPU, ...). Math
     keeps ds in fp32, and our backward's dk and dq were 2.1-2.3x its error there (fuzzer: float16
     #528, #7381; bfloat16 20261127 #66), so such calls take ds in two roundings (launch.ds_split).
     Where a fused kernel runs, torch rounds ds once as we do, and the second product would cost the
