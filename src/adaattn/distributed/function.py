@@ -117,36 +117,62 @@ def backward_block(c: Call, q, dout, out, lse, src, ks, vs, dq, dk, dv) -> None:
         dv[:, :, ka:kb] += bdv
 
 
+def sink_margin(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """lse - z per row: a sink z[h] weighs each row's output by w = sigmoid(lse - z) (the row's
+    softmax with one more logit that carries no value)."""
+    return lse - sinks.to(lse.dtype)[None, :, None]
+
+
 class RingFunction(torch.autograd.Function):
+    """The ring's forward and exact backward. sinks (Hq,): applied to the merged output from the
+    global lse, O' = w O; the backward is the plain one with dout = w g against O' (its delta
+    then carries the lse's own path), and d sinks = -sum over rows of (1 - w) rowsum(g O')."""
+
     @staticmethod
-    def forward(ctx, q, k, v, c: Call):
+    def forward(ctx, q, k, v, c: Call, sinks=None):
         if c.kind == "verify":
             out, lse = forward_verified(c, q, k, v)
         elif c.kind == "quant":
             out, lse = forward_engines(c, q, c.shards(k, v), [c.quant])[0]
         else:
             out, lse = forward_blocks(c, q, c.shards(k, v))
+        if sinks is not None:
+            out = out * torch.sigmoid(sink_margin(lse, sinks))[..., None]
         # One layout whatever built it (a first block's output keeps its kernel's layout): the
         # backward hands row slices of it and of the contiguous dout to kernels side by side.
         result = out.to(q.dtype).contiguous()
+        extra = () if sinks is None else (sinks.detach(),)
         if c.kind == "exact":
-            ctx.save_for_backward(q, k, v, result, lse)
+            ctx.save_for_backward(q, k, v, result, lse, *extra)
         else:  # the backward is exact: it recomputes the exact output and log-sum-exp
-            ctx.save_for_backward(q, k, v)
+            ctx.save_for_backward(q, k, v, *extra)
         ctx.call = c
+        ctx.sinks = sinks is not None
+        ctx.sinks_dtype = None if sinks is None else sinks.dtype
         return result
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
         c = ctx.call
+        saved = list(ctx.saved_tensors)
+        sinks = saved.pop() if ctx.sinks else None
         if c.kind == "exact":
-            q, k, v, out, lse = ctx.saved_tensors
+            q, k, v, out, lse = saved
         else:
-            q, k, v = ctx.saved_tensors
+            q, k, v = saved
             out, lse = forward_blocks(c, q, c.shards(k, v))
+            if sinks is not None:
+                out = out * torch.sigmoid(sink_margin(lse, sinks))[..., None]
             out = out.to(q.dtype)
         cdt = c.engine.cdt
+        dsinks = None
+        if sinks is not None:
+            margin = sink_margin(lse, sinks)
+            g = dout.to(cdt)
+            # 1 - w as sigmoid(-margin): where w is near 1, 1 - w would keep only its rounding.
+            dsinks = -((g * out.to(cdt)).sum(-1) * torch.sigmoid(-margin)).sum((0, 2)).to(ctx.sinks_dtype)
+            dout = (g * torch.sigmoid(margin)[..., None]).to(q.dtype)
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
         if c.algorithm == "allgather":
@@ -167,4 +193,4 @@ class RingFunction(torch.autograd.Function):
                     grads, reqs = ring.exchange([dk, dv], tag0=2)
                     Ring.wait(reqs)
                     dk, dv = grads
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, dsinks

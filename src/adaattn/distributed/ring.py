@@ -82,7 +82,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
                    is_causal: bool = False, scale: float | None = None, window: Window = None,
                    enable_gqa: bool = False, balance: str = "zigzag", cu_seqlens=None,
                    algorithm: str = "ring", kernel: str = "auto", policy: Optional[Policy] = None,
-                   label: Optional[str] = None) -> torch.Tensor:
+                   label: Optional[str] = None, softcap: Optional[float] = None,
+                   sinks: Optional[torch.Tensor] = None, alibi_slopes: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention over a sequence sharded across `group` (default: the world group); exact unless
     `policy` allows quantized precisions.
 
@@ -111,9 +112,20 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
         unless the call is adaattn.attention's (below).
     label: names the call site whose per-head levels and measurements a call uses (default:
         one site per shape, mask and policy).
-    Differentiable in q, k and v. With no initialized process group, or world size 1, no
-    documents and kernel="auto", this is adaattn.attention (with `policy` and `label`).
+    sinks: (Hq,) logits, one per query head, joining each row's softmax with no value (gpt-oss's
+        s_aux; problem.Modifiers): applied to the merged output from the global log-sum-exp, with a
+        gradient. softcap and alibi_slopes are not yet applied across ranks (ValueError): their
+        terms belong in every block's scores.
+    Differentiable in q, k, v and sinks. With no initialized process group, or world size 1, no
+    documents and kernel="auto", this is adaattn.attention (with `policy`, `label` and the
+    modifiers).
     """
+    if softcap is not None or alibi_slopes is not None:
+        raise ValueError("ring_attention applies sinks; softcap and alibi_slopes are not yet applied across "
+                         "ranks (their terms belong in every block's scores): run the call with "
+                         "adaattn.attention on one device, or without them")
+    if sinks is not None:
+        _check_sinks(sinks, q)
     check_balance(balance)
     window = _check(q, k, v, enable_gqa, window)
     scale = check_scale(scale)
@@ -125,7 +137,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     policy = check_policy(policy)
     if world == 1 and docs is None and kernel == "auto":
         return attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, window=window,
-                         policy=policy, label=label)
+                         policy=policy, label=label, sinks=sinks)
     _ring_policy(policy)
     if balance == "zigzag" and world > 1 and q.shape[2] % 2:
         raise ValueError(f"zigzag balance needs an even local length, got {q.shape[2]}")
@@ -136,15 +148,28 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     if policy.mode == "auto":
         _adapt(c, q, k, v, policy, kernel, label)
     if not stats.enabled:
-        return RingFunction.apply(q, k, v, c)
+        return RingFunction.apply(q, k, v, c, sinks)
     if stats.timing():
         with stats.Timer(q.device) as timer:
-            out = RingFunction.apply(q, k, v, c)
+            out = RingFunction.apply(q, k, v, c, sinks)
         wall = timer.ms
     else:
-        out, wall = RingFunction.apply(q, k, v, c), None
+        out, wall = RingFunction.apply(q, k, v, c, sinks), None
     record(c, q, k, wall)
     return out
+
+
+def _check_sinks(sinks, q) -> None:
+    """sinks as attention() takes them (problem.check_modifiers' rules)."""
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor or None, got {type(sinks).__name__}")
+    if not sinks.is_floating_point():
+        raise TypeError(f"sinks must have a floating dtype, got {sinks.dtype}")
+    if tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(f"sinks must have shape (Hq,) = ({q.shape[1]},): one logit per query head, got "
+                         f"{tuple(sinks.shape)}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks must be on the query's device ({q.device}), got {sinks.device}")
 
 
 def check_policy(policy) -> Policy:
