@@ -45,6 +45,11 @@ TRITON_CASES = [
 ]
 
 
+# Score modifiers across ranks: (name, balance, causal, hkv, docs, algorithm, softcap); sinks in each.
+SINK_CASES = (("sinks-zigzag-causal-gqa", "zigzag", True, 2, None, "ring", None),
+              ("sinks-softcap-plain-docs", "plain", False, 4, "docs", "allgather", 1.5))
+
+
 def _n_global(world: int) -> int:
     return 48 if world == 2 else 32
 
@@ -106,14 +111,15 @@ def _worker(rank: int, world: int, port: int, path: str) -> None:
             full = [unshard(t.detach(), 2, balance=balance) for t in (out, ql.grad, kl.grad, vl.grad)]
             results[name] = [t.clone() for t in full]
         # Sinks across ranks: applied from the global lse; each rank's d sinks is its rows' share.
-        for name, balance, causal, hkv, docs, algorithm in (("sinks-zigzag-causal-gqa", "zigzag", True, 2, None, "ring"),
-                                                             ("sinks-plain-docs", "plain", False, 4, "docs", "allgather")):
+        for name, balance, causal, hkv, docs, algorithm, cap in SINK_CASES:
             q, k, v, go = _inputs(torch.float64, hkv, n, seed=5)
+            q = q * 3  # scores past the cap
             sinks = torch.linspace(-2.0, 3.0, HQ, dtype=torch.float64).requires_grad_()
             ql, kl, vl, gol = (shard(t, 2, balance=balance) for t in (q, k, v, go))
             ql, kl, vl = (t.detach().requires_grad_() for t in (ql, kl, vl))
             out = ring_attention(ql, kl, vl, is_causal=causal, enable_gqa=hkv != HQ, balance=balance,
-                                 cu_seqlens=_docs(docs, n), algorithm=algorithm, kernel="torch", sinks=sinks)
+                                 cu_seqlens=_docs(docs, n), algorithm=algorithm, kernel="torch", sinks=sinks,
+                                 softcap=cap)
             (out * gol).sum().backward()
             ds = sinks.grad.clone()
             torch.distributed.all_reduce(ds)
@@ -198,11 +204,12 @@ def test_ring_attention_matches_reference(world, tmp_path):
             bound = 1e-10 if base is None else 2 * _rel(base[i], r) + 1e-6
             if not err <= bound:
                 failures.append(f"{name} {what}: err {err:.3e} > {bound:.3e}")
-    for name, causal, hkv, docs in (("sinks-zigzag-causal-gqa", True, 2, None), ("sinks-plain-docs", False, 4, "docs")):
+    for name, _, causal, hkv, docs, _, cap in SINK_CASES:
         q, k, v, go = _inputs(torch.float64, hkv, n, seed=5)
+        q = q * 3
         t64 = [t.double().requires_grad_() for t in (q, k, v)] + [
             torch.linspace(-2.0, 3.0, HQ, dtype=torch.float64).requires_grad_()]
-        ref = reference_attention(*t64[:3], attn_mask=_mask(n, causal, None, docs), sinks=t64[3])
+        ref = reference_attention(*t64[:3], attn_mask=_mask(n, causal, None, docs), sinks=t64[3], softcap=cap)
         want = [ref.detach()] + list(torch.autograd.grad(ref, t64, go))
         for what, g, r in zip(("out", "dq", "dk", "dv", "dsinks"), results[name], want):
             if not _rel(g, r) <= 1e-10:
@@ -361,31 +368,49 @@ def test_bad_arguments_are_refused():
         ring_attention(q, k, v, cu_seqlens=[0.0, 16.0])
     with pytest.raises(ValueError, match="kernel='triton'"):
         ring_attention(q.double(), k.double(), v.double(), kernel="triton")
-    with pytest.raises(ValueError, match="softcap and alibi_slopes are not yet applied across ranks"):
-        ring_attention(q, k, v, softcap=30.0)
+    with pytest.raises(ValueError, match="alibi_slopes are not yet applied across ranks"):
+        ring_attention(q, k, v, alibi_slopes=torch.ones(4))
+    with pytest.raises(ValueError, match="softcap must be a finite float > 0"):
+        ring_attention(q, k, v, softcap=-1.0)
     with pytest.raises(ValueError, match=r"sinks must have shape \(Hq,\) = \(4,\)"):
         ring_attention(q, k, v, sinks=torch.zeros(3))
     with pytest.raises(TypeError, match="sinks must be a torch.Tensor"):
         ring_attention(q, k, v, sinks=[0.0] * 4)
 
 
-def test_world_size_one_block_path_applies_sinks_with_their_gradient():
-    """The block path (documents, or a named kernel) with sinks, one shard: against float64."""
+@pytest.mark.parametrize("softcap", [None, 1.5])
+def test_world_size_one_block_path_applies_sinks_and_softcap_with_their_gradients(softcap):
+    """The block path (documents, or a named kernel) with sinks and a soft cap, one shard: against
+    float64 (the torch blocks), and our Triton blocks against the standard (the interpreter)."""
     from adaattn.distributed import ring_attention
 
     n = 40
     q, k, v, go = _inputs(torch.float64, 2, n, seed=4)
+    q = q * 3  # scores past the cap
     sinks = torch.tensor([-1.0, 0.5, 2.0, 4.0], dtype=torch.float64)
     t64 = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
     mask = _mask(n, True, None, None)
-    ref = reference_attention(*t64[:3], attn_mask=mask, sinks=t64[3])
+    ref = reference_attention(*t64[:3], attn_mask=mask, sinks=t64[3], softcap=softcap)
     want = [ref.detach()] + list(torch.autograd.grad(ref, t64, go))
     for kernel in ("torch", "auto"):  # "auto" at world size 1: adaattn.attention
         ts = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
-        out = ring_attention(*ts[:3], is_causal=True, enable_gqa=True, kernel=kernel, sinks=ts[3])
+        out = ring_attention(*ts[:3], is_causal=True, enable_gqa=True, kernel=kernel, sinks=ts[3], softcap=softcap)
         got = [out.detach()] + list(torch.autograd.grad(out, ts, go))
         for what, g, r in zip(("out", "dq", "dk", "dv", "dsinks"), got, want):
             assert _rel(g, r) <= 1e-10, (kernel, what, _rel(g, r))
+    if os.environ.get("TRITON_INTERPRET") != "1" or softcap is None:
+        return
+    t32 = [t.float().requires_grad_() for t in (q, k, v, sinks)]
+    out = ring_attention(*t32[:3], is_causal=True, enable_gqa=True, kernel="triton", sinks=t32[3], softcap=softcap)
+    got = [out.detach()] + list(torch.autograd.grad(out, t32, go.float()))
+    e = [t.float().requires_grad_() for t in (q, k, v, sinks)]
+    eager = reference_attention(*e[:3], attn_mask=mask, sinks=e[3], softcap=softcap).float()
+    yard = [eager.detach()] + list(torch.autograd.grad(eager, e, go.float()))
+    for what, g, y, r in zip(("out", "dq", "dk", "dv", "dsinks"), got, yard, want):
+        assert _rel(g, r) <= 2 * _rel(y, r) + 1e-6, (what, _rel(g, r), _rel(y, r))
+    from adaattn.backends import ring_blocks
+
+    assert ring_blocks.TritonBlocks.failed is False
 
 
 def _cp_worker(rank: int, world: int, port: int, path: str) -> None:

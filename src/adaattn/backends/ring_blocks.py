@@ -63,6 +63,7 @@ class RingBlockProblem:
     deterministic: bool
     triton_reasons: tuple[str, ...]
     kernel: str = "auto"
+    softcap: float = 0.0  # logit soft-capping c of every block's scores (problem.Modifiers), 0.0: none
 
     def describe(self) -> str:
         device = self.device_type + (f":{self.device_index}" if self.device_index is not None else "")
@@ -75,6 +76,8 @@ class RingBlockProblem:
             parts.append("grad")
         if self.deterministic:
             parts.append("deterministic")
+        if self.softcap:
+            parts.append(f"softcap={self.softcap:g}")
         parts.append(f"kernel={self.kernel!r}")
         return ", ".join(parts)
 
@@ -85,7 +88,7 @@ class RingBlockProblem:
 
 
 def ring_block_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, kernel: str = "auto",
-                       deterministic: bool = False) -> RingBlockProblem:
+                       deterministic: bool = False, softcap: float = 0.0) -> RingBlockProblem:
     """The RingBlockProblem of one rank's shards q (B, Hq, n, D), k (B, Hkv, n, D), v (B, Hkv, n, Dv):
     gradients are needed where grad mode is on and an input requires grad; the backward is
     deterministic where `deterministic` or torch's deterministic algorithms are on."""
@@ -95,7 +98,7 @@ def ring_block_problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, cau
         needs_grad=torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad),
         deterministic=bool(deterministic) or torch.are_deterministic_algorithms_enabled(),
         triton_reasons=tuple(triton_reasons(q.device.type, q.device.index, q.dtype, q.shape[-1], v.shape[-1])),
-        kernel=kernel)
+        kernel=kernel, softcap=float(softcap or 0.0))
 
 
 @functools.lru_cache(maxsize=256)
@@ -152,7 +155,7 @@ class TorchRingBlocks:
         return "our Triton kernels decline these tensors: " + " ".join(problem.triton_reasons)
 
     def engine(self, problem: RingBlockProblem) -> "TorchBlocks":
-        return TorchBlocks(problem.dtype)
+        return TorchBlocks(problem.dtype, problem.softcap)
 
 
 class TritonRingBlocks:
@@ -170,7 +173,7 @@ class TritonRingBlocks:
                 "runs sdpa.cudnn for a dense call of the shard's shape)")
 
     def engine(self, problem: RingBlockProblem) -> "TritonBlocks":
-        return TritonBlocks(problem.dtype, problem.deterministic, self.variants)
+        return TritonBlocks(problem.dtype, problem.deterministic, self.variants, problem.softcap)
 
 
 class CudnnRingBlocks:
@@ -201,6 +204,8 @@ class CudnnRingBlocks:
         """cuDNN's limits for a dense shard-sized call, and our Triton kernels' (they take the
         bands cuDNN does not)."""
         reasons = list(self._cudnn_reasons(problem.shard(), problem.deterministic))
+        if problem.softcap:
+            reasons.append("cuDNN's fused op applies no softcap (score modifiers).")
         return reasons + [f"The Triton blocks (for the other bands): {r}" for r in problem.triton_reasons]
 
     def why(self, problem: RingBlockProblem) -> str:
@@ -244,14 +249,17 @@ class TorchBlocks:
 
     name = ran = "torch"
 
-    def __init__(self, dtype: torch.dtype):
+    def __init__(self, dtype: torch.dtype, softcap: float = 0.0):
         self.cdt = _compute_dtype(dtype)
+        self.softcap = softcap  # scores c * tanh(s / c) before the band's mask (0.0: none)
 
     def _scores(self, q, k, scale, left, right):
         b, hq, n, d = q.shape
         hk = k.shape[1]
         qg = q.to(self.cdt).reshape(b, hk, hq // hk, n, d)
         s = torch.matmul(qg, k.to(self.cdt).unsqueeze(2).transpose(-2, -1)) * scale
+        if self.softcap:
+            s = torch.tanh(s / self.softcap) * self.softcap
         mask = band_keep(n, k.shape[2], left, right, q.device)
         if mask is not None:
             s = s.masked_fill(~mask, float("-inf"))
@@ -292,6 +300,9 @@ class TorchBlocks:
         dv = torch.matmul(p.transpose(-2, -1), dog).sum(2)
         dp = torch.matmul(dog, v.to(self.cdt).unsqueeze(2).transpose(-2, -1))
         ds = p * (dp - delta.reshape(b, hk, g, n, 1))
+        if self.softcap:  # through the cap: 1 - tanh^2 (masked scores have p = 0)
+            t = torch.where(torch.isfinite(s), s / self.softcap, 0.0)
+            ds = ds * (1.0 - t * t)
         dq = torch.matmul(ds, k.to(self.cdt).unsqueeze(2)).reshape(b, hq, n, d) * scale
         dk = torch.matmul(ds.transpose(-2, -1), qg).sum(2) * scale
         return dq, dk, dv
@@ -316,11 +327,12 @@ class TritonBlocks:
     name = "triton"
     failed = False
 
-    def __init__(self, dtype: torch.dtype, deterministic: bool, variants: BandVariants):
+    def __init__(self, dtype: torch.dtype, deterministic: bool, variants: BandVariants, softcap: float = 0.0):
         self.cdt = torch.float32
         self.deterministic = deterministic
         self.variants = variants  # the forward variant of each band
-        self.fallback = TorchBlocks(dtype)
+        self.softcap = softcap  # (the pointer kernels apply it: bands then run on them)
+        self.fallback = TorchBlocks(dtype, softcap)
 
     @property
     def ran(self) -> str:
@@ -328,9 +340,9 @@ class TritonBlocks:
         return self.fallback.ran if TritonBlocks.failed else self.name
 
     def _launch(self, q, k, v, scale, left, right):
-        variant = self.variants(q, k, v, scale, left, right)
+        variant = "ptr" if self.softcap else self.variants(q, k, v, scale, left, right)
         return make_launch(variant, scale, right == 0, left, -1 if right == 0 else right, False,
-                           self.deterministic)
+                           self.deterministic, self.softcap)
 
     def _failed(self, error: BaseException) -> None:
         _fail_once(TritonBlocks, error, "the Triton block kernels", "torch math")

@@ -23,6 +23,8 @@ exactly by log-sum-exp in float32 (float64).
 
 from __future__ import annotations
 
+import math
+
 from typing import Optional
 
 import torch
@@ -112,20 +114,23 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
         unless the call is adaattn.attention's (below).
     label: names the call site whose per-head levels and measurements a call uses (default:
         one site per shape, mask and policy).
+    softcap: c > 0, every block's scores c * tanh(s / c) before masking (Gemma 2), in the torch and
+        Triton blocks (cuDNN's take none; a quantized policy then runs exact blocks).
     sinks: (Hq,) logits, one per query head, joining each row's softmax with no value (gpt-oss's
         s_aux; problem.Modifiers): applied to the merged output from the global log-sum-exp, with a
-        gradient. softcap and alibi_slopes are not yet applied across ranks (ValueError): their
-        terms belong in every block's scores.
+        gradient. alibi_slopes are not yet applied across ranks (ValueError): the bias needs each
+        block's global positions.
     Differentiable in q, k, v and sinks. With no initialized process group, or world size 1, no
     documents and kernel="auto", this is adaattn.attention (with `policy`, `label` and the
     modifiers).
     """
-    if softcap is not None or alibi_slopes is not None:
-        raise ValueError("ring_attention applies sinks; softcap and alibi_slopes are not yet applied across "
-                         "ranks (their terms belong in every block's scores): run the call with "
-                         "adaattn.attention on one device, or without them")
+    if alibi_slopes is not None:
+        raise ValueError("ring_attention applies softcap and sinks; alibi_slopes are not yet applied across ranks "
+                         "(the bias needs each block's global positions): run the call with adaattn.attention on "
+                         "one device, or without them")
     if sinks is not None:
         _check_sinks(sinks, q)
+    cap = _check_softcap(softcap)
     check_balance(balance)
     window = _check(q, k, v, enable_gqa, window)
     scale = check_scale(scale)
@@ -137,15 +142,16 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     policy = check_policy(policy)
     if world == 1 and docs is None and kernel == "auto":
         return attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, window=window,
-                         policy=policy, label=label, sinks=sinks)
+                         policy=policy, label=label, sinks=sinks, softcap=softcap)
     _ring_policy(policy)
     if balance == "zigzag" and world > 1 and q.shape[2] % 2:
         raise ValueError(f"zigzag balance needs an even local length, got {q.shape[2]}")
     scale = default_scale(q.shape[-1]) if scale is None else scale
-    blocks = ring_block_problem(q, k, v, causal=bool(is_causal), kernel=kernel, deterministic=policy.deterministic)
+    blocks = ring_block_problem(q, k, v, causal=bool(is_causal), kernel=kernel, deterministic=policy.deterministic,
+                                softcap=cap)
     c = Call(group, rank, world, q.shape[2], bool(is_causal), scale, window, balance, docs, algorithm,
              block_engine(blocks, policy), v.shape[-1])
-    if policy.mode == "auto":
+    if policy.mode == "auto" and not cap:  # (the quantized blocks apply no soft cap: such calls run exact)
         _adapt(c, q, k, v, policy, kernel, label)
     if not stats.enabled:
         return RingFunction.apply(q, k, v, c, sinks)
@@ -157,6 +163,19 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
         out, wall = RingFunction.apply(q, k, v, c, sinks), None
     record(c, q, k, wall)
     return out
+
+
+def _check_softcap(softcap) -> float:
+    """softcap as attention() takes it (problem.check_modifiers' rules): 0.0 for none."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, torch.Tensor) and softcap.dim() == 0 and softcap.is_floating_point():
+        softcap = float(softcap)
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float > 0 or None, got {type(softcap).__name__}")
+    if not (softcap > 0 and math.isfinite(softcap)):
+        raise ValueError(f"softcap must be a finite float > 0 (scores become softcap * tanh(s / softcap)), got {softcap}")
+    return float(softcap)
 
 
 def _check_sinks(sinks, q) -> None:
