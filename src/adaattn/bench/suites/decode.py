@@ -8,7 +8,7 @@ Two kinds of case:
   (page 64, pages interleaved between sequences as continuous batching leaves them), bf16 and FP8.
 
 TB/s counts the bytes of K and V in the model dtype (bf16), for every row: a quantized cache reads
-half of them, so its figure is the bf16 bandwidth it is worth.
+half of them (INT4 a quarter), so its figure is the bf16 bandwidth it is worth.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from . import options
 
 NAME = "decode"
 HELP = ("bf16 B=16 Hq=32 Hkv=8 D=128, one query row, KV 8k/32k and a ragged batch 1k..32k: cuDNN, FA2, "
-        "efficient, flash_attn, adaattn, and adaattn.kv caches (contiguous, paged page 64; bf16, fp8, int8) "
+        "efficient, flash_attn, adaattn, and adaattn.kv caches (contiguous, paged page 64; bf16, fp8, int8, int4) "
         "through decode_attention with a plan, eager and CUDA-graph replay; TB/s of bf16 K and V, x cuDNN; "
         "and sparse decode on every layer of the 32k checkpoint (suites/sparse_decode.py)")
 NEEDS_CUDA = True
@@ -138,11 +138,11 @@ def _contiguous(grid, kv_heads, n, dtype, device, seed):
         call = Call(q, k, v)
         rows = [*(peers.sdpa(call, name) for name in ("cuDNN", "FA2", "efficient")), peers.flash_attn(call),
                 peers.adaattn(call), peers.triton(call)]
-        for storage in ("native", "fp8", "int8"):
+        for storage in ("native", "fp8", "int8", "int4"):
             cache = _fill_contiguous(k, v, storage)
             name = f"kv {'bf16' if storage == 'native' else storage}"
             rows.append(cache_peer(name, q, cache))
-            if storage in ("native", "fp8"):
+            if storage in ("native", "fp8", "int4"):
                 rows.append(cache_peer(f"{name} graph", q, cache, graph=True))
         return rows, error_check(call)
 
