@@ -182,6 +182,37 @@ class Modifiers:
 NO_MODIFIERS = Modifiers()
 
 
+def check_softcap(softcap: object) -> float | None:
+    """softcap as the API takes it (a float > 0, or a 0-d float tensor), as a float; None stays None."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, torch.Tensor) and softcap.dim() == 0 and softcap.is_floating_point():
+        softcap = float(softcap)
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float > 0 or None, got {_name(softcap)}")
+    cap = float(softcap)
+    if not (cap > 0 and math.isfinite(cap)):
+        raise ValueError(f"softcap must be a finite float > 0 (scores become softcap * tanh(s / softcap)), "
+                         f"got {softcap}")
+    return cap
+
+
+def check_modifier_tensor(name: str, t: object, device_type: str) -> None:
+    """sinks or alibi_slopes: a floating tensor on the query's device."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {_name(t)}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must have a floating dtype, got {t.dtype}")
+    if t.device.type != device_type:
+        raise ValueError(f"{name} must be on the query's device ({device_type}), got {t.device}")
+
+
+def check_sinks_shape(sinks: torch.Tensor, heads: int) -> None:
+    if tuple(sinks.shape) != (heads,):
+        raise ValueError(f"sinks must have shape (Hq,) = ({heads},): one logit per query head, got "
+                         f"{tuple(sinks.shape)}")
+
+
 def check_modifiers(problem: Problem, softcap: object = None, sinks: object = None,
                     alibi_slopes: object = None) -> tuple[Problem, Modifiers]:
     """Check the score modifiers of a call against its problem; returns the problem with their facts
@@ -190,29 +221,13 @@ def check_modifiers(problem: Problem, softcap: object = None, sinks: object = No
         return problem, NO_MODIFIERS
     import dataclasses
 
-    cap = None
-    if softcap is not None:
-        if isinstance(softcap, torch.Tensor) and softcap.dim() == 0 and softcap.is_floating_point():
-            softcap = float(softcap)
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-            raise TypeError(f"softcap must be a float > 0 or None, got {_name(softcap)}")
-        cap = float(softcap)
-        if not (cap > 0 and math.isfinite(cap)):
-            raise ValueError(f"softcap must be a finite float > 0 (scores become softcap * tanh(s / softcap)), "
-                             f"got {softcap}")
+    cap = check_softcap(softcap)
     heads = problem.q_heads
     for name, t in (("sinks", sinks), ("alibi_slopes", alibi_slopes)):
-        if t is None:
-            continue
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor or None, got {_name(t)}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must have a floating dtype, got {t.dtype}")
-        if t.device.type != problem.device_type:
-            raise ValueError(f"{name} must be on the query's device ({problem.device_type}), got {t.device}")
-    if sinks is not None and tuple(sinks.shape) != (heads,):
-        raise ValueError(f"sinks must have shape (Hq,) = ({heads},): one logit per query head, got "
-                         f"{tuple(sinks.shape)}")
+        if t is not None:
+            check_modifier_tensor(name, t, problem.device_type)
+    if sinks is not None:
+        check_sinks_shape(sinks, heads)
     if alibi_slopes is not None and tuple(alibi_slopes.shape) not in ((heads,), (problem.batch, heads)):
         raise ValueError(f"alibi_slopes must have shape (Hq,) = ({heads},) or (B, Hq) = ({problem.batch}, {heads}), "
                          f"got {tuple(alibi_slopes.shape)}")

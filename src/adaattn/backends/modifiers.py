@@ -84,6 +84,22 @@ def modified_attention(query, key, value, attn_mask, problem, modifiers) -> torc
     return out.reshape(b, hq, nq, dv).to(query.dtype)
 
 
+def sink_margin(lse: torch.Tensor, sinks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """lse - z per row (B, H, N), in `dtype`: a sink z[h] weighs each row's plain output by
+    w = sigmoid(lse - z) (the row's softmax with one more logit that carries no value)."""
+    return lse.detach().to(dtype) - sinks.detach().to(dtype)[None, :, None]
+
+
+def sink_backward(grad: torch.Tensor, out: torch.Tensor, margin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For O' = w O (w = sigmoid(margin)) and g = dL/dO': (w g, the plain backward's dout against
+    O', whose delta then carries the lse's own path; d sinks = -sum over rows of (1 - w)
+    rowsum(g O')), both in margin's dtype. 1 - w is sigmoid(-margin): where w is near 1, 1 - w
+    would keep only its rounding (d sinks 50x eager's error in float32)."""
+    g = grad.to(margin.dtype)
+    dsinks = -((g * out.to(margin.dtype)).sum(-1) * torch.sigmoid(-margin)).sum((0, 2))
+    return g * torch.sigmoid(margin)[..., None], dsinks
+
+
 class ModifiedTorchRunner(Runner):
     """Score modifiers in torch ops (modified_attention): exact, any device and dtype."""
 

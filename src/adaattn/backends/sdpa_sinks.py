@@ -21,6 +21,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .base import Runner
+from .modifiers import modified_attention, sink_backward, sink_margin
 from .sdpa import ALIGN_DIM, CUDNN_WIDE, HALF, fused_ready
 
 
@@ -51,14 +52,9 @@ class _SinkWeights(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        out, margin = ctx.saved_tensors  # margin = lse - z: w = sigmoid(margin), 1 - w = sigmoid(-margin)
-        g = grad.to(margin.dtype)
-        dsinks = None
-        if ctx.needs_input_grad[1]:
-            # 1 - w from the sigmoid of -margin, not 1 - w: where w is near 1 the difference kept
-            # float32's absolute rounding only (d sinks 50x eager's error, CPU float32).
-            dsinks = -((g * out.to(margin.dtype)).sum(-1) * torch.sigmoid(-margin)).sum((0, 2)).to(ctx.sinks_dtype)
-        return (g * torch.sigmoid(margin)[..., None]).to(grad.dtype), dsinks, None
+        out, margin = ctx.saved_tensors
+        dout, dsinks = sink_backward(grad, out, margin)
+        return dout.to(grad.dtype), dsinks.to(ctx.sinks_dtype) if ctx.needs_input_grad[1] else None, None
 
 
 def _cudnn(q, k, v, causal, scale, grad):
@@ -127,8 +123,6 @@ class SdpaSinksRunner(Runner):
         sinks = modifiers.sinks
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value, sinks))
         if grad and _saved_tensor_hooks_active():  # (the in-place scaling would not reach a packed copy)
-            from .modifiers import modified_attention
-
             return modified_attention(query, key, value, None, problem, modifiers)
         if self.device_type == "cuda":  # rows the kernel loads as they are: 16-byte aligned, unit stride
             # (a fresh copy: .contiguous() keeps a contiguous tensor whose base is misaligned)
@@ -140,7 +134,7 @@ class SdpaSinksRunner(Runner):
         out, lse = self.op(query, key, value, problem.causal, problem.scale, grad)
         b, h, n = out.shape[:3]
         compute = torch.float64 if out.dtype == torch.float64 else torch.float32
-        margin = lse.detach().reshape(b, h, n).to(compute) - sinks.detach().to(compute)[None, :, None]
+        margin = sink_margin(lse.reshape(b, h, n), sinks, compute)
         w = torch.sigmoid(margin)[..., None]
         if not grad:
             return (out.to(compute) * w).to(out.dtype)

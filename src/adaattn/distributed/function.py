@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
+from ..backends.modifiers import sink_backward, sink_margin
 from . import adaptive
 from .bands import block_pairs
 from .comm import Ring, gathered_shards, reduce_to_owners, ring_shards
@@ -117,12 +118,6 @@ def backward_block(c: Call, q, dout, out, lse, src, ks, vs, dq, dk, dv) -> None:
         dv[:, :, ka:kb] += bdv
 
 
-def sink_margin(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """lse - z per row: a sink z[h] weighs each row's output by w = sigmoid(lse - z) (the row's
-    softmax with one more logit that carries no value)."""
-    return lse - sinks.to(lse.dtype)[None, :, None]
-
-
 class RingFunction(torch.autograd.Function):
     """The ring's forward and exact backward. sinks (Hq,): applied to the merged output from the
     global lse, O' = w O; the backward is the plain one with dout = w g against O' (its delta
@@ -137,7 +132,7 @@ class RingFunction(torch.autograd.Function):
         else:
             out, lse = forward_blocks(c, q, c.shards(k, v))
         if sinks is not None:
-            out = out * torch.sigmoid(sink_margin(lse, sinks))[..., None]
+            out = out * torch.sigmoid(sink_margin(lse, sinks, lse.dtype))[..., None]
         # One layout whatever built it (a first block's output keeps its kernel's layout): the
         # backward hands row slices of it and of the contiguous dout to kernels side by side.
         result = out.to(q.dtype).contiguous()
@@ -163,16 +158,13 @@ class RingFunction(torch.autograd.Function):
             q, k, v = saved
             out, lse = forward_blocks(c, q, c.shards(k, v))
             if sinks is not None:
-                out = out * torch.sigmoid(sink_margin(lse, sinks))[..., None]
+                out = out * torch.sigmoid(sink_margin(lse, sinks, lse.dtype))[..., None]
             out = out.to(q.dtype)
         cdt = c.engine.cdt
         dsinks = None
         if sinks is not None:
-            margin = sink_margin(lse, sinks)
-            g = dout.to(cdt)
-            # 1 - w as sigmoid(-margin): where w is near 1, 1 - w would keep only its rounding.
-            dsinks = -((g * out.to(cdt)).sum(-1) * torch.sigmoid(-margin)).sum((0, 2)).to(ctx.sinks_dtype)
-            dout = (g * torch.sigmoid(margin)[..., None]).to(q.dtype)
+            dout, dsinks = sink_backward(dout, out, sink_margin(lse, sinks, cdt))
+            dout, dsinks = dout.to(q.dtype), dsinks.to(ctx.sinks_dtype)
         dout = dout.contiguous()
         dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
         if c.algorithm == "allgather":

@@ -23,8 +23,6 @@ exactly by log-sum-exp in float32 (float64).
 
 from __future__ import annotations
 
-import math
-
 from typing import Optional
 
 import torch
@@ -33,7 +31,7 @@ from .. import stats
 from ..api import attention
 from ..backends.ring_blocks import ring_block_problem
 from ..policy import EXACT, Policy
-from ..problem import check_scale, check_window, default_scale
+from ..problem import check_modifier_tensor, check_scale, check_sinks_shape, check_softcap, check_window, default_scale
 from . import adaptive
 from .bands import Window
 from .blocks import KERNELS, block_engine, check_kernel
@@ -129,8 +127,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
                          "(the bias needs each block's global positions): run the call with adaattn.attention on "
                          "one device, or without them")
     if sinks is not None:
-        _check_sinks(sinks, q)
-    cap = _check_softcap(softcap)
+        check_modifier_tensor("sinks", sinks, q.device.type)
+        check_sinks_shape(sinks, q.shape[1])
+    cap = check_softcap(softcap) or 0.0
     check_balance(balance)
     window = _check(q, k, v, enable_gqa, window)
     scale = check_scale(scale)
@@ -163,32 +162,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
         out, wall = RingFunction.apply(q, k, v, c, sinks), None
     record(c, q, k, wall)
     return out
-
-
-def _check_softcap(softcap) -> float:
-    """softcap as attention() takes it (problem.check_modifiers' rules): 0.0 for none."""
-    if softcap is None:
-        return 0.0
-    if isinstance(softcap, torch.Tensor) and softcap.dim() == 0 and softcap.is_floating_point():
-        softcap = float(softcap)
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"softcap must be a float > 0 or None, got {type(softcap).__name__}")
-    if not (softcap > 0 and math.isfinite(softcap)):
-        raise ValueError(f"softcap must be a finite float > 0 (scores become softcap * tanh(s / softcap)), got {softcap}")
-    return float(softcap)
-
-
-def _check_sinks(sinks, q) -> None:
-    """sinks as attention() takes them (problem.check_modifiers' rules)."""
-    if not isinstance(sinks, torch.Tensor):
-        raise TypeError(f"sinks must be a torch.Tensor or None, got {type(sinks).__name__}")
-    if not sinks.is_floating_point():
-        raise TypeError(f"sinks must have a floating dtype, got {sinks.dtype}")
-    if tuple(sinks.shape) != (q.shape[1],):
-        raise ValueError(f"sinks must have shape (Hq,) = ({q.shape[1]},): one logit per query head, got "
-                         f"{tuple(sinks.shape)}")
-    if sinks.device != q.device:
-        raise ValueError(f"sinks must be on the query's device ({q.device}), got {sinks.device}")
 
 
 def check_policy(policy) -> Policy:
