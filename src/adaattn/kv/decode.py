@@ -238,8 +238,6 @@ def _kernel_takes_modifiers(query, plan, sinks, alibi_slopes) -> bool:
     only: a step that needs no gradient (the usual decode) runs there."""
     if plan.runner != "triton":
         return False
-    if alibi_slopes is not None and query.is_cuda:
-        return False  # ALiBi in the split-KV kernel is checked under the interpreter; its CUDA run is owed
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, sinks, alibi_slopes)):
         return False
     return True
