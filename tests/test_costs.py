@@ -33,6 +33,33 @@ def test_prediction_interpolates_the_rate_in_log_length_and_scales_by_work(cost_
     assert costs.predict("sdpa.cpu", "sm90", p1) is None
 
 
+def test_a_plain_measurement_predicts_nothing_for_a_modified_call_and_the_sinks_runner_prices_its_kernel(cost_file):
+    """A soft-capped or sinks call is a class of its own (its kernel variant is slower than the
+    plain one): on an H200 (sm90) a plain triton.ptr entry put the Triton kernel ahead of sinks.cudnn for
+    sinks forwards, 1.3x slower. sinks.cudnn, unmeasured itself, is priced as cuDNN's plain call
+    times the sink's passes."""
+    from dataclasses import replace
+
+    from adaattn.backends.sdpa_sinks import SINK_PASS
+
+    plain = _problem(4096, d=128, dtype=torch.bfloat16, causal=True)
+    sinks, capped = replace(plain, sinks=True), replace(plain, softcap=30.0)
+    cost_file([costs.entry("triton.ptr", "sm75", plain, 2.0), costs.entry("sdpa.cudnn", "sm75", plain, 1.5),
+               costs.entry("triton.ptr", "sm75", capped, 3.0)])
+    assert costs.predict("triton.ptr", "sm75", plain) == pytest.approx(2.0)
+    assert costs.predict("triton.ptr", "sm75", sinks) is None
+    assert costs.predict("triton.ptr", "sm75", capped) == pytest.approx(3.0)
+    runner = planner.REGISTRY["sinks.cudnn"]
+    cuda_sinks = replace(sinks, device_type="cuda")
+    arch = adaattn.hardware.arch
+    try:
+        adaattn.hardware.arch = lambda device_type, index=None: "sm75"
+        assert runner.cost(cuda_sinks) == pytest.approx(1.5 * SINK_PASS)
+        assert runner.cost(replace(cuda_sinks, causal=False)) is None  # cuDNN unmeasured there
+    finally:
+        adaattn.hardware.arch = arch
+
+
 def test_a_cost_file_of_another_schema_is_refused(tmp_path, monkeypatch):
     path = tmp_path / "costs.json"
     path.write_text(json.dumps({"schema": "something/0", "entries": []}))

@@ -3,7 +3,7 @@
 Entries come from `adaattn bench --suite calibrate` (committed per GPU family in the package's
 costs.json, and a user's own in their cache directory, which wins where both measured the same
 point). Each entry is one timed call: runner, GPU family, the problem's class (dtype, head dims,
-causal, mask kind, window, grad, decode) and its lengths. A prediction scales the measured
+causal, mask kind, window, grad, decode, score modifiers) and its lengths. A prediction scales the measured
 milliseconds per unit of work (B x Hq x Nq x Nk x (D + Dv), halved for square causal calls) to the
 problem's work, interpolating that rate linearly in log2 of the length between the two nearest
 measured lengths (the nearest one outside their range). No entry for the class: None.
@@ -35,9 +35,13 @@ def user_path() -> Path:
 
 
 def problem_class(problem) -> tuple:
-    """The facts of a problem a cost is measured per (its lengths and counts aside)."""
+    """The facts of a problem a cost is measured per (its lengths and counts aside). The score
+    modifiers are part of it: a kernel that caps or biases its scores is slower than its plain
+    call (soft-capping ran our forward at 0.56x of it on an H200), so a plain measurement says
+    nothing about a modified call."""
     return (str(problem.dtype).replace("torch.", ""), problem.head_dim, problem.value_dim, problem.causal,
-            problem.mask_kind, problem.window is not None, problem.needs_grad, problem.q_len <= 16)
+            problem.mask_kind, problem.window is not None, problem.needs_grad, problem.q_len <= 16,
+            ",".join(problem.modifiers))
 
 
 def work(problem) -> float:
@@ -51,15 +55,15 @@ def work(problem) -> float:
 
 def entry(runner: str, arch: str, problem, ms: float) -> dict:
     """One measurement as the cost files keep it."""
-    dtype, d, dv, causal, mask, window, grad, decode = problem_class(problem)
+    dtype, d, dv, causal, mask, window, grad, decode, modifiers = problem_class(problem)
     return {"runner": runner, "arch": arch, "dtype": dtype, "head_dim": d, "value_dim": dv, "causal": causal,
-            "mask": mask, "window": window, "grad": grad, "decode": decode,
+            "mask": mask, "window": window, "grad": grad, "decode": decode, "modifiers": modifiers,
             "n": max(problem.q_len, problem.kv_len), "ms": ms, "work": work(problem)}
 
 
 def _key(e: dict) -> tuple:
     return (e["runner"], e["arch"], e["dtype"], e["head_dim"], e["value_dim"], e["causal"], e["mask"], e["window"],
-            e["grad"], e["decode"])
+            e["grad"], e["decode"], e.get("modifiers", ""))  # (entries before modifiers: plain calls)
 
 
 def _read(text: str) -> list[dict]:

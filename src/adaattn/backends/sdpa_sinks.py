@@ -17,12 +17,21 @@ check does not see) and a thin autograd function hands it w g; d z = -sum over r
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch.autograd.function import once_differentiable
 
+from .. import costs, hardware
 from .base import Runner
 from .modifiers import modified_attention, sink_backward, sink_margin
 from .sdpa import ALIGN_DIM, CUDNN_WIDE, HALF, fused_ready
+
+
+# The sink's passes over the output (scale it; in the backward, w g and d sinks) against the
+# plain kernel: sinks.cudnn's forward+backward took 14.80 ms to cuDNN's plain 13.22 ms at 16k
+# causal (B2 H16 D128 bf16, H200; benchmarks/results/2026-11-28-modifiers-sinks-cudnn-h200.json).
+SINK_PASS = 1.12
 
 
 def _saved_tensor_hooks_active() -> bool:
@@ -85,9 +94,17 @@ class SdpaSinksRunner(Runner):
         self.op = op
         self.min_capability = min_capability
 
-    def supports(self, problem, policy) -> list[str]:
-        from .. import hardware
+    def cost(self, problem, launch=None):
+        """Its own calibration where there is one; else the plain kernel's measured cost on the
+        call without the sink, times SINK_PASS (the sink's elementwise passes over the output)."""
+        own = super().cost(problem, launch)
+        if own is not None or self.device_type != "cuda":
+            return own
+        plain = costs.predict(f"sdpa.{self.kernel}", hardware.arch(problem.device_type, problem.device_index),
+                              replace(problem, sinks=False))
+        return None if plain is None else plain * SINK_PASS
 
+    def supports(self, problem, policy) -> list[str]:
         reasons = []
         if problem.device_type != self.device_type:
             return [f"runs on {self.device_type} tensors only, got {problem.device_type}."]
