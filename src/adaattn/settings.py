@@ -18,6 +18,9 @@ Every plan is cached under the settings it was made with (`current()` is part of
                                  two roundings where torch would run its math kernel), on (every
                                  half-precision backward of triton.ptr), off (ds rounded once, as
                                  FA2 and cuDNN do)
+    ADAATTN_TRITON_BOUND=1       launch our compiled Triton kernels through their launchers, past
+                                 triton's per-call binding (backends/triton/bound.py; default off,
+                                 read there: it saved no measurable host time on an H200)
     ADAATTN_TRITON_FWD_GRID      query_major (default) or head_major launch grid of our forward
     ADAATTN_TRITON_EXP_FMA       0 (default), 2, 4: share of exp2 on the FMA units (one in N)
     ADAATTN_FP8_LEVEL_QK         auto (default: FP8 on Hopper), int8, fp8: Q.K^T of the fp8 level

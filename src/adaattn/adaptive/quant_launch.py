@@ -23,6 +23,7 @@ from typing import Optional
 
 import torch
 
+from ..backends.triton.bound import bound
 from ..problem import default_scale
 from .. import hardware, settings
 from ..backends.triton.common import (
@@ -248,12 +249,12 @@ def _launch_quant_ws(level: int, q, v, prepared: "Prepared", out, scale: float, 
                     BOTTOM_RIGHT=bottom_right, K_TAIL=nk % cfg.block_n != 0, DOT_PRECISION=dot_precision(q.dtype),
                     WARP_SPEC=not interp, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if fp8:  # V quantized and transposed (D, Npad): its box is (D, BLOCK_N)
-            K.attention_fp8_ws_kernel[grid](
+            bound(K.attention_fp8_ws_kernel)[grid](
                 qrows.qq, qrows.scales, k_desc, descriptor(vq, list(vq.shape), list(vq.stride()),
                                                                  [1, 1, d, cfg.block_n]),
                 kscale, v_scale, v_mean, *rest, EMULATE=interp, **meta)
         else:
-            K.attention_qk8_ws_kernel[grid](
+            bound(K.attention_qk8_ws_kernel)[grid](
                 qrows.qq, qrows.scales, k_desc, descriptor(v, list(v.shape), list(v.stride()),
                                                                  [1, 1, cfg.block_n, d]),
                 kscale, *rest, **meta)
@@ -289,7 +290,7 @@ def _launch_fp8_gluon(qrows: "QuantizedQ", kq, kscale, vq, v_scale, v_mean, n_bl
     def desc(t, *box):
         return TensorDescriptor(t, list(t.shape), list(t.stride()), list(box), shared_layout(box, t.dtype))
 
-    attention_fp8_gluon_kernel[(_cdiv(nq, cfg.block_m), b * hq)](
+    bound(attention_fp8_gluon_kernel)[(_cdiv(nq, cfg.block_m), b * hq)](
         desc(qrows.qq, 1, 1, half, d), desc(kq, 1, 1, cfg.block_n, d), desc(vq, 1, 1, d, cfg.block_n),
         desc(out, 1, 1, half, d),
         qrows.scales, kscale, v_scale, v_mean, hq, hq // hkv, nq, qrows.pitch, nk, n_blocks, scale * LOG2E,
@@ -333,7 +334,7 @@ def launch_level(q, k, v, prepared: Prepared, out, attn_mask, head_levels: Optio
         vq_strides = (vq.stride(0), vq.stride(1), vq.stride(2)) if pv_mode == PV_FP8 else (0, 0, 0)
         grid = (_cdiv(nq, cfg.block_m), b * hq)
         k_mean = prepared.k_mean() if lse is not None and qk_mode != QK_NATIVE else v_mean
-        K.attention_quant_fwd_kernel[grid](
+        bound(K.attention_quant_fwd_kernel)[grid](
             q, k, v, kq, kscale, vq, v_scale, v_mean, out, mask,
             head_levels if head_levels is not None else q, k_mean, lse if lse is not None else v_mean,
             q.stride(0), q.stride(1), q.stride(2),

@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from ..backends.triton.bound import bound
 from ..backends.triton.common import interpreting
 
 
@@ -81,7 +82,7 @@ class QuantizedQ:
             return
         q = self.q
         b, hq, nq, d = q.shape
-        K.quantize_q_kernel[(_cdiv(nq, Q_BLOCK), b * hq)](
+        bound(K.quantize_q_kernel)[(_cdiv(nq, Q_BLOCK), b * hq)](
             q, self.qq, self.scales, q.stride(0), q.stride(1), q.stride(2), hq, nq, self.pitch,
             HEAD_DIM=d, BLOCK_M=Q_BLOCK, EMULATE=interpreting(), QK_MODE=self.mode, num_warps=4, num_stages=1)
         self.done = True
@@ -138,7 +139,7 @@ class Prepared:
             q_mode, q_blocks = q_rows.mode, _cdiv(q.shape[2], Q_BLOCK)
             qargs = (q, q_rows.qq, q_rows.scales, q.stride(0), q.stride(1), q.stride(2), q.shape[2], q_rows.pitch)
         interp = interpreting()
-        K.quantize_kv_kernel[(k_programs + group * q_blocks, bh)](
+        bound(K.quantize_kv_kernel)[(k_programs + group * q_blocks, bh)](
             k, v, self._k_mean, self._v_mean, kq, kscale, vq, vscale,
             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             kqs[0], kqs[1], kqs[2], vqs[0], vqs[1], vqs[2],

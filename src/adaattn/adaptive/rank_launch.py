@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..backends.triton.bound import bound
 from ..backends.triton.common import LOG2E, cdiv, dot_precision, interpreting, next_pow2
 from .block_layout import Estimate, Plan, Summaries, sampled_rows
 
@@ -30,7 +31,7 @@ def plan_blocks(values: torch.Tensor, thresholds: torch.Tensor, n: int, causal: 
     ecnt = torch.empty((b, hq, nqb), dtype=torch.int32, device=dev)
     scnt = torch.empty_like(ecnt)
     if values.numel():
-        plan_kernel[(nqb, b * hq)](
+        bound(plan_kernel)[(nqb, b * hq)](
             values.contiguous(), thresholds.float().contiguous(), state, eidx, ecnt, scnt, hq, nkb, n,
             QUERY_BLOCK=query_block, KEY_BLOCK=key_block, LOCAL=local,
             CHUNK=min(max(16, next_pow2(nkb)), chunk), CAUSAL=causal, SUMMARIES=summaries,
@@ -54,7 +55,7 @@ def summarize_blocks(k: torch.Tensor, v: torch.Tensor, key_block: int) -> Summar
     values = torch.empty((b, hkv, nkb, dv), dtype=v.dtype, device=k.device)
     var = torch.empty((b, hkv, nkb, d), dtype=torch.float32, device=k.device)
     if keys.numel() or values.numel():
-        summary_kernel[(nkb, b * hkv)](
+        bound(summary_kernel)[(nkb, b * hkv)](
             k, v, keys, values, var, k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
             hkv, n, nkb, HEAD_DIM=d, BLOCK_D=max(16, next_pow2(d)), HEAD_DIM_V=dv, BLOCK_DV=max(16, next_pow2(dv)),
             KEY_BLOCK=key_block, num_warps=2,
@@ -81,7 +82,7 @@ def estimate_blocks(q: torch.Tensor, k: torch.Tensor, s: Summaries, scale: float
     ent = torch.empty((b, hq, nqb), dtype=torch.float32, device=q.device)
     group = 2 if interpreting() else ESTIMATE_GROUP
     if n:
-        estimate_kernel[(-(-nqb // group), b * hq)](
+        bound(estimate_kernel)[(-(-nqb // group), b * hq)](
             q, k, s.keys, s.variance, mass, cost, ent,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             hq, hq // hkv, n, nqb, nkb, float(scale),

@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from ..backends.triton.bound import bound
 from ..backends.triton.common import TRITON_FOUND, cdiv, dot_precision, interpreting, next_pow2
 
 
@@ -75,7 +76,7 @@ def exact_rows(q, k, v, rows, attn_mask, scale: float, causal: bool, bottom_righ
     part = (torch.empty((b * hq, splits, r, d + 2), dtype=torch.float32, device=q.device) if splits > 1
             else ref)
     try:
-        exact_rows_kernel[(b * hq, chunks, splits)](
+        bound(exact_rows_kernel)[(b * hq, chunks, splits)](
             q, k, v, rows, ref, part,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2),
@@ -108,7 +109,7 @@ def verify_step(out, rows, ref, levels, up, work, err, limit: float, stage: int)
     b, hq, _, d = out.shape
     r = rows.shape[0]
     try:
-        verify_step_kernel[(hq,)](
+        bound(verify_step_kernel)[(hq,)](
             out, rows, ref, levels, up, work, err,
             out.stride(0), out.stride(1), out.stride(2), hq * r * d, work.stride(0),
             b, hq, r, float(limit),

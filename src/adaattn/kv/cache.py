@@ -317,6 +317,7 @@ class PagedKVCache:
         from triton import next_power_of_2
 
         from ..backends.triton.common import interpreting
+        from ..backends.triton.bound import bound
         from ..kernels.kv_append import append_kernel
 
         s, hkv, t, d = key.shape
@@ -330,7 +331,7 @@ class PagedKVCache:
         else:
             sums = mins = maxs = self._count
         chunks = -(-(t - 1) // self.page_size) + 1  # pages T tokens from any slot can touch
-        append_kernel[(s * hkv, chunks)](
+        bound(append_kernel)[(s * hkv, chunks)](
             key, value, k_pool, v_pool, ks, vs, kc, self.block_table, self.lengths[layer], self.seq_ids(seqs),
             self._count, sums, mins, maxs, *key.stride(), *value.stride(), *k_pool.stride(), *v_pool.stride(),
             *(ks.stride() if quantized else (0, 0)), *(kc.stride() if quantized else (0, 0, 0)),

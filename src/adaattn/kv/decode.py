@@ -376,6 +376,7 @@ def _split_kv(query, cache, layer, plan, scale, sel=None, count=None, pages=1.0,
     that fraction: heads listing more get more programs, and the launch covers a head listing all."""
     from triton import next_power_of_2
 
+    from ..backends.triton.bound import bound
     from ..backends.triton.common import dot_precision
     from ..kernels.decode import decode_merge_kernel, decode_split_kernel
 
@@ -396,7 +397,7 @@ def _split_kv(query, cache, layer, plan, scale, sel=None, count=None, pages=1.0,
     vs = cache.v_scale[layer] if quantized else l_part
     scale = default_scale(d) if scale is None else float(scale)
     precision = dot_precision(query.dtype)
-    decode_split_kernel[(splits, s * hkv)](
+    bound(decode_split_kernel)[(splits, s * hkv)](
         query, k_pool, v_pool, ks, vs, cache.block_table, cache.lengths[layer], plan.seq_ids, o_part, l_part,
         sel if sparse_ else l_part, count if sparse_ else l_part, scale,
         *query.stride(), *k_pool.stride(), *v_pool.stride(),
@@ -411,7 +412,7 @@ def _split_kv(query, cache, layer, plan, scale, sel=None, count=None, pages=1.0,
         **{name: x for name, x in (mods or {}).items() if name != "merge"},
     )
     out = torch.empty(s, hq, t, dv, dtype=query.dtype, device=query.device)
-    decode_merge_kernel[(s * hq * t,)](
+    bound(decode_merge_kernel)[(s * hq * t,)](
         o_part, l_part, out, *o_part.stride(), *l_part.stride(), *out.stride(), hq, t, splits,
         DV=dv, BLOCK_DV=max(16, next_power_of_2(dv)), BLOCK_S=max(2, next_power_of_2(splits)),
         DOT_PRECISION=precision, **(mods or {}).get("merge", {}),

@@ -34,6 +34,7 @@ from typing import Optional
 
 import torch
 
+from ..backends.triton.bound import bound
 from ..backends.reference import relative_errors
 from .gathered import sdpa_gathered
 
@@ -189,7 +190,7 @@ def _select_kernel(query, cache, layer, plan, theta, scale):
     rows, part_m, part_l, sel, count = plan._scratch[key]
     sums = cache.k_sum[layer]
     lens = cache.lengths[layer]
-    page_estimate_kernel[(s * hkv, blocks)](
+    bound(page_estimate_kernel)[(s * hkv, blocks)](
         query, sums, cache.block_table, lens, plan.seq_ids, rows, part_m, part_l, scale,
         *query.stride(), *sums.stride()[:2], *cache.block_table.stride(), *rows.stride()[:2],
         *part_m.stride()[:2], hkv,
@@ -197,7 +198,7 @@ def _select_kernel(query, cache, layer, plan, theta, scale):
         PAGE=cache.page_size, num_warps=4,
     )
     all_p = max(16, next_power_of_2(maxp))
-    page_cut_kernel[(s * hkv,)](
+    bound(page_cut_kernel)[(s * hkv,)](
         lens, plan.seq_ids, theta, rows, part_m, part_l, sel, count,
         *rows.stride()[:2], *part_m.stride()[:2], sel.stride(0), hkv, SINK_PAGES, RECENT_PAGES,
         G=g, T=t, BLOCK_M=block_m, BLOCK_P=SELECT_BLOCK_P, ALL_B=max(2, next_power_of_2(blocks)), ALL_P=all_p,

@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from .bound import bound
 from .common import (
     LOG2E,
     alibi_args,
@@ -165,7 +166,7 @@ def _launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, 
             SOFTCAP=launch.softcap * LOG2E, **alibi)
         if split:
             exact["stride_ls"] = stats.stride(0)
-    attention_bwd_delta_kernel[(cdiv(lay.q_len, dcfg.block_m), lay.batch * lay.q_heads)](
+    bound(attention_bwd_delta_kernel)[(cdiv(lay.q_len, dcfg.block_m), lay.batch * lay.q_heads)](
         out, dout, delta, dq_acc, cu_q, *lay.strides(out), *lay.strides(dout), *lse_st,
         *dq_acc_strides, lay.q_heads, lay.q_len,
         HEAD_DIM=lay.head_dim, BLOCK_D=bd, HEAD_DIM_V=lay.value_dim, BLOCK_DV=bdv,
@@ -180,7 +181,7 @@ def _launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, 
         if atomic and dq_acc_dirty[0]:
             dq_acc.zero_()  # config timing runs the kernel many times; each run adds into dq_acc
         dq_acc_dirty[0] = atomic
-        attention_bwd_dkdv_kernel[grid](
+        bound(attention_bwd_dkdv_kernel)[grid](
             q, k, v, dout, lse, delta, dk, dv, dq_acc, mask, cu_q, cu_k,
             *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(dout), *lse_st,
             *lay.strides(dk), *lay.strides(dv), *dq_acc_strides, *mask_strides,
@@ -193,7 +194,7 @@ def _launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, 
 
     def run_dq(cfg: KernelConfig):
         grid = (cdiv(lay.q_len, cfg.block_m), lay.batch * lay.q_heads)
-        attention_bwd_dq_kernel[grid](
+        bound(attention_bwd_dq_kernel)[grid](
             q, k, v, dout, lse, delta, dq, mask, cu_q, cu_k,
             *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(dout), *lse_st,
             *lay.strides(dq), *mask_strides,
@@ -260,7 +261,7 @@ def _launch_bwd_ws(dout, q, k, v, out, lse, launch: AttentionLaunch, configs: Op
         return t if varlen else descriptor(t, list(t.shape), list(t.stride()), [1, 1, box_rows, d])
 
     def run_dkdv(cfg: KernelConfig):
-        attention_bwd_dkdv_ws_kernel[(cdiv(lay.k_len, cfg.block_n), lay.batch * lay.kv_heads)](
+        bound(attention_bwd_dkdv_ws_kernel)[(cdiv(lay.k_len, cfg.block_n), lay.batch * lay.kv_heads)](
             heads(q, cfg.block_m), heads(dout, cfg.block_m),
             descriptor(stat, [2 * plane], [1], [cfg.block_m]), k, v, dk, dv, cu_q, cu_k,
             *lay.strides(q)[1:], *lay.strides(dout)[1:],
@@ -271,7 +272,7 @@ def _launch_bwd_ws(dout, q, k, v, out, lse, launch: AttentionLaunch, configs: Op
         )
 
     def run_dq(cfg: KernelConfig):
-        attention_bwd_dq_ws_kernel[(cdiv(lay.q_len, cfg.block_m), lay.batch * lay.q_heads)](
+        bound(attention_bwd_dq_ws_kernel)[(cdiv(lay.q_len, cfg.block_m), lay.batch * lay.q_heads)](
             q, dout, heads(k, cfg.block_n), heads(v, cfg.block_n), stat, dq, cu_q, cu_k,
             *lay.strides(q), *lay.strides(dout), *lay.strides(dq), *lay.strides(k)[1:], *lay.strides(v)[1:],
             lay.q_heads, group, lay.q_len, lay.k_len, pitch, plane, scale, launch.scale * LOG2E, launch.left,
@@ -331,7 +332,7 @@ def _bwd_stat_planes(out, dout, lse, lay: RowLayout, cu_q, exact: Optional[tuple
             kv_group=lay.q_heads // lay.kv_heads, k_len=lay.k_len, scale_log2=launch.scale * LOG2E,
             window_left=launch.left, BLOCK_N=64, CAUSAL=launch.has_right, BOTTOM_RIGHT=launch.bottom_right,
             HAS_LEFT=launch.has_left, DOT_PRECISION=dot_precision(q.dtype), EXACT_KEYS=exact_delta_keys(lay, launch))
-    attention_bwd_ws_prep_kernel[(pitch // 64, lay.batch * lay.q_heads)](
+    bound(attention_bwd_ws_prep_kernel)[(pitch // 64, lay.batch * lay.q_heads)](
         out, dout, lse, stat, cu_q, *lay.strides(out), *lay.strides(dout), *lse_strides(lse, lay),
         lay.q_heads, lay.q_len, pitch, plane, HEAD_DIM_V=lay.head_dim, BLOCK_DV=lay.head_dim, BLOCK_M=64,
         IS_VARLEN=lay.varlen, num_warps=4, **extra,
@@ -365,7 +366,7 @@ def _run_bwd_gluon(dq, dk, dv, dout, q, k, v, stat, pitch, plane, lay: RowLayout
                       stride_dkh=dk.stride(1), stride_dvn=dv.stride(0), stride_dvh=dv.stride(1))
     scale, post_scale = ds_scales(launch.scale)
     rows, keys = (1, 1, bm, d), (1, 1, bn // 2, d)
-    attention_bwd_gluon_kernel[(cdiv(lay.k_len, bn), lay.batch * lay.kv_heads)](
+    bound(attention_bwd_gluon_kernel)[(cdiv(lay.k_len, bn), lay.batch * lay.kv_heads)](
         desc(q, rows), desc(dout, rows), desc(k, keys), desc(v, keys), desc(dk, keys), desc(dv, keys),
         desc(dq_acc, rows), desc(stat, (bm,)), lay.kv_heads, lay.q_heads // lay.kv_heads, lay.q_len, lay.k_len,
         pitch, plane, scale, launch.scale * LOG2E, launch.left, post_scale, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn,

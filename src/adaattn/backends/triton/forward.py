@@ -28,6 +28,7 @@ from .common import (
     shared_layout,
     tensor_descriptor,
 )
+from .bound import bound
 from .configs import fitting_configs
 from .launch import AttentionLaunch, check_variant, gluon_varlen_fwd_ok, shape_key
 from .layout import clear_packed_tails, heads_rows, lse_shape, lse_strides, out_shape, row_layout
@@ -103,7 +104,7 @@ def _launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
             extra.update(KDesc=descriptor(k, list(k.shape), list(k.stride()), [1, 1, cfg.block_n, bd]),
                          VDesc=descriptor(v, list(v.shape), list(v.stride()), [1, 1, cfg.block_n, bdv]),
                          USE_TMA=True)
-        attention_fwd_kernel[grid](
+        bound(attention_fwd_kernel)[grid](
             q, k, v, out, lse, mask, cu_q, cu_k,
             *lay.strides(q), *lay.strides(k), *lay.strides(v), *lay.strides(out),
             *lse_strides(lse, lay), *mask_strides,
@@ -160,7 +161,7 @@ def _launch_fwd_ws(q, k, v, out, lse, lay: RowLayout, launch: AttentionLaunch) -
     def run_triton(cfg: KernelConfig):
         ensure_triton_allocator()
         box = [1, 1, cfg.block_n, lay.head_dim]
-        attention_fwd_ws_kernel[(cdiv(lay.q_len, cfg.block_m), lay.batch * lay.q_heads)](
+        bound(attention_fwd_ws_kernel)[(cdiv(lay.q_len, cfg.block_m), lay.batch * lay.q_heads)](
             q, descriptor(k, list(k.shape), list(k.stride()), box),
             descriptor(v, list(v.shape), list(v.stride()), box), out, lse, *lay.strides(q), *lay.strides(out),
             *lse_strides(lse, lay), lay.q_heads, lay.q_heads // lay.kv_heads, lay.q_len, lay.k_len,
@@ -206,7 +207,7 @@ def _launch_fwd_gluon(q, k, v, out, lse, lay: RowLayout, launch: AttentionLaunch
     packed = {}
     if lay.varlen:  # sequences from cu_q / cu_k; outputs at a sequence's end stored by row
         packed = dict(VARLEN=True, CuQ=cu_q, CuK=cu_k, O=out, stride_om=out.stride(0), stride_oh=out.stride(1))
-    attention_fwd_gluon_kernel[(cdiv(lay.q_len, cfg.block_m), lay.batch * lay.q_heads)](
+    bound(attention_fwd_gluon_kernel)[(cdiv(lay.q_len, cfg.block_m), lay.batch * lay.q_heads)](
         desc(q, half), desc(k, cfg.block_n), desc(v, cfg.block_n), desc(out, half), lse, *lse_strides(lse, lay),
         lay.q_heads, lay.q_heads // lay.kv_heads, lay.q_len, lay.k_len, launch.scale * LOG2E, launch.left,
         HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.num_stages, CAUSAL=launch.has_right,

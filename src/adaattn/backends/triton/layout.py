@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .bound import bound
 from .common import RowLayout, cdiv, new_output
 
 
@@ -83,7 +84,7 @@ def clear_packed_tails(*parts: tuple) -> None:
     views += [views[0]] * (3 - n)
     (x0, c0, f0), (x1, c1, f1), (x2, c2, f2) = views
     longest = max(v[0].shape[0] for v in views)
-    packed_tail_kernel[(cdiv(longest, 64), n)](
+    bound(packed_tail_kernel)[(cdiv(longest, 64), n)](
         x0, x1, x2, c0, c1, c2, c0.shape[0] - 1, x0.shape[0], x1.shape[0], x2.shape[0],
         x0.shape[1], x1.shape[1], x2.shape[1], *x0.stride(), *x1.stride(), *x2.stride(), f0, f1, f2,
         BLOCK_R=64, BLOCK_C=128, num_warps=4)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from .bound import bound
 from .common import cdiv, next_pow2
 
 MERGE_ROWS = 32  # rows per program: 32 x 128 float32 accumulator values and as many of the block
@@ -29,7 +30,7 @@ def merge_into(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, bl
             raise ValueError(f"{name} must be float32 with a unit row stride, got {t.dtype} strides {t.stride()}")
     if out.dtype != torch.float32:
         raise ValueError(f"out must be float32, got {out.dtype}")
-    lse_merge_kernel[(cdiv(n, MERGE_ROWS), b * h)](
+    bound(lse_merge_kernel)[(cdiv(n, MERGE_ROWS), b * h)](
         out, lse, block_out, block_lse,
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         block_out.stride(0), block_out.stride(1), block_out.stride(2), block_lse.stride(0), block_lse.stride(1),

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from . import calibrate, cp, cpu, decode, distributed, gpt, hf, modifiers, prefill, quant, rank, train, varlen, window
+from . import calibrate, cp, cpu, decode, distributed, gpt, hf, host, modifiers, prefill, quant, rank, train, varlen, window
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ SUITES = {
                   getattr(m, "finish", None), getattr(m, "summarize", None),
                   getattr(m, "plot", None), getattr(m, "run", None))
     for m in (prefill, train, decode, quant, window, varlen, hf, gpt, rank, distributed, cp, cpu, calibrate,
-              modifiers)
+              modifiers, host)
 }
 
 __all__ = ["SUITES", "Suite"]
