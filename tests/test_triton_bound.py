@@ -175,7 +175,9 @@ def test_our_forward_through_bound_launches_runs_triton_s_kernel_with_triton_s_a
         assert len(first) == 1, case
         seen.append(first[0])
         slow = first[0].launches.pop()
+        entries = len(B._bound[id(fn)].entries)
         call()
+        assert len(B._bound[id(fn)].entries) == entries, case  # a bound launch: its key was known
         fast = first[0].launches.pop()  # the same compiled kernel ran
         assert _same_but_outputs(fast, slow), case
         assert [t.data_ptr() for t in fast[9:12]] == [q.data_ptr(), k.data_ptr(), v.data_ptr()]

@@ -118,6 +118,7 @@ class PagedKVCache:
         self.block_table = torch.zeros(max_seqs, self.max_pages_per_seq, dtype=torch.int32, device=self.device)
         self.lengths = torch.zeros(layers, max_seqs, dtype=torch.int32, device=self.device)
         self._free_pages = list(range(num_pages - 1, -1, -1))
+        self._pages_owned = False  # pages are taken as sequences grow (KVCache: owned from the start)
         self._free_seqs = list(range(max_seqs - 1, -1, -1))
         self._pages: dict[int, list[int]] = {}  # sequence -> its pages, in order (host mirror)
         self._lengths = [[0] * max_seqs for _ in range(layers)]  # host mirror of self.lengths
@@ -275,14 +276,20 @@ class PagedKVCache:
         t = key.shape[2]
         if t == 0:
             return
-        for s in seqs:  # every sequence is checked before any page is taken
-            self._check_seq(s)
-            self._check_room(s, self._lengths[layer][s], t, layer)
-        first = []  # rows whose sequence is empty in this layer: their append sets the keys' center
-        for i, s in enumerate(seqs):
-            self._ensure(s, self._lengths[layer][s] + t)
-            if self._lengths[layer][s] == 0:
-                first.append(i)
+        # Every sequence is checked before any page is taken (in one pass each: a decode step
+        # appends one token to every sequence of the batch, and its host time is the step's).
+        for s in seqs:
+            if s not in self._pages:
+                self._check_seq(s)
+        lengths = self._lengths[layer]
+        held = [lengths[s] for s in seqs]
+        if held and max(held) + t > self._max_len()[0]:
+            for s, n in zip(seqs, held):
+                self._check_room(s, n, t, layer)
+        if not self._pages_owned:
+            for s, n in zip(seqs, held):
+                self._ensure(s, n + t)
+        first = [i for i, n in enumerate(held) if n == 0]  # empty rows: their append sets the keys' center
         key, value = key.to(self.device), value.to(self.device)
         if first and self.storage != "native":
             rows = torch.tensor(first, device=self.device)
@@ -293,7 +300,7 @@ class PagedKVCache:
         else:
             self._append_torch(layer, seqs, key, value)
         for s in seqs:
-            self._lengths[layer][s] += t
+            lengths[s] += t
 
     def seq_ids(self, seqs: Sequence[int]) -> torch.Tensor:
         """`seqs` as an int32 device tensor, made once per distinct list (so that a step replayed in
@@ -314,10 +321,9 @@ class PagedKVCache:
             self._lengths[layer] = list(host[layer])
 
     def _append_kernel(self, layer, seqs, key, value) -> None:
-        from triton import next_power_of_2
-
         from ..backends.triton.common import interpreting
         from ..backends.triton.bound import bound
+        from ..backends.triton.common import next_pow2 as next_power_of_2
         from ..kernels.kv_append import append_kernel
 
         s, hkv, t, d = key.shape
@@ -447,6 +453,7 @@ class KVCache(PagedKVCache):
                          summaries=summaries)
         self.batch, self.max_len = batch, max_len
         self._free_pages = []  # every page belongs to its sequence from the start
+        self._pages_owned = True  # (so an append takes none: _ensure would find nothing to do)
         for b in range(batch):
             seq = self._free_seqs.pop()
             assert seq == b

@@ -374,9 +374,8 @@ def _split_kv(query, cache, layer, plan, scale, sel=None, count=None, pages=1.0,
     tiles of its (sequence, KV head)'s listed pages, sized so that a head listing the fraction
     `pages` of its pages (the site's last read-back figure) gets the dense plan's programs times
     that fraction: heads listing more get more programs, and the launch covers a head listing all."""
-    from triton import next_power_of_2
-
     from ..backends.triton.bound import bound
+    from ..backends.triton.common import next_pow2 as next_power_of_2
     from ..backends.triton.common import dot_precision
     from ..kernels.decode import decode_merge_kernel, decode_split_kernel
 

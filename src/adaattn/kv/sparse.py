@@ -165,7 +165,7 @@ def select(query: torch.Tensor, cache, layer: int, plan, theta: torch.Tensor, sc
 
 
 def _select_kernel(query, cache, layer, plan, theta, scale):
-    from triton import cdiv, next_power_of_2
+    from ..backends.triton.common import cdiv, next_pow2 as next_power_of_2
 
     from ..kernels.page_select import page_cut_kernel, page_estimate_kernel
 

@@ -43,10 +43,10 @@ _enabled: bool | None = None
 
 def enabled() -> bool:
     """Whether bound launches run: ADAATTN_TRITON_BOUND=1 (default off; never under the
-    interpreter). Off by default because on an H200 (torch 2.11, triton 3.6) they saved nothing
-    measurable (benchmarks/NOTES.md, "Host cost, first measurements": the Triton forward's 200 us
-    of host time is not triton's launch), and one bitwise mismatch of dk/dv there against triton's
-    own launch, not reproduced since, is unexplained."""
+    interpreter). Off by default: on an H200 (torch 2.11, triton 3.6) they saved nothing
+    measurable, since the key's Python loop over the arguments costs about what triton's own
+    binding does (benchmarks/NOTES.md, "Host cost, first measurements"), and one bitwise mismatch
+    of dk/dv there against triton's own launch, not reproduced since, is unexplained."""
     global _enabled
     if _enabled is None:
         import os
