@@ -214,3 +214,101 @@ def test_bound_launches_step_aside_for_profiler_hooks_and_a_callable_grid(fake_g
     calls = []
     ours.launch(lambda meta: calls.append(meta) or (4,), args, kw)
     assert calls and len(k.launches) == 4
+
+
+@pytest.mark.parametrize("storage", ["native", "int8", "int4"])
+def test_a_decode_step_launched_from_its_plan_runs_triton_s_kernels_with_triton_s_arguments(fake_gpu, monkeypatch,
+                                                                                            storage):
+    """decode_attention's split and merge launches, found once per plan (bound.site_launch): the
+    second step launches with no argument list built, on the compiled kernels of triton's own
+    launch, with its arguments (the fresh output and the step's query in their slots)."""
+    import adaattn.kernels.decode as kd
+    from adaattn import decode_attention, plan_decode
+    from adaattn.kv import KVCache
+
+    split, merge = fake_gpu(kd.decode_split_kernel), fake_gpu(kd.decode_merge_kernel)
+    monkeypatch.setattr(kd, "decode_split_kernel", split)
+    monkeypatch.setattr(kd, "decode_merge_kernel", merge)
+    monkeypatch.setattr(B, "enabled", lambda: True)
+    dtype = torch.float16
+    cache = KVCache(2, 3, 2, 300, 64, dtype=dtype, storage=storage)
+    for layer in range(2):
+        cache.append(layer, torch.randn(3, 2, 100, 64, dtype=dtype), torch.randn(3, 2, 100, 64, dtype=dtype))
+    plan = plan_decode(cache, heads=4, query_len=1)
+    plan.runner = "triton"
+
+    def step(layer):
+        q = torch.randn(3, 4, 1, 64, dtype=dtype)
+        decode_attention(q, cache, layer, plan=plan)
+        return q
+
+    def launches():
+        got = []
+        for fn in (split, merge):
+            ran = [k for k in _all_kernels(fn) if k.launches]
+            assert len(ran) == 1
+            got.append(ran[0].launches.pop())
+        return got
+
+    step(1)
+    slow = launches()
+    n_sites = len(plan._sites)
+    q = step(1)
+    fast = launches()
+    assert len(plan._sites) == n_sites == 2, list(plan._sites)  # the second step found both launches known
+    for f, sl in zip(fast, slow):
+        assert _same_but_outputs(f, sl)
+    assert fast[0][9] is q
+    # the same step through triton's own launch gives the bound one's arguments exactly
+    B._bound.clear()
+    monkeypatch.setattr(B, "enabled", lambda: False)
+    q2 = q.clone()
+    decode_attention(q2, cache, 1, plan=plan)
+    own = launches()
+    assert _same_but_outputs(fast[0], own[0]) and _same_but_outputs(fast[1], own[1])
+    ptrs = lambda a, skip: [t.data_ptr() for i, t in enumerate(a[9:]) if isinstance(t, torch.Tensor) and i != skip]  # noqa: E731
+    assert ptrs(fast[0], 0) == ptrs(own[0], 0)  # every tensor but the query: the same memory
+    assert ptrs(fast[1], 2) == ptrs(own[1], 2)  # every tensor but the fresh output
+    step(0)  # another layer: another pair of sites (its own pools)
+    launches()
+
+
+@pytest.mark.parametrize("storage", ["native", "fp8", "int4"])
+def test_an_append_launched_from_its_site_runs_triton_s_kernel_with_triton_s_arguments(fake_gpu, monkeypatch, storage):
+    """KVCache.append's launch, found once per layer and layout (bound.site_launch): the second
+    append of one token launches on triton's compiled kernel with the arguments triton's own launch
+    gives the same append (its key and value in their slots)."""
+    import adaattn.kernels.kv_append as ka
+    from adaattn.kv import KVCache
+
+    fn = fake_gpu(ka.append_kernel)
+    monkeypatch.setattr(ka, "append_kernel", fn)
+    cache = KVCache(1, 3, 2, 300, 64, dtype=torch.float16, storage=storage)
+    cache.append_runner = "triton"
+    tok = lambda: (torch.randn(3, 2, 1, 64, dtype=torch.float16), torch.randn(3, 2, 1, 64, dtype=torch.float16))  # noqa: E731
+
+    def launched():
+        (k,) = [k for k in _all_kernels(fn) if k.launches]
+        return k.launches.pop()
+
+    monkeypatch.setattr(B, "enabled", lambda: True)
+    cache.append(0, *tok())
+    launched()
+    key, value = tok()
+    cache.append(0, key, value)
+    fast = launched()
+    assert len(cache._sites) == 1 and fast[9] is key and fast[10] is value
+    monkeypatch.setattr(B, "enabled", lambda: False)
+    cache.reset()
+    for _ in range(2):
+        cache.append(0, *tok())
+        launched()
+    # the same third append (lengths now 2, as they were) through triton's own launch
+    cache.reset()
+    monkeypatch.setattr(B, "enabled", lambda: True)
+    cache.append(0, *tok())
+    launched()
+    monkeypatch.setattr(B, "enabled", lambda: False)
+    cache.append(0, key, value)
+    own = launched()
+    assert _normal(fast[:6] + fast[9:]) == _normal(own[:6] + own[9:])

@@ -119,6 +119,7 @@ class PagedKVCache:
         self.lengths = torch.zeros(layers, max_seqs, dtype=torch.int32, device=self.device)
         self._free_pages = list(range(num_pages - 1, -1, -1))
         self._pages_owned = False  # pages are taken as sequences grow (KVCache: owned from the start)
+        self._sites: dict = {}  # the append kernel's launches per layer and layout (bound.site_launch)
         self._free_seqs = list(range(max_seqs - 1, -1, -1))
         self._pages: dict[int, list[int]] = {}  # sequence -> its pages, in order (host mirror)
         self._lengths = [[0] * max_seqs for _ in range(layers)]  # host mirror of self.lengths
@@ -321,14 +322,14 @@ class PagedKVCache:
             self._lengths[layer] = list(host[layer])
 
     def _append_kernel(self, layer, seqs, key, value) -> None:
+        from ..backends.triton.bound import site_launch
         from ..backends.triton.common import interpreting
-        from ..backends.triton.bound import bound
         from ..backends.triton.common import next_pow2 as next_power_of_2
         from ..kernels.kv_append import append_kernel
 
         s, hkv, t, d = key.shape
         quantized = self.storage != "native"
-        k_pool, v_pool = self.k[layer], self.v[layer]
+        k_pool, v_pool, lengths, ids = self.k[layer], self.v[layer], self.lengths[layer], self.seq_ids(seqs)
         ks = self.k_scale[layer] if quantized else self._count  # placeholder pointers when not read
         vs = self.v_scale[layer] if quantized else self._count
         kc = self.k_center[layer] if quantized else self._count
@@ -337,17 +338,26 @@ class PagedKVCache:
         else:
             sums = mins = maxs = self._count
         chunks = -(-(t - 1) // self.page_size) + 1  # pages T tokens from any slot can touch
-        bound(append_kernel)[(s * hkv, chunks)](
-            key, value, k_pool, v_pool, ks, vs, kc, self.block_table, self.lengths[layer], self.seq_ids(seqs),
-            self._count, sums, mins, maxs, *key.stride(), *value.stride(), *k_pool.stride(), *v_pool.stride(),
-            *(ks.stride() if quantized else (0, 0)), *(kc.stride() if quantized else (0, 0, 0)),
-            *self.block_table.stride(), *(sums.stride()[:2] if self.summaries else (0, 0)),
-            t, hkv, chunks, self.max_pages_per_seq,
-            D=d, DV=value.shape[3], BLOCK_D=next_power_of_2(d), BLOCK_DV=next_power_of_2(value.shape[3]),
-            PAGE=self.page_size, BLOCK_P=next_power_of_2(self.page_size),
-            STORAGE=STORAGES.index(self.storage), QMAX=QMAX.get(self.storage, 1.0), INTERPRET=interpreting(),
-            SUMMARIES=self.summaries, num_warps=4 if self.page_size <= 64 else 8,
-        )
+
+        def build():
+            return ((key, value, k_pool, v_pool, ks, vs, kc, self.block_table, lengths, ids,
+                     self._count, sums, mins, maxs, *key.stride(), *value.stride(), *k_pool.stride(), *v_pool.stride(),
+                     *(ks.stride() if quantized else (0, 0)), *(kc.stride() if quantized else (0, 0, 0)),
+                     *self.block_table.stride(), *(sums.stride()[:2] if self.summaries else (0, 0)),
+                     t, hkv, chunks, self.max_pages_per_seq),
+                    dict(D=d, DV=value.shape[3], BLOCK_D=next_power_of_2(d), BLOCK_DV=next_power_of_2(value.shape[3]),
+                         PAGE=self.page_size, BLOCK_P=next_power_of_2(self.page_size),
+                         STORAGE=STORAGES.index(self.storage), QMAX=QMAX.get(self.storage, 1.0),
+                         INTERPRET=interpreting(), SUMMARIES=self.summaries,
+                         num_warps=4 if self.page_size <= 64 else 8))
+
+        # One layer's appends of one shape are the same launch but for the tensors (a decode step's
+        # one token per sequence): known once per layer and layout (bound.site_launch, where bound
+        # launches are on; every tensor is put in its slot each call).
+        site = (layer, key.shape, key.stride(), value.shape, value.stride(), key.dtype)
+        site_launch(self._sites, site, append_kernel, (s * hkv, chunks),
+                    (key, value, k_pool, v_pool, ks, vs, kc, self.block_table, lengths, ids, self._count, sums, mins,
+                     maxs), build)
 
     def _append_torch(self, layer, seqs, key, value) -> None:
         t = key.shape[2]

@@ -95,6 +95,7 @@ class DecodePlan:
     sparse_why: str = ""
     policy: object = None
     _scratch: dict = field(default_factory=dict, repr=False)
+    _sites: dict = field(default_factory=dict, repr=False)  # its launches, where bound launches are on
 
     def explain(self) -> str:
         split = (f"; {self.splits} split(s) of up to {self.tiles_per_split * self.block_n} keys"
@@ -374,7 +375,7 @@ def _split_kv(query, cache, layer, plan, scale, sel=None, count=None, pages=1.0,
     tiles of its (sequence, KV head)'s listed pages, sized so that a head listing the fraction
     `pages` of its pages (the site's last read-back figure) gets the dense plan's programs times
     that fraction: heads listing more get more programs, and the launch covers a head listing all."""
-    from ..backends.triton.bound import bound
+    from ..backends.triton.bound import bound, site_launch
     from ..backends.triton.common import next_pow2 as next_power_of_2
     from ..backends.triton.common import dot_precision
     from ..kernels.decode import decode_merge_kernel, decode_split_kernel
@@ -390,30 +391,45 @@ def _split_kv(query, cache, layer, plan, scale, sel=None, count=None, pages=1.0,
         tiles = -(-listed_keys // plan.block_n)
         splits = -(-tiles // per)
     o_part, l_part = plan.scratch(dv, query.device, splits)
-    k_pool, v_pool = cache.k[layer], cache.v[layer]
+    k_pool, v_pool, lengths = cache.k[layer], cache.v[layer], cache.lengths[layer]
     quantized = cache.storage != "native"
     ks = cache.k_scale[layer] if quantized else l_part  # a placeholder pointer when not read
     vs = cache.v_scale[layer] if quantized else l_part
     scale = default_scale(d) if scale is None else float(scale)
     precision = dot_precision(query.dtype)
-    bound(decode_split_kernel)[(splits, s * hkv)](
-        query, k_pool, v_pool, ks, vs, cache.block_table, cache.lengths[layer], plan.seq_ids, o_part, l_part,
-        sel if sparse_ else l_part, count if sparse_ else l_part, scale,
-        *query.stride(), *k_pool.stride(), *v_pool.stride(),
-        *(ks.stride() if quantized else (0, 0)), *cache.block_table.stride(),
-        *o_part.stride(), *l_part.stride(), sel.stride(0) if sparse_ else 0,
-        hkv, per,
-        G=g, T=t, D=d, DV=dv, BLOCK_M=max(16, next_power_of_2(g * t)), BLOCK_N=plan.block_n,
-        BLOCK_D=max(16, next_power_of_2(d)), BLOCK_DV=max(16, next_power_of_2(dv)), PAGE=cache.page_size,
-        QUANTIZED=quantized, INT4=cache.storage == "int4", DOT_PRECISION=precision, CONTIG=plan.contiguous,
-        SPARSE=sparse_,
-        num_warps=plan.num_warps, num_stages=plan.num_stages,
-        **{name: x for name, x in (mods or {}).items() if name != "merge"},
-    )
+    block_m, block_d, block_dv = max(16, next_power_of_2(g * t)), max(16, next_power_of_2(d)), max(16, next_power_of_2(dv))
+
+    def split_args():
+        return ((query, k_pool, v_pool, ks, vs, cache.block_table, lengths, plan.seq_ids, o_part, l_part,
+                 sel if sparse_ else l_part, count if sparse_ else l_part, scale,
+                 *query.stride(), *k_pool.stride(), *v_pool.stride(),
+                 *(ks.stride() if quantized else (0, 0)), *cache.block_table.stride(),
+                 *o_part.stride(), *l_part.stride(), sel.stride(0) if sparse_ else 0,
+                 hkv, per),
+                dict(G=g, T=t, D=d, DV=dv, BLOCK_M=block_m, BLOCK_N=plan.block_n,
+                     BLOCK_D=block_d, BLOCK_DV=block_dv, PAGE=cache.page_size,
+                     QUANTIZED=quantized, INT4=cache.storage == "int4", DOT_PRECISION=precision,
+                     CONTIG=plan.contiguous, SPARSE=sparse_, num_warps=plan.num_warps, num_stages=plan.num_stages,
+                     **{name: x for name, x in (mods or {}).items() if name != "merge"}))
+
     out = torch.empty(s, hq, t, dv, dtype=query.dtype, device=query.device)
-    bound(decode_merge_kernel)[(s * hq * t,)](
-        o_part, l_part, out, *o_part.stride(), *l_part.stride(), *out.stride(), hq, t, splits,
-        DV=dv, BLOCK_DV=max(16, next_power_of_2(dv)), BLOCK_S=max(2, next_power_of_2(splits)),
-        DOT_PRECISION=precision, **(mods or {}).get("merge", {}),
-    )
+
+    def merge_args():
+        return ((o_part, l_part, out, *o_part.stride(), *l_part.stride(), *out.stride(), hq, t, splits),
+                dict(DV=dv, BLOCK_DV=block_dv, BLOCK_S=max(2, next_power_of_2(splits)), DOT_PRECISION=precision,
+                     **(mods or {}).get("merge", {})))
+
+    if sparse_ or mods:  # (their arguments change per call: launched through triton each time)
+        args, kw = split_args()
+        bound(decode_split_kernel)[(splits, s * hkv)](*args, **kw)
+        args, kw = merge_args()
+        bound(decode_merge_kernel)[(s * hq * t,)](*args, **kw)
+        return out
+    # A dense step's launches are fixed by the plan, the cache and its layer, the query's layout and
+    # the scale: known once per plan (bound.site_launch, where bound launches are on).
+    key = (id(cache), cache.block_table.stride(), layer, query.dtype, query.stride(), scale)
+    site_launch(plan._sites, ("split",) + key, decode_split_kernel, (splits, s * hkv),
+                (query, k_pool, v_pool, ks, vs, cache.block_table, lengths, plan.seq_ids, o_part, l_part),
+                split_args)
+    site_launch(plan._sites, ("merge",) + key, decode_merge_kernel, (s * hq * t,), (o_part, l_part, out), merge_args)
     return out
