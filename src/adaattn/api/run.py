@@ -76,13 +76,17 @@ def _signature_or_none(*args):
         return None
 
 
-def _first_that_runs(problem: Problem, plan: Plan, call) -> tuple[object, tuple[str, ...]]:
+def _first_that_runs(problem: Problem, plan: Plan, call, first_error: Optional[Exception] = None
+                     ) -> tuple[object, tuple[str, ...]]:
     """call(runner, launch) on the first candidate; a runner that raises is marked failed and
-    the next one runs. Returns (what call returned, the runners that failed)."""
+    the next one runs. Returns (what call returned, the runners that failed). first_error: what
+    the first candidate raised where the caller ran it already (_run's steady path)."""
     failed: list[str] = []
     last = len(plan.candidates) - 1
     for i, (name, launch) in enumerate(zip(plan.candidates, plan.launches)):
         try:
+            if first_error is not None and i == 0:
+                raise first_error
             return call(planner.REGISTRY[name], launch), tuple(failed)
         except Declined:
             if i == last:
@@ -109,8 +113,15 @@ def _run(q, k, v, attn_mask, problem: Problem, plan: Plan, label: Optional[str] 
         (out, decisions), failed = _first_that_runs(
             problem, plan, lambda r, launch: r.run_recorded(q, k, v, attn_mask, problem, launch, label, **kw))
         return out, failed, decisions
+    # The steady path: the first candidate, called as it is (most calls end here); what it raises
+    # goes to _first_that_runs as that candidate's outcome, so no runner runs twice.
+    try:
+        return plan.runner.run(q, k, v, attn_mask, problem, plan.launches[0], label, **kw), (), None
+    except Exception as e:  # (Declined included)
+        first_error = e
     out, failed = _first_that_runs(problem, plan,
-                                   lambda r, launch: r.run(q, k, v, attn_mask, problem, launch, label, **kw))
+                                   lambda r, launch: r.run(q, k, v, attn_mask, problem, launch, label, **kw),
+                                   first_error)
     return out, failed, None
 
 

@@ -286,8 +286,12 @@ class SdpaRunner(Runner):
                 and not torch.compiler.is_compiling())  # dynamo cannot wrap these ops' SymInt outputs
 
     def _direct(self, query, key, value, problem):
-        with self._refusals_decline():
+        try:  # (as _refusals_decline, without a context manager's cost: this is the steady path)
             return self.direct(query, key, value, problem)
+        except RuntimeError as e:
+            if any(w in str(e) for w in KERNEL_SELECTION_REFUSALS):
+                raise Declined(f"{self.name}: {e}") from e
+            raise
 
     @contextlib.contextmanager
     def _refusals_decline(self):

@@ -177,6 +177,14 @@ class BoundKernel:
         return entry.kernel
 
 
+def _hooks_set() -> bool:
+    """Whether a profiler's launch hooks are set (their launches go through triton's own path)."""
+    from triton import knobs
+
+    rt = knobs.runtime
+    return _hook_set(rt.launch_enter_hook) or _hook_set(rt.launch_exit_hook)
+
+
 def _hook_set(hook) -> bool:
     """A launch hook that does something: a function, or a chain of them (a newer triton keeps an
     empty chain where an older one keeps None)."""
@@ -232,14 +240,16 @@ def site_launch(sites: dict, key, fn, grid: tuple, tensors: tuple, build) -> Non
         args, kw = build()
         fn[grid](*args, **kw)
         return
+    device = _device()  # (a kernel is loaded per device, and launched on the current one's stream)
+    key = (key, device)
     site = sites.get(key)
-    if site is not None and site.sig == _signature(tensors):
+    if site is not None and site.sig == _signature(tensors) and not _hooks_set():
         full = site.template.copy()
         for i, j in site.slots:
             full[i] = tensors[j]
         e = site.entry
         g = site.grid
-        e.run(g[0], g[1], g[2], _stream(_device()), e.function, e.packed, None, None, None, *full)
+        e.run(g[0], g[1], g[2], _stream(device), e.function, e.packed, None, None, None, *full)
         return
     args, kw = build()
     b = bound(fn)
