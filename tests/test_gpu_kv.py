@@ -229,3 +229,52 @@ def test_int4_pages_decode_on_the_gpu_as_float64_on_the_caches_values(kind, t):
     import test_kv_int4
 
     test_kv_int4.test_int4_decode_matches_float64_on_the_caches_own_values(kind, t, "triton")
+
+
+@pytest.mark.parametrize("storage", ["native", "fp8", "int8", "int4"])
+def test_site_launches_give_triton_s_own_launches_bit_for_bit_eagerly_and_in_a_cuda_graph(storage):
+    """Decode steps and appends with bound launches on (ADAATTN_TRITON_BOUND=1: the decode plan's
+    and the append's launches found once, then only their tensors slotted in) against the same
+    steps through triton's own launches: the caches' pools, lengths and every output equal bit for
+    bit, eager steps and a step captured in a CUDA graph and replayed."""
+    from adaattn.backends.triton import bound
+
+    def run(on: bool):
+        bound.set_enabled(on)
+        try:
+            torch.manual_seed(3)
+            layers, b, hq, hkv, d = 2, 4, 16, 4, 128
+            cache = KVCache(layers, b, hkv, 700, d, device="cuda", storage=storage)
+            for layer in range(layers):
+                cache.append(layer, *(torch.randn(b, hkv, 300, d, device="cuda", dtype=torch.bfloat16)
+                                      for _ in range(2)))
+            plan = plan_decode(cache, heads=hq, max_len=700)
+            q = torch.randn(b, hq, 1, d, device="cuda", dtype=torch.bfloat16)
+            tok = [torch.randn(layers, b, hkv, 1, d, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+            outs = []
+
+            def step():
+                res = []
+                for layer in range(layers):
+                    cache.append(layer, tok[0][layer], tok[1][layer])
+                    res.append(decode_attention(q, cache, layer, plan=plan))
+                return res
+
+            for _ in range(3):
+                outs += [o.clone() for o in step()]
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = step()
+            for _ in range(3):
+                graph.replay()
+                outs += [o.clone() for o in captured]
+            torch.cuda.synchronize()
+            cache.sync()
+            return outs, [t.clone() for t in (*cache.k, *cache.v, cache.lengths)]
+        finally:
+            bound.set_enabled(None)
+
+    own, own_state = run(False)
+    sites, site_state = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(own, sites)) and len(own) == len(sites) == 24
+    assert all(torch.equal(a, b) for a, b in zip(own_state, site_state))
