@@ -252,10 +252,13 @@ def test_a_decode_step_launched_from_its_plan_runs_triton_s_kernels_with_triton_
 
     step(1)
     slow = launches()
-    n_sites = len(plan._sites)
+    n_sites = len(cache._sites)
+    plan = plan_decode(cache, heads=4, query_len=1)  # a plan made every step finds the cache's sites
+    plan.runner = "triton"
     q = step(1)
     fast = launches()
-    assert len(plan._sites) == n_sites == 2, list(plan._sites)  # the second step found both launches known
+    assert len(cache._sites) == n_sites == 2, list(cache._sites)  # the second step found both launches known
+    assert all(x is None or not isinstance(x, torch.Tensor) for site in cache._sites.values() for x in site.template)
     for f, sl in zip(fast, slow):
         assert _same_but_outputs(f, sl)
     assert fast[0][9] is q
@@ -298,6 +301,16 @@ def test_an_append_launched_from_its_site_runs_triton_s_kernel_with_triton_s_arg
     cache.append(0, key, value)
     fast = launched()
     assert len(cache._sites) == 1 and fast[9] is key and fast[10] is value
+    # a site first met with one tensor as both key and value never hands a later append's value
+    # in as its key (the review's repro): the aliasing is checked, and such a call goes through triton
+    cache._sites.clear()
+    x = tok()[0]
+    cache.append(0, x, x)
+    launched()
+    key2, value2 = tok()
+    cache.append(0, key2, value2)
+    after = launched()
+    assert after[9] is key2 and after[10] is value2
     monkeypatch.setattr(B, "enabled", lambda: False)
     cache.reset()
     for _ in range(2):

@@ -119,7 +119,7 @@ class PagedKVCache:
         self.lengths = torch.zeros(layers, max_seqs, dtype=torch.int32, device=self.device)
         self._free_pages = list(range(num_pages - 1, -1, -1))
         self._pages_owned = False  # pages are taken as sequences grow (KVCache: owned from the start)
-        self._sites: dict = {}  # the append kernel's launches per layer and layout (bound.site_launch)
+        self._sites: dict = {}  # the append and decode kernels' launches per layout (bound.site_launch)
         self._free_seqs = list(range(max_seqs - 1, -1, -1))
         self._pages: dict[int, list[int]] = {}  # sequence -> its pages, in order (host mirror)
         self._lengths = [[0] * max_seqs for _ in range(layers)]  # host mirror of self.lengths

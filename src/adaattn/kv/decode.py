@@ -95,7 +95,6 @@ class DecodePlan:
     sparse_why: str = ""
     policy: object = None
     _scratch: dict = field(default_factory=dict, repr=False)
-    _sites: dict = field(default_factory=dict, repr=False)  # its launches, where bound launches are on
 
     def explain(self) -> str:
         split = (f"; {self.splits} split(s) of up to {self.tiles_per_split * self.block_n} keys"
@@ -425,11 +424,14 @@ def _split_kv(query, cache, layer, plan, scale, sel=None, count=None, pages=1.0,
         args, kw = merge_args()
         bound(decode_merge_kernel)[(s * hq * t,)](*args, **kw)
         return out
-    # A dense step's launches are fixed by the plan, the cache and its layer, the query's layout and
-    # the scale: known once per plan (bound.site_launch, where bound launches are on).
-    key = (id(cache), cache.block_table.stride(), layer, query.dtype, query.stride(), scale)
-    site_launch(plan._sites, ("split",) + key, decode_split_kernel, (splits, s * hkv),
+    # A dense step's launches are fixed by the cache and its layer, the query's shape, layout and
+    # dtype, the scale and the plan's split: known once per cache (bound.site_launch, where bound
+    # launches are on), so a plan made every step finds them too. The plan's tensors (its sequence
+    # ids and scratch) are slotted in like the query.
+    key = (layer, query.dtype, query.shape, query.stride(), scale, splits, per, plan.block_n, plan.num_warps,
+           plan.num_stages, plan.contiguous)
+    site_launch(cache._sites, ("split",) + key, decode_split_kernel, (splits, s * hkv),
                 (query, k_pool, v_pool, ks, vs, cache.block_table, lengths, plan.seq_ids, o_part, l_part),
                 split_args)
-    site_launch(plan._sites, ("merge",) + key, decode_merge_kernel, (s * hq * t,), (o_part, l_part, out), merge_args)
+    site_launch(cache._sites, ("merge",) + key, decode_merge_kernel, (s * hq * t,), (o_part, l_part, out), merge_args)
     return out

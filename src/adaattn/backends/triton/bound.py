@@ -125,7 +125,7 @@ class BoundKernel:
                 options.append((name, value))
             else:
                 full[i] = value
-        key = [_device(), tuple(options)]
+        key = [_device(), tuple(options), _state(self.fn)]
         append = key.append
         for i, a in enumerate(full):
             if a is _EMPTY:
@@ -161,6 +161,10 @@ class BoundKernel:
         found = self.key(args, kw)
         if found is None:
             return self.fn[grid](*args, **kw)
+        return self.launch_found(grid, args, kw, found)
+
+    def launch_found(self, grid, args: tuple, kw: dict, found: tuple):
+        """launch() with the key and argument list already made (site_launch's first call)."""
         key, full = found
         entry = self.entries.get(key)
         if entry is None:
@@ -175,14 +179,6 @@ class BoundKernel:
         stream = _stream(key[0])
         entry.run(gx, gy, gz, stream, entry.function, entry.packed, None, None, None, *full)
         return entry.kernel
-
-
-def _hooks_set() -> bool:
-    """Whether a profiler's launch hooks are set (their launches go through triton's own path)."""
-    from triton import knobs
-
-    rt = knobs.runtime
-    return _hook_set(rt.launch_enter_hook) or _hook_set(rt.launch_exit_hook)
 
 
 def _hook_set(hook) -> bool:
@@ -214,14 +210,33 @@ def bound(fn):
 
 
 class _Site:
-    __slots__ = ("entry", "template", "slots", "grid", "sig")
+    __slots__ = ("entry", "template", "slots", "groups", "grid", "sig", "state")
 
-    def __init__(self, entry, template, slots, grid, sig):
-        self.entry, self.template, self.slots, self.grid, self.sig = entry, template, slots, grid, sig
+    def __init__(self, entry, template, slots, groups, grid, sig, state):
+        self.entry, self.template, self.slots, self.groups = entry, template, slots, groups
+        self.grid, self.sig, self.state = grid, sig, state
 
 
 def _signature(tensors) -> tuple:
     return tuple([(t.dtype, t.data_ptr() & 15) for t in tensors])
+
+
+_knobs = None
+
+
+def _state(fn) -> tuple | None:
+    """What triton's launch reads besides the arguments (its debug and instrumentation knobs),
+    or None where a launch must go through triton's own path (launch hooks, pre-run hooks, a
+    stages-inspection hook)."""
+    global _knobs
+    if _knobs is None:
+        from triton import knobs as _knobs
+    rt = _knobs.runtime
+    if (_hook_set(rt.launch_enter_hook) or _hook_set(rt.launch_exit_hook)
+            or getattr(rt, "add_stages_inspection_hook", None) is not None or getattr(fn, "pre_run_hooks", None)):
+        return None
+    comp = _knobs.compilation
+    return (rt.debug, getattr(comp, "instrumentation_mode", None), getattr(comp, "fpsan_homomorphic_casts", None))
 
 
 def site_launch(sites: dict, key, fn, grid: tuple, tensors: tuple, build) -> None:
@@ -230,12 +245,16 @@ def site_launch(sites: dict, key, fn, grid: tuple, tensors: tuple, build) -> Non
     their tensors in their slots and run the launcher, with no argument list built and no
     per-argument key.
 
-    tensors: every tensor argument of the launch, in a fixed order (each call's own objects).
-    key: everything else the arguments depend on (shapes, strides of tensors whose layout can vary,
-    scalars, constexprs), which the caller guarantees; `sites` is the caller's dict (a plan's).
-    build(): the launch's (args, kwargs), called only when the site is not known yet. A tensor's
-    dtype and 16-byte alignment, which triton specialises on, are checked each call; a change
-    launches through triton again. Runs only where bound launches are on (enabled())."""
+    tensors: every tensor argument of the launch, in a fixed order (each call's own objects). A
+    tensor listed twice (a placeholder pointer) must be listed twice in every call with that key:
+    the site checks it, and a call where one is not (a key passed as its own value, say) goes
+    through triton. key: everything else the arguments depend on (shapes, strides of tensors whose
+    layout can vary, scalars, constexprs), which the caller guarantees; `sites` is the caller's
+    dict, which lives as long as what the key describes (a cache's). build(): the launch's (args,
+    kwargs), called only when the site is not known yet. A tensor's dtype and 16-byte alignment,
+    which triton specialises on, are checked each call, as are triton's debug knobs and hooks; a
+    change launches through triton again. Runs only where bound launches are on (enabled()). The
+    site keeps no tensor: its argument list holds None in their slots."""
     if not enabled():
         args, kw = build()
         fn[grid](*args, **kw)
@@ -243,7 +262,8 @@ def site_launch(sites: dict, key, fn, grid: tuple, tensors: tuple, build) -> Non
     device = _device()  # (a kernel is loaded per device, and launched on the current one's stream)
     key = (key, device)
     site = sites.get(key)
-    if site is not None and site.sig == _signature(tensors) and not _hooks_set():
+    if (site is not None and site.sig == _signature(tensors) and site.state == _state(fn)
+            and all(tensors[g[0]] is tensors[j] for g in site.groups for j in g[1:])):
         full = site.template.copy()
         for i, j in site.slots:
             full[i] = tensors[j]
@@ -253,22 +273,34 @@ def site_launch(sites: dict, key, fn, grid: tuple, tensors: tuple, build) -> Non
         return
     args, kw = build()
     b = bound(fn)
-    if not isinstance(b, BoundKernel) or b._steps_aside(grid):
+    state = _state(fn)
+    if not isinstance(b, BoundKernel) or callable(grid) or state is None:
         fn[grid](*args, **kw)
         return
     found = b.key(args, kw)
-    b.launch(grid, args, kw)
-    entry = None if found is None else b.entries.get(found[0])
+    if found is None:
+        fn[grid](*args, **kw)
+        return
+    b.launch_found(grid, args, kw, found)
+    entry = b.entries.get(found[0])
     if entry is None:
         return
-    full = found[1]
-    ids = {id(t): j for j, t in enumerate(tensors)}
+    first: dict[int, int] = {}
+    groups: dict[int, list[int]] = {}
+    for j, t in enumerate(tensors):
+        j0 = first.setdefault(id(t), j)
+        groups.setdefault(j0, [j0])
+        if j0 != j:
+            groups[j0].append(j)
+    template = list(found[1])
     slots = []
-    for i, a in enumerate(full):
+    for i, a in enumerate(template):
         if isinstance(a, torch.Tensor):
-            j = ids.get(id(a))
+            j = first.get(id(a))
             if j is None:  # a tensor the caller did not list: this site cannot be bound
                 return
             slots.append((i, j))
+            template[i] = None
     g = tuple(grid) + (1,) * (3 - len(grid))
-    sites[key] = _Site(entry, list(full), tuple(slots), g, _signature(tensors))
+    sites[key] = _Site(entry, template, tuple(slots), tuple(tuple(v) for v in groups.values() if len(v) > 1), g,
+                       _signature(tensors), state)
