@@ -441,3 +441,23 @@ def test_cpu_calls_on_broadcast_or_non_4d_inputs_are_as_accurate_as_sdpa_on_them
     ref = [o] + list(torch.autograd.grad(o, (qq, kk, vv), dout.double()))
     for name, ours, peer, r in zip(("out", "dq", "dk", "dv"), got["ours"], got["sdpa"], ref):
         assert_within_standard(ours, r.detach(), peer, name)
+
+
+@pytest.mark.parametrize("shapes", [((1, 8, 187, 192), (1, 2, 0, 192)), ((2, 4, 9, 64), (2, 4, 0, 64)),
+                                    ((3, 9, 32), (3, 0, 32)), ((2, 1, 4, 5, 16), (1, 3, 1, 0, 16))])
+def test_no_keys_give_zero_rows_and_zero_gradients_for_large_half_precision_queries(shapes):
+    """seed 5501 #7292 (CPU fuzzer): float16 queries of magnitude >= 100 against zero keys. torch's
+    CPU kernels return NaN; the answer is zeros, as SDPA's math gives for ordinary queries, and
+    zero gradients."""
+    qs, ks = shapes
+    q = (torch.randn(*qs) * 100).half().requires_grad_()
+    k = torch.zeros(*ks, dtype=torch.float16, requires_grad=True)
+    v = torch.zeros(*ks, dtype=torch.float16, requires_grad=True)
+    gqa = len(qs) >= 3 and qs[-3] != ks[-3]
+    out = adaattn.attention(q, k, v, enable_gqa=gqa)
+    want_shape = F.scaled_dot_product_attention((q.detach() / 1000).float(), k.detach().float(), v.detach().float(),
+                                                enable_gqa=gqa).shape  # (the query's shape, whatever the keys')
+    assert out.shape == want_shape and out.dtype == torch.float16
+    assert torch.equal(out, torch.zeros_like(out))
+    dq, dk, dv = torch.autograd.grad(out.float().sum(), (q, k, v))
+    assert torch.equal(dq, torch.zeros_like(q)) and dk.shape == k.shape and dv.shape == v.shape

@@ -133,6 +133,22 @@ _CAN_USE = {
 }
 
 
+class _NoKeys(torch.autograd.Function):
+    """Attention over no keys: every row is zero, SDPA's math answer, and so is every gradient.
+    torch's own kernels are not asked: on the CPU they gave NaN for float16 queries of magnitude
+    100 and more (torch 2.13, with or without GQA; a CPU fuzzer, seed 5501 #7292)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, attn_mask):
+        ctx.like = [None if t is None else (t.shape, t.dtype, t.device) for t in (query, key, value, attn_mask)]
+        return query.new_zeros(*query.shape[:-1], value.shape[-1])  # (torch's shape for no keys: the query's)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return tuple(None if like is None else torch.zeros(like[0], dtype=like[1], device=like[2])
+                     for like in ctx.like)
+
+
 class SdpaRunner(Runner):
     """One SDPA kernel. `kernel` None means torch's own choice (used on the CPU)."""
 
@@ -248,6 +264,8 @@ class SdpaRunner(Runner):
         return reasons
 
     def run(self, query, key, value, attn_mask, problem, launch, label=None):
+        if problem.kv_len == 0:  # no key: every row is zero (see _NoKeys)
+            return _NoKeys.apply(query, key, value, attn_mask)
         # torch on the CPU runs its math kernel for inputs that are not plain 4-D (or broadcast
         # along a leading dim): the fused CPU kernel needs equal 4-D shapes. Those inputs come
         # here flattened to 4-D, where torch would pick the fused one, whose half-precision
