@@ -201,3 +201,13 @@ def test_cpu_calls_that_are_not_plain_4d_are_torchs_math_call_to_the_bit(shape_q
     ref = torch.autograd.grad(theirs, (q, k, v), grad)
     assert torch.equal(ours, theirs)
     assert all(torch.equal(a, b) for a, b in zip(mine, ref))
+
+
+def test_relative_errors_of_huge_values_do_not_overflow_to_infinity():
+    """seed 5502 #62159: gradients of 1e277, ours equal to SDPA's, read as an infinite error because
+    the norm of the difference overflowed float64."""
+    from fuzz.sdpa import rel_err
+
+    ref = torch.full((3, 4), 1e277, dtype=torch.float64)
+    assert rel_err(ref.clone(), ref, 1.0) == 0.0
+    assert abs(rel_err(ref * 1.5, ref, 1.0) - 0.5) < 1e-12
