@@ -138,6 +138,19 @@ def test_fused_kernels_decline_gradients_at_head_dims_they_would_pad(name):
     assert "multiples of 8 only" not in _reasons(name, _problem(needs_grad=True))
 
 
+def test_efficient_takes_float32_gradients_at_head_dims_of_whole_16_byte_rows_as_torch_does():
+    # seed 5410 #13227 (H200): float32 D=116 with gradients ran torch's math kernel (dk 3x the error
+    # of torch's own choice, its efficient kernel, which takes float32 rows of 4 elements unpadded).
+    f32 = _problem(dtype=torch.float32, needs_grad=True)
+    assert "multiples of" not in _reasons("sdpa.efficient", replace(f32, head_dim=116, value_dim=116))
+    assert "multiples of 4 only" in _reasons("sdpa.efficient", replace(f32, head_dim=114, value_dim=114))
+    assert "multiples of 8 only" in _reasons("sdpa.efficient", replace(f32, dtype=torch.bfloat16, head_dim=116,
+                                                                      value_dim=116))
+    t = torch.randn(2 * 3 * 5 * 116 + 1)[1:].view(2, 3, 5, 116)  # an odd offset: copied, not padded
+    f = fused_form(t, 116, 4)
+    assert fused_ready(f, 4) and not fused_ready(f) and f.shape == t.shape and torch.equal(f, t)
+
+
 @pytest.mark.parametrize("dims,declines", [((40, 8), True), ((216, 8), True), ((100, 19), True), ((64, 8), True),
                                            ((40, 40), False), ((64, 32), False), ((128, 16), False)])
 def test_triton_kernels_decline_unlike_value_head_dims_where_one_is_padded_on_cuda(monkeypatch, dims, declines):

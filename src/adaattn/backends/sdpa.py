@@ -35,9 +35,15 @@ F32_ALIGN_DIM = 4  # float32 head dims torch's efficient kernel takes (16-byte r
 CUDNN_WIDE = torch.__version__ >= (2, 11)  # torch's TorchVersion compares with a tuple
 
 
-def padded_dim(dim: int) -> int:
-    """`dim` rounded up to what a fused kernel's rows take."""
-    return -(-dim // ALIGN_DIM) * ALIGN_DIM
+def padded_dim(dim: int, unit: int = ALIGN_DIM) -> int:
+    """`dim` rounded up to what a fused kernel's rows take (multiples of `unit`)."""
+    return -(-dim // unit) * unit
+
+
+def dim_unit(kernel, dtype: torch.dtype) -> int:
+    """The head dims a fused kernel takes as they come are multiples of this: torch's efficient
+    kernel takes float32 rows of 16 bytes (4 elements) without padding; the others 8 elements."""
+    return F32_ALIGN_DIM if kernel == SDPBackend.EFFICIENT_ATTENTION and dtype == torch.float32 else ALIGN_DIM
 
 
 def aligned_rows(t: torch.Tensor) -> bool:
@@ -47,21 +53,22 @@ def aligned_rows(t: torch.Tensor) -> bool:
     return t.data_ptr() % ALIGN_BYTES == 0 and all((st * e) % ALIGN_BYTES == 0 for st in t.stride()[:-1])
 
 
-def fused_ready(t: torch.Tensor) -> bool:
-    """Unit last stride, a head dim of whole vectors, aligned rows (aligned_rows), no expanded
-    dim: what torch's fused kernels load without a fault, a refusal or a wrong gradient."""
-    if t.stride(-1) != 1 or t.shape[-1] % ALIGN_DIM or not aligned_rows(t):
+def fused_ready(t: torch.Tensor, unit: int = ALIGN_DIM) -> bool:
+    """Unit last stride, a head dim of whole vectors (multiples of `unit`), aligned rows
+    (aligned_rows), no expanded dim: what torch's fused kernels load without a fault, a refusal or
+    a wrong gradient."""
+    if t.stride(-1) != 1 or t.shape[-1] % unit or not aligned_rows(t):
         return False
     # An expanded dim (stride 0) is copied: gradients of such a view came out 2-7x torch's error.
     return all(st or n == 1 for st, n in zip(t.stride()[:-1], t.shape[:-1]))
 
 
-def fused_form(t: torch.Tensor, width: int) -> torch.Tensor:
+def fused_form(t: torch.Tensor, width: int, unit: int = ALIGN_DIM) -> torch.Tensor:
     """`t` as a fused kernel takes it: itself where `fused_ready` at `width`, else a fresh copy
     with the head dim zero-padded to `width` (zeros add nothing to q.k and are sliced off the
     output), as torch's own SDPA pads. The copy moves N x D elements once, against the N^2 x D
     work of the attention it makes runnable on a fused kernel instead of the math one."""
-    if t.shape[-1] == width and fused_ready(t):
+    if t.shape[-1] == width and fused_ready(t, unit):
         return t
     if t.shape[-1] != width:  # F.pad keeps a channels-last-like layout: the last dim must be dense
         return F.pad(t, (0, width - t.shape[-1])).contiguous()
@@ -225,9 +232,10 @@ class SdpaRunner(Runner):
             reasons.append("gives no safe gradient for an attn_mask: its backward faulted (illegal memory access) "
                            "on broadcast masks, and raised where q, k and v need none (a CUDA fuzzer, H200, "
                            "torch 2.11).")
-        padded = problem.head_dim % ALIGN_DIM or problem.value_dim % ALIGN_DIM
+        unit = dim_unit(self.kernel, problem.dtype)
+        padded = problem.head_dim % unit or problem.value_dim % unit
         if self.kernel in FUSED and problem.needs_grad and padded:
-            reasons.append(f"takes gradients at head dims that are multiples of {ALIGN_DIM} only: at others torch runs "
+            reasons.append(f"takes gradients at head dims that are multiples of {unit} only: at others torch runs "
                            "its math kernel, and this kernel's gradients on padded copies were 2-10x its error (a "
                            "CUDA fuzzer, H200, torch 2.11).")
         if self.kernel in FUSED and problem.needs_grad and problem.out_lead is not None:
@@ -289,7 +297,8 @@ class SdpaRunner(Runner):
                 return self._run(query, key, value, attn_mask, problem)
         # Under torch.compile data pointers cannot be read (problem.tma_aligned is False there):
         # the compiled graph's tensors go to the kernel as they are.
-        loadable = problem.tma_aligned and problem.head_dim % ALIGN_DIM == 0 and problem.value_dim % ALIGN_DIM == 0
+        unit = dim_unit(self.kernel, problem.dtype)
+        loadable = problem.tma_aligned and problem.head_dim % unit == 0 and problem.value_dim % unit == 0
         if self.kernel in FUSED and not loadable and not torch.compiler.is_compiling():
             return self._run_fused_form(query, key, value, attn_mask, problem)
         if self._direct_ok(problem, problem.head_dim % 8 == 0 and problem.value_dim == problem.head_dim):
@@ -325,10 +334,12 @@ class SdpaRunner(Runner):
         """A call whose q, k or v a fused kernel cannot load as they are (a last-dim slice at an
         odd offset, a transposed last dim, a head dim of part vectors): run it on `fused_form`
         copies, the value's padding sliced off the output."""
-        width, value_width = padded_dim(problem.head_dim), padded_dim(problem.value_dim)
+        unit = dim_unit(self.kernel, problem.dtype)
+        width, value_width = padded_dim(problem.head_dim, unit), padded_dim(problem.value_dim, unit)
         if not self.value_dim_differs:
             width = value_width = max(width, value_width)
-        q, k, v = fused_form(query, width), fused_form(key, width), fused_form(value, value_width)
+        q, k, v = (fused_form(query, width, unit), fused_form(key, width, unit),
+                   fused_form(value, value_width, unit))
         direct = self._direct_ok(problem, width == value_width)
         out = self._direct(q, k, v, problem) if direct else self._run(q, k, v, attn_mask, problem)
         return out[..., :problem.value_dim] if value_width != problem.value_dim else out
