@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from adaattn.backends.sdpa import efficient_bias, finite_floor, fused_form, fused_ready, sdpa_runners
+from adaattn.backends.sdpa import efficient_bias, finite_floor, fused_form, fused_ready, row_shifted, sdpa_runners
 from adaattn.policy import Policy
 from adaattn.problem import Problem
 
@@ -203,7 +203,7 @@ def test_efficient_bias_aligns_an_offset_mask_and_pads_its_rows():
     out = efficient_bias(odd, torch.float32, 7)
     assert out.stride() == (8, 1) and torch.equal(out, odd)
     dense = torch.randn(5, 8)
-    assert efficient_bias(dense, torch.float32, 8, floor=False) is dense
+    assert torch.equal(efficient_bias(dense, torch.float32, 8, floor=False), dense)
 
 
 def test_efficient_bias_is_not_floored_when_gradients_are_taken():
@@ -272,3 +272,22 @@ def test_cudnn_bias_unmasks_dead_rows_and_names_the_live_ones(dtype):
     assert torch.equal(torch.isneginf(bias)[rows], ~keep[rows])
     assert bias.stride(-2) * 2 % 16 == 0  # 16-byte rows, as the fused kernels load them
 
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_unfloored_bias_rows_are_shifted_to_peak_at_zero_with_the_same_softmax(dtype):
+    # seed 5411 #339 (H200): a row whose window keys all carried finfo.min overflowed to -inf in
+    # cuDNN's kernel (0.40 output error, inf gradients) where SDPA gives uniform weights.
+    low, inf = torch.finfo(dtype).min, math.inf
+    m = torch.tensor([[low, low, -inf, -inf], [0.0, low, -2.0, -inf], [-inf] * 4, [-7.0, -9.0, low, 3.0]],
+                     dtype=dtype)
+    s = row_shifted(m)
+    assert torch.equal(s[0], torch.tensor([0.0, 0.0, -inf, -inf], dtype=dtype))
+    assert torch.equal(s[1], m[1]) and torch.equal(s[2], m[2])
+    assert torch.equal(s[3], m[3])  # a row that peaks above SHIFT_BELOW keeps its values
+    far = torch.tensor([[-5e3, -5e3 - 64, low]], dtype=dtype)
+    assert torch.equal(row_shifted(far), torch.tensor([[0.0, -64.0, low + 5e3]], dtype=dtype))
+    live = [0, 1, 3]
+    assert torch.allclose(torch.softmax(s[live].double(), -1), torch.softmax(m[live].double(), -1), atol=1e-6)
+    assert torch.equal(efficient_bias(m, dtype, 4, floor=False), s)
+    assert not torch.equal(efficient_bias(m, dtype, 4, floor=True), s)  # forward-only calls keep the floor

@@ -94,9 +94,28 @@ def finite_floor(attn_mask: torch.Tensor) -> torch.Tensor:
     return torch.where(low, floor, attn_mask)
 
 
+def row_shifted(attn_mask: torch.Tensor) -> torch.Tensor:
+    """An additive mask with each row's largest value moved to 0 (a row of -inf stays): softmax is
+    unchanged by a constant added to a row, and the fused kernels are not. They scale the bias by
+    log2(e), so a row whose keys all carry finfo.min overflows to -inf there and gives garbage
+    where SDPA's math gives uniform weights (seed 5411 #339: a window's two keys at finfo.min, 0.40
+    output error and inf gradients from cuDNN, torch's own choice; H200, torch 2.11); floored
+    instead (finite_floor), the backward loses such a row's log-sum-exp (see `_run`). Shifted,
+    every live row peaks at 0. Used where gradients are taken (where the floor would not do). Rows
+    that peak at SHIFT_BELOW or above keep their values to the bit: only rows whose every key sits
+    far below 0 (where float32 scores drown in the bias, in torch's kernels too) move."""
+    top = attn_mask.detach().amax(-1, keepdim=True)
+    low = (top < SHIFT_BELOW) & (top > float("-inf"))
+    return attn_mask - torch.where(low, top, torch.zeros((), dtype=top.dtype, device=top.device))
+
+
+SHIFT_BELOW = -1e3
+
+
 def efficient_bias(attn_mask: torch.Tensor, dtype: torch.dtype, kv_len: int, floor: bool = True) -> torch.Tensor:
     """A mask as the efficient kernel takes it: additive in the query dtype (a bool mask turned
-    as SDPA turns it), finite values floored (finite_floor) where `floor`, keys along a unit-stride
+    as SDPA turns it), finite values floored (finite_floor) where `floor`, else its rows shifted to
+    peak at 0 (row_shifted), keys along a unit-stride
     last dim, a 16-byte aligned base and 16-byte row strides (a mask broadcast over keys,
     transposed or at an odd offset is laid out, its rows padded as torch pads them)."""
     if attn_mask.dtype == torch.bool:
@@ -104,6 +123,8 @@ def efficient_bias(attn_mask: torch.Tensor, dtype: torch.dtype, kv_len: int, flo
             ~attn_mask, float("-inf"))
     elif floor:
         attn_mask = finite_floor(attn_mask)
+    else:
+        attn_mask = row_shifted(attn_mask)
     if attn_mask.shape[-1] != kv_len or (attn_mask.stride(-1) != 1 and kv_len > 1) or not aligned_rows(attn_mask):
         per_row = ALIGN_BYTES // attn_mask.element_size()  # elements in 16 bytes
         width = -(-kv_len // per_row) * per_row
