@@ -291,3 +291,29 @@ def test_unfloored_bias_rows_are_shifted_to_peak_at_zero_with_the_same_softmax(d
     assert torch.allclose(torch.softmax(s[live].double(), -1), torch.softmax(m[live].double(), -1), atol=1e-6)
     assert torch.equal(efficient_bias(m, dtype, 4, floor=False), s)
     assert not torch.equal(efficient_bias(m, dtype, 4, floor=True), s)  # forward-only calls keep the floor
+
+
+def test_a_planned_route_is_the_same_for_every_problem_of_its_plan_s_class():
+    """SdpaRunner.prepare decides a call's route once per plan, and a plan serves every problem with
+    its key (planner.plan_key): over fuzzer-drawn calls, made CUDA-side too, problems with equal keys
+    get equal routes from every SDPA runner, and an empty side never gets one."""
+    from adaattn import planner
+    from adaattn.backends.sdpa import DIRECT, PLAIN
+    from adaattn.problem import validate
+    from tests.fuzz import sdpa as fz
+
+    routes: dict = {}
+    seen = {DIRECT: 0, PLAIN: 0}
+    for index in range(400):
+        c = fz.draw(77, index, "cpu")
+        x = fz.build(c, "cpu")
+        base = validate(x.q, x.k, x.v, x.mask, 0.0, c.causal, c.scale, c.enable_gqa, c.layout, c.window)
+        for p in (base, replace(base, device_type="cuda", device_index=0)):
+            for r in RUNNERS.values():
+                route = r.prepare(p, Policy())
+                if route is not None:
+                    seen[route] += 1
+                    assert p.q_len and p.kv_len
+                key = (r.name, planner.plan_key(p, Policy()))
+                assert routes.setdefault(key, route) is route, (r.name, p)
+    assert seen[DIRECT] and seen[PLAIN]

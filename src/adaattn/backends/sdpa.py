@@ -177,6 +177,19 @@ class _NoKeys(torch.autograd.Function):
                      for like in ctx.like)
 
 
+class _Route:
+    """A planned SDPA call's route (SdpaRunner.prepare)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"sdpa route {self.name}"
+
+
+DIRECT, PLAIN = _Route("direct"), _Route("plain")
+
+
 class SdpaRunner(Runner):
     """One SDPA kernel. `kernel` None means torch's own choice (used on the CPU)."""
 
@@ -292,7 +305,33 @@ class SdpaRunner(Runner):
             reasons.append("takes dense (B, H, N, D) tensors, not packed sequences.")
         return reasons
 
+    def prepare(self, problem, policy):
+        """The route of a planned call, decided once from the problem (run's checks all read the
+        problem alone): DIRECT (the aten op SDPA itself would call, on the tensors as they are),
+        PLAIN (torch's own SDPA on the CPU, the tensors and arguments as they are) or None (run
+        decides each call: folds, fused forms, copies). A plan serves its whole shape class, so the
+        route reads only what the class fixes (an empty sequence is one flag there: either side's)."""
+        if problem.kv_len == 0 or problem.q_len == 0:
+            return None
+        if self.kernel is None:
+            plain = (self.device_type == "cpu" and problem.out_lead is None and problem.window is None
+                     and not (problem.causal and (problem.mask_kind != "none" or problem.scale <= 0)))
+            return PLAIN if plain else None
+        unit = dim_unit(self.kernel, problem.dtype)
+        loadable = problem.tma_aligned and problem.head_dim % unit == 0 and problem.value_dim % unit == 0
+        if (self.kernel in FUSED and loadable
+                and self._direct_ok(problem, problem.head_dim % 8 == 0 and problem.value_dim == problem.head_dim)):
+            return DIRECT
+        return None
+
     def run(self, query, key, value, attn_mask, problem, launch, label=None):
+        # The steady path: a route decided at planning (prepare); under torch.compile, the checks below.
+        if launch is DIRECT and not torch.compiler.is_compiling():
+            return self._direct(query, key, value, problem)
+        if launch is PLAIN:
+            return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=problem.dropout_p,
+                                                  is_causal=problem.causal, scale=problem.scale,
+                                                  enable_gqa=problem.gqa)
         if problem.kv_len == 0:  # no key: every row is zero (see _NoKeys)
             return _NoKeys.apply(query, key, value, attn_mask)
         # torch on the CPU runs its math kernel for inputs that are not plain 4-D (or broadcast
