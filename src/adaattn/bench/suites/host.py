@@ -18,7 +18,8 @@ cuDNN (torch's SDPA), adaattn's default call, and our Triton kernels pinned; the
 pinned (an approximation runs); decode B=16 Hq=32 Hkv=8 at 8k: SDPA (flash) on the tensors,
 decode_attention over a KVCache with a plan, plan_decode itself, KVCache.append of one token
 against a static cache's index_copy_; small calls B=1 H=8 D=64 at N=1, 64 and 512: SDPA and
-adaattn's default. Rows "... (bound)" run our kernels with bound launches on
+adaattn's default, and each of torch's flash, cuDNN and efficient kernels pinned beside our runner
+for it pinned (which kernel's host path sets a small call's time). Rows "... (bound)" run our kernels with bound launches on
 (backends/triton/bound.py, ADAATTN_TRITON_BOUND=1), so the table shows what they save.
 """
 
@@ -154,9 +155,21 @@ def _paths(device):
 
     for n_small in (1, 64, 512):
         qs, ks, vs = (rnd(1, 8, n_small, 64) for _ in range(3))
-        out.append((f"small B1 H8 D64 bf16 N={n_small}", "SDPA", [
-            ("SDPA", lambda qs=qs, ks=ks, vs=vs: F.scaled_dot_product_attention(qs, ks, vs), _none, ""),
-            ("adaattn", lambda qs=qs, ks=ks, vs=vs: attention(qs, ks, vs), _none, "default policy")]))
+        peers = [("SDPA", lambda qs=qs, ks=ks, vs=vs: F.scaled_dot_product_attention(qs, ks, vs), _none, ""),
+                 ("adaattn", lambda qs=qs, ks=ks, vs=vs: attention(qs, ks, vs), _none, "default policy")]
+        # Where small calls' host time goes: each of torch's kernels pinned, and each of our SDPA
+        # runners pinned (the planner ranks them by kernel time alone).
+        for kernel, runner in ((SDPBackend.FLASH_ATTENTION, "sdpa.flash"), (SDPBackend.CUDNN_ATTENTION, "sdpa.cudnn"),
+                               (SDPBackend.EFFICIENT_ATTENTION, "sdpa.efficient")):
+            def pinned(qs=qs, ks=ks, vs=vs, kernel=kernel):
+                with sdpa_kernel(kernel):
+                    return F.scaled_dot_product_attention(qs, ks, vs)
+
+            policy = Policy(backends=(runner,))
+            peers += [(f"SDPA {runner[5:]}", pinned, _none, "torch's kernel pinned"),
+                      (f"adaattn {runner}", lambda qs=qs, ks=ks, vs=vs, policy=policy: attention(qs, ks, vs, policy=policy),
+                       _none, "our runner pinned")]
+        out.append((f"small B1 H8 D64 bf16 N={n_small}", "SDPA", peers))
     return out, cache
 
 
