@@ -233,14 +233,15 @@ def test_int4_pages_decode_on_the_gpu_as_float64_on_the_caches_values(kind, t):
 
 @pytest.mark.parametrize("storage", ["native", "fp8", "int8", "int4"])
 def test_site_launches_give_triton_s_own_launches_bit_for_bit_eagerly_and_in_a_cuda_graph(storage):
-    """Decode steps and appends with bound launches on (ADAATTN_TRITON_BOUND=1: the decode plan's
-    and the append's launches found once, then only their tensors slotted in) against the same
+    """Decode steps and appends with site launches on (the default; ADAATTN_TRITON_SITES=0 turns
+    them off: the decode plan's and the append's launches found once, then only their tensors
+    slotted in) against the same
     steps through triton's own launches: the caches' pools, lengths and every output equal bit for
     bit, eager steps and a step captured in a CUDA graph and replayed."""
     from adaattn.backends.triton import bound
 
     def run(on: bool):
-        bound.set_enabled(on)
+        bound.set_sites_enabled(on)
         try:
             torch.manual_seed(3)
             layers, b, hq, hkv, d = 2, 4, 16, 4, 128
@@ -272,7 +273,7 @@ def test_site_launches_give_triton_s_own_launches_bit_for_bit_eagerly_and_in_a_c
             cache.sync()
             return outs, [t.clone() for t in (*cache.k, *cache.v, cache.lengths)]
         finally:
-            bound.set_enabled(None)
+            bound.set_sites_enabled(None)
 
     own, own_state = run(False)
     sites, site_state = run(True)

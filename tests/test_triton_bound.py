@@ -229,7 +229,7 @@ def test_a_decode_step_launched_from_its_plan_runs_triton_s_kernels_with_triton_
     split, merge = fake_gpu(kd.decode_split_kernel), fake_gpu(kd.decode_merge_kernel)
     monkeypatch.setattr(kd, "decode_split_kernel", split)
     monkeypatch.setattr(kd, "decode_merge_kernel", merge)
-    monkeypatch.setattr(B, "enabled", lambda: True)
+    monkeypatch.setattr(B, "sites_enabled", lambda: True)
     dtype = torch.float16
     cache = KVCache(2, 3, 2, 300, 64, dtype=dtype, storage=storage)
     for layer in range(2):
@@ -264,7 +264,7 @@ def test_a_decode_step_launched_from_its_plan_runs_triton_s_kernels_with_triton_
     assert fast[0][9] is q
     # the same step through triton's own launch gives the bound one's arguments exactly
     B._bound.clear()
-    monkeypatch.setattr(B, "enabled", lambda: False)
+    monkeypatch.setattr(B, "sites_enabled", lambda: False)
     q2 = q.clone()
     decode_attention(q2, cache, 1, plan=plan)
     own = launches()
@@ -294,7 +294,7 @@ def test_an_append_launched_from_its_site_runs_triton_s_kernel_with_triton_s_arg
         (k,) = [k for k in _all_kernels(fn) if k.launches]
         return k.launches.pop()
 
-    monkeypatch.setattr(B, "enabled", lambda: True)
+    monkeypatch.setattr(B, "sites_enabled", lambda: True)
     cache.append(0, *tok())
     launched()
     key, value = tok()
@@ -311,17 +311,17 @@ def test_an_append_launched_from_its_site_runs_triton_s_kernel_with_triton_s_arg
     cache.append(0, key2, value2)
     after = launched()
     assert after[9] is key2 and after[10] is value2
-    monkeypatch.setattr(B, "enabled", lambda: False)
+    monkeypatch.setattr(B, "sites_enabled", lambda: False)
     cache.reset()
     for _ in range(2):
         cache.append(0, *tok())
         launched()
     # the same third append (lengths now 2, as they were) through triton's own launch
     cache.reset()
-    monkeypatch.setattr(B, "enabled", lambda: True)
+    monkeypatch.setattr(B, "sites_enabled", lambda: True)
     cache.append(0, *tok())
     launched()
-    monkeypatch.setattr(B, "enabled", lambda: False)
+    monkeypatch.setattr(B, "sites_enabled", lambda: False)
     cache.append(0, key, value)
     own = launched()
     assert _normal(fast[:6] + fast[9:]) == _normal(own[:6] + own[9:])

@@ -61,6 +61,29 @@ def set_enabled(on: bool | None) -> None:
     _enabled = on if on is None else bool(on and not interpreting())
 
 
+_sites: bool | None = None
+
+
+def sites_enabled() -> bool:
+    """Whether site launches run (site_launch: a decode step's and an append's launches found once
+    per cache, then only their tensors slotted in): on by default, off with ADAATTN_TRITON_SITES=0,
+    never under the interpreter. Decode steps and appends through them equal triton's own launches
+    bit for bit, eager and in a CUDA graph, at every storage (tests/test_gpu_kv.py, H200, torch
+    2.11, triton 3.6); the launcher's argument list is triton's own from 3.6 to 3.9 (jit.py)."""
+    global _sites
+    if _sites is None:
+        import os
+
+        _sites = os.environ.get("ADAATTN_TRITON_SITES", "1") != "0" and not interpreting()
+    return _sites
+
+
+def set_sites_enabled(on: bool | None) -> None:
+    """Turn site launches on or off for this process (None: back to the environment's choice)."""
+    global _sites
+    _sites = on if on is None else bool(on and not interpreting())
+
+
 def _device() -> int:
     """The current CUDA device, as triton's driver reads it."""
     return torch.cuda.current_device()
@@ -203,6 +226,10 @@ def bound(fn):
     bound launches do not run (the interpreter's functions have no compiled kernels)."""
     if not enabled():
         return fn
+    return _kernel_of(fn)
+
+
+def _kernel_of(fn) -> BoundKernel:
     b = _bound.get(id(fn))
     if b is None or b.fn is not fn:
         b = _bound[id(fn)] = BoundKernel(fn)
@@ -253,9 +280,9 @@ def site_launch(sites: dict, key, fn, grid: tuple, tensors: tuple, build) -> Non
     dict, which lives as long as what the key describes (a cache's). build(): the launch's (args,
     kwargs), called only when the site is not known yet. A tensor's dtype and 16-byte alignment,
     which triton specialises on, are checked each call, as are triton's debug knobs and hooks; a
-    change launches through triton again. Runs only where bound launches are on (enabled()). The
-    site keeps no tensor: its argument list holds None in their slots."""
-    if not enabled():
+    change launches through triton again. Runs only where site launches are on (sites_enabled()).
+    The site keeps no tensor: its argument list holds None in their slots."""
+    if not sites_enabled():
         args, kw = build()
         fn[grid](*args, **kw)
         return
@@ -272,9 +299,9 @@ def site_launch(sites: dict, key, fn, grid: tuple, tensors: tuple, build) -> Non
         e.run(g[0], g[1], g[2], _stream(device), e.function, e.packed, None, None, None, *full)
         return
     args, kw = build()
-    b = bound(fn)
+    b = _kernel_of(fn)
     state = _state(fn)
-    if not isinstance(b, BoundKernel) or callable(grid) or state is None:
+    if callable(grid) or state is None:
         fn[grid](*args, **kw)
         return
     found = b.key(args, kw)

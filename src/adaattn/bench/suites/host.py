@@ -19,8 +19,10 @@ pinned (an approximation runs); decode B=16 Hq=32 Hkv=8 at 8k: SDPA (flash) on t
 decode_attention over a KVCache with a plan, plan_decode itself, KVCache.append of one token
 against a static cache's index_copy_; small calls B=1 H=8 D=64 at N=1, 64 and 512: SDPA and
 adaattn's default, and each of torch's flash, cuDNN and efficient kernels pinned beside our runner
-for it pinned (which kernel's host path sets a small call's time). Rows "... (bound)" run our kernels with bound launches on
-(backends/triton/bound.py, ADAATTN_TRITON_BOUND=1), so the table shows what they save.
+for it pinned (which kernel's host path sets a small call's time). Rows "... (bound)" run our
+prefill kernels with bound launches on (backends/triton/bound.py, ADAATTN_TRITON_BOUND=1), and rows
+"... (triton's launch[es])" run decode steps and appends with site launches off
+(ADAATTN_TRITON_SITES=0), so the table shows what each saves.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from ...policy import Policy
 NAME = "host"
 HELP = ("host time per call (GPU kept busy), kernel time (GPU alone) and single-call latency (L2 cleared) "
         "per path: Triton fwd and fwd+bwd, windows, auto, decode with a plan, plan_decode, KVCache.append, "
-        "small calls; against SDPA where it has the call, and with bound launches on (ADAATTN_TRITON_BOUND=1)")
+        "small calls; against SDPA where it has the call, with bound launches on (ADAATTN_TRITON_BOUND=1) and "
+        "site launches off (ADAATTN_TRITON_SITES=0)")
 NEEDS_CUDA = True
 FIGURE = "host us"
 HOST_CALLS = 50
@@ -63,6 +66,18 @@ def _bound_on():
         yield
     finally:
         bound_mod.set_enabled(None)
+
+
+@contextmanager
+def _sites_off():
+    """Decode steps and appends through triton's own launches (ADAATTN_TRITON_SITES=0)."""
+    bound_mod.set_enabled(False)
+    bound_mod.set_sites_enabled(False)
+    try:
+        yield
+    finally:
+        bound_mod.set_enabled(None)
+        bound_mod.set_sites_enabled(None)
 
 
 @contextmanager
@@ -133,8 +148,9 @@ def _paths(device):
 
     dec = lambda: decode_attention(qd, cache, 0, plan=plan)  # noqa: E731
     out.append((f"decode B{s} Hq{hq} Hkv{hkv} D{d} bf16 8k", "SDPA flash", [
-        ("SDPA flash", sdpa_decode, _none, "on the K/V tensors"), ("decode_attention", dec, _none, "plan made once"),
-        ("decode_attention (bound)", dec, _bound_on, "launches found once per plan")]))
+        ("SDPA flash", sdpa_decode, _none, "on the K/V tensors"),
+        ("decode_attention", dec, _none, "plan made once; site launches (the default)"),
+        ("decode_attention (triton's launches)", dec, _sites_off, "ADAATTN_TRITON_SITES=0")]))
     out.append((f"plan_decode B{s} Hq{hq} Hkv{hkv} 8k", "plan_decode", [
         ("plan_decode", lambda: plan_decode(cache, heads=hq, query_len=1), _none, "")]))
     k1, v1 = rnd(s, hkv, 1, d), rnd(s, hkv, 1, d)
@@ -151,7 +167,8 @@ def _paths(device):
 
     out.append((f"append one token B{s} Hkv{hkv} D{d} bf16", "static index_copy_", [
         ("static index_copy_", index_copy, _none, "HF StaticCache's update"),
-        ("KVCache.append", append, _none, ""), ("KVCache.append (bound)", append, _bound_on, "launch found once per layer and layout")]))
+        ("KVCache.append", append, _none, "site launch (the default)"),
+        ("KVCache.append (triton's launch)", append, _sites_off, "ADAATTN_TRITON_SITES=0")]))
 
     for n_small in (1, 64, 512):
         qs, ks, vs = (rnd(1, 8, n_small, 64) for _ in range(3))
