@@ -123,3 +123,43 @@ def test_calibrate_suite_writes_costs_the_planner_then_reads(tmp_path, monkeypat
     finally:
         monkeypatch.delenv("ADAATTN_COSTS")
         costs.load(force=True)
+
+
+@NEEDS_CUDA_OR_INTERPRETER
+def test_a_runner_s_host_time_is_added_to_its_kernel_time_so_a_small_call_runs_the_cheaper_host_path(cost_file,
+                                                                                                      tmp_path):
+    """Host entries (costs.host_entry) add each runner's measured host time a call to its predicted
+    kernel time: a kernel faster by less than its extra host time loses (a small call's time is its
+    host path), and a kernel faster by more still wins. Host entries merge by (runner, arch)."""
+    problem = _problem(256)
+    arch = "cpu" if DEVICE == "cpu" else adaattn.hardware.arch("cuda", None)
+    policy = adaattn.Policy(backends=("triton",))
+    names = planner.make_plan(problem, policy).candidates
+    a, b = names[0], names[-1]
+    kernels = [costs.entry(n, arch, problem, 0.010 if n == a else 0.012 if n == b else 1.0) for n in names]
+    cost_file(kernels)
+    assert planner.make_plan(problem, policy).backend == a
+    cost_file(kernels + [costs.host_entry(a, arch, 30.0), costs.host_entry(b, arch, 15.0)])
+    plan = planner.make_plan(problem, policy)
+    assert plan.backend == b and dict(plan.costs)[b] == pytest.approx(0.012 + 0.015)
+    assert costs.predict(a, arch, problem) == pytest.approx(0.010 + 0.030)
+    cost_file([costs.entry(n, arch, problem, 0.010 if n == a else 1.0) for n in names]
+              + [costs.host_entry(a, arch, 30.0), costs.host_entry(b, arch, 15.0)])
+    assert planner.make_plan(problem, policy).backend == a  # b's kernel at 1 ms: host time does not save it
+    path = tmp_path / "merged.json"
+    costs.write(path, [costs.host_entry(a, arch, 30.0), costs.entry(a, arch, problem, 0.01)], merge=False)
+    costs.write(path, [costs.host_entry(a, arch, 20.0)])
+    kept = json.loads(path.read_text())["entries"]
+    assert [e["host_us"] for e in kept if "host_us" in e] == [20.0] and len(kept) == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_calibrate_measures_each_sdpa_runner_s_host_time_on_cuda():
+    from adaattn.bench.suites.calibrate import host_entries
+
+    rows = host_entries(torch.device("cuda", torch.cuda.current_device()))
+    by = {e["runner"]: e["host_us"] for e in rows}
+    assert {"sdpa.flash", "sdpa.cudnn", "sdpa.efficient"} <= set(by), by
+    assert all(0 < us < 5000 for us in by.values()), by
+    assert all(e["arch"] == adaattn.hardware.arch("cuda", None) for e in rows)

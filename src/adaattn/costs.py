@@ -7,6 +7,11 @@ causal, mask kind, window, grad, decode, score modifiers) and its lengths. A pre
 milliseconds per unit of work (B x Hq x Nq x Nk x (D + Dv), halved for square causal calls) to the
 problem's work, interpolating that rate linearly in log2 of the length between the two nearest
 measured lengths (the nearest one outside their range). No entry for the class: None.
+
+Host entries ({"runner", "arch", "host_us"}, CUDA only) say what a runner's call costs the host
+before its kernels start (the GPU held busy meanwhile). A one-call-at-a-time latency is host plus
+kernel time, and small calls are host time: a prediction adds the runner's host time where one is
+measured, so a kernel faster by less than its extra host cost does not win.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ PACKAGE_FILE = "costs.json"
 
 _lock = threading.Lock()
 _table: dict[tuple, list[tuple[float, float]]] | None = None
+_hosts: dict[tuple[str, str], float] = {}  # (runner, arch) -> host us a call
 
 
 def user_path() -> Path:
@@ -61,7 +67,18 @@ def entry(runner: str, arch: str, problem, ms: float) -> dict:
             "n": max(problem.q_len, problem.kv_len), "ms": ms, "work": work(problem)}
 
 
+def host_entry(runner: str, arch: str, host_us: float) -> dict:
+    """One measurement of a runner's host time a call (microseconds), as the cost files keep it."""
+    return {"runner": runner, "arch": arch, "host_us": float(host_us)}
+
+
+def _is_host(e: dict) -> bool:
+    return "host_us" in e
+
+
 def _key(e: dict) -> tuple:
+    if _is_host(e):
+        return ("host", e["runner"], e["arch"])
     return (e["runner"], e["arch"], e["dtype"], e["head_dim"], e["value_dim"], e["causal"], e["mask"], e["window"],
             e["grad"], e["decode"], e.get("modifiers", ""))  # (entries before modifiers: plain calls)
 
@@ -73,10 +90,21 @@ def _read(text: str) -> list[dict]:
     return list(data.get("entries", ()))
 
 
+def _build_hosts(*sources: list[dict]) -> dict:
+    hosts: dict[tuple[str, str], float] = {}
+    for entries in sources:  # later sources win
+        for e in entries:
+            if _is_host(e) and e.get("host_us") is not None and e["host_us"] >= 0:
+                hosts[(e["runner"], e["arch"])] = float(e["host_us"])
+    return hosts
+
+
 def _build(*sources: list[dict]) -> dict:
     points: dict[tuple, dict[float, float]] = {}
     for entries in sources:  # later sources win at equal points
         for e in entries:
+            if _is_host(e):
+                continue
             if e.get("ms") and e.get("work"):
                 points.setdefault(_key(e), {})[float(e["n"])] = float(e["ms"]) / float(e["work"])
     return {k: sorted(v.items()) for k, v in points.items()}
@@ -96,9 +124,17 @@ def load(force: bool = False) -> dict:
     path = user_path()
     if path.is_file():
         user = _read(path.read_text())
+    global _hosts
     with _lock:
         _table = _build(package, user)
+        _hosts = _build_hosts(package, user)
     return _table
+
+
+def host_ms(runner: str, arch: str) -> float:
+    """A runner's measured host time a call on a GPU of family `arch`, in ms (0 where unmeasured)."""
+    load()
+    return _hosts.get((runner, arch), 0.0) / 1e3
 
 
 def predict(runner: str, arch: str, problem) -> float | None:
@@ -118,14 +154,14 @@ def predict(runner: str, arch: str, problem) -> float | None:
         (n0, r0), (n1, r1) = below[-1], above[0]
         t = 0.0 if n1 == n0 else (x - math.log2(n0)) / (math.log2(n1) - math.log2(n0))
         rate = r0 + t * (r1 - r0)
-    return rate * work(problem)
+    return rate * work(problem) + host_ms(runner, arch)
 
 
 def write(path: Path, entries: list[dict], merge: bool = True) -> Path:
     """Write entries as a cost file (merged over what `path` holds, new points winning)."""
     old: list[dict] = _read(path.read_text()) if merge and path.is_file() else []
-    fresh = {(_key(e), e["n"]) for e in entries}
-    kept = [e for e in old if (_key(e), e["n"]) not in fresh]
+    fresh = {(_key(e), e.get("n")) for e in entries}
+    kept = [e for e in old if (_key(e), e.get("n")) not in fresh]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"schema": SCHEMA, "entries": kept + entries}, indent=1) + "\n")
     return path

@@ -100,9 +100,12 @@ class SdpaSinksRunner(Runner):
         own = super().cost(problem, launch)
         if own is not None or self.device_type != "cuda":
             return own
-        plain = costs.predict(f"sdpa.{self.kernel}", hardware.arch(problem.device_type, problem.device_index),
-                              replace(problem, sinks=False))
-        return None if plain is None else plain * SINK_PASS
+        arch = hardware.arch(problem.device_type, problem.device_index)
+        plain = costs.predict(f"sdpa.{self.kernel}", arch, replace(problem, sinks=False))
+        if plain is None:
+            return None
+        host = costs.host_ms(f"sdpa.{self.kernel}", arch)  # the kernel's time scales; its host time is its own
+        return (plain - host) * SINK_PASS + (costs.host_ms(self.name, arch) or host)
 
     def supports(self, problem, policy) -> list[str]:
         reasons = []

@@ -4,6 +4,8 @@ processes on this machine find them; `--out DIR` also writes them beside the JSO
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ... import costs, hardware, planner
@@ -18,7 +20,8 @@ NAME = "calibrate"
 HELP = ("every exact runner alone (planner.bind), and each quantized runner with every head at one level "
         "(exact/qk8/fp8, steady state), on bf16 B=2 H=16 D 64/128 N 512-16k causal and not, and decode "
         "B=16 Hq=32 Hkv=8 KV 1k-32k (CPU: float32 B=1 H=4 D=64 N 128-1k): the cost data the planner reads; "
-        "--install writes it to the user cache (adaattn.costs.user_path()); x the runner adaattn picks")
+        "--install writes it to the user cache (adaattn.costs.user_path()); on CUDA also each runner's host time a "
+        "small call (B=1 H=8 N=64 D=64), which predictions add; x the runner adaattn picks")
 # Never the fastest on a GPU, and a memory hog at long lengths: not calibrated there.
 SKIP_CUDA = ("sdpa.math", "reference")
 NEEDS_CUDA = False
@@ -113,14 +116,50 @@ def _on(problem, device):
     return replace(problem, device_type=device.type, device_index=device.index, tma_aligned=True)
 
 
+# A small call (its time is host time): each exact runner's host time a forward call, on CUDA.
+HOST_CALL = dict(batch=1, heads=8, kv_heads=8, q_len=64, kv_len=64, head_dim=64, dtype=torch.bfloat16)
+
+
+def host_entries(device: torch.device, seed: int = 0) -> list[dict]:
+    """Each exact runner's host time a call (planner.bind: the runner alone, no dispatch) on
+    HOST_CALL, issued while the GPU sleeps (bench/suites/host.py's method): costs.host_entry rows."""
+    from .host import _cycles_per_ms, _host_us
+
+    c = HOST_CALL
+    q, k, v = random_qkv(c["batch"], c["heads"], c["kv_heads"], c["q_len"], c["kv_len"], c["head_dim"], c["dtype"],
+                         device, seed)
+    problem = validate(q, k, v, None, 0.0, False, None, False, "bhsd", None)
+    arch = hardware.arch(problem.device_type, problem.device_index)
+    cycles = int(_cycles_per_ms() * 60)
+    out = []
+    for name in planner.runner_names():
+        if not planner.REGISTRY[name].exact or name in SKIP_CUDA:
+            continue
+        try:
+            fn = planner.bind(name, problem)
+            for _ in range(3):
+                fn(q, k, v)
+            torch.cuda.synchronize()
+        except Exception:  # noqa: BLE001 - a runner that cannot take the call has no host figure
+            continue
+        out.append(costs.host_entry(name, arch, round(_host_us(lambda fn=fn: fn(q, k, v), contextlib.nullcontext,
+                                                               cycles), 2)))
+    return out
+
+
 def finish(args, rows) -> list[str]:
-    """Turn the timed rows into cost entries; write them where asked. Returns what was written."""
+    """Turn the timed rows into cost entries (and, on CUDA, each runner's host time a call:
+    host_entries); write them where asked. Returns what was written."""
     entries = []
+    cuda = False
     for r in rows:
         problem = r.pop("problem", None)
         if problem is None or r.get("ms") is None or r.get("runner") is None:
             continue
+        cuda = cuda or problem.device_type == "cuda"
         entries.append(costs.entry(r["runner"], r["arch"], problem, r["ms"]))
+    if cuda:
+        entries += host_entries(torch.device("cuda", torch.cuda.current_device()))
     written = []
     if getattr(args, "out", None) is not None:
         written.append(str(costs.write(args.out / "costs.json", entries, merge=False)))
