@@ -300,7 +300,7 @@ def test_a_planned_route_is_the_same_for_every_problem_of_its_plan_s_class():
     from adaattn import planner
     from adaattn.backends.sdpa import DIRECT, PLAIN
     from adaattn.problem import validate
-    from tests.fuzz import sdpa as fz
+    from fuzz import sdpa as fz
 
     routes: dict = {}
     seen = {DIRECT: 0, PLAIN: 0}

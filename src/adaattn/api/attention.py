@@ -54,6 +54,8 @@ def attention(
         adaattn.documents(document_ids) built once per batch (or the (N,) / (B, N) ids
         themselves, at a host sync per call). Self-attention (Nq == Nk), 3-D or 4-D tensors, no
         attn_mask or dropout; it runs as varlen_attention over the documents, without padding.
+        With score modifiers it runs document by document in torch ops (varlen_attention's way
+        with them), after one host read of the offsets.
 
     Score modifiers, on each score s = scale * q.k before masking (adaattn.problem.Modifiers):
     softcap: a float c > 0: s -> c * tanh(s / c) (Gemma 2's logit soft-capping).
@@ -73,10 +75,8 @@ def attention(
         dropout_p, scale = check_dropout(dropout_p), check_scale(scale)
     modified = softcap is not None or sinks is not None or alibi_slopes is not None
     if documents is not None:
-        if modified:
-            raise ValueError("score modifiers (softcap, sinks, alibi_slopes) are not yet applied with documents")
         return _document_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout,
-                                   window, policy, label, documents)
+                                   window, policy, label, documents, softcap, sinks, alibi_slopes)
     compiling = _compiling()
     signature = None if compiling else _signature_or_none(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                                           enable_gqa, layout, window, policy)
@@ -238,10 +238,12 @@ def _varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
 
 
 def _document_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, layout, window,
-                        policy, label, docs):
+                        policy, label, docs, softcap=None, sinks=None, alibi_slopes=None):
     """attention(..., documents=docs): the tensors packed to (B * N, H, D) (a view for B = 1,
     or for "bshd" tensors contiguous over (B, N)), varlen_attention over the documents, and the
-    result viewed back in the call's layout."""
+    result viewed back in the call's layout. Score modifiers go with each document (varlen's:
+    document by document in torch ops); (B, Hq) ALiBi slopes give each document its row's slopes
+    (positions within a document: the same differences as within its row)."""
     from ..problem import check_layout
 
     if not isinstance(docs, Documents):
@@ -281,8 +283,19 @@ def _document_attention(query, key, value, attn_mask, dropout_p, is_causal, scal
     docs = docs.for_batch(b)
     cu = docs.cu_seqlens if docs.cu_seqlens.device == query.device else docs.cu_seqlens.to(query.device)
     packed = [t.reshape(b * n, t.shape[2], t.shape[3]) for t in (query, key, value)]
-    out = _varlen_attention(*packed, cu, cu, docs.max_seqlen, docs.max_seqlen, is_causal, scale, window,
-                            "top_left", False, False, policy, label)
+    if softcap is not None or sinks is not None or alibi_slopes is not None:
+        slopes = alibi_slopes
+        if isinstance(slopes, torch.Tensor) and slopes.dim() == 2:
+            if tuple(slopes.shape) != (b, hq):
+                raise ValueError(f"alibi_slopes must have shape (Hq,) = ({hq},) or (batch, Hq) = ({b}, {hq}), got "
+                                 f"{tuple(slopes.shape)}")
+            row = torch.div(cu[:-1].long(), n, rounding_mode="floor").clamp_(max=b - 1)  # each document's row
+            slopes = slopes[row.to(slopes.device)]
+        out = _modified_varlen(*packed, cu, cu, docs.max_seqlen, docs.max_seqlen, is_causal, scale, window,
+                               "top_left", False, softcap, sinks, slopes)
+    else:
+        out = _varlen_attention(*packed, cu, cu, docs.max_seqlen, docs.max_seqlen, is_causal, scale, window,
+                                "top_left", False, False, policy, label)
     out = out.view(b, n, hq, out.shape[-1])
     if layout == "bhsd":
         out = out.transpose(1, 2)
