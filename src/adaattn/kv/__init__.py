@@ -3,6 +3,7 @@ decode runners over them (runners.py) and the step they run (decode.py). The pla
 runner: adaattn.plan_decode and adaattn.decode_attention are the entry points."""
 
 from .cache import KVCache, PagedKVCache
+from .choose import choose_storages, storage_errors
 from .decode import DecodePlan
 
-__all__ = ["DecodePlan", "KVCache", "PagedKVCache"]
+__all__ = ["DecodePlan", "KVCache", "PagedKVCache", "choose_storages", "storage_errors"]
