@@ -7,10 +7,13 @@ from typing import Optional
 import torch
 
 from .. import planner, stats
+from ..backends.sdpa import _NoKeys
 from ..backends.varlen import check_varlen
 from ..policy import Policy
 from ..problem import NO_MODIFIERS, Documents, Modifiers, Problem, check_dropout, check_modifiers, check_scale, default_scale, documents, from_internal, validate, window_sides
 from .run import _check_policy, _compiling, _modifier_key, _runner_form, _signature_or_none, _first_that_runs, _run, _run_recorded, _record
+
+NO_KEYS = "none (no keys)"  # the record of a call with no key to attend: no runner ran
 
 
 def attention(
@@ -100,6 +103,15 @@ def attention(
         problem, pol, plan = hit
         modifiers = Modifiers(problem.softcap or None, sinks, alibi_slopes) if modified else NO_MODIFIERS
     mods = modifiers if modified else None
+    if problem.kv_len == 0:
+        # No key: zeros in the query's shape (its leading dims as given, not broadcast against the
+        # key's: torch's SDPA answers so, where a runner's (B, H, N, D) form would broadcast them),
+        # and zero gradients, whichever runner the plan names; recorded as run by no runner.
+        if stats.enabled and not compiling:
+            _record(problem, plan, pol, label, (), {"ran": NO_KEYS, "option": NO_KEYS, "note": "no key to attend: zeros in the "
+                                                    "query's shape, as SDPA gives, and no kernel launched"}, None)
+        return _NoKeys.apply(query, key, value, attn_mask,
+                             *(t for t in (sinks, alibi_slopes) if isinstance(t, torch.Tensor)))
     # torch's CPU SDPA runs its math kernel on a call that is not plain 4-D, on the tensors as given:
     # sdpa.cpu takes such a call in its own rank, so its result is torch's to the bit (flattened
     # to 4-D, math's batched products rounded differently: fp32 gradients of a 2-D call 3-5x torch's

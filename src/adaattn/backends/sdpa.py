@@ -167,8 +167,9 @@ class _NoKeys(torch.autograd.Function):
     100 and more (torch 2.13, with or without GQA; a CPU fuzzer, seed 5501 #7292)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, attn_mask):
-        ctx.like = [None if t is None else (t.shape, t.dtype, t.device) for t in (query, key, value, attn_mask)]
+    def forward(ctx, query, key, value, attn_mask, *others):
+        # others: more inputs the result does not depend on either (score modifiers): zero gradients too
+        ctx.like = [None if t is None else (t.shape, t.dtype, t.device) for t in (query, key, value, attn_mask, *others)]
         return query.new_zeros(*query.shape[:-1], value.shape[-1])  # (torch's shape for no keys: the query's)
 
     @staticmethod
