@@ -95,21 +95,25 @@ def finite_floor(attn_mask: torch.Tensor) -> torch.Tensor:
 
 
 def row_shifted(attn_mask: torch.Tensor) -> torch.Tensor:
-    """An additive mask with each row's largest value moved to 0 (a row of -inf stays): softmax is
-    unchanged by a constant added to a row, and the fused kernels are not. They scale the bias by
-    log2(e), so a row whose keys all carry finfo.min overflows to -inf there and gives garbage
-    where SDPA's math gives uniform weights (seed 5411 #339: a window's two keys at finfo.min, 0.40
-    output error and inf gradients from cuDNN, torch's own choice; H200, torch 2.11); floored
-    instead (finite_floor), the backward loses such a row's log-sum-exp (see `_run`). Shifted,
-    every live row peaks at 0. Used where gradients are taken (where the floor would not do). Rows
-    that peak at SHIFT_BELOW or above keep their values to the bit: only rows whose every key sits
-    far below 0 (where float32 scores drown in the bias, in torch's kernels too) move."""
+    """An additive mask whose rows that peak below SHIFT_BELOW (finfo.min's rows: every key of the
+    row masked that way) are moved to peak at 0; every other row keeps its values to the bit. The
+    fused kernels scale the bias by log2(e), and such a row overflows to -inf there: cuDNN gave
+    0.40 output error and inf gradients (seed 5411 #339: a window's two keys at finfo.min; H200,
+    torch 2.11, torch's own choice alike), and inf times a zero upstream gradient is NaN in dk and
+    dv (HF's left-padded query rows). Floored instead (finite_floor) the backward loses such a
+    row's log-sum-exp (see `_run`). Shifted, the row is finite: softmax of its scores over the keys
+    at its peak. That is not SDPA's answer there (uniform weights over those keys: the scores
+    vanish under the bias in float32 and float64), which no bias gives a kernel that adds the
+    scores back; it is finite where torch's own kernels are not. Used where gradients are taken."""
     top = attn_mask.detach().amax(-1, keepdim=True)
     low = (top < SHIFT_BELOW) & (top > float("-inf"))
     return attn_mask - torch.where(low, top, torch.zeros((), dtype=top.dtype, device=top.device))
 
 
-SHIFT_BELOW = -1e3
+# Rows peaking below this overflow in the kernels (bias x log2(e) < -3.4e38 from -2.36e38 on); above
+# it a row is left as torch's own kernels take it (scores drowned in a bias of -1e30 give SDPA's
+# uniform weights, as the float64 reference does).
+SHIFT_BELOW = -2e38
 
 
 def efficient_bias(attn_mask: torch.Tensor, dtype: torch.dtype, kv_len: int, floor: bool = True) -> torch.Tensor:
