@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from .. import planner, stats
-from ..backends.sdpa import _NoKeys
+from ..backends.base import NoKeys as _NoKeys
 from ..backends.varlen import check_varlen
 from ..policy import Policy
 from ..problem import NO_MODIFIERS, Documents, Modifiers, Problem, check_dropout, check_modifiers, check_scale, default_scale, documents, from_internal, validate, window_sides
@@ -108,8 +108,8 @@ def attention(
         # key's: torch's SDPA answers so, where a runner's (B, H, N, D) form would broadcast them),
         # and zero gradients, whichever runner the plan names; recorded as run by no runner.
         if stats.enabled and not compiling:
-            _record(problem, plan, pol, label, (), {"ran": NO_KEYS, "option": NO_KEYS, "note": "no key to attend: zeros in the "
-                                                    "query's shape, as SDPA gives, and no kernel launched"}, None)
+            note = "no key to attend: zeros in the query's shape, as SDPA gives, and no kernel launched"
+            _record(problem, plan, pol, label, (), {"ran": NO_KEYS, "option": NO_KEYS, "note": note}, None)
         return _NoKeys.apply(query, key, value, attn_mask,
                              *(t for t in (sinks, alibi_slopes) if isinstance(t, torch.Tensor)))
     # torch's CPU SDPA runs its math kernel on a call that is not plain 4-D, on the tensors as given:

@@ -108,3 +108,21 @@ def modifier_reasons(runner: Runner, problem: Problem) -> list[str]:
         return []
     return [f"applies no {' or '.join(missing)} (score modifiers: its kernel has no such term; the mods.torch "
             "runner applies them exactly)."]
+
+
+class NoKeys(torch.autograd.Function):
+    """Attention over no keys: every row is zero, SDPA's math answer, and so is every gradient.
+    torch's own kernels are not asked (attention() answers such calls before any runner, and the SDPA
+    runners for direct calls): on the CPU they gave NaN for float16 queries of magnitude
+    100 and more (torch 2.13, with or without GQA; a CPU fuzzer, seed 5501 #7292)."""
+
+    @staticmethod
+    def forward(ctx, query, key, value, attn_mask, *others):
+        # others: more inputs the result does not depend on either (score modifiers): zero gradients too
+        ctx.like = [None if t is None else (t.shape, t.dtype, t.device) for t in (query, key, value, attn_mask, *others)]
+        return query.new_zeros(*query.shape[:-1], value.shape[-1])  # (torch's shape for no keys: the query's)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return tuple(None if like is None else torch.zeros(like[0], dtype=like[1], device=like[2])
+                     for like in ctx.like)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import hardware
-from .base import Declined, Runner
+from .base import Declined, NoKeys as _NoKeys, Runner
 from ..problem import SMALL_SCORES
 from .masks import fold_positions
 
@@ -163,23 +163,6 @@ _CAN_USE = {
     SDPBackend.FLASH_ATTENTION: "can_use_flash_attention",
     SDPBackend.EFFICIENT_ATTENTION: "can_use_efficient_attention",
 }
-
-
-class _NoKeys(torch.autograd.Function):
-    """Attention over no keys: every row is zero, SDPA's math answer, and so is every gradient.
-    torch's own kernels are not asked: on the CPU they gave NaN for float16 queries of magnitude
-    100 and more (torch 2.13, with or without GQA; a CPU fuzzer, seed 5501 #7292)."""
-
-    @staticmethod
-    def forward(ctx, query, key, value, attn_mask, *others):
-        # others: more inputs the result does not depend on either (score modifiers): zero gradients too
-        ctx.like = [None if t is None else (t.shape, t.dtype, t.device) for t in (query, key, value, attn_mask, *others)]
-        return query.new_zeros(*query.shape[:-1], value.shape[-1])  # (torch's shape for no keys: the query's)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return tuple(None if like is None else torch.zeros(like[0], dtype=like[1], device=like[2])
-                     for like in ctx.like)
 
 
 class _Route:
