@@ -325,3 +325,37 @@ def test_an_append_launched_from_its_site_runs_triton_s_kernel_with_triton_s_arg
     cache.append(0, key, value)
     own = launched()
     assert _normal(fast[:6] + fast[9:]) == _normal(own[:6] + own[9:])
+
+
+def test_a_site_whose_arguments_hold_an_object_other_than_a_tensor_or_a_scalar_is_never_kept(fake_gpu,
+                                                                                               monkeypatch):
+    """A tensor descriptor (or any object) among a launch's arguments may hold this call's tensor,
+    which a site's template would keep for every later call: such a site is not kept, and each
+    call launches through triton."""
+    class Stub:
+        def __init__(self):
+            self.entries = {}
+
+        def key(self, args, kw):
+            return ("k",), list(args)
+
+        def launch_found(self, grid, args, kw, found):
+            self.entries[found[0]] = B._Entry.__new__(B._Entry)
+
+    launched = []
+
+    class Fn:
+        def __getitem__(self, grid):
+            return lambda *a, **k: launched.append(a)
+
+    stub = Stub()
+    monkeypatch.setattr(B, "_kernel_of", lambda fn: stub)
+    monkeypatch.setattr(B, "sites_enabled", lambda: True)
+    monkeypatch.setattr(B, "_state", lambda fn: ())
+    x = torch.zeros(4)
+    sites: dict = {}
+    B.site_launch(sites, "plain", Fn(), (1,), (x,), lambda: ((x, 3, 2.0, "s", None), {}))
+    assert len(sites) == 1  # tensors and scalars: kept
+    holder = type("Descriptor", (), {"base": x})()
+    B.site_launch(sites, "descriptor", Fn(), (1,), (x,), lambda: ((x, holder), {}))
+    assert len(sites) == 1  # not kept

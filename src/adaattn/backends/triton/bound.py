@@ -266,6 +266,9 @@ def _state(fn) -> tuple | None:
     return (rt.debug, getattr(comp, "instrumentation_mode", None), getattr(comp, "fpsan_homomorphic_casts", None))
 
 
+_PLAIN = (int, float, bool, str)  # what a site's template may keep as it is (with None)
+
+
 def site_launch(sites: dict, key, fn, grid: tuple, tensors: tuple, build) -> None:
     """Launch `fn` over `grid` from a call site that knows its launch: the compiled kernel and its
     whole argument list are found once per `key` (through triton's own launch), and later calls put
@@ -328,6 +331,10 @@ def site_launch(sites: dict, key, fn, grid: tuple, tensors: tuple, build) -> Non
                 return
             slots.append((i, j))
             template[i] = None
+        elif not (a is None or type(a) in _PLAIN):
+            # an object that may hold a tensor (a tensor descriptor holds its base): the template
+            # would keep this call's, so every call goes through triton's own launch
+            return
     g = tuple(grid) + (1,) * (3 - len(grid))
     sites[key] = _Site(entry, template, tuple(slots), tuple(tuple(v) for v in groups.values() if len(v) > 1), g,
                        _signature(tensors), state)
