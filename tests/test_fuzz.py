@@ -26,6 +26,21 @@ def test_default_policy_meets_the_standard_on_fuzzed_configurations():
     assert _run(200, 20261127, "default") == []
 
 
+def test_broadcast_leading_dims_meet_the_standard_on_fuzzed_configurations():
+    """--broadcast: the key's and value's leading dims of 1 against the query's, as SDPA broadcasts
+    them; the plain draw is otherwise untouched (old seeds keep their configurations)."""
+    findings, drawn = [], 0
+    for index in range(150):
+        config = draw(20261129, index, "cpu", "default", broadcast=True)
+        drawn += config.kv_batch is not None
+        result = check(config, "cpu")
+        if result["status"] != "ok":
+            findings.append(f"{result['status']}: {result.get('why', '')[:200]} | {result['repro']}")
+    assert findings == [] and drawn > 50
+    plain, wide = draw(20261129, 3, "cpu"), draw(20261129, 3, "cpu", broadcast=True)
+    assert plain == type(plain)(**{**wide.__dict__, "kv_batch": None})
+
+
 def test_score_modifiers_meet_the_standard_on_fuzzed_configurations():
     """--modifiers: softcap, sinks and ALiBi slopes (and their gradients) on top of the plain draw,
     against the float64 softmax with them and the models' eager attention at the input dtype."""

@@ -62,6 +62,18 @@ def test_fuzzer_finds_nothing_in_150_configurations_with_score_modifiers(tmp_pat
 
 
 @cuda
+def test_fuzzer_finds_nothing_in_500_configurations_with_broadcast_leading_dims(tmp_path):
+    # Key and value leading dims of 1 against the query's: torch's fused kernels take equal batch
+    # dims only, so these reach its math kernel or ours on broadcast views.
+    path = tmp_path / "fuzz.json"
+    code = main(["--device", "cuda", "--n", "500", "--seed", "20261129", "--jobs", "15", "--broadcast",
+                 "--json", str(path)])
+    summary = json.loads(path.read_text())
+    assert [f"{r['status']}: {r.get('why', '')[:200]} | {r['repro']}" for r in summary["findings"]] == []
+    assert code == 0 and summary["ran"] == 500 and summary["broadcast"]
+
+
+@cuda
 @pytest.mark.parametrize("dtype,d,which", [(torch.float32, 256, "k"), (torch.bfloat16, 80, "v"),
                                            (torch.float16, 8, "q"), (torch.float32, 128, "q")])
 def test_views_at_odd_offsets_run_without_a_fault_or_a_warning(dtype, d, which):

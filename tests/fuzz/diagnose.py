@@ -113,18 +113,21 @@ def main(argv=None) -> int:
     p.add_argument("--max-len", type=int, default=300)
     p.add_argument("--limit", type=int, default=40)
     p.add_argument("--json")
+    p.add_argument("--modifiers", action="store_true")
+    p.add_argument("--broadcast", action="store_true")
     args = p.parse_args(argv)
     todo = []
     if args.findings:
         d = json.load(open(args.findings))
         for f in d["findings"]:
             if f.get("status") == "fail":
-                todo.append((d["seed"], f["index"], d.get("policy", "default"), d.get("max_len", 300)))
+                todo.append((d["seed"], f["index"], d.get("policy", "default"), d.get("max_len", 300),
+                             bool(d.get("modifiers")), bool(d.get("broadcast"))))
     for i in filter(None, args.indices.split(",")):
-        todo.append((args.seed, int(i), args.policy, args.max_len))
+        todo.append((args.seed, int(i), args.policy, args.max_len, args.modifiers, args.broadcast))
     rows = []
-    for seed, index, policy, max_len in todo[: args.limit]:
-        config = fz.draw(seed, index, args.device, policy, max_len)
+    for seed, index, policy, max_len, modifiers, broadcast in todo[: args.limit]:
+        config = fz.draw(seed, index, args.device, policy, max_len, modifiers, broadcast)
         try:
             row = diagnose(config, args.device)
         except Exception as e:  # noqa: BLE001

@@ -82,6 +82,7 @@ class Config:
     softcap: float | None = None  # score modifiers (--modifiers)
     sinks: bool = False
     alibi: bool = False
+    kv_batch: tuple | None = None  # (--broadcast) the key's and value's leading dims, 1 where they broadcast
 
     @property
     def modified(self) -> bool:
@@ -90,13 +91,16 @@ class Config:
     def repro(self, device: str) -> str:
         return (f"python -m tests.fuzz --device {device} --seed {self.seed} --only {self.index}"
                 + (f" --policy {self.policy}" if self.policy != "default" else "")
-                + (" --modifiers" if self.modified else ""))
+                + (" --modifiers" if self.modified else "")
+                + (" --broadcast" if self.kv_batch is not None else ""))
 
 
 def draw(seed: int, index: int, device: str, policy: str = "default", max_len: int = 300,
-         modifiers: bool = False) -> Config:
+         modifiers: bool = False, broadcast: bool = False) -> Config:
     """The configuration (seed, index): its own RNG, so any one can be rerun alone. With
-    `modifiers`, score modifiers from a second RNG of its own (the rest is the plain draw)."""
+    `modifiers`, score modifiers from a second RNG of its own (the rest is the plain draw); with
+    `broadcast`, key and value leading dims of 1 against the query's (SDPA broadcasts them), from a
+    third."""
     rng = random.Random(seed * 1_000_003 + index)
     interp = policy == "triton" and device == "cpu"
     dtype = rng.choice(["float16", "bfloat16", "float32"] * 3 + ["float64"])
@@ -161,7 +165,19 @@ def draw(seed: int, index: int, device: str, policy: str = "default", max_len: i
         mask_grad=mask == "additive" and mask_fill != "-inf" and rng.random() < 0.3,
         grad=grad, logit_scale=rng.choice([1.0] * 8 + [30.0, 100.0]), pass_dropout=rng.random() < 0.3,
         policy=policy, **(_draw_modifiers(seed, index) if modifiers else {}),
+        kv_batch=_draw_broadcast(seed, index, batch) if broadcast else None,
     )
+
+
+def _draw_broadcast(seed: int, index: int, batch: tuple) -> tuple | None:
+    """The key's leading dims: each of the query's above 1 made 1 at even odds (at least one where
+    any is above 1); None where nothing can broadcast (the plain draw's shapes)."""
+    m = random.Random(seed * 1_000_003 + index + 0xB0C)
+    wide = [i for i, n in enumerate(batch) if n > 1]
+    if not wide:
+        return None
+    ones = {i for i in wide if m.random() < 0.5} or {m.choice(wide)}
+    return tuple(1 if i in ones else n for i, n in enumerate(batch))
 
 
 def _draw_modifiers(seed: int, index: int) -> dict:
@@ -258,7 +274,7 @@ def build(config: Config, device: str) -> Inputs:
     dtype = DTYPES[config.dtype]
     heads = config.rank >= 3
     lead_q = config.batch + ((config.q_heads,) if heads else ())
-    lead_k = config.batch + ((config.kv_heads,) if heads else ())
+    lead_k = (config.kv_batch or config.batch) + ((config.kv_heads,) if heads else ())
 
     def shape(lead, n, d):
         s = lead + (n, d)
@@ -691,7 +707,7 @@ def work(args) -> int:
         for index in indices:
             if args.deadline and time.time() > args.deadline:
                 return 0
-            config = draw(args.seed, index, device, args.policy, args.max_len, args.modifiers)
+            config = draw(args.seed, index, device, args.policy, args.max_len, args.modifiers, args.broadcast)
             t0 = time.perf_counter()
             try:
                 result = check(config, device)
@@ -739,7 +755,7 @@ def drive(args) -> dict:
             files[start] = part
             cmd = [sys.executable, "-m", "tests.fuzz", "--worker", "--device", args.device, "--seed", str(args.seed),
                    "--start", str(start), "--end", str(end), "--policy", args.policy, "--max-len", str(args.max_len),
-                   "--lines", part, "--deadline", str(args.deadline or 0)] + (["--modifiers"] if args.modifiers else [])
+                   "--lines", part, "--deadline", str(args.deadline or 0)] + (["--modifiers"] if args.modifiers else []) + (["--broadcast"] if args.broadcast else [])
             procs[subprocess.Popen(cmd, cwd=root, env=env)] = (start, end, part)
         late = args.deadline and time.time() > args.deadline + GRACE_S
         for p in list(procs):
@@ -753,7 +769,7 @@ def drive(args) -> dict:
                 index = done[-1]["index"] + 1 if done else start
                 with open(part, "a") as f:
                     f.write(json.dumps({"index": index, "status": "timeout", "repro": draw(
-                        args.seed, index, args.device, args.policy, args.max_len, args.modifiers).repro(args.device),
+                        args.seed, index, args.device, args.policy, args.max_len, args.modifiers, args.broadcast).repro(args.device),
                         "why": f"still running {GRACE_S} s after the deadline"}) + "\n")
                 continue
             if p.poll() is None:
@@ -767,7 +783,7 @@ def drive(args) -> dict:
                 if p.returncode != 3 and (not done or done[-1]["status"] not in ("fault", "torch_fault")):
                     with open(part, "a") as f:
                         f.write(json.dumps({"index": last + 1, "status": "fault", "repro": draw(
-                            args.seed, last + 1, args.device, args.policy, args.max_len, args.modifiers
+                            args.seed, last + 1, args.device, args.policy, args.max_len, args.modifiers, args.broadcast
                         ).repro(args.device),
                             "why": f"worker died with exit code {p.returncode}"}) + "\n")
                     last += 1
@@ -790,6 +806,7 @@ def drive(args) -> dict:
         "git_commit": _git_commit(root), "source_digest": source_digest(root),
         "seed": args.seed, "n": args.n, "ran": len(results), "start": args.start, "policy": args.policy,
         "modifiers": args.modifiers,
+        "broadcast": args.broadcast,
         "max_len": args.max_len,
         "seconds": round(time.perf_counter() - t0, 1), "restarts": restarts,
         "counts": counts,
@@ -849,6 +866,7 @@ def main(argv=None) -> int:
     ap.add_argument("--policy", choices=("default", "triton", "auto"), default="default")
     ap.add_argument("--max-len", type=int, default=300)
     ap.add_argument("--modifiers", action="store_true", help="draw score modifiers (softcap, sinks, alibi_slopes)")
+    ap.add_argument("--broadcast", action="store_true", help="draw key/value leading dims of 1 against the query's")
     ap.add_argument("--jobs", type=int, default=1, help="worker processes (CPU runs)")
     ap.add_argument("--json", default=None, help="write the summary here")
     ap.add_argument("--seconds", type=float, default=None, help="stop starting configurations after this long")
@@ -861,7 +879,7 @@ def main(argv=None) -> int:
             print("set TRITON_INTERPRET=1 for --policy triton on the CPU", file=sys.stderr)
             return 2
     if args.only is not None:
-        config = draw(args.seed, args.only, args.device, args.policy, args.max_len, args.modifiers)
+        config = draw(args.seed, args.only, args.device, args.policy, args.max_len, args.modifiers, args.broadcast)
         print(json.dumps(asdict(config)))
         result = check(config, args.device)
         print(json.dumps({k: v for k, v in result.items() if k != "config"}, indent=1))
