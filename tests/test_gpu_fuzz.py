@@ -53,24 +53,24 @@ def test_fuzzer_finds_nothing_in_2000_configurations_within_two_minutes(tmp_path
 def test_fuzzer_finds_nothing_in_150_configurations_with_score_modifiers(tmp_path):
     # Each configuration compiles its own kernel variants (soft cap, ALiBi, sinks; forward and
     # backward, with their config search): 15 workers ran about 3 a second on an H200.
+    assert _clean_run(tmp_path, 150, 20261128, "--modifiers")["modifiers"]
+
+
+def _clean_run(tmp_path, n: int, seed: int, flag: str) -> dict:
+    """The fuzzer on CUDA with `flag`, 15 workers: no finding, every configuration ran; its summary."""
     path = tmp_path / "fuzz.json"
-    code = main(["--device", "cuda", "--n", "150", "--seed", "20261128", "--jobs", "15", "--modifiers",
-                 "--json", str(path)])
+    code = main(["--device", "cuda", "--n", str(n), "--seed", str(seed), "--jobs", "15", flag, "--json", str(path)])
     summary = json.loads(path.read_text())
     assert [f"{r['status']}: {r.get('why', '')[:200]} | {r['repro']}" for r in summary["findings"]] == []
-    assert code == 0 and summary["ran"] == 150 and summary["modifiers"]
+    assert code == 0 and summary["ran"] == n
+    return summary
 
 
 @cuda
 def test_fuzzer_finds_nothing_in_500_configurations_with_broadcast_leading_dims(tmp_path):
     # Key and value leading dims of 1 against the query's: torch's fused kernels take equal batch
     # dims only, so these reach its math kernel or ours on broadcast views.
-    path = tmp_path / "fuzz.json"
-    code = main(["--device", "cuda", "--n", "500", "--seed", "20261129", "--jobs", "15", "--broadcast",
-                 "--json", str(path)])
-    summary = json.loads(path.read_text())
-    assert [f"{r['status']}: {r.get('why', '')[:200]} | {r['repro']}" for r in summary["findings"]] == []
-    assert code == 0 and summary["ran"] == 500 and summary["broadcast"]
+    assert _clean_run(tmp_path, 500, 20261129, "--broadcast")["broadcast"]
 
 
 @cuda
