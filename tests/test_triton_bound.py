@@ -359,3 +359,27 @@ def test_a_site_whose_arguments_hold_an_object_other_than_a_tensor_or_a_scalar_i
     holder = type("Descriptor", (), {"base": x})()
     B.site_launch(sites, "descriptor", Fn(), (1,), (x,), lambda: ((x, holder), {}))
     assert len(sites) == 1  # not kept
+
+
+def test_site_launches_are_on_by_default_off_with_the_environment_and_never_under_the_interpreter(monkeypatch):
+    monkeypatch.setattr(B, "_sites", None)
+    monkeypatch.setattr(B, "interpreting", lambda: False)
+    monkeypatch.delenv("ADAATTN_TRITON_SITES", raising=False)
+    assert B.sites_enabled()
+    monkeypatch.setattr(B, "_sites", None)
+    monkeypatch.setenv("ADAATTN_TRITON_SITES", "0")
+    assert not B.sites_enabled()
+    monkeypatch.setattr(B, "_sites", None)
+    monkeypatch.delenv("ADAATTN_TRITON_SITES")
+    monkeypatch.setattr(B, "interpreting", lambda: True)
+    assert not B.sites_enabled()
+    B.set_sites_enabled(True)
+    assert not B.sites_enabled()  # (set_sites_enabled cannot turn them on under the interpreter either)
+    monkeypatch.setattr(B, "interpreting", lambda: False)
+    monkeypatch.setattr(B, "_enabled", None)
+    monkeypatch.delenv("ADAATTN_TRITON_BOUND", raising=False)
+    B.set_sites_enabled(True)
+    assert B.sites_enabled() and not B.enabled()  # the generic key is its own switch, off by default
+    B.set_sites_enabled(False)
+    assert not B.sites_enabled()
+    B.set_sites_enabled(None)
