@@ -333,20 +333,14 @@ def test_a_site_whose_arguments_hold_an_object_other_than_a_tensor_or_a_scalar_i
     which a site's template would keep for every later call: such a site is not kept, and each
     call launches through triton."""
     class Stub:
-        def __init__(self):
-            self.entries = {}
-
         def key(self, args, kw):
             return ("k",), list(args)
 
-        def launch_found(self, grid, args, kw, found):
-            self.entries[found[0]] = B._Entry.__new__(B._Entry)
-
     launched = []
 
-    class Fn:
+    class Fn:  # triton's own launch: records it, returns the compiled kernel's stand-in
         def __getitem__(self, grid):
-            return lambda *a, **k: launched.append(a)
+            return lambda *a, **k: launched.append(a) or _Kernel("k")
 
     stub = Stub()
     monkeypatch.setattr(B, "_kernel_of", lambda fn: stub)
@@ -355,10 +349,11 @@ def test_a_site_whose_arguments_hold_an_object_other_than_a_tensor_or_a_scalar_i
     x = torch.zeros(4)
     sites: dict = {}
     B.site_launch(sites, "plain", Fn(), (1,), (x,), lambda: ((x, 3, 2.0, "s", None), {}))
-    assert len(sites) == 1  # tensors and scalars: kept
+    assert len(sites) == 1 and len(launched) == 1  # tensors and scalars: kept, after triton's own launch
     holder = type("Descriptor", (), {"base": x})()
-    B.site_launch(sites, "descriptor", Fn(), (1,), (x,), lambda: ((x, holder), {}))
-    assert len(sites) == 1  # not kept
+    for _ in range(2):
+        B.site_launch(sites, "descriptor", Fn(), (1,), (x,), lambda: ((x, holder), {}))
+    assert len(sites) == 1 and len(launched) == 3  # not kept: each call through triton's own launch
 
 
 def test_site_launches_are_on_by_default_off_with_the_environment_and_never_under_the_interpreter(monkeypatch):

@@ -21,6 +21,10 @@ steps aside, to `kernel[grid]`, under the interpreter, with triton's launch hook
 read their metadata), with pre-run hooks or a stages-inspection hook, for a callable grid, and when
 ADAATTN_TRITON_BOUND is not 1. Kernels are compiled for the current CUDA device, as triton does, and the
 device is part of the key. Off unless ADAATTN_TRITON_BOUND=1 (see enabled()).
+
+Site launches (site_launch) are the other path, on by default (sites_enabled()): a call site that
+knows its launch keeps the compiled kernel of triton's own first launch and an argument template,
+and later calls slot in their tensors. A call the site does not know launches through triton.
 """
 
 from __future__ import annotations
@@ -311,10 +315,12 @@ def site_launch(sites: dict, key, fn, grid: tuple, tensors: tuple, build) -> Non
     if found is None:
         fn[grid](*args, **kw)
         return
-    b.launch_found(grid, args, kw, found)
-    entry = b.entries.get(found[0])
-    if entry is None:
+    # triton's own launch, always, where the site is not known (the generic key only orders the
+    # arguments here: a miss never launches through it); the compiled kernel it ran is the site's.
+    kernel = fn[grid](*args, **kw)
+    if kernel is None or not hasattr(kernel, "packed_metadata") or not hasattr(kernel, "function"):
         return
+    entry = _Entry(kernel)
     first: dict[int, int] = {}
     groups: dict[int, list[int]] = {}
     for j, t in enumerate(tensors):
