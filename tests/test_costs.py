@@ -102,6 +102,12 @@ def test_an_approximate_runner_measured_slower_than_exact_never_runs(cost_file):
         assert name not in plan.candidates
         assert any("cheapest option measures 3 ms against" in r for r in dict(plan.reasons)[name]), \
             dict(plan.reasons)[name]
+    # The levels' predictions are kernel time: an exact runner's measured host time (here 5 ms, so
+    # its cost is 7 ms) does not make a slower quantized kernel look faster than its kernel.
+    cost_file([costs.entry(n, arch, problem, 2.0) for n in exact] + levels
+              + [costs.host_entry(n, arch, 5000.0) for n in exact])
+    plan = planner.make_plan(problem, policy)
+    assert plan.backend not in approximate and all(n not in plan.candidates for n in approximate)
 
 
 def test_calibrate_suite_writes_costs_the_planner_then_reads(tmp_path, monkeypatch):
@@ -142,7 +148,8 @@ def test_a_runner_s_host_time_is_added_to_its_kernel_time_so_a_small_call_runs_t
     cost_file(kernels + [costs.host_entry(a, arch, 30.0), costs.host_entry(b, arch, 15.0)])
     plan = planner.make_plan(problem, policy)
     assert plan.backend == b and dict(plan.costs)[b] == pytest.approx(0.012 + 0.015)
-    assert costs.predict(a, arch, problem) == pytest.approx(0.010 + 0.030)
+    assert planner.REGISTRY[a].cost(problem) == pytest.approx(0.010 + 0.030)
+    assert costs.predict(a, arch, problem) == pytest.approx(0.010)  # kernel time alone, as the levels' are
     cost_file([costs.entry(n, arch, problem, 0.010 if n == a else 1.0) for n in names]
               + [costs.host_entry(a, arch, 30.0), costs.host_entry(b, arch, 15.0)])
     assert planner.make_plan(problem, policy).backend == a  # b's kernel at 1 ms: host time does not save it

@@ -10,8 +10,10 @@ measured lengths (the nearest one outside their range). No entry for the class: 
 
 Host entries ({"runner", "arch", "host_us"}, CUDA only) say what a runner's call costs the host
 before its kernels start (the GPU held busy meanwhile). A one-call-at-a-time latency is host plus
-kernel time, and small calls are host time: a prediction adds the runner's host time where one is
-measured, so a kernel faster by less than its extra host cost does not win.
+kernel time, and small calls are host time: an exact runner's cost (backends/base.Runner.cost) adds
+its host time where one is measured, so a kernel faster by less than its extra host cost does not
+win. predict() is kernel time alone (the quantized levels have no host entries: the planner
+compares them with an exact runner's kernel time).
 """
 
 from __future__ import annotations
@@ -154,7 +156,7 @@ def predict(runner: str, arch: str, problem) -> float | None:
         (n0, r0), (n1, r1) = below[-1], above[0]
         t = 0.0 if n1 == n0 else (x - math.log2(n0)) / (math.log2(n1) - math.log2(n0))
         rate = r0 + t * (r1 - r0)
-    return rate * work(problem) + host_ms(runner, arch)
+    return rate * work(problem)
 
 
 def write(path: Path, entries: list[dict], merge: bool = True) -> Path:

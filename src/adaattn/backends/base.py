@@ -44,10 +44,13 @@ class Runner:
 
     def cost(self, problem: Problem, launch: Any = None) -> Optional[float]:
         """Predicted milliseconds from measurements for this GPU family (adaattn.costs: the
-        committed ones and the user's own calibration), or None where there are none. `launch`
+        committed ones and the user's own calibration; kernel time plus the runner's measured host
+        time a call, where there is one), or None where there are none. `launch`
         (this runner's prepare(...)) narrows the prediction where it matters (an approximate
         runner's allowed levels, say)."""
-        return costs.predict(self.name, hardware.arch(problem.device_type, problem.device_index), problem)
+        arch = hardware.arch(problem.device_type, problem.device_index)
+        kernel = costs.predict(self.name, arch, problem)
+        return None if kernel is None else kernel + costs.host_ms(self.name, arch)
 
     def attach_exact(self, launch: Any, exact: "ExactAlternative") -> Any:
         """The launch description of an approximate runner, told which exact runner the planner

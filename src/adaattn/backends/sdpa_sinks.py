@@ -104,8 +104,8 @@ class SdpaSinksRunner(Runner):
         plain = costs.predict(f"sdpa.{self.kernel}", arch, replace(problem, sinks=False))
         if plain is None:
             return None
-        host = costs.host_ms(f"sdpa.{self.kernel}", arch)  # the kernel's time scales; its host time is its own
-        return (plain - host) * SINK_PASS + (costs.host_ms(self.name, arch) or host)
+        # the kernel's time scales; the host time is the sinks runner's own where measured
+        return plain * SINK_PASS + (costs.host_ms(self.name, arch) or costs.host_ms(f"sdpa.{self.kernel}", arch))
 
     def supports(self, problem, policy) -> list[str]:
         reasons = []

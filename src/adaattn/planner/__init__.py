@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .. import hardware, policy as policy_mod, settings
+from .. import costs, hardware, policy as policy_mod, settings
 from ..adaptive.rank import rank_runners
 from ..adaptive.runner import adaptive_runners
 from ..backends import ExactAlternative, Runner, exact_runners
@@ -202,12 +202,21 @@ def _by_cost(problem: Problem, candidates: list[str], launches: dict, reasons: d
     approximate = []
     for n in (n for n in candidates if not REGISTRY[n].exact):
         best = exact[0] if exact else None
-        if best is not None and timed[n] is not None and timed[best] is not None and timed[n] >= timed[best]:
+        kernel = _kernel_ms(best, problem, timed.get(best))  # the levels' predictions are kernel time
+        if best is not None and timed[n] is not None and kernel is not None and timed[n] >= kernel:
             reasons[n].append(f"meets the policy but its cheapest option measures {timed[n]:.3g} ms against "
-                              f"{best}'s {timed[best]:.3g} ms here.")
+                              f"{best}'s {kernel:.3g} ms here.")
         else:
             approximate.append(n)
     return approximate + exact, timed
+
+
+def _kernel_ms(name: str | None, problem: Problem, predicted: float | None) -> float | None:
+    """An exact runner's predicted kernel time: its cost less its measured host time, as the
+    approximate runners' level predictions are (they have no host entries)."""
+    if name is None or predicted is None:
+        return predicted
+    return predicted - costs.host_ms(name, hardware.arch(problem.device_type, problem.device_index))
 
 
 def _with_exact_alternative(problem: Problem, candidates: list[str], launches: dict, timed: dict) -> tuple:
@@ -223,7 +232,8 @@ def _with_exact_alternative(problem: Problem, candidates: list[str], launches: d
             def run(q, k, v, attn_mask, problem, label=None, runner=runner, exact_launch=exact_launch):
                 return runner.run(q, k, v, attn_mask, problem, exact_launch, label)
 
-            launch = REGISTRY[n].attach_exact(launch, ExactAlternative(exact, timed.get(exact), run))
+            launch = REGISTRY[n].attach_exact(launch, ExactAlternative(exact, _kernel_ms(exact, problem,
+                                                                                         timed.get(exact)), run))
         out.append(launch)
     return tuple(out)
 
