@@ -290,6 +290,11 @@ def test_unfloored_bias_rows_of_finfo_min_are_shifted_to_peak_at_zero(dtype):
     live = [0, 1, 3]
     assert torch.allclose(torch.softmax(s[live].double(), -1), torch.softmax(m[live].double(), -1), atol=1e-6)
     assert torch.equal(efficient_bias(m, dtype, 4, floor=False), s)
+    wide = m[None, None].expand(3, 5, 4, 4)  # a broadcast mask stays broadcast: no full-size copy
+    shifted = row_shifted(wide)
+    assert torch.equal(shifted, s.expand(3, 5, 4, 4)) and shifted.stride()[:2] == (0, 0)
+    half = torch.tensor([[-65504.0, -65504.0]], dtype=torch.float16)
+    assert row_shifted(half) is half  # float16: nothing can overflow, nothing is copied
     assert not torch.equal(efficient_bias(m, dtype, 4, floor=True), s)  # forward-only calls keep the floor
 
 

@@ -105,9 +105,14 @@ def row_shifted(attn_mask: torch.Tensor) -> torch.Tensor:
     at its peak. That is not SDPA's answer there (uniform weights over those keys: the scores
     vanish under the bias in float32 and float64), which no bias gives a kernel that adds the
     scores back; it is finite where torch's own kernels are not. Used where gradients are taken."""
-    top = attn_mask.detach().amax(-1, keepdim=True)
+    if torch.finfo(attn_mask.dtype).min >= SHIFT_BELOW:  # float16: no value of the dtype overflows
+        return attn_mask
+    # Broadcast dims (stride 0) once: an expanded mask stays expanded, not laid out at full size.
+    base = attn_mask[tuple(slice(0, 1) if st == 0 and n > 1 else slice(None)
+                           for st, n in zip(attn_mask.stride(), attn_mask.shape))]
+    top = base.detach().amax(-1, keepdim=True)
     low = (top < SHIFT_BELOW) & (top > float("-inf"))
-    return attn_mask - torch.where(low, top, torch.zeros((), dtype=top.dtype, device=top.device))
+    return (base - torch.where(low, top, torch.zeros((), dtype=top.dtype, device=top.device))).expand(attn_mask.shape)
 
 
 # Rows peaking below this overflow in the kernels (bias x log2(e) < -3.4e38 from -2.36e38 on); above
