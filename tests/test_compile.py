@@ -80,3 +80,13 @@ def test_module_compiles_without_graph_break():
     # need_weights=False: the adaattn.attention path (True forms MultiheadAttention's weights).
     got = compiled(x, x, x, is_causal=True, need_weights=False)[0]
     assert torch.allclose(got, m(x, x, x, is_causal=True, need_weights=False)[0], atol=1e-5)
+
+
+def test_no_keys_compile_with_one_tensor_as_key_and_value():
+    """A call with no key answers before any runner (base.no_keys); under torch.compile(fullgraph)
+    a tensor passed as both key and value goes in once (a Function given one twice is refused)."""
+    q = torch.randn(1, 2, 3, 4, requires_grad=True)
+    k = torch.randn(1, 2, 0, 4, requires_grad=True)
+    out = torch.compile(lambda q, k: adaattn.attention(q, k, k), fullgraph=True, backend="aot_eager")(q, k)
+    dq, dk = torch.autograd.grad(out.sum(), (q, k))
+    assert out.shape == (1, 2, 3, 4) and not out.any() and not dq.any() and dk.shape == k.shape

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from .. import planner, stats
-from ..backends.base import NoKeys as _NoKeys
+from ..backends.base import no_keys
 from ..backends.varlen import check_varlen
 from ..policy import Policy
 from ..problem import NO_MODIFIERS, Documents, Modifiers, Problem, check_dropout, check_modifiers, check_scale, default_scale, documents, from_internal, validate, window_sides
@@ -110,8 +110,7 @@ def attention(
         if stats.enabled and not compiling:
             note = "no key to attend: zeros in the query's shape, as SDPA gives, and no kernel launched"
             _record(problem, plan, pol, label, (), {"ran": NO_KEYS, "option": NO_KEYS, "note": note}, None)
-        return _NoKeys.apply(query, key, value, attn_mask,
-                             *(t for t in (sinks, alibi_slopes) if isinstance(t, torch.Tensor)))
+        return no_keys(query, key, value, attn_mask, sinks, alibi_slopes)
     # torch's CPU SDPA runs its math kernel on a call that is not plain 4-D, on the tensors as given:
     # sdpa.cpu takes such a call in its own rank, so its result is torch's to the bit (flattened
     # to 4-D, math's batched products rounded differently: fp32 gradients of a 2-D call 3-5x torch's

@@ -117,15 +117,27 @@ class NoKeys(torch.autograd.Function):
     """Attention over no keys: every row is zero, SDPA's math answer, and so is every gradient.
     torch's own kernels are not asked (attention() answers such calls before any runner, and the SDPA
     runners for direct calls): on the CPU they gave NaN for float16 queries of magnitude
-    100 and more (torch 2.13, with or without GQA; a CPU fuzzer, seed 5501 #7292)."""
+    100 and more (torch 2.13, with or without GQA; a CPU fuzzer, seed 5501 #7292). Called through
+    no_keys, which passes each tensor once (torch.compile refuses a Function given one twice)."""
 
     @staticmethod
-    def forward(ctx, query, key, value, attn_mask, *others):
-        # others: more inputs the result does not depend on either (score modifiers): zero gradients too
-        ctx.like = [None if t is None else (t.shape, t.dtype, t.device) for t in (query, key, value, attn_mask, *others)]
-        return query.new_zeros(*query.shape[:-1], value.shape[-1])  # (torch's shape for no keys: the query's)
+    def forward(ctx, query, value_dim, *others):
+        # others: the inputs the result does not depend on (key, value, mask, score modifiers)
+        ctx.like = [(t.shape, t.dtype, t.device) for t in (query, *others)]
+        return query.new_zeros(*query.shape[:-1], value_dim)  # (torch's shape for no keys: the query's)
 
     @staticmethod
     def backward(ctx, grad):
-        return tuple(None if like is None else torch.zeros(like[0], dtype=like[1], device=like[2])
-                     for like in ctx.like)
+        zeros = [torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.like]
+        return (zeros[0], None, *zeros[1:])
+
+
+def no_keys(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *others) -> torch.Tensor:
+    """Zeros in the query's shape with the value's head dim, and zero gradients for the query, key,
+    value and every tensor among `others` (a mask, score modifiers; None and non-tensors skipped)."""
+    seen, rest = {id(query)}, []
+    for t in (key, value, *others):
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            rest.append(t)
+    return NoKeys.apply(query, value.shape[-1], *rest)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .. import hardware
-from .base import Declined, NoKeys as _NoKeys, Runner
+from .base import Declined, Runner, no_keys
 from ..problem import SMALL_SCORES
 from .masks import fold_positions
 
@@ -325,8 +325,8 @@ class SdpaRunner(Runner):
             return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=problem.dropout_p,
                                                   is_causal=problem.causal, scale=problem.scale,
                                                   enable_gqa=problem.gqa)
-        if problem.kv_len == 0:  # no key: every row is zero (see _NoKeys)
-            return _NoKeys.apply(query, key, value, attn_mask)
+        if problem.kv_len == 0:  # no key: every row is zero (see base.NoKeys)
+            return no_keys(query, key, value, attn_mask)
         # torch on the CPU runs its math kernel for inputs that are not plain 4-D (or broadcast
         # along a leading dim): the fused CPU kernel needs equal 4-D shapes. Those inputs come
         # here flattened to 4-D, where torch would pick the fused one, whose half-precision
