@@ -32,13 +32,15 @@ def test_broadcast_leading_dims_meet_the_standard_on_fuzzed_configurations():
     findings, drawn = [], 0
     for index in range(150):
         config = draw(20261129, index, "cpu", "default", broadcast=True)
-        drawn += config.kv_batch is not None
+        drawn += config.kv_batch is not None or config.q_batch is not None
         result = check(config, "cpu")
         if result["status"] != "ok":
             findings.append(f"{result['status']}: {result.get('why', '')[:200]} | {result['repro']}")
     assert findings == [] and drawn > 50
     plain, wide = draw(20261129, 3, "cpu"), draw(20261129, 3, "cpu", broadcast=True)
-    assert plain == type(plain)(**{**wide.__dict__, "kv_batch": None})
+    assert plain == type(plain)(**{**wide.__dict__, "kv_batch": None, "q_batch": None})
+    sides = [draw(20261129, i, "cpu", broadcast=True) for i in range(150)]
+    assert any(c.q_batch for c in sides) and any(c.kv_batch for c in sides)  # the query's side too
 
 
 def test_score_modifiers_meet_the_standard_on_fuzzed_configurations():

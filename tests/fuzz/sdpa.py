@@ -83,6 +83,7 @@ class Config:
     sinks: bool = False
     alibi: bool = False
     kv_batch: tuple | None = None  # (--broadcast) the key's and value's leading dims, 1 where they broadcast
+    q_batch: tuple | None = None  # (--broadcast) the query's, 1 where it broadcasts against the key's
 
     @property
     def modified(self) -> bool:
@@ -92,7 +93,7 @@ class Config:
         return (f"python -m tests.fuzz --device {device} --seed {self.seed} --only {self.index}"
                 + (f" --policy {self.policy}" if self.policy != "default" else "")
                 + (" --modifiers" if self.modified else "")
-                + (" --broadcast" if self.kv_batch is not None else ""))
+                + (" --broadcast" if self.kv_batch is not None or self.q_batch is not None else ""))
 
 
 def draw(seed: int, index: int, device: str, policy: str = "default", max_len: int = 300,
@@ -165,19 +166,23 @@ def draw(seed: int, index: int, device: str, policy: str = "default", max_len: i
         mask_grad=mask == "additive" and mask_fill != "-inf" and rng.random() < 0.3,
         grad=grad, logit_scale=rng.choice([1.0] * 8 + [30.0, 100.0]), pass_dropout=rng.random() < 0.3,
         policy=policy, **(_draw_modifiers(seed, index) if modifiers else {}),
-        kv_batch=_draw_broadcast(seed, index, batch) if broadcast else None,
+        **(_draw_broadcast(seed, index, batch) if broadcast else {}),
     )
 
 
-def _draw_broadcast(seed: int, index: int, batch: tuple) -> tuple | None:
-    """The key's leading dims: each of the query's above 1 made 1 at even odds (at least one where
-    any is above 1); None where nothing can broadcast (the plain draw's shapes)."""
+def _draw_broadcast(seed: int, index: int, batch: tuple) -> dict:
+    """Leading dims that broadcast: each dim above 1 made 1 at even odds (at least one where any is
+    above 1), on the key's side three times in four, else on the query's (the output keeps `batch`);
+    {} where nothing can broadcast (the plain draw's shapes)."""
     m = random.Random(seed * 1_000_003 + index + 0xB0C)
     wide = [i for i, n in enumerate(batch) if n > 1]
     if not wide:
-        return None
+        return {}
     ones = {i for i in wide if m.random() < 0.5} or {m.choice(wide)}
-    return tuple(1 if i in ones else n for i, n in enumerate(batch))
+    kv_side = {i for i in ones if m.random() < 0.75}
+    shrink = lambda side: tuple(1 if i in side else n for i, n in enumerate(batch))  # noqa: E731
+    return {"kv_batch": shrink(kv_side) if kv_side else None, "q_batch": shrink(ones - kv_side) if ones - kv_side
+            else None}
 
 
 def _draw_modifiers(seed: int, index: int) -> dict:
@@ -273,7 +278,7 @@ def build(config: Config, device: str) -> Inputs:
     gen = torch.Generator().manual_seed(config.seed * 1_000_003 + config.index)
     dtype = DTYPES[config.dtype]
     heads = config.rank >= 3
-    lead_q = config.batch + ((config.q_heads,) if heads else ())
+    lead_q = (config.q_batch or config.batch) + ((config.q_heads,) if heads else ())
     lead_k = (config.kv_batch or config.batch) + ((config.kv_heads,) if heads else ())
 
     def shape(lead, n, d):
@@ -294,7 +299,9 @@ def build(config: Config, device: str) -> Inputs:
         q, k, v = _reapply(ql, q), _reapply(kl, k), _reapply(vl, v)
     grad_out = None
     if config.grad or config.mask_grad:
-        out_shape = config.batch + ((config.q_heads,) if heads else ()) + (config.q_len, config.value_dim)
+        empty = config.q_len == 0 or config.kv_len == 0  # (the query's own leading dims then: reference)
+        lead = (config.q_batch or config.batch) if empty else config.batch
+        out_shape = lead + ((config.q_heads,) if heads else ()) + (config.q_len, config.value_dim)
         if config.layout == "bshd":
             out_shape = out_shape[:-3] + (out_shape[-2], out_shape[-3], out_shape[-1])
         grad_out = torch.randn(*out_shape, generator=gen, dtype=torch.float64).to(dtype).to(device)
@@ -345,7 +352,10 @@ def positions(config: Config, device) -> torch.Tensor:
 def reference(config: Config, q, k, v, mask, sinks=None, slopes=None) -> torch.Tensor:
     """float64 softmax attention, written here: SDPA's semantics (top-left causal, GQA, masks
     broadcast to (..., Hq, Nq, Nk), rows with no key give zeros) plus windows. Takes float64
-    tensors in the call's layout and returns the output in it."""
+    tensors in the call's layout and returns the output in it. With either side empty, SDPA's
+    answer is zeros in the query's own shape, leading dims unbroadcast (torch's rule; --broadcast)."""
+    if config.q_len == 0 or config.kv_len == 0:
+        return q.new_zeros(*q.shape[:-1], v.shape[-1]) + 0 * (q.sum() + k.sum() + v.sum())
     q, k, v = _bhsd(q, config.layout), _bhsd(k, config.layout), _bhsd(v, config.layout)
     if config.rank >= 3 and config.q_heads != config.kv_heads:
         groups = config.q_heads // config.kv_heads
