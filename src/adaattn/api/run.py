@@ -108,31 +108,24 @@ def _run(q, k, v, attn_mask, problem: Problem, plan: Plan, label: Optional[str] 
     """Run the plan (see _first_that_runs). Returns (out, failed runners, the decisions of the
     runner that ran when `recorded`). modifiers: the call's problem.Modifiers (None without any),
     handed to the runner, which the planner chose for applying them."""
-    if modifiers is None and not recorded:
-        # The steady path: the first candidate, called as it is (most calls end here); what it
-        # raises goes to _first_that_runs as that candidate's outcome, so no runner runs twice.
-        try:
-            return plan.runner.run(q, k, v, attn_mask, problem, plan.launches[0], label), (), None
-        except Exception as e:  # (Declined included)
-            first_error = e
-        out, failed = _first_that_runs(problem, plan,
-                                       lambda r, launch: r.run(q, k, v, attn_mask, problem, launch, label),
-                                       first_error)
-        return out, failed, None
-    kw = {} if modifiers is None else {"modifiers": modifiers}
     if recorded:
+        kw = {} if modifiers is None else {"modifiers": modifiers}
         (out, decisions), failed = _first_that_runs(
             problem, plan, lambda r, launch: r.run_recorded(q, k, v, attn_mask, problem, launch, label, **kw))
         return out, failed, decisions
+    if modifiers is None:  # (no keyword to pass: most calls)
+        def call(r, launch):
+            return r.run(q, k, v, attn_mask, problem, launch, label)
+    else:
+        def call(r, launch):
+            return r.run(q, k, v, attn_mask, problem, launch, label, modifiers=modifiers)
     # The steady path: the first candidate, called as it is (most calls end here); what it raises
     # goes to _first_that_runs as that candidate's outcome, so no runner runs twice.
     try:
-        return plan.runner.run(q, k, v, attn_mask, problem, plan.launches[0], label, **kw), (), None
+        return call(plan.runner, plan.launches[0]), (), None
     except Exception as e:  # (Declined included)
         first_error = e
-    out, failed = _first_that_runs(problem, plan,
-                                   lambda r, launch: r.run(q, k, v, attn_mask, problem, launch, label, **kw),
-                                   first_error)
+    out, failed = _first_that_runs(problem, plan, call, first_error)
     return out, failed, None
 
 

@@ -170,6 +170,11 @@ _CAN_USE = {
 }
 
 
+def _direct_dims(problem) -> bool:
+    """Head dims the aten ops take as they come: equal, multiples of 8."""
+    return problem.head_dim % 8 == 0 and problem.value_dim == problem.head_dim
+
+
 class _Route:
     """A planned SDPA call's route (SdpaRunner.prepare)."""
 
@@ -310,10 +315,7 @@ class SdpaRunner(Runner):
             plain = (self.device_type == "cpu" and problem.out_lead is None and problem.window is None
                      and not (problem.causal and (problem.mask_kind != "none" or problem.scale <= 0)))
             return PLAIN if plain else None
-        unit = dim_unit(self.kernel, problem.dtype)
-        loadable = problem.tma_aligned and problem.head_dim % unit == 0 and problem.value_dim % unit == 0
-        if (self.kernel in FUSED and loadable
-                and self._direct_ok(problem, problem.head_dim % 8 == 0 and problem.value_dim == problem.head_dim)):
+        if self.kernel in FUSED and self._loadable(problem) and self._direct_ok(problem, _direct_dims(problem)):
             return DIRECT
         return None
 
@@ -350,13 +352,17 @@ class SdpaRunner(Runner):
                 return self._run(query, key, value, attn_mask, problem)
         # Under torch.compile data pointers cannot be read (problem.tma_aligned is False there):
         # the compiled graph's tensors go to the kernel as they are.
-        unit = dim_unit(self.kernel, problem.dtype)
-        loadable = problem.tma_aligned and problem.head_dim % unit == 0 and problem.value_dim % unit == 0
-        if self.kernel in FUSED and not loadable and not torch.compiler.is_compiling():
+        if self.kernel in FUSED and not self._loadable(problem) and not torch.compiler.is_compiling():
             return self._run_fused_form(query, key, value, attn_mask, problem)
-        if self._direct_ok(problem, problem.head_dim % 8 == 0 and problem.value_dim == problem.head_dim):
+        if self._direct_ok(problem, _direct_dims(problem)):
             return self._direct(query, key, value, problem)
         return self._run(query, key, value, attn_mask, problem)
+
+    def _loadable(self, problem) -> bool:
+        """Whether the fused kernel loads q, k and v as they are (aligned views, head dims of whole
+        rows for it): else it runs on fused_form copies."""
+        unit = dim_unit(self.kernel, problem.dtype)
+        return problem.tma_aligned and problem.head_dim % unit == 0 and problem.value_dim % unit == 0
 
     def _direct_ok(self, problem, dims_ok: bool) -> bool:
         """Whether the call may go to the aten op SDPA itself would call (no mask, window, GQA or

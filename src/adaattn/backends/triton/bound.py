@@ -129,14 +129,7 @@ class BoundKernel:
         return lambda *args, **kw: self.launch(grid, args, kw)
 
     def _steps_aside(self, grid) -> bool:
-        if callable(grid):
-            return True
-        from triton import knobs
-
-        rt = knobs.runtime
-        return (_hook_set(rt.launch_enter_hook) or _hook_set(rt.launch_exit_hook)
-                or getattr(rt, "add_stages_inspection_hook", None) is not None
-                or bool(getattr(self.fn, "pre_run_hooks", None)))
+        return callable(grid) or _state(self.fn) is None
 
     def key(self, args: tuple, kw: dict) -> tuple[tuple, list] | None:
         """(the specialisation key, every argument in parameter order), or None where an argument

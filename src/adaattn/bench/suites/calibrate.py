@@ -158,9 +158,9 @@ def finish(args, rows) -> list[str]:
             continue
         cuda = cuda or problem.device_type == "cuda"
         entries.append(costs.entry(r["runner"], r["arch"], problem, r["ms"]))
-    if cuda:
-        entries += host_entries(torch.device("cuda", torch.cuda.current_device()))
     written = []
+    if cuda and (getattr(args, "out", None) is not None or getattr(args, "install", False)):
+        entries += host_entries(torch.device("cuda", torch.cuda.current_device()))
     if getattr(args, "out", None) is not None:
         written.append(str(costs.write(args.out / "costs.json", entries, merge=False)))
     if getattr(args, "install", False):
