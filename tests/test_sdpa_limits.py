@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from adaattn.backends.sdpa import efficient_bias, finite_floor, fused_form, fused_ready, row_shifted, sdpa_runners
+from adaattn.backends.sdpa import drowned_rows, efficient_bias, finite_floor, fused_form, fused_ready, sdpa_runners
 from adaattn.policy import Policy
 from adaattn.problem import Problem
 
@@ -275,27 +275,79 @@ def test_cudnn_bias_unmasks_dead_rows_and_names_the_live_ones(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_unfloored_bias_rows_of_finfo_min_are_shifted_to_peak_at_zero(dtype):
+def test_drowned_rows_are_found_and_moved_to_peak_at_zero(dtype):
     # seed 5411 #339 (H200): a row whose window keys all carried finfo.min overflowed to -inf in
     # cuDNN's kernel (0.40 output error, inf gradients) where SDPA gives uniform weights.
     low, inf = torch.finfo(dtype).min, math.inf
-    m = torch.tensor([[low, low, -inf, -inf], [0.0, low, -2.0, -inf], [-inf] * 4, [-7.0, -9.0, low, 3.0]],
-                     dtype=dtype)
-    s = row_shifted(m)
+    m = torch.tensor([[low, low, -inf, -inf], [0.0, low, -2.0, -inf], [-inf] * 4, [-7.0, -9.0, low, 3.0],
+                      [-1e30, -1e30, -1e30, low], [low, -3e38, low, -inf]], dtype=dtype)
+    s, rows = drowned_rows(m)
+    assert rows.flatten().tolist() == [True, False, False, False, True, True]
     assert torch.equal(s[0], torch.tensor([0.0, 0.0, -inf, -inf], dtype=dtype))
-    assert torch.equal(s[1], m[1]) and torch.equal(s[2], m[2])
-    assert torch.equal(s[3], m[3])  # a row that peaks above SHIFT_BELOW keeps its values
-    far = torch.tensor([[-1e4, -1e4 - 64, low], [-1e30, -1e30, low]], dtype=dtype)
-    assert torch.equal(row_shifted(far), far)  # no overflow there: torch's kernels' own answer stands
-    live = [0, 1, 3]
+    assert all(torch.equal(s[i], m[i]) for i in (1, 2, 3))  # other rows keep their values to the bit
+    assert s[5, 1].item() == 0.0 and s[5, 0].item() < -1e37 and s[5, 3].item() == -inf  # differences kept
+    live = [0, 1, 3, 4, 5]
     assert torch.allclose(torch.softmax(s[live].double(), -1), torch.softmax(m[live].double(), -1), atol=1e-6)
-    assert torch.equal(efficient_bias(m, dtype, 4, floor=False), s)
-    wide = m[None, None].expand(3, 5, 4, 4)  # a broadcast mask stays broadcast: no full-size copy
-    shifted = row_shifted(wide)
-    assert torch.equal(shifted, s.expand(3, 5, 4, 4)) and shifted.stride()[:2] == (0, 0)
+    wide = m[None, None].expand(3, 5, 6, 4)  # a broadcast mask stays broadcast: no full-size copy
+    shifted, w_rows = drowned_rows(wide)
+    assert torch.equal(shifted, s.expand(3, 5, 6, 4)) and shifted.stride()[:2] == (0, 0)
+    assert torch.equal(w_rows, rows[None, None])
+    plain = torch.tensor([[0.0, -1e4, -inf]], dtype=dtype)
+    assert drowned_rows(plain) == (plain, None)  # nothing drowned: nothing copied
     half = torch.tensor([[-65504.0, -65504.0]], dtype=torch.float16)
-    assert row_shifted(half) is half  # float16: nothing can overflow, nothing is copied
-    assert not torch.equal(efficient_bias(m, dtype, 4, floor=True), s)  # forward-only calls keep the floor
+    assert drowned_rows(half) == (half, None)  # float16: its finfo.min drowns nothing in float32
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+def test_drowned_rows_run_in_two_launches_give_sdpa_s_gradients(gqa):
+    """A fused kernel recomputes a drowned row's weights from a log-sum-exp that drowned too:
+    torch's fused CPU kernel, like the CUDA ones, gives gradients there n times SDPA's (0.7
+    relative here). The runner's two launches (_run_drowned) give SDPA's answer, forward and
+    backward, against a float64 softmax; here through torch's fused CPU kernel (no mask gradient
+    there; test_gpu_sdpa takes one)."""
+    from torch.nn.attention import SDPBackend
+
+    from adaattn.backends.sdpa import SdpaRunner
+
+    torch.manual_seed(0)
+    hk = 1 if gqa else 2
+    q = torch.randn(1, 2, 5, 16, requires_grad=True)
+    k, v = (torch.randn(1, hk, 6, 16, requires_grad=True) for _ in range(2))
+    m = torch.zeros(5, 6)
+    m[1] = torch.finfo(torch.float32).min
+    m[1, 4:] = -math.inf
+    m[2, :3], m[2, 3:] = torch.finfo(torch.float32).min, -1e30
+    m[4, :] = -1e26
+    go = torch.randn(1, 2, 5, 16)
+
+    def grads(fn, *args):
+        out = fn(*args)
+        return [out, *torch.autograd.grad(out, args[:3], go.to(out.dtype))]
+
+    def manual(q, k, v, m):
+        kk, vv = (t.repeat_interleave(2 // hk, dim=1) for t in (k, v))
+        return torch.softmax(q @ kk.transpose(-1, -2) / 4 + m, -1) @ vv
+
+    ref = grads(manual, *(t.detach().double().requires_grad_() for t in (q, k, v)), m.double())
+    # torch's fused CPU kernel drowns as the CUDA ones do; the two launches are the point
+    runner = SdpaRunner("sdpa.flash-cpu", SDPBackend.FLASH_ATTENTION, "cpu", (torch.float32,), native_gqa=False)
+    runner._check = lambda *args: None  # torch's checks are CUDA's
+    problem = _problem(batch=1, q_heads=2, kv_heads=hk, q_len=5, kv_len=6, head_dim=16, value_dim=16,
+                       dtype=torch.float32, device_type="cpu", mask_kind="additive", scale=0.25, needs_grad=True,
+                       gqa=gqa)
+
+    def two_launches(q, k, v, m):
+        shifted, rows = drowned_rows(m)
+        return runner._run_drowned(q, k, v, shifted, rows, problem)
+
+    def err(got):
+        return max(((a.double() - b).norm() / b.norm()).item() for a, b in zip(got, ref))
+
+    assert err(grads(two_launches, q, k, v, m)) < 1e-5
+    shifted, rows = drowned_rows(m)
+    one = grads(lambda q, k, v, m: runner._launch(q - q.detach() * rows, k, v, drowned_rows(m)[0], problem, False),
+                q, k, v, m)
+    assert err(one) > 1e-2  # the first launch alone misses the drowned rows' part of dk
 
 
 def test_a_planned_route_is_the_same_for_every_problem_of_its_plan_s_class():

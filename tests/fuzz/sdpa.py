@@ -671,17 +671,24 @@ def _floor(config: Config) -> float:
 
 def _torch_side(config: Config, inputs: Inputs, wrt: list, device: str):
     """torch's output and gradients at the input dtype: its default SDPA; where that raises or
-    gives a non-finite result, its math kernel; then its CPU kernel."""
+    gives a non-finite result, its math kernel (at the input dtype, then float32 inside); then its
+    CPU kernel."""
     from torch.nn.attention import SDPBackend
 
     if config.modified:  # no SDPA takes them: the models' eager attention at the input dtype
         return _forward_backward(lambda q, k, v, m, *mods: eager_yardstick(config, q, k, v, m, *mods), inputs,
                                  config, wrt)
-    attempts = [None] + ([SDPBackend.MATH, "cpu"] if device == "cuda" else [SDPBackend.MATH])
+    # Where torch's own kernel gives no finite answer, the yardstick is its math kernel computing at
+    # the input dtype (half inputs reduced in half, as the FlashAttention standard's reference), then
+    # its math kernel as it runs by default (float32 inside), then its CPU kernel. Measuring a bf16
+    # fused kernel against float32 arithmetic failed ours where torch's own gave inf (seed 5410
+    # #10815, seed 5411 #339: ours 2.3-3.6x math's float32 gradients, 0.2-0.9x its bf16 ones).
+    half_math = "math-half" if hasattr(torch.backends.cuda, "allow_fp16_bf16_reduction_math_sdp") else None
+    attempts = [None] + ([half_math] if half_math else []) + [SDPBackend.MATH] + (["cpu"] if device == "cuda" else [])
     if device == "cuda" and config.mask_grad and inputs.mask is not None:
         # torch 2.11's default (efficient) gradient of a mask faulted (illegal memory access) on
-        # broadcast masks: its math kernel is the answer torch gives safely.
-        attempts = attempts[1:]
+        # broadcast masks: its math kernel (as it runs by default) is the answer torch gives safely.
+        attempts = [SDPBackend.MATH, "cpu"]
     best = (None, [None] * len(wrt))
     for how in attempts:
         try:
@@ -689,6 +696,16 @@ def _torch_side(config: Config, inputs: Inputs, wrt: list, device: str):
                 cpu = _to_cpu(inputs)
                 out, grads = _forward_backward(lambda q, k, v, m: sdpa_yardstick(config, q, k, v, m), cpu, config,
                                                _wrt(cpu, config))
+            elif how == "math-half":
+                if config.dtype not in ("float16", "bfloat16"):
+                    continue  # the same kernel as the next attempt
+                was = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+                torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+                try:
+                    out, grads = _forward_backward(
+                        lambda q, k, v, m: sdpa_yardstick(config, q, k, v, m, SDPBackend.MATH), inputs, config, wrt)
+                finally:
+                    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(was)
             else:
                 out, grads = _forward_backward(lambda q, k, v, m: sdpa_yardstick(config, q, k, v, m, how), inputs,
                                                config, wrt)

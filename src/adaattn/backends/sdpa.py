@@ -94,37 +94,58 @@ def finite_floor(attn_mask: torch.Tensor) -> torch.Tensor:
     return torch.where(low, floor, attn_mask)
 
 
-def row_shifted(attn_mask: torch.Tensor) -> torch.Tensor:
-    """An additive mask whose rows that peak below SHIFT_BELOW (finfo.min's rows: every key of the
-    row masked that way) are moved to peak at 0; every other row keeps its values to the bit. The
-    fused kernels scale the bias by log2(e), and such a row overflows to -inf there: cuDNN gave
-    0.40 output error and inf gradients (seed 5411 #339: a window's two keys at finfo.min; H200,
-    torch 2.11, torch's own choice alike), and inf times a zero upstream gradient is NaN in dk and
-    dv (HF's left-padded query rows). Floored instead (finite_floor) the backward loses such a
-    row's log-sum-exp (see `_run`). Shifted, the row is finite: softmax of its scores over the keys
-    at its peak. That is not SDPA's answer there (uniform weights over those keys: the scores
-    vanish under the bias in float32 and float64), which no bias gives a kernel that adds the
-    scores back; it is finite where torch's own kernels are not. Used where gradients are taken."""
-    if torch.finfo(attn_mask.dtype).min >= SHIFT_BELOW:  # float16: no value of the dtype overflows
-        return attn_mask
+def drowned_rows(attn_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An additive mask's drowned rows: the mask with them moved to peak at 0, and (..., Nq, 1)
+    bool marking them; (the mask, None) where it has none (a read of the mask: one sync).
+
+    A row that peaks below DROWN_BELOW drowns its scores: in float32 and in the float64 reference
+    alike s + bias rounds to bias, so SDPA's answer is uniform weights over the keys at the row's
+    peak. A fused kernel cannot give it under gradients, whatever the bias:
+    - as it is, the kernels scale the bias by log2(e) and overflow from -2.36e38 on (finfo.min:
+      seed 5411 #339, cuDNN 0.40 output error and inf gradients, torch's own choice alike);
+    - moved to -1e30 the forward is right but the backward's weights, exp(s - lse) recomputed at
+      1e30, are exp of rounding noise there: inf gradients (seed 5412, H200);
+    - moved to peak at 0 the scores come back: softmax(s), not uniform.
+    So the caller runs such rows with their queries scaled to nothing (`_run_drowned`), on this
+    mask. Every other row keeps its values to the bit; broadcast dims stay broadcast. float16
+    masks are returned as they are: its finfo.min drowns nothing in float32."""
+    if torch.finfo(attn_mask.dtype).min >= DROWN_BELOW:
+        return attn_mask, None
     # Broadcast dims (stride 0) once: an expanded mask stays expanded, not laid out at full size.
-    base = attn_mask[tuple(slice(0, 1) if st == 0 and n > 1 else slice(None)
-                           for st, n in zip(attn_mask.stride(), attn_mask.shape))]
+    collapsed = [st == 0 and n > 1 for st, n in zip(attn_mask.stride(), attn_mask.shape)]
+    base = attn_mask[tuple(slice(0, 1) if c else slice(None) for c in collapsed)]
     top = base.detach().amax(-1, keepdim=True)
-    low = (top < SHIFT_BELOW) & (top > float("-inf"))
-    return (base - torch.where(low, top, torch.zeros((), dtype=top.dtype, device=top.device))).expand(attn_mask.shape)
+    rows = (top < DROWN_BELOW) & (top > float("-inf"))
+    if not bool(rows.any()):
+        return attn_mask, None
+    shifted = torch.where(rows, base - top, base)
+    return shifted.expand(attn_mask.shape), rows
 
 
-# Rows peaking below this overflow in the kernels (bias x log2(e) < -3.4e38 from -2.36e38 on); above
-# it a row is left as torch's own kernels take it (scores drowned in a bias of -1e30 give SDPA's
-# uniform weights, as the float64 reference does).
-SHIFT_BELOW = -2e38
+class _GradTimes(torch.autograd.Function):
+    """A tensor as it is, its gradient times a constant."""
+
+    @staticmethod
+    def forward(ctx, t, factor):
+        ctx.factor = factor
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+# Rows peaking below this drown their scores and their log-sum-exp alike in float32 (its spacing
+# there is 1.2e18): SDPA's weights are uniform over the keys at the peak.
+DROWN_BELOW = -1e25
+# A drowned row's query, scaled by this, gives scores that vanish against 1 in float32 (|s| < 1e5).
+DROWN_EPS = 2.0 ** -40
 
 
 def efficient_bias(attn_mask: torch.Tensor, dtype: torch.dtype, kv_len: int, floor: bool = True) -> torch.Tensor:
     """A mask as the efficient kernel takes it: additive in the query dtype (a bool mask turned
-    as SDPA turns it), finite values floored (finite_floor) where `floor`, else its rows shifted to
-    peak at 0 (row_shifted), keys along a unit-stride
+    as SDPA turns it), finite values floored (finite_floor) where `floor` (else the caller has
+    made its drowned rows safe: drowned_rows), keys along a unit-stride
     last dim, a 16-byte aligned base and 16-byte row strides (a mask broadcast over keys,
     transposed or at an odd offset is laid out, its rows padded as torch pads them)."""
     if attn_mask.dtype == torch.bool:
@@ -132,8 +153,6 @@ def efficient_bias(attn_mask: torch.Tensor, dtype: torch.dtype, kv_len: int, flo
             ~attn_mask, float("-inf"))
     elif floor:
         attn_mask = finite_floor(attn_mask)
-    else:
-        attn_mask = row_shifted(attn_mask)
     if attn_mask.shape[-1] != kv_len or (attn_mask.stride(-1) != 1 and kv_len > 1) or not aligned_rows(attn_mask):
         per_row = ALIGN_BYTES // attn_mask.element_size()  # elements in 16 bytes
         width = -(-kv_len // per_row) * per_row
@@ -432,11 +451,39 @@ class SdpaRunner(Runner):
                 attn_mask, problem.q_len, problem.kv_len, causal, problem.window, query.device, query.dtype
             )
             causal = False
+        if self.kernel in (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION) and problem.needs_grad \
+                and attn_mask is not None and attn_mask.dtype != torch.bool and not torch.compiler.is_compiling():
+            # With gradients, finite values are not floored (finite_floor): the kernel's backward
+            # recomputes the weights from the row's log-sum-exp, which a floored row loses (inf
+            # gradients in bfloat16, 3x torch's error in float32: a CUDA fuzzer, H100).
+            shifted, rows = drowned_rows(attn_mask)
+            if rows is not None:
+                return self._run_drowned(query, key, value, shifted, rows, problem)
+        return self._launch(query, key, value, attn_mask, problem, causal)
+
+    def _run_drowned(self, query, key, value, attn_mask, rows, problem):
+        """A call under gradients whose mask has drowned rows (drowned_rows: SDPA's answer there is
+        uniform weights over the keys at the row's peak), as two launches on the mask with those
+        rows moved to peak at 0:
+        - the first with their queries zeroed: scores 0, uniform weights, exact log-sum-exp. Its
+          output is the call's, and its gradients are SDPA's, except the drowned rows' part of dk
+          (dS q with q zeroed);
+        - the second gives that part: their queries scaled by DROWN_EPS (scores still vanish, weights
+          uniform), only their output gradient, and dk times 1 / DROWN_EPS.
+        Twice the kernel's time, only in calls whose mask drowns a row."""
+        rows = rows.to(query.dtype)
+        zeroed = query - (query.detach() * rows)  # 0 in drowned rows, the query elsewhere; dq passes whole
+        out = self._launch(zeroed, key, value, attn_mask, problem, False)
+        if not key.requires_grad:
+            return out
+        eps = torch.where(rows.bool(), torch.full((), DROWN_EPS, dtype=query.dtype, device=query.device),
+                          torch.ones((), dtype=query.dtype, device=query.device))
+        part = self._launch(query.detach() * eps, _GradTimes.apply(key, 1.0 / DROWN_EPS), value.detach(),
+                            attn_mask.detach(), problem, False)
+        return out + (part - part.detach()) * rows
+
+    def _launch(self, query, key, value, attn_mask, problem, causal):
         if self.kernel == SDPBackend.EFFICIENT_ATTENTION and attn_mask is not None:
-            # With gradients, finite values are not floored: the kernel's backward recomputes the
-            # weights from the row's log-sum-exp, which a floored row (-1e30) loses entirely (inf
-            # gradients in bfloat16, 3x torch's error in float32: a CUDA fuzzer, H100). Unfloored,
-            # the call is torch's own efficient call, forward and backward alike.
             attn_mask = efficient_bias(attn_mask, query.dtype, problem.kv_len, floor=not problem.needs_grad)
         live = None
         if self.kernel == SDPBackend.CUDNN_ATTENTION and attn_mask is not None:
