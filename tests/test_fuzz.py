@@ -143,12 +143,15 @@ def test_the_backward_takes_ds_in_two_roundings_only_where_torch_runs_math(monke
         assert runner.torch_runs_math_gradients(fused, policy)
     with settings.override(ds_split="off"):
         assert not runner.torch_runs_math_gradients(unfused, policy)
-    # torch's own order: flash, then efficient (no GQA there), then math, which leaves cuDNN unreached.
+    # torch's own order: flash, then efficient (no GQA there), then math, which leaves cuDNN unreached,
+    # except where torch prefers cuDNN (2.11 on Hopper and Blackwell: cuDNN first).
     gqa = dataclasses.replace(problem, gqa=True)
     assert planner.torch_takes_fused(problem, {"sdpa.flash": True})
     assert planner.torch_takes_fused(problem, {"sdpa.efficient": True})
-    assert not planner.torch_takes_fused(gqa, {"sdpa.efficient": True, "sdpa.cudnn": True})
-    assert not planner.torch_takes_fused(problem, {"sdpa.cudnn": True})
+    assert not planner.torch_takes_fused(gqa, {"sdpa.efficient": True, "sdpa.cudnn": True}, "sm80")
+    assert not planner.torch_takes_fused(problem, {"sdpa.cudnn": True}, "sm80")
+    from adaattn.backends.sdpa import CUDNN_WIDE
+    assert planner.torch_takes_fused(gqa, {"sdpa.efficient": True, "sdpa.cudnn": True}, "sm90") == CUDNN_WIDE
     # The planner sets torch_fused from torch's fused runners' own answers (here: none, on the CPU).
     assert planner.make_plan(problem, policy).launches[0].ds_split
     monkeypatch.setattr(planner.REGISTRY["sdpa.flash"], "supports", lambda p, pol: [])
@@ -228,3 +231,23 @@ def test_relative_errors_of_huge_values_do_not_overflow_to_infinity():
     ref = torch.full((3, 4), 1e277, dtype=torch.float64)
     assert rel_err(ref.clone(), ref, 1.0) == 0.0
     assert abs(rel_err(ref * 1.5, ref, 1.0) - 0.5) < 1e-12
+
+
+def test_half_gradients_where_torch_runs_math_run_math_first():
+    """seed 5300 #7381 (H200): float16 GQA, a bool mask, scale -0.5, with gradients: none of torch's
+    fused kernels takes it, so torch's answer is its math kernel's (float32 inside), and our Triton
+    backward's dq was 2.1x its error. There sdpa.math runs first; elsewhere the order stands."""
+    from adaattn import planner
+    from adaattn.problem import Problem
+
+    base = dict(batch=3, q_heads=4, kv_heads=1, q_len=983, kv_len=983, head_dim=128, value_dim=128,
+                dtype=torch.float16, device_type="cuda", device_index=0, causal=False, window_left=-1,
+                window_right=-1, mask_kind="bool", dropout_p=0.0, scale=-0.5, needs_grad=True, gqa=True,
+                torch_fused=False)
+    order = ["triton.ptr", "sdpa.math"]
+    notes = []
+    assert planner._math_where_torch_runs_math(Problem(**base), order, notes) == ["sdpa.math", "triton.ptr"]
+    assert notes and "math kernel" in notes[0]
+    for change in (dict(torch_fused=True), dict(dtype=torch.float32), dict(needs_grad=False), dict(device_type="cpu")):
+        assert planner._math_where_torch_runs_math(Problem(**{**base, **change}), order, []) == order
+    assert planner._math_where_torch_runs_math(Problem(**base), ["triton.ptr"], []) == ["triton.ptr"]

@@ -60,6 +60,25 @@ def test_triton_policy_with_empty_keys_gives_sdpa_zeros_without_a_launch_or_a_wa
     assert torch.equal(ours, theirs)
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_empty_query_broadcast_against_the_keys_batch_keeps_its_own_leading_dims(grad):
+    """seed 20261129 #462 (--broadcast, H200): a query of q_len 0 with batch 1 against keys of batch
+    2 gave (2, 2, 0, D) on CUDA, the runners' broadcast form; torch's SDPA gives the query's own
+    leading dims. Decided before any runner, on every device, with zero gradients."""
+    from adaattn.api.attention import NO_KEYS
+
+    q = torch.randn(1, 2, 0, 16, device=DEVICE, requires_grad=grad)
+    k, v = (torch.randn(2, 1, 5, 16, device=DEVICE, requires_grad=grad) for _ in range(2))
+    theirs = F.scaled_dot_product_attention(q.cpu(), k.cpu(), v.cpu(), enable_gqa=True)
+    with stats.collect() as recs:
+        ours = adaattn.attention(q, k, v, enable_gqa=True)
+    assert ours.shape == theirs.shape == (1, 2, 0, 16)
+    assert len(recs) == 1 and recs[0].backend == NO_KEYS
+    if grad:
+        dq, dk, dv = torch.autograd.grad(ours.sum(), (q, k, v))
+        assert dq.shape == q.shape and torch.equal(dk, torch.zeros_like(k)) and torch.equal(dv, torch.zeros_like(v))
+
+
 def _triton_attention():
     # A moved module fails here, never skips: these regressions must keep running.
     fn = getattr(adaattn, "triton_attention", None)

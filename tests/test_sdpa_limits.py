@@ -275,7 +275,7 @@ def test_cudnn_bias_unmasks_dead_rows_and_names_the_live_ones(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_drowned_rows_are_found_and_moved_to_peak_at_zero(dtype):
+def test_low_and_drowned_rows_are_found_and_moved_to_peak_at_zero(dtype):
     # seed 5411 #339 (H200): a row whose window keys all carried finfo.min overflowed to -inf in
     # cuDNN's kernel (0.40 output error, inf gradients) where SDPA gives uniform weights.
     low, inf = torch.finfo(dtype).min, math.inf
@@ -294,8 +294,14 @@ def test_drowned_rows_are_found_and_moved_to_peak_at_zero(dtype):
     assert torch.equal(w_rows, rows[None, None])
     plain = torch.tensor([[0.0, -1e4, -inf]], dtype=dtype)
     assert drowned_rows(plain) == (plain, None)  # nothing drowned: nothing copied
-    half = torch.tensor([[-65504.0, -65504.0]], dtype=torch.float16)
-    assert drowned_rows(half) == (half, None)  # float16: its finfo.min drowns nothing in float32
+    # Low rows that do not drown (cuDNN's backward gave inf dq at -1e4: seed 20261129 #132) are
+    # shifted alone; float16's finfo.min drowns nothing in float32.
+    for low_row in (torch.tensor([[-1e4, -1e4 - 64, -inf], [0.0, -1e4, -inf]], dtype=dtype),
+                    torch.tensor([[-65504.0, -65504.0], [1.0, -65504.0]], dtype=torch.float16)):
+        moved, none = drowned_rows(low_row)
+        assert none is None and torch.equal(moved[1], low_row[1])
+        assert torch.equal(moved[0], low_row[0] - low_row[0].max())
+        assert torch.allclose(torch.softmax(moved.double(), -1), torch.softmax(low_row.double(), -1))
 
 
 @pytest.mark.parametrize("gqa", [False, True])

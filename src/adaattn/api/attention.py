@@ -103,12 +103,14 @@ def attention(
         problem, pol, plan = hit
         modifiers = Modifiers(problem.softcap or None, sinks, alibi_slopes) if modified else NO_MODIFIERS
     mods = modifiers if modified else None
-    if problem.kv_len == 0:
-        # No key: zeros in the query's shape (its leading dims as given, not broadcast against the
-        # key's: torch's SDPA answers so, where a runner's (B, H, N, D) form would broadcast them),
-        # and zero gradients, whichever runner the plan names; recorded as run by no runner.
+    if problem.kv_len == 0 or problem.q_len == 0:
+        # No key, or no query: zeros in the query's shape (its leading dims as given, not broadcast
+        # against the key's: torch's SDPA answers so, where a runner's (B, H, N, D) form would
+        # broadcast them: seed 20261129 #462, H200), and zero gradients, whichever runner the plan
+        # names; recorded as run by no runner.
         if stats.enabled and not compiling:
-            note = "no key to attend: zeros in the query's shape, as SDPA gives, and no kernel launched"
+            note = (f"no {'key to attend' if problem.kv_len == 0 else 'query'}: zeros in the query's shape, as "
+                    "SDPA gives, and no kernel launched")
             _record(problem, plan, pol, label, (), {"ran": NO_KEYS, "option": NO_KEYS, "note": note}, None)
         return no_keys(query, key, value, attn_mask, sinks, alibi_slopes)
     # torch's CPU SDPA runs its math kernel on a call that is not plain 4-D, on the tensors as given:

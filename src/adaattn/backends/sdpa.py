@@ -95,31 +95,33 @@ def finite_floor(attn_mask: torch.Tensor) -> torch.Tensor:
 
 
 def drowned_rows(attn_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """An additive mask's drowned rows: the mask with them moved to peak at 0, and (..., Nq, 1)
-    bool marking them; (the mask, None) where it has none (a read of the mask: one sync).
+    """An additive mask as the fused kernels' backward takes it: its low rows moved to peak at 0,
+    and (..., Nq, 1) bool marking the drowned ones among them (None where there is none). A mask
+    with no low row comes back as it is. One read of the mask, and one sync.
 
-    A row that peaks below DROWN_BELOW drowns its scores: in float32 and in the float64 reference
-    alike s + bias rounds to bias, so SDPA's answer is uniform weights over the keys at the row's
-    peak. A fused kernel cannot give it under gradients, whatever the bias:
-    - as it is, the kernels scale the bias by log2(e) and overflow from -2.36e38 on (finfo.min:
-      seed 5411 #339, cuDNN 0.40 output error and inf gradients, torch's own choice alike);
-    - moved to -1e30 the forward is right but the backward's weights, exp(s - lse) recomputed at
-      1e30, are exp of rounding noise there: inf gradients (seed 5412, H200);
-    - moved to peak at 0 the scores come back: softmax(s), not uniform.
-    So the caller runs such rows with their queries scaled to nothing (`_run_drowned`), on this
-    mask. Every other row keeps its values to the bit; broadcast dims stay broadcast. float16
-    masks are returned as they are: its finfo.min drowns nothing in float32."""
-    if torch.finfo(attn_mask.dtype).min >= DROWN_BELOW:
-        return attn_mask, None
+    - A low row (peaking below LOW_PEAK, -inf rows aside): cuDNN's backward gave inf dq for rows of
+      -1e4 (seed 20261129 #132, H200, torch's own choice alike) where its forward was right.
+      Softmax does not see a row's shift, so the shifted row is the same problem, in a form every
+      kernel takes (its keys near the peak shift exactly: Sterbenz).
+    - A drowned row (peaking below DROWN_BELOW): its scores drown, in float32 and in the float64
+      reference alike (s + bias rounds to bias), so SDPA's answer is uniform weights over the keys
+      at the peak. No bias gives a fused kernel that answer under gradients: as it is, the kernels
+      scale the bias by log2(e) and overflow from -2.36e38 on (finfo.min: seed 5411 #339, cuDNN 0.40
+      output error, inf gradients); at -1e30 the backward's weights, exp(s - lse) recomputed at 1e30,
+      are exp of rounding noise (inf gradients, seed 5412); shifted to 0 the scores come back
+      (softmax(s)). The caller runs such rows with their queries scaled to nothing (_run_drowned).
+    Every other row keeps its values to the bit; broadcast dims stay broadcast."""
     # Broadcast dims (stride 0) once: an expanded mask stays expanded, not laid out at full size.
     collapsed = [st == 0 and n > 1 for st, n in zip(attn_mask.stride(), attn_mask.shape)]
     base = attn_mask[tuple(slice(0, 1) if c else slice(None) for c in collapsed)]
     top = base.detach().amax(-1, keepdim=True)
-    rows = (top < DROWN_BELOW) & (top > float("-inf"))
-    if not bool(rows.any()):
+    low = (top < LOW_PEAK) & (top > float("-inf"))
+    drowned = low & (top < DROWN_BELOW)
+    any_low, any_drowned = torch.stack((low.any(), drowned.any())).tolist()
+    if not any_low:
         return attn_mask, None
-    shifted = torch.where(rows, base - top, base)
-    return shifted.expand(attn_mask.shape), rows
+    shifted = torch.where(low, base - top, base)
+    return shifted.expand(attn_mask.shape), drowned if any_drowned else None
 
 
 class _GradTimes(torch.autograd.Function):
@@ -138,6 +140,8 @@ class _GradTimes(torch.autograd.Function):
 # Rows peaking below this drown their scores and their log-sum-exp alike in float32 (its spacing
 # there is 1.2e18): SDPA's weights are uniform over the keys at the peak.
 DROWN_BELOW = -1e25
+# Rows peaking below this are shifted to peak at 0 under gradients (drowned_rows).
+LOW_PEAK = -1e3
 # A drowned row's query, scaled by this, gives scores that vanish against 1 in float32 (|s| < 1e5).
 DROWN_EPS = 2.0 ** -40
 
@@ -456,9 +460,9 @@ class SdpaRunner(Runner):
             # With gradients, finite values are not floored (finite_floor): the kernel's backward
             # recomputes the weights from the row's log-sum-exp, which a floored row loses (inf
             # gradients in bfloat16, 3x torch's error in float32: a CUDA fuzzer, H100).
-            shifted, rows = drowned_rows(attn_mask)
+            attn_mask, rows = drowned_rows(attn_mask)
             if rows is not None:
-                return self._run_drowned(query, key, value, shifted, rows, problem)
+                return self._run_drowned(query, key, value, attn_mask, rows, problem)
         return self._launch(query, key, value, attn_mask, problem, causal)
 
     def _run_drowned(self, query, key, value, attn_mask, rows, problem):

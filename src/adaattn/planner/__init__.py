@@ -25,6 +25,7 @@ from ..adaptive.rank import rank_runners
 from ..adaptive.runner import adaptive_runners
 from ..backends import ExactAlternative, Runner, exact_runners
 from ..backends.base import modifier_reasons
+from ..backends.sdpa import CUDNN_WIDE
 from ..backends.ring_blocks import ring_block_runners
 from ..policy import Policy
 from ..problem import Problem, default_scale
@@ -112,12 +113,35 @@ def priority(problem: Problem, arch: str) -> tuple[str, ...]:
     return ()
 
 
-def torch_takes_fused(problem: Problem, takes: dict) -> bool:
-    """Whether torch's SDPA, by its own default order (flash, efficient, math, then cuDNN, which
-    math's acceptance of every call leaves unreached), would run a fused kernel on the call, from
-    the runners' own answers (`takes`, runner name -> no reasons). Its efficient kernel takes no GQA
-    (our sdpa.efficient repeats the heads): torch runs math there."""
+def torch_takes_fused(problem: Problem, takes: dict, arch: str = "") -> bool:
+    """Whether torch's SDPA, by its own default order, would run a fused kernel on the call, from
+    the runners' own answers (`takes`, runner name -> no reasons). Its order is flash, efficient,
+    math, then cuDNN (math's acceptance of every call leaves cuDNN unreached), except where it
+    prefers cuDNN: from torch 2.11 on Hopper and Blackwell, cuDNN comes first (on an H200 torch's
+    own answers equalled its pinned cuDNN kernel's to the bit, where flash's differed: CUDA fuzzer
+    seeds 5410-5413). Its efficient kernel takes no GQA (our sdpa.efficient repeats the heads):
+    torch runs math there."""
+    if CUDNN_WIDE and arch in TORCH_PREFERS_CUDNN and takes.get("sdpa.cudnn", False):
+        return True
     return takes.get("sdpa.flash", False) or (takes.get("sdpa.efficient", False) and not problem.gqa)
+
+
+TORCH_PREFERS_CUDNN = ("sm90", "sm100", "sm103")
+
+
+def _math_where_torch_runs_math(problem: Problem, candidates: list[str], notes: list[str]) -> list[str]:
+    """Half-precision gradients of a call torch's SDPA answers with its math kernel (no fused kernel
+    of its takes the call: problem.torch_fused False) are math's float32 ones, which a fused
+    kernel's half-precision backward misses by 2x and more (our Triton backward's dq 2.1x, seed 5300
+    #7381, H200, even with ds rounded twice): there sdpa.math runs first, as torch's does."""
+    if (problem.torch_fused or not problem.needs_grad or problem.device_type != "cuda"
+            or problem.dtype not in (torch.float16, torch.bfloat16) or "sdpa.math" not in candidates
+            or candidates[0] == "sdpa.math" or not REGISTRY[candidates[0]].exact):
+        return candidates
+    notes.append(f"torch's SDPA runs its math kernel on this call (none of its fused kernels takes it); its "
+                 f"float32 gradients are the standard, which {candidates[0]}'s half-precision backward misses: "
+                 "sdpa.math runs, as torch's does.")
+    return ["sdpa.math"] + [c for c in candidates if c != "sdpa.math"]
 
 
 def make_plan(problem: Problem, policy: Policy) -> Plan:
@@ -163,11 +187,12 @@ def make_plan(problem: Problem, policy: Policy) -> Plan:
         lines += [f"  {n}: {' '.join(reasons[n])}" for n in names]
         raise NoBackendError("\n".join(lines))
     # What torch's own SDPA would run (problem.torch_fused): some runners match its accuracy.
-    fused = torch_takes_fused(problem, takes)
+    fused = torch_takes_fused(problem, takes, arch)
     if fused != problem.torch_fused:
         problem = dataclasses.replace(problem, torch_fused=fused)
     launches = {n: REGISTRY[n].prepare(problem, policy) for n in candidates}
     candidates, timed = _by_cost(problem, candidates, launches, reasons)
+    candidates = _math_where_torch_runs_math(problem, candidates, notes)
     if not candidates:
         lines = [f"no runner can run {problem.describe()} under {policy}:"]
         lines += [f"  {n}: {' '.join(reasons[n])}" for n in names]
