@@ -150,7 +150,7 @@ def test_the_backward_takes_ds_in_two_roundings_only_where_torch_runs_math(monke
     assert planner.torch_takes_fused(problem, {"sdpa.efficient": True})
     assert not planner.torch_takes_fused(gqa, {"sdpa.efficient": True, "sdpa.cudnn": True}, "sm80")
     assert not planner.torch_takes_fused(problem, {"sdpa.cudnn": True}, "sm80")
-    from adaattn.backends.sdpa import CUDNN_WIDE
+    from adaattn.backends.sdpa_forms import CUDNN_WIDE
     assert planner.torch_takes_fused(gqa, {"sdpa.efficient": True, "sdpa.cudnn": True}, "sm90") == CUDNN_WIDE
     # The planner sets torch_fused from torch's fused runners' own answers (here: none, on the CPU).
     assert planner.make_plan(problem, policy).launches[0].ds_split

@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from adaattn.backends.sdpa import drowned_rows, efficient_bias, finite_floor, fused_form, fused_ready, sdpa_runners
+from adaattn.backends.sdpa import sdpa_runners
+from adaattn.backends.sdpa_forms import drowned_rows, efficient_bias, finite_floor, fused_form, fused_ready
 from adaattn.policy import Policy
 from adaattn.problem import Problem
 
@@ -239,7 +240,7 @@ def test_a_kernel_selection_refusal_declines_without_a_warning():
 
 
 def test_cudnn_takes_masks_value_dims_and_wide_heads_with_torch_2_11():
-    from adaattn.backends.sdpa import CUDNN_WIDE
+    from adaattn.backends.sdpa_forms import CUDNN_WIDE
 
     def _reasons(name, problem):  # what the kernel takes (this machine has no GPU to ask about)
         return " ".join(r for r in RUNNERS[name].supports(problem, Policy()) if "compute capability" not in r)
@@ -257,7 +258,7 @@ def test_cudnn_takes_masks_value_dims_and_wide_heads_with_torch_2_11():
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.float16])
 def test_cudnn_bias_unmasks_dead_rows_and_names_the_live_ones(dtype):
-    from adaattn.backends.sdpa import cudnn_bias
+    from adaattn.backends.sdpa_forms import cudnn_bias
 
     keep = torch.rand(2, 1, 6, 7) < 0.6
     keep[0, 0, 2] = False  # a dead row

@@ -95,7 +95,7 @@ def diagnose(config: fz.Config, device: str) -> dict:
             torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(was)
     if device == "cuda" and inputs.mask is not None and inputs.mask.dtype != torch.bool:
         # torch's efficient kernel on the mask as the efficient runner floors it (finite_floor)
-        from adaattn.backends.sdpa import finite_floor
+        from adaattn.backends.sdpa_forms import finite_floor
 
         fresh = fz._for_torch(fz.build(config, device), config)
         floored = finite_floor(fresh.mask.detach()).contiguous()

@@ -25,7 +25,7 @@ from torch.autograd.function import once_differentiable
 from .. import costs, hardware
 from .base import Runner
 from .modifiers import modified_attention, sink_backward, sink_margin
-from .sdpa import ALIGN_DIM, CUDNN_WIDE, HALF, fused_ready
+from .sdpa_forms import ALIGN_DIM, CUDNN_WIDE, HALF, fused_ready
 
 
 # The sink's passes over the output (scale it; in the backward, w g and d sinks) against the

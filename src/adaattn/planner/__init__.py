@@ -25,7 +25,7 @@ from ..adaptive.rank import rank_runners
 from ..adaptive.runner import adaptive_runners
 from ..backends import ExactAlternative, Runner, exact_runners
 from ..backends.base import modifier_reasons
-from ..backends.sdpa import CUDNN_WIDE
+from ..backends.sdpa_forms import CUDNN_WIDE
 from ..backends.ring_blocks import ring_block_runners
 from ..policy import Policy
 from ..problem import Problem, default_scale
