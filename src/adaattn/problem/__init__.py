@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass
 
 import torch
 
-LAYOUTS = ("bhsd", "bshd")
+from .arguments import (  # noqa: F401 (the package's names, as before it was split)
+    LAYOUTS, NUMBER, _broadcast, _broadcastable, _name, check_dropout, check_layout, check_scale, check_window,
+    sdpa_float,
+)
+from .documents import Documents, documents  # noqa: F401
+from .modifiers import (  # noqa: F401
+    NO_MODIFIERS, Modifiers, check_modifier_tensor, check_sinks_shape, check_softcap,
+)
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 # Dispatch buckets on max(q_len, kv_len). Under torch.compile(dynamic=True) each bucket
@@ -160,59 +167,6 @@ class Problem:
         return ", ".join(parts)
 
 
-@dataclass(frozen=True)
-class Modifiers:
-    """The score modifiers of one call, applied to each score s = scale * q.k before masking:
-
-    softcap c > 0:   s -> c * tanh(s / c)                      (Gemma 2's logit soft-capping)
-    alibi_slopes m:  s -> s - m[b, h] * |i - j|                (ALiBi; positions aligned as the causal
-                     mask is: query i at i, or at i + Nk - Nq where the call is bottom-right)
-    sinks z:         softmax over the row's keys and one more logit z[h] that carries no value, so
-                     out_i = sum_j exp(s_ij) v_j / (exp(z[h]) + sum_j exp(s_ij))   (gpt-oss's s_aux)
-
-    A row with every key masked gives zeros, with or without a sink. A further modifier slots in as
-    one more field here, its check in check_modifiers, its term in the reference
-    (backends/reference.py) and in the runners that apply it (their `modifiers`)."""
-
-    softcap: float | None = None
-    sinks: torch.Tensor | None = None  # (Hq,)
-    alibi_slopes: torch.Tensor | None = None  # (Hq,) or (B, Hq)
-
-
-NO_MODIFIERS = Modifiers()
-
-
-def check_softcap(softcap: object) -> float | None:
-    """softcap as the API takes it (a float > 0, or a 0-d float tensor), as a float; None stays None."""
-    if softcap is None:
-        return None
-    if isinstance(softcap, torch.Tensor) and softcap.dim() == 0 and softcap.is_floating_point():
-        softcap = float(softcap)
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"softcap must be a float > 0 or None, got {_name(softcap)}")
-    cap = float(softcap)
-    if not (cap > 0 and math.isfinite(cap)):
-        raise ValueError(f"softcap must be a finite float > 0 (scores become softcap * tanh(s / softcap)), "
-                         f"got {softcap}")
-    return cap
-
-
-def check_modifier_tensor(name: str, t: object, device_type: str) -> None:
-    """sinks or alibi_slopes: a floating tensor on the query's device."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or None, got {_name(t)}")
-    if not t.is_floating_point():
-        raise TypeError(f"{name} must have a floating dtype, got {t.dtype}")
-    if t.device.type != device_type:
-        raise ValueError(f"{name} must be on the query's device ({device_type}), got {t.device}")
-
-
-def check_sinks_shape(sinks: torch.Tensor, heads: int) -> None:
-    if tuple(sinks.shape) != (heads,):
-        raise ValueError(f"sinks must have shape (Hq,) = ({heads},): one logit per query head, got "
-                         f"{tuple(sinks.shape)}")
-
-
 def check_modifiers(problem: Problem, softcap: object = None, sinks: object = None,
                     alibi_slopes: object = None) -> tuple[Problem, Modifiers]:
     """Check the score modifiers of a call against its problem; returns the problem with their facts
@@ -276,99 +230,6 @@ def tma_aligned(*tensors: torch.Tensor) -> bool:
         if any(st == 0 and n > 1 for st, n in zip(t.stride(), t.shape)):  # expanded: rows alias
             return False
     return True
-
-
-def _name(t: object) -> str:
-    if isinstance(t, torch.Tensor):
-        return f"Tensor(shape={tuple(t.shape)}, dtype={t.dtype}, device={t.device})"
-    return type(t).__name__
-
-
-def check_layout(layout: object) -> str:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    return layout  # type: ignore[return-value]
-
-
-def check_window(window: object) -> tuple[int | None, int | None] | None:
-    if window is None:
-        return None
-    ok = isinstance(window, (tuple, list)) and len(window) == 2
-    if ok:
-        for w in window:  # type: ignore[union-attr]
-            if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
-                ok = False
-    if not ok:
-        raise ValueError(
-            "window must be None or a pair (left, right) of non-negative ints or None "
-            f"(None = unbounded on that side), got {window!r}"
-        )
-    left, right = window  # type: ignore[misc]
-    if left is None and right is None:
-        return None
-    return (left, right)
-
-
-NUMBER = "(a Python or NumPy int or float, or a 0-d tensor, as SDPA takes)"
-
-
-def sdpa_float(name: str, value: object, allowed: str) -> float:
-    """`value` as a Python float, taking what torch's scaled_dot_product_attention takes for its
-    float arguments (scale, dropout_p): a Python int or float (bool included), a NumPy integer,
-    float or bool scalar, or a 0-d real tensor that does not require grad (read on the host once,
-    as SDPA reads it). Refused as SDPA refuses them: a tensor of one element but more dims, a
-    tensor that requires grad, a NumPy array, str, Fraction, Decimal; refused here too: complex
-    (SDPA drops a NumPy complex's imaginary part). TypeError names `name`, what it got, `allowed`."""
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, torch.Tensor):
-        if value.dim() == 0 and not value.requires_grad and not value.is_complex():
-            return float(value)
-        got = ("a tensor that requires grad" if value.requires_grad else
-               f"a complex tensor ({value.dtype})" if value.is_complex() else
-               f"a tensor of shape {tuple(value.shape)}")
-        raise TypeError(f"{name} must be {allowed} {NUMBER}, got {got}")
-    numpy = sys.modules.get("numpy")  # (a NumPy scalar means NumPy is imported; never import it here)
-    if numpy is not None and isinstance(value, (numpy.integer, numpy.floating, numpy.bool_)):
-        return float(value)
-    raise TypeError(f"{name} must be {allowed} {NUMBER}, got {type(value).__name__}")
-
-
-def check_scale(scale: object) -> float | None:
-    if scale is None:
-        return None
-    if type(scale) is not float:
-        scale = sdpa_float("scale", scale, "a float or None")
-    if not math.isfinite(scale):
-        raise ValueError(f"scale must be a finite float or None, got {scale!r}")
-    return scale
-
-
-def check_dropout(dropout_p: object) -> float:
-    if type(dropout_p) is not float:
-        dropout_p = sdpa_float("dropout_p", dropout_p, "a float in [0, 1]")
-    if not 0.0 <= dropout_p <= 1.0:
-        raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p!r}")
-    return dropout_p
-
-
-def _broadcastable(shape: tuple, target: tuple) -> bool:
-    if len(shape) > len(target):
-        return False
-    for s, t in zip(reversed(shape), reversed(target)):
-        if s != 1 and s != t:
-            return False
-    return True
-
-
-def _broadcast(shapes: list[tuple], names: str) -> tuple:
-    if all(tuple(s) == tuple(shapes[0]) for s in shapes[1:]):  # the common case, and plain for torch.compile
-        return tuple(shapes[0])
-    try:
-        return tuple(torch.broadcast_shapes(*shapes))
-    except RuntimeError:
-        raise ValueError(f"{names} batch dimensions {', '.join(str(tuple(s)) for s in shapes)} do not broadcast "
-                         "against each other") from None
 
 
 def validate(
@@ -544,67 +405,3 @@ def to_internal(problem: Problem, query, key, value, attn_mask):
 def from_internal(problem: Problem, out: torch.Tensor) -> torch.Tensor:
     """The (B, Hq, Nq, Dv) output in the call's own leading dims."""
     return out.reshape(*problem.out_lead, problem.q_len, problem.value_dim)
-
-
-@dataclass(frozen=True, eq=False)
-class Documents:
-    """Documents packed along the sequence axis (adaattn.documents): query i attends key j only
-    where both lie in one document. cu_seqlens (int32, on the ids' device) holds the start of
-    every document in flattened positions b * length + n, then batch * length; max_seqlen is
-    the longest document."""
-
-    cu_seqlens: torch.Tensor
-    max_seqlen: int
-    batch: int
-    length: int
-
-    def __repr__(self) -> str:
-        return (f"Documents({self.cu_seqlens.shape[0] - 1} documents over batch={self.batch} x "
-                f"length={self.length}, longest {self.max_seqlen})")
-
-    def for_batch(self, batch: int) -> "Documents":
-        """These documents repeated over `batch` rows (ids given once for every row)."""
-        if batch == self.batch:
-            return self
-        if self.batch != 1:
-            raise ValueError(f"documents cover a batch of {self.batch}, the tensors have {batch}")
-        starts = self.cu_seqlens[:-1]
-        rows = torch.arange(batch, device=starts.device, dtype=torch.int32)[:, None] * self.length
-        cu = torch.cat([(starts[None, :] + rows).reshape(-1),
-                        torch.full((1,), batch * self.length, dtype=torch.int32, device=starts.device)])
-        return Documents(cu, self.max_seqlen, batch, self.length)
-
-
-def documents(document_ids: object) -> Documents:
-    """Packed documents from per-position ids, as FlexAttention's document mask reads them:
-    `document_ids` (N,) or (B, N), integers; positions with equal ids in one row form one
-    document, which must be one contiguous run (ids need not be sorted or start at 0).
-    Build it once per batch and pass it to every layer's adaattn.attention(..., documents=...):
-    it reads the document count and longest length from the device once (a host sync).
-    Raises TypeError for non-integer ids, ValueError for another rank or a document split in
-    two runs."""
-    if not isinstance(document_ids, torch.Tensor):
-        try:
-            document_ids = torch.as_tensor(document_ids)
-        except (TypeError, ValueError, RuntimeError):
-            raise TypeError(f"document_ids must be an integer tensor, got {_name(document_ids)}") from None
-    ids = document_ids
-    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
-        raise TypeError(f"document_ids must be an integer tensor, got {ids.dtype}")
-    if ids.dim() not in (1, 2):
-        raise ValueError(f"document_ids must be (N,) or (B, N), got shape {tuple(ids.shape)}")
-    batch, length = (1, ids.shape[0]) if ids.dim() == 1 else tuple(ids.shape)
-    total = batch * length
-    if total >= 2 ** 31:
-        raise ValueError(f"document_ids cover {total} positions; at most 2**31 - 1 are addressable")
-    flat = ids.reshape(-1)
-    pos = torch.arange(total, device=ids.device)
-    new_run = (pos % max(length, 1) == 0) | (flat != flat.roll(1))
-    starts = new_run.nonzero().flatten()
-    pairs = torch.stack([starts // max(length, 1), flat[starts].long()], 1)
-    if torch.unique(pairs, dim=0).shape[0] != pairs.shape[0]:
-        raise ValueError("document_ids must hold each document in one contiguous run of positions (an id "
-                         "appears again after another id); give each run its own id")
-    cu = torch.cat([starts, torch.full((1,), total, device=ids.device, dtype=starts.dtype)]).to(torch.int32)
-    longest = int(cu.diff().max()) if cu.shape[0] > 1 else 0
-    return Documents(cu, longest, batch, length)
