@@ -151,7 +151,11 @@ def test_the_backward_takes_ds_in_two_roundings_only_where_torch_runs_math(monke
     assert not planner.torch_takes_fused(gqa, {"sdpa.efficient": True, "sdpa.cudnn": True}, "sm80")
     assert not planner.torch_takes_fused(problem, {"sdpa.cudnn": True}, "sm80")
     from adaattn.backends.sdpa_forms import CUDNN_WIDE
-    assert planner.torch_takes_fused(gqa, {"sdpa.efficient": True, "sdpa.cudnn": True}, "sm90") == CUDNN_WIDE
+    prefers = CUDNN_WIDE and torch.backends.cudnn.is_available() and (torch.backends.cudnn.version() or 0) >= 90900
+    assert planner.torch_takes_fused(gqa, {"sdpa.efficient": True, "sdpa.cudnn": True}, "sm90") == prefers
+    monkeypatch.setenv("TORCH_CUDNN_SDPA_DEPRIORITIZED", "1")
+    assert not planner.torch_takes_fused(gqa, {"sdpa.efficient": True, "sdpa.cudnn": True}, "sm90")
+    monkeypatch.delenv("TORCH_CUDNN_SDPA_DEPRIORITIZED")
     # The planner sets torch_fused from torch's fused runners' own answers (here: none, on the CPU).
     assert planner.make_plan(problem, policy).launches[0].ds_split
     monkeypatch.setattr(planner.REGISTRY["sdpa.flash"], "supports", lambda p, pol: [])
@@ -251,3 +255,6 @@ def test_half_gradients_where_torch_runs_math_run_math_first():
     for change in (dict(torch_fused=True), dict(dtype=torch.float32), dict(needs_grad=False), dict(device_type="cpu")):
         assert planner._math_where_torch_runs_math(Problem(**{**base, **change}), order, []) == order
     assert planner._math_where_torch_runs_math(Problem(**base), ["triton.ptr"], []) == ["triton.ptr"]
+    # A training-sized call keeps its fused kernel: math's weights would be B x H x N^2 float32.
+    big = Problem(**{**base, "q_len": 8192, "kv_len": 8192})
+    assert planner._math_where_torch_runs_math(big, order, []) == order

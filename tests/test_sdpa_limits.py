@@ -381,3 +381,66 @@ def test_a_planned_route_is_the_same_for_every_problem_of_its_plan_s_class():
                 key = (r.name, planner.plan_key(p, Policy()))
                 assert routes.setdefault(key, route) is route, (r.name, p)
     assert seen[DIRECT] and seen[PLAIN]
+
+
+def _drowned_case(dtype=torch.float32, mask_dtype=torch.float32):
+    torch.manual_seed(0)
+    q = torch.randn(1, 2, 5, 16, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(1, 2, 6, 16, dtype=dtype, requires_grad=True) for _ in range(2))
+    m = torch.zeros(5, 6, dtype=mask_dtype)
+    m[1] = torch.finfo(mask_dtype).min
+    m[1, 4:] = -math.inf
+    m[3] = -1e20  # masked_fill(-1e20), a common idiom: drowned too (uniform in float64)
+    go = torch.randn(1, 2, 5, 16, dtype=dtype)
+    return q, k, v, m, go
+
+
+def test_drowned_rows_under_dropout_draw_one_dropout_mask():
+    """The second launch draws the first's dropout mask (the generator's state put back around it):
+    with a kernel that drowns nothing (torch's math kernel, float32), the two launches give what
+    one launch of it gives on the same seed. Drawn afresh, dk was 0.75 off (a review)."""
+    from torch.nn.attention import SDPBackend
+
+    from adaattn.backends.sdpa import SdpaRunner
+
+    q, k, v, m, go = _drowned_case()
+    runner = SdpaRunner("sdpa.math-cpu", SDPBackend.MATH, "cpu", (torch.float32,))
+    runner._check = lambda *args: None
+    problem = _problem(batch=1, q_heads=2, kv_heads=2, q_len=5, kv_len=6, head_dim=16, value_dim=16,
+                       dtype=torch.float32, device_type="cpu", mask_kind="additive", scale=0.25, needs_grad=True,
+                       dropout_p=0.5)
+
+    def grads(fn):
+        torch.manual_seed(7)
+        out = fn()
+        return [out, *torch.autograd.grad(out, (q, k, v), go)]
+
+    def two():
+        shifted, rows = drowned_rows(m)
+        assert rows is not None
+        return runner._run_drowned(q, k, v, shifted, rows, problem)
+
+    def one():
+        with torch.nn.attention.sdpa_kernel(SDPBackend.MATH):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m, dropout_p=0.5, scale=0.25)
+
+    for a, b in zip(grads(two), grads(one)):
+        assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
+
+
+def test_float16_queries_against_a_float32_mask_of_finfo_min_get_sdpa_s_gradients():
+    """seed 5803 #1283 (CPU): float16 queries, a float32 mask of finfo.min: the second launch's
+    query scaled by 2^-40 underflowed float16 (dk 0.44 off); it runs in float32."""
+    import adaattn
+
+    q, k, v, m, go = _drowned_case(torch.float16, torch.float32)
+    m.requires_grad_()
+
+    def grads(qq, kk, vv, mm, policy=None):
+        out = adaattn.attention(qq, kk, vv, attn_mask=mm, policy=policy)
+        return [out, *torch.autograd.grad(out, (qq, kk, vv, mm), go.to(out.dtype))]
+
+    ours = grads(q, k, v, m)
+    ref = grads(*(t.detach().double().requires_grad_() for t in (q, k, v, m)))
+    for a, b in zip(ours, ref):
+        assert ((a.double() - b).norm() / b.norm()).item() < 2e-3

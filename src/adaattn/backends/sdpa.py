@@ -175,7 +175,8 @@ class SdpaRunner(Runner):
             return None
         if self.kernel is None:
             plain = (self.device_type == "cpu" and problem.out_lead is None and problem.window is None
-                     and not (problem.causal and (problem.mask_kind != "none" or problem.scale <= 0)))
+                     and not (problem.causal and (problem.mask_kind != "none" or problem.scale <= 0))
+                     and not (problem.needs_grad and problem.mask_kind == "additive"))  # drowned rows: _run
             return PLAIN if plain else None
         if self.kernel in FUSED and self._loadable(problem) and self._direct_ok(problem, _direct_dims(problem)):
             return DIRECT
@@ -294,11 +295,14 @@ class SdpaRunner(Runner):
                 attn_mask, problem.q_len, problem.kv_len, causal, problem.window, query.device, query.dtype
             )
             causal = False
-        if self.kernel in (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION) and problem.needs_grad \
-                and attn_mask is not None and attn_mask.dtype != torch.bool and not torch.compiler.is_compiling():
+        lse_backward = self.kernel in (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION) or (
+            self.kernel is None and query.device.type == "cpu")  # torch's fused CPU kernel drowns alike
+        if lse_backward and problem.needs_grad and attn_mask is not None and attn_mask.dtype != torch.bool \
+                and not torch.compiler.is_compiling():
             # With gradients, finite values are not floored (finite_floor): the kernel's backward
             # recomputes the weights from the row's log-sum-exp, which a floored row loses (inf
-            # gradients in bfloat16, 3x torch's error in float32: a CUDA fuzzer, H100).
+            # gradients in bfloat16, 3x torch's error in float32: a CUDA fuzzer, H100). On the CPU,
+            # torch's own gradients of rows of finfo.min were 2.7-4.6 relative (float32, bfloat16).
             attn_mask, rows = drowned_rows(attn_mask)
             if rows is not None:
                 return self._run_drowned(query, key, value, attn_mask, rows, problem)
@@ -316,14 +320,29 @@ class SdpaRunner(Runner):
         Twice the kernel's time, only in calls whose mask drowns a row."""
         rows = rows.to(query.dtype)
         zeroed = query - (query.detach() * rows)  # 0 in drowned rows, the query elsewhere; dq passes whole
+        dropout = problem.dropout_p > 0
+        if dropout:  # the second launch must draw the first's dropout mask (seed 5803 review: dk 0.75 off)
+            gen = _generator_state(query.device)
         out = self._launch(zeroed, key, value, attn_mask, problem, False)
         if not key.requires_grad:
             return out
-        eps = torch.where(rows.bool(), torch.full((), DROWN_EPS, dtype=query.dtype, device=query.device),
-                          torch.ones((), dtype=query.dtype, device=query.device))
-        part = self._launch(query.detach() * eps, _GradTimes.apply(key, 1.0 / DROWN_EPS), value.detach(),
-                            attn_mask.detach(), problem, False)
-        return out + (part - part.detach()) * rows
+        # float16 cannot hold a query scaled by 2^-40, nor a dk that small: that launch runs in float32
+        # (seed 5803 #1283, CPU: float16 queries against a float32 mask of finfo.min, dk 0.44 off).
+        wide = torch.float32 if query.dtype == torch.float16 else query.dtype
+        eps = torch.where(rows.bool(), torch.full((), DROWN_EPS, dtype=wide, device=query.device),
+                          torch.ones((), dtype=wide, device=query.device))
+        k_part = _GradTimes.apply(key.to(wide), 1.0 / DROWN_EPS)  # dk times 2^40 before any cast back
+        if dropout:
+            after = _generator_state(query.device)
+            _set_generator_state(query.device, gen)
+        try:
+            part = self._launch(query.detach().to(wide) * eps, k_part, value.detach().to(wide),
+                                attn_mask.detach().to(wide) if attn_mask.dtype == torch.float16 else attn_mask.detach(),
+                                problem, False)
+        finally:
+            if dropout:
+                _set_generator_state(query.device, after)
+        return out + (part - part.detach()).to(out.dtype) * rows
 
     def _launch(self, query, key, value, attn_mask, problem, causal):
         if self.kernel == SDPBackend.EFFICIENT_ATTENTION and attn_mask is not None:
@@ -397,3 +416,14 @@ def sdpa_runners() -> list[SdpaRunner]:
         ),
         SdpaRunner("sdpa.math", SDPBackend.MATH, "cuda", all_float),
     ]
+
+
+def _generator_state(device: torch.device):
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_generator_state(device: torch.device, state) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)

@@ -104,11 +104,12 @@ def drowned_rows(attn_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | 
     top = base.detach().amax(-1, keepdim=True)
     low = (top < LOW_PEAK) & (top > float("-inf"))
     drowned = low & (top < DROWN_BELOW)
-    if attn_mask.is_cuda and torch.cuda.is_current_stream_capturing():
-        # No read under CUDA-graph capture: every low row shifted, and two launches wherever the
-        # dtype can drown (twice the kernel, a right answer whatever the replayed mask holds).
-        can_drown = torch.finfo(attn_mask.dtype).min < DROWN_BELOW
-        return torch.where(low, base - top, base).expand(attn_mask.shape), drowned if can_drown else None
+    if torch.compiler.is_compiling() or (attn_mask.is_cuda and torch.cuda.is_current_stream_capturing()):
+        # No read under torch.compile or CUDA-graph capture: every low row shifted, one launch. A
+        # drowned row then gives softmax of its scores (finite; SDPA's answer is uniform weights,
+        # torch's own kernels give inf there): two launches wherever a dtype can drown would double
+        # every compiled masked training call for a row HF's masks never hold on CUDA.
+        return torch.where(low, base - top, base).expand(attn_mask.shape), None
     any_low, any_drowned = torch.stack((low.any(), drowned.any())).tolist()
     if not any_low:
         return attn_mask, None
@@ -129,9 +130,11 @@ class _GradTimes(torch.autograd.Function):
         return grad * ctx.factor, None
 
 
-# Rows peaking below this drown their scores and their log-sum-exp alike in float32 (its spacing
-# there is 1.2e18): SDPA's weights are uniform over the keys at the peak.
-DROWN_BELOW = -1e25
+# Rows peaking below this drown their scores in float64 (its spacing there is 128; the scores of a
+# call are far below it) and in float32 alike: SDPA's weights are uniform over the keys at the peak.
+# Between -1e15 and here float64 rounds the scores partly: neither answer is exact. (At -1e25 the
+# common masked_fill(-1e20) rows were shifted: softmax of their scores, 2.2 relative off.)
+DROWN_BELOW = -1e18
 # Rows peaking below this are shifted to peak at 0 under gradients (drowned_rows).
 LOW_PEAK = -1e3
 # A drowned row's query, scaled by this, gives scores that vanish against 1 in float32 (|s| < 1e5).

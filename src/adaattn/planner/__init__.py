@@ -121,12 +121,25 @@ def torch_takes_fused(problem: Problem, takes: dict, arch: str = "") -> bool:
     own answers equalled its pinned cuDNN kernel's to the bit, where flash's differed: CUDA fuzzer
     seeds 5410-5413). Its efficient kernel takes no GQA (our sdpa.efficient repeats the heads):
     torch runs math there."""
-    if CUDNN_WIDE and arch in TORCH_PREFERS_CUDNN and takes.get("sdpa.cudnn", False):
+    if takes.get("sdpa.cudnn", False) and _torch_prefers_cudnn(arch):
         return True
     return takes.get("sdpa.flash", False) or (takes.get("sdpa.efficient", False) and not problem.gqa)
 
 
 TORCH_PREFERS_CUDNN = ("sm90", "sm100", "sm103")
+MATH_SCORES = 1 << 26  # the largest score matrix sdpa.math takes first (its float32 weights: 256 MiB)
+
+
+def _torch_prefers_cudnn(arch: str) -> bool:
+    """torch's check for putting cuDNN first: torch >= 2.11 (what was measured), Hopper or Blackwell,
+    a cuDNN of 9.9 or later, and TORCH_CUDNN_SDPA_DEPRIORITIZED unset (newer torch asks for a newer
+    cuDNN still: there our answer says fused where torch may run math, the faster side)."""
+    import os
+
+    if not (CUDNN_WIDE and arch in TORCH_PREFERS_CUDNN) or os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED"):
+        return False
+    version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return version is not None and version >= 90900
 
 
 def _math_where_torch_runs_math(problem: Problem, candidates: list[str], notes: list[str]) -> list[str]:
@@ -136,7 +149,10 @@ def _math_where_torch_runs_math(problem: Problem, candidates: list[str], notes: 
     #7381, H200, even with ds rounded twice): there sdpa.math runs first, as torch's does."""
     if (problem.torch_fused or not problem.needs_grad or problem.device_type != "cuda"
             or problem.dtype not in (torch.float16, torch.bfloat16) or "sdpa.math" not in candidates
-            or candidates[0] == "sdpa.math" or not REGISTRY[candidates[0]].exact):
+            or candidates[0] == "sdpa.math" or not REGISTRY[candidates[0]].exact
+            or problem.scores > MATH_SCORES):
+        # Larger calls keep the fused kernel: math's float32 weights are B x H x N^2 (17 GB a layer
+        # at B2 H32 N8192), which a training step cannot spare.
         return candidates
     notes.append(f"torch's SDPA runs its math kernel on this call (none of its fused kernels takes it); its "
                  f"float32 gradients are the standard, which {candidates[0]}'s half-precision backward misses: "
