@@ -258,3 +258,30 @@ def test_half_gradients_where_torch_runs_math_run_math_first():
     # A training-sized call keeps its fused kernel: math's weights would be B x H x N^2 float32.
     big = Problem(**{**base, "q_len": 8192, "kv_len": 8192})
     assert planner._math_where_torch_runs_math(big, order, []) == order
+
+
+def test_yardstick_where_torch_gives_no_finite_answer_is_math_at_the_input_dtype_unless_broken(monkeypatch):
+    """Where torch's default is not finite the yardstick is its math kernel reduced in the input
+    dtype (MEASURING.md's sdpa(inputs in T)); where that answer is itself broken (output error over
+    HALF_MATH_SOUND: -1e4 biases swallow bfloat16 scores, seed 20261129 #132) math as it runs by
+    default (float32 inside) is taken instead."""
+    import fuzz.sdpa as fz
+    from torch.nn.attention import SDPBackend
+
+    config = next(c for c in (draw(5809, i, "cpu") for i in range(200))
+                  if c.dtype == "bfloat16" and not c.modified and c.q_len and c.kv_len and c.mask == "none")
+    inputs = fz.build(config, "cpu")
+    original = fz.sdpa_yardstick
+
+    def fake(config, q, k, v, mask, backend=None):
+        out = original(config, q, k, v, mask, SDPBackend.MATH)
+        if backend is None:
+            return out * float("nan")  # torch's default: no finite answer
+        return out * (3.0 if torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed() else 2.0)
+
+    monkeypatch.setattr(fz, "sdpa_yardstick", fake)
+    plain = original(config, inputs.q, inputs.k, inputs.v, inputs.mask, SDPBackend.MATH)
+    sound, _ = fz._torch_side(config, inputs, fz._wrt(inputs, config), "cpu", judge=lambda out: 0.0)
+    broken, _ = fz._torch_side(config, inputs, fz._wrt(inputs, config), "cpu", judge=lambda out: 1.0)
+    assert torch.allclose(sound, 3.0 * plain) and torch.allclose(broken, 2.0 * plain)
+    assert not torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()  # the flag is put back

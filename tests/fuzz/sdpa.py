@@ -621,7 +621,9 @@ def check(config: Config, device: str) -> dict:
 
     torch_in = _for_torch(inputs, config) if device == "cuda" else inputs
     try:
-        torch_out, torch_grads = _torch_side(config, torch_in, _wrt(torch_in, config), device)
+        torch_out, torch_grads = _torch_side(config, torch_in, _wrt(torch_in, config), device,
+                                             judge=lambda out: 0.0 if ref_out.numel() == 0 else
+                                             rel_err(out, ref_out, _unit(inputs, config, "out")))
     except TorchFault as e:  # ours ran and synchronised before: the fault is torch's, not adaattn's
         return {**result, "status": "torch_fault", "why": str(e)[:400]}
     errors = {}
@@ -669,7 +671,10 @@ def _floor(config: Config) -> float:
     return {"float16": 1e-3, "bfloat16": 8e-3, "float32": 1e-6, "float64": 1e-12}[config.dtype]
 
 
-def _torch_side(config: Config, inputs: Inputs, wrt: list, device: str):
+HALF_MATH_SOUND = 0.05  # math reduced in half: an output error above this is its failure, not the dtype's rounding
+
+
+def _torch_side(config: Config, inputs: Inputs, wrt: list, device: str, judge=None):
     """torch's output and gradients at the input dtype: its default SDPA; where that raises or
     gives a non-finite result, its math kernel (at the input dtype, then float32 inside); then its
     CPU kernel."""
@@ -706,6 +711,11 @@ def _torch_side(config: Config, inputs: Inputs, wrt: list, device: str):
                         lambda q, k, v, m: sdpa_yardstick(config, q, k, v, m, SDPBackend.MATH), inputs, config, wrt)
                 finally:
                     torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(was)
+                if judge is not None and not judge(out) <= HALF_MATH_SOUND:
+                    # Reduced in half, a bias of -1e4 swallows the scores (bfloat16's spacing there is
+                    # 64): its answer is off by 0.3 (seed 20261129 #132), no measure of the dtype's
+                    # rounding, and a yardstick that loose would pass anything: math as it runs.
+                    continue
             else:
                 out, grads = _forward_backward(lambda q, k, v, m: sdpa_yardstick(config, q, k, v, m, how), inputs,
                                                config, wrt)
