@@ -444,3 +444,18 @@ def test_float16_queries_against_a_float32_mask_of_finfo_min_get_sdpa_s_gradient
     ref = grads(*(t.detach().double().requires_grad_() for t in (q, k, v, m)))
     for a, b in zip(ours, ref):
         assert ((a.double() - b).norm() / b.norm()).item() < 2e-3
+
+
+def test_a_mask_taking_a_gradient_keeps_one_per_element_through_drowned_rows():
+    """CPU fuzz seed 5810 #1516 and five more: a (4, 4, 4) mask leaf of strides (0, 4, 1), its rows
+    at -1e4 or finfo.min, took its gradient as the sum at one head and zeros at the others: a
+    broadcast dim read once is right for the values, not for a gradient kept per element."""
+    leaf = torch.randn(4, 4)
+    leaf[0] = torch.finfo(torch.float32).min
+    leaf[1] = -1e4
+    mask = leaf.as_strided((4, 4, 4), (0, 4, 1)).detach().requires_grad_()  # stride 0, and a leaf
+    g = torch.randn(4, 4, 4)
+    shifted, rows = drowned_rows(mask)
+    assert rows is not None and rows.shape == (4, 4, 1)
+    (got,) = torch.autograd.grad((shifted * g).sum(), mask)
+    assert torch.equal(got, g)

@@ -99,7 +99,11 @@ def drowned_rows(attn_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | 
       (softmax(s)). The caller runs such rows with their queries scaled to nothing (_run_drowned).
     Every other row keeps its values to the bit; broadcast dims stay broadcast."""
     # Broadcast dims (stride 0) once: an expanded mask stays expanded, not laid out at full size.
-    collapsed = [st == 0 and n > 1 for st, n in zip(attn_mask.stride(), attn_mask.shape)]
+    # Not for a mask that takes a gradient: each of its elements has its own, stride 0 or not (one
+    # slice standing for the rest gave the sum at one and zeros at the others: CPU fuzz seed 5810
+    # #1516, a (4, 4, 4) leaf of strides (0, 4, 1)).
+    collapsed = [st == 0 and n > 1 and not attn_mask.requires_grad
+                 for st, n in zip(attn_mask.stride(), attn_mask.shape)]
     base = attn_mask[tuple(slice(0, 1) if c else slice(None) for c in collapsed)]
     top = base.detach().amax(-1, keepdim=True)
     low = (top < LOW_PEAK) & (top > float("-inf"))
