@@ -428,20 +428,26 @@ def test_drowned_rows_under_dropout_draw_one_dropout_mask():
         assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
 
 
-def test_float16_queries_against_a_float32_mask_of_finfo_min_get_sdpa_s_gradients():
+def test_float16_queries_against_a_float32_mask_of_finfo_min_get_sdpa_s_gradients(monkeypatch):
     """seed 5803 #1283 (CPU): float16 queries, a float32 mask of finfo.min: the second launch's
     query scaled by 2^-40 underflowed float16 (dk 0.44 off); it runs in float32."""
     import adaattn
 
+    import adaattn.backends.sdpa as sdpa
+
+    _launch = sdpa.SdpaRunner._launch
     q, k, v, m, go = _drowned_case(torch.float16, torch.float32)
-    m.requires_grad_()
+    launches = []
+    monkeypatch.setattr(sdpa.SdpaRunner, "_launch", lambda self, qq, *a: launches.append(qq.dtype) or
+                        _launch(self, qq, *a))
 
     def grads(qq, kk, vv, mm, policy=None):
         out = adaattn.attention(qq, kk, vv, attn_mask=mm, policy=policy)
-        return [out, *torch.autograd.grad(out, (qq, kk, vv, mm), go.to(out.dtype))]
+        return [out, *torch.autograd.grad(out, (qq, kk, vv), go.to(out.dtype))]
 
     ours = grads(q, k, v, m)
-    ref = grads(*(t.detach().double().requires_grad_() for t in (q, k, v, m)))
+    assert launches == [torch.float16, torch.float32]  # torch's fused CPU kernel: two launches, the second wide
+    ref = grads(*(t.detach().double().requires_grad_() for t in (q, k, v)), m.double())
     for a, b in zip(ours, ref):
         assert ((a.double() - b).norm() / b.norm()).item() < 2e-3
 
@@ -459,3 +465,20 @@ def test_a_mask_taking_a_gradient_keeps_one_per_element_through_drowned_rows():
     assert rows is not None and rows.shape == (4, 4, 1)
     (got,) = torch.autograd.grad((shifted * g).sum(), mask)
     assert torch.equal(got, g)
+
+
+def test_where_torch_runs_its_cpu_math_kernel_a_drowned_row_takes_one_launch(monkeypatch):
+    """torch's CPU math kernel (a mask taking a gradient, say) answers drowned rows as SDPA's rule
+    says; two launches there only added a rounding (CPU fuzz seed 5811 #11195: dk 2.05x math's)."""
+    import adaattn
+    import adaattn.backends.sdpa as sdpa
+
+    _launch = sdpa.SdpaRunner._launch
+    launches = []
+    monkeypatch.setattr(sdpa.SdpaRunner, "_launch", lambda self, qq, *a: launches.append(qq.dtype) or
+                        _launch(self, qq, *a))
+    q, k, v, m, go = _drowned_case(torch.bfloat16, torch.bfloat16)
+    m.requires_grad_()
+    out = adaattn.attention(q, k, v, attn_mask=m)
+    torch.autograd.grad(out, (q, k, v, m), go)
+    assert launches == [torch.bfloat16]

@@ -296,7 +296,8 @@ class SdpaRunner(Runner):
             )
             causal = False
         lse_backward = self.kernel in (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION) or (
-            self.kernel is None and query.device.type == "cpu")  # torch's fused CPU kernel drowns alike
+            self.kernel is None and query.device.type == "cpu" and attn_mask is not None
+            and _torch_cpu_runs_fused(query, key, value, attn_mask, problem))  # its fused CPU kernel drowns alike
         if lse_backward and problem.needs_grad and attn_mask is not None and attn_mask.dtype != torch.bool \
                 and not torch.compiler.is_compiling():
             # With gradients, finite values are not floored (finite_floor): the kernel's backward
@@ -427,3 +428,17 @@ def _set_generator_state(device: torch.device, state) -> None:
         torch.cuda.set_rng_state(state, device)
     else:
         torch.set_rng_state(state)
+
+
+def _torch_cpu_runs_fused(query, key, value, attn_mask, problem) -> bool:
+    """Whether torch's CPU SDPA runs its fused kernel on these tensors (its own choice), whose
+    backward drowns as the CUDA ones do; its math kernel answers drowned rows as SDPA's rule says,
+    and two launches there only add a rounding (CPU fuzz seed 5811 #11195: dk 2.05x math's)."""
+    if torch.compiler.is_compiling():
+        return True  # the shift without a read (drowned_rows); no choice is read under compile
+    try:
+        choice = torch._fused_sdp_choice(query, key, value, attn_mask, problem.dropout_p, False,
+                                         scale=problem.scale, enable_gqa=problem.gqa)
+    except (RuntimeError, TypeError, AttributeError):  # a torch that answers otherwise: assume fused
+        return True
+    return choice != int(SDPBackend.MATH)
