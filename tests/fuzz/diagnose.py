@@ -80,19 +80,12 @@ def diagnose(config: fz.Config, device: str) -> dict:
         except Exception as e:  # noqa: BLE001
             runs[key] = f"{type(e).__name__}: {str(e)[:150]}"
     if hasattr(torch.backends.cuda, "allow_fp16_bf16_reduction_math_sdp"):
-        # torch's math kernel at the input dtype throughout (by default it computes half inputs in
-        # float32 inside): what a half-precision computation gives without a fused kernel.
         fresh = fz._for_torch(fz.build(config, device), config) if device == "cuda" else fz.build(config, device)
-        was = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
-        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
         try:
-            out, grads = fz._forward_backward(lambda q, k, v, m: fz.sdpa_yardstick(config, q, k, v, m, SDPBackend.MATH),
-                                              fresh, config, fz._wrt(fresh, config))
+            out, grads = fz.half_math(config, fresh, fz._wrt(fresh, config))
             runs["torch:math-half-inside"] = _errors([out] + grads, refs, names, units)
         except Exception as e:  # noqa: BLE001
             runs["torch:math-half-inside"] = f"{type(e).__name__}: {str(e)[:150]}"
-        finally:
-            torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(was)
     if device == "cuda" and inputs.mask is not None and inputs.mask.dtype != torch.bool:
         # torch's efficient kernel on the mask as the efficient runner floors it (finite_floor)
         from adaattn.backends.sdpa_forms import finite_floor

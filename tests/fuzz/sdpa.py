@@ -671,6 +671,20 @@ def _floor(config: Config) -> float:
     return {"float16": 1e-3, "bfloat16": 8e-3, "float32": 1e-6, "float64": 1e-12}[config.dtype]
 
 
+def half_math(config: Config, inputs: Inputs, wrt: list):
+    """torch's math kernel reduced in the input dtype (by default it computes half inputs in float32
+    inside): output and gradients; the setting is put back."""
+    from torch.nn.attention import SDPBackend
+
+    was = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+    try:
+        return _forward_backward(lambda q, k, v, m: sdpa_yardstick(config, q, k, v, m, SDPBackend.MATH), inputs,
+                                 config, wrt)
+    finally:
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(was)
+
+
 HALF_MATH_SOUND = 0.05  # math reduced in half: an output error above this is its failure, not the dtype's rounding
 
 
@@ -688,8 +702,8 @@ def _torch_side(config: Config, inputs: Inputs, wrt: list, device: str, judge=No
     # its math kernel as it runs by default (float32 inside), then its CPU kernel. Measuring a bf16
     # fused kernel against float32 arithmetic failed ours where torch's own gave inf (seed 5410
     # #10815, seed 5411 #339: ours 2.3-3.6x math's float32 gradients, 0.2-0.9x its bf16 ones).
-    half_math = "math-half" if hasattr(torch.backends.cuda, "allow_fp16_bf16_reduction_math_sdp") else None
-    attempts = [None] + ([half_math] if half_math else []) + [SDPBackend.MATH] + (["cpu"] if device == "cuda" else [])
+    reduces_in_half = hasattr(torch.backends.cuda, "allow_fp16_bf16_reduction_math_sdp")
+    attempts = [None] + (["math-half"] if reduces_in_half else []) + [SDPBackend.MATH] + (["cpu"] if device == "cuda" else [])
     if device == "cuda" and config.mask_grad and inputs.mask is not None:
         # torch 2.11's default (efficient) gradient of a mask faulted (illegal memory access) on
         # broadcast masks: its math kernel (as it runs by default) is the answer torch gives safely.
@@ -704,13 +718,7 @@ def _torch_side(config: Config, inputs: Inputs, wrt: list, device: str, judge=No
             elif how == "math-half":
                 if config.dtype not in ("float16", "bfloat16"):
                     continue  # the same kernel as the next attempt
-                was = torch.backends.cuda.fp16_bf16_reduction_math_sdp_allowed()
-                torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
-                try:
-                    out, grads = _forward_backward(
-                        lambda q, k, v, m: sdpa_yardstick(config, q, k, v, m, SDPBackend.MATH), inputs, config, wrt)
-                finally:
-                    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(was)
+                out, grads = half_math(config, inputs, wrt)
                 if judge is not None and not judge(out) <= HALF_MATH_SOUND:
                     # Reduced in half, a bias of -1e4 swallows the scores (bfloat16's spacing there is
                     # 64): its answer is off by 0.3 (seed 20261129 #132), no measure of the dtype's

@@ -295,19 +295,26 @@ class SdpaRunner(Runner):
                 attn_mask, problem.q_len, problem.kv_len, causal, problem.window, query.device, query.dtype
             )
             causal = False
-        lse_backward = self.kernel in (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION) or (
-            self.kernel is None and query.device.type == "cpu" and attn_mask is not None
-            and _torch_cpu_runs_fused(query, key, value, attn_mask, problem))  # its fused CPU kernel drowns alike
-        if lse_backward and problem.needs_grad and attn_mask is not None and attn_mask.dtype != torch.bool \
-                and not torch.compiler.is_compiling():
+        if problem.needs_grad and attn_mask is not None and attn_mask.dtype != torch.bool \
+                and self._lse_backward(query, key, value, attn_mask, problem):
             # With gradients, finite values are not floored (finite_floor): the kernel's backward
             # recomputes the weights from the row's log-sum-exp, which a floored row loses (inf
             # gradients in bfloat16, 3x torch's error in float32: a CUDA fuzzer, H100). On the CPU,
             # torch's own gradients of rows of finfo.min were 2.7-4.6 relative (float32, bfloat16).
+            # Under torch.compile drowned_rows shifts without a read and names no drowned row.
             attn_mask, rows = drowned_rows(attn_mask)
             if rows is not None:
                 return self._run_drowned(query, key, value, attn_mask, rows, problem)
         return self._launch(query, key, value, attn_mask, problem, causal)
+
+    def _lse_backward(self, query, key, value, attn_mask, problem) -> bool:
+        """Whether this call's kernel recomputes its backward's weights from a log-sum-exp (cuDNN,
+        efficient, torch's fused CPU kernel where torch chooses it), so that low and drowned rows
+        need drowned_rows."""
+        if self.kernel in (SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+            return True
+        return self.kernel is None and query.device.type == "cpu" and _torch_cpu_runs_fused(
+            query, key, value, attn_mask, problem)
 
     def _run_drowned(self, query, key, value, attn_mask, rows, problem):
         """A call under gradients whose mask has drowned rows (drowned_rows: SDPA's answer there is

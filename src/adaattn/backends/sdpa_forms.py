@@ -84,7 +84,8 @@ def finite_floor(attn_mask: torch.Tensor) -> torch.Tensor:
 def drowned_rows(attn_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """An additive mask as the fused kernels' backward takes it: its low rows moved to peak at 0,
     and (..., Nq, 1) bool marking the drowned ones among them (None where there is none). A mask
-    with no low row comes back as it is. One read of the mask, and one sync.
+    with no low row comes back as it is. One read of the mask, and one sync (none under
+    torch.compile or CUDA-graph capture: there every low row is shifted and none is named drowned).
 
     - A low row (peaking below LOW_PEAK, -inf rows aside): cuDNN's backward gave inf dq for rows of
       -1e4 (seed 20261129 #132, H200, torch's own choice alike) where its forward was right.
@@ -108,17 +109,17 @@ def drowned_rows(attn_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | 
     top = base.detach().amax(-1, keepdim=True)
     low = (top < LOW_PEAK) & (top > float("-inf"))
     drowned = low & (top < DROWN_BELOW)
-    if torch.compiler.is_compiling() or (attn_mask.is_cuda and torch.cuda.is_current_stream_capturing()):
-        # No read under torch.compile or CUDA-graph capture: every low row shifted, one launch. A
-        # drowned row then gives softmax of its scores (finite; SDPA's answer is uniform weights,
-        # torch's own kernels give inf there): two launches wherever a dtype can drown would double
-        # every compiled masked training call for a row HF's masks never hold on CUDA.
-        return torch.where(low, base - top, base).expand(attn_mask.shape), None
-    any_low, any_drowned = torch.stack((low.any(), drowned.any())).tolist()
-    if not any_low:
-        return attn_mask, None
-    shifted = torch.where(low, base - top, base)
-    return shifted.expand(attn_mask.shape), drowned if any_drowned else None
+    # No read under torch.compile or CUDA-graph capture: every low row shifted, one launch. A
+    # drowned row then gives softmax of its scores (finite; SDPA's answer is uniform weights, torch's
+    # own kernels give inf there): two launches wherever a dtype can drown would double every
+    # compiled masked training call for a row HF's masks never hold on CUDA.
+    reads = not (torch.compiler.is_compiling() or (attn_mask.is_cuda and torch.cuda.is_current_stream_capturing()))
+    any_drowned = False
+    if reads:
+        any_low, any_drowned = torch.stack((low.any(), drowned.any())).tolist()
+        if not any_low:
+            return attn_mask, None
+    return torch.where(low, base - top, base).expand(attn_mask.shape), drowned if any_drowned else None
 
 
 class _GradTimes(torch.autograd.Function):

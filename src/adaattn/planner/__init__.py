@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import json
+import os
 import threading
 import warnings
 from dataclasses import dataclass
@@ -134,8 +135,6 @@ def _torch_prefers_cudnn(arch: str) -> bool:
     """torch's check for putting cuDNN first: torch >= 2.11 (what was measured), Hopper or Blackwell,
     a cuDNN of 9.9 or later, and TORCH_CUDNN_SDPA_DEPRIORITIZED unset (newer torch asks for a newer
     cuDNN still: there our answer says fused where torch may run math, the faster side)."""
-    import os
-
     if not (CUDNN_WIDE and arch in TORCH_PREFERS_CUDNN) or os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED"):
         return False
     version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
