@@ -48,6 +48,20 @@ def test_planning_under_compile_traces_no_cached_device_query():
     assert not traced_caches, traced_caches
 
 
+def test_torch_order_for_an_sm90_call_traces_under_fullgraph_compile():
+    """The planner's reading of torch's order (cuDNN first on Hopper) runs inside the traced region:
+    it read torch.backends.cudnn.version() per call, which dynamo cannot trace ('torch.* op returned
+    non-Tensor': every fullgraph-compiled call on an H200 failed). It reads a constant now."""
+    from adaattn import planner
+    from adaattn.backends.sdpa_forms import CUDNN_VERSION, CUDNN_WIDE
+
+    torch._dynamo.reset()
+    q = torch.randn(1, 2, 8, 16)
+    compiled = torch.compile(lambda q: q * planner._torch_prefers_cudnn("sm90"), fullgraph=True)
+    expected = bool(CUDNN_WIDE and CUDNN_VERSION is not None and CUDNN_VERSION >= 90900)
+    assert torch.equal(compiled(q), q * expected)
+
+
 def test_compiled_gradients_match_eager():
     torch._dynamo.reset()
     f = lambda q, k, v: adaattn.attention(q, k, v, is_causal=True).square().sum()  # noqa: E731

@@ -21,8 +21,8 @@ from .. import hardware
 from .base import Declined, Runner, no_keys
 from ..problem import SMALL_SCORES
 from .masks import fold_positions
-from .sdpa_forms import (CUDNN_WIDE, DROWN_EPS, F32_ALIGN_DIM, FUSED, HALF, _GradTimes, cudnn_bias, dim_unit,
-                         drowned_rows, efficient_bias, fused_form, fused_ready, padded_dim)
+from .sdpa_forms import (CUDNN_VERSION, CUDNN_WIDE, DROWN_EPS, F32_ALIGN_DIM, FUSED, HALF, _GradTimes, cudnn_bias,
+                         dim_unit, drowned_rows, efficient_bias, fused_form, fused_ready, padded_dim)
 
 
 _CAN_USE = {
@@ -122,6 +122,14 @@ class SdpaRunner(Runner):
                            "efficient kernel's gradients there were 2.4x math's (a CUDA fuzzer, H200, torch 2.11).")
         if self.kernel == SDPBackend.CUDNN_ATTENTION and problem.mask_grad:
             reasons.append("gives no gradient for an attn_mask (its backward returns dq, dk and dv only).")
+        if self.kernel == SDPBackend.CUDNN_ATTENTION and problem.needs_grad:
+            # Both refusals surface only in the backward, after the forward ran: no fallback there.
+            if problem.q_len == 1 and problem.kv_len == 1:
+                reasons.append("has no backward for one query against one key (cuDNN: 's_q = s_kv = 1 is not "
+                               "supported'; a CUDA fuzzer, H200, torch 2.11).")
+            if CUDNN_VERSION in (91000, 91001):
+                reasons.append("has no half-precision backward on cuDNN 9.10.0 and 9.10.1 (known bugs; cuDNN "
+                               "refuses the graph): upgrade to 9.10.2 or newer.")
         if self.kernel == SDPBackend.EFFICIENT_ATTENTION and problem.mask_grad:
             reasons.append("gives no safe gradient for an attn_mask: its backward faulted (illegal memory access) "
                            "on broadcast masks, and raised where q, k and v need none (a CUDA fuzzer, H200, "

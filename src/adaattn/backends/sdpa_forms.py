@@ -20,6 +20,7 @@ F32_ALIGN_DIM = 4  # float32 head dims torch's efficient kernel takes (16-byte r
 # 256 and causal calls with q_len != k_len (top-left, as SDPA), at errors below its efficient
 # kernel's; it is torch's own choice there. Older torch keeps the limits it was measured with.
 CUDNN_WIDE = torch.__version__ >= (2, 11)  # torch's TorchVersion compares with a tuple
+CUDNN_VERSION = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
 
 
 def padded_dim(dim: int, unit: int = ALIGN_DIM) -> int:

@@ -26,7 +26,7 @@ from ..adaptive.rank import rank_runners
 from ..adaptive.runner import adaptive_runners
 from ..backends import ExactAlternative, Runner, exact_runners
 from ..backends.base import modifier_reasons
-from ..backends.sdpa_forms import CUDNN_WIDE
+from ..backends.sdpa_forms import CUDNN_VERSION, CUDNN_WIDE
 from ..backends.ring_blocks import ring_block_runners
 from ..policy import Policy
 from ..problem import Problem, default_scale
@@ -134,11 +134,11 @@ MATH_SCORES = 1 << 26  # the largest score matrix sdpa.math takes first (its flo
 def _torch_prefers_cudnn(arch: str) -> bool:
     """torch's check for putting cuDNN first: torch >= 2.11 (what was measured), Hopper or Blackwell,
     a cuDNN of 9.9 or later, and TORCH_CUDNN_SDPA_DEPRIORITIZED unset (newer torch asks for a newer
-    cuDNN still: there our answer says fused where torch may run math, the faster side)."""
+    cuDNN still: there our answer says fused where torch may run math, the faster side). The cuDNN
+    version is read once, at import: torch.compile cannot trace torch.backends.cudnn.version()."""
     if not (CUDNN_WIDE and arch in TORCH_PREFERS_CUDNN) or os.environ.get("TORCH_CUDNN_SDPA_DEPRIORITIZED"):
         return False
-    version = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-    return version is not None and version >= 90900
+    return CUDNN_VERSION is not None and CUDNN_VERSION >= 90900
 
 
 def _math_where_torch_runs_math(problem: Problem, candidates: list[str], notes: list[str]) -> list[str]:
