@@ -184,6 +184,9 @@ FOUND_AFTER_1E71C02 = [(5101, i) for i in (15, 416, 608, 1625, 1979, 2538, 2602,
     # One query against one key under gradients: cuDNN's backward refuses it ('s_q = s_kv = 1 is not
     # supported') after its forward ran, so nothing could fall back (25 of seed 5414's 20,000, H200).
     (5414, i) for i in (419, 546, 2178, 2763, 3617)] + [
+    # cuDNN's float16 backward with a mask (here a window) gave inf dq at scales of 1 and more, torch's
+    # own choice alike (5415 #16352, H200): sdpa.cudnn declines float16 masked calls under gradients.
+    (5415, 16352)] + [
     pytest.param(seed, i, marks=pytest.mark.xfail(strict=True, reason=why)) for seed, i, why in (
         # The Triton forward read outside K/V with both at odd offsets, at BLOCK_N 64 (illegal memory
         # access, H200): they are now copied to aligned rows first, and it runs. Its gradient stays open.
