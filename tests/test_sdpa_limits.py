@@ -508,3 +508,31 @@ def test_under_torch_compile_low_rows_are_shifted_without_a_read(monkeypatch):
     rows = [0, 2, 4]  # rows that neither drown nor shift: SDPA's answer
     ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), attn_mask=m.double())
     assert torch.allclose(out[:, :, rows].double(), ref[:, :, rows], atol=1e-5)
+
+
+def test_cudnn_declines_the_gradients_its_backward_would_refuse_or_overflow(monkeypatch):
+    """Declines whose failure would surface only in the backward, after the forward ran (nothing
+    could fall back there): one query against one key (cuDNN: 's_q = s_kv = 1 is not supported',
+    CUDA fuzz seed 5414), float16 with a mask or window (dq = inf at scales >= 1, seed 5415 #16352),
+    and cuDNN 9.10.0/9.10.1 (no half backward). Forward-only calls and bfloat16 keep cuDNN."""
+    import adaattn.backends.sdpa as sdpa_mod
+
+    cudnn = RUNNERS["sdpa.cudnn"]
+
+    def says(problem, words):
+        return any(words in r for r in cudnn.supports(problem, Policy()))
+
+    one = _problem(q_len=1, kv_len=1, needs_grad=True)
+    assert says(one, "one query against one key")
+    assert not says(replace(one, needs_grad=False), "one query against one key")
+    assert not says(replace(one, kv_len=2), "one query against one key")
+    for form in (dict(mask_kind="bool"), dict(mask_kind="additive"), dict(window_left=8)):
+        masked = _problem(needs_grad=True, **form)
+        assert says(masked, "inf dq in float16"), form
+        assert not says(replace(masked, dtype=torch.bfloat16), "inf dq in float16")
+        assert not says(replace(masked, needs_grad=False), "inf dq in float16")
+    assert not says(_problem(needs_grad=True), "inf dq in float16")
+    for version, refused in ((91000, True), (91001, True), (91002, False), (90900, False)):
+        monkeypatch.setattr(sdpa_mod, "CUDNN_VERSION", version)
+        assert says(_problem(needs_grad=True), "9.10.0 and 9.10.1") == refused
+        assert not says(_problem(), "9.10.0 and 9.10.1")
