@@ -35,7 +35,18 @@ layouts = {
     "K per channel/page asym, V per token asym": (lambda k: q4_asym(paged(k), (3,)), lambda v: q4_asym(paged(v), (4,)), False),
     "per token group16 asym (K and V)": (lambda k: q4_asym(paged(k).reshape(*paged(k).shape[:-1], -1, 16), (5,)).flatten(-2), lambda v: q4_asym(paged(v).reshape(*paged(v).shape[:-1], -1, 16), (5,)).flatten(-2), False),
     "per token group32 asym (K and V)": (lambda k: q4_asym(paged(k).reshape(*paged(k).shape[:-1], -1, 32), (5,)).flatten(-2), lambda v: q4_asym(paged(v).reshape(*paged(v).shape[:-1], -1, 32), (5,)).flatten(-2), False),
+    "per token group64 asym (K and V)": (lambda k: q4_asym(paged(k).reshape(*paged(k).shape[:-1], -1, 64), (5,)).flatten(-2), lambda v: q4_asym(paged(v).reshape(*paged(v).shape[:-1], -1, 64), (5,)).flatten(-2), False),
+    "K per channel/page asym, V per token group16 asym": (lambda k: q4_asym(paged(k), (3,)), lambda v: q4_asym(paged(v).reshape(*paged(v).shape[:-1], -1, 16), (5,)).flatten(-2), False),
+    "K per token group16 asym, V per token asym": (lambda k: q4_asym(paged(k).reshape(*paged(k).shape[:-1], -1, 16), (5,)).flatten(-2), lambda v: q4_asym(paged(v), (4,)), False),
 }
+# Bytes a stored value takes, scales included (bf16 scale and minimum per group; the fp32 per-page
+# scales of the first two are a few bytes a page), at D=64 (this model's head dim) and pages of 64.
+BYTES = {"page,head (today)": 0.5, "K per channel/page, V per token": 0.5 + (2 / 64 + 2 / 64) / 2,
+         "K per channel/page asym, V per token asym": 0.5 + (4 / 64 + 4 / 64) / 2,
+         "per token group16 asym (K and V)": 0.75, "per token group32 asym (K and V)": 0.625,
+         "per token group64 asym (K and V)": 0.5625,
+         "K per channel/page asym, V per token group16 asym": 0.5 + (4 / 64 + 4 / 16) / 2,
+         "K per token group16 asym, V per token asym": 0.5 + (4 / 16 + 4 / 64) / 2}
 import sys
 WINDOW = int(sys.argv[1]) if len(sys.argv) > 1 else 0
 for name, (fk, fv, centered) in layouts.items():
@@ -57,4 +68,5 @@ for name, (fk, fv, centered) in layouts.items():
         for h in range(k.shape[1]):
             sl = slice(h * g, (h + 1) * g)
             errs.append(((oq[:, sl] - o[:, sl]).norm() / o[:, sl].norm()).item())
-    print(f"{name:45s} min {min(errs):.3f} median {sorted(errs)[len(errs)//2]:.3f} max {max(errs):.3f}  <=5e-2: {sum(e <= 0.05 for e in errs)}/16")
+    w = WINDOW / (n - t)  # the window's share of the tokens, at 2 bytes
+    print(f"{name:50s} bytes/value {BYTES[name] * (1 - w) + 2 * w:.3f}  min {min(errs):.3f} median {sorted(errs)[len(errs)//2]:.3f} max {max(errs):.3f}  <=5e-2: {sum(e <= 0.05 for e in errs)}/16")
