@@ -428,18 +428,22 @@ def test_drowned_rows_under_dropout_draw_one_dropout_mask():
         assert torch.allclose(a, b, atol=1e-5), (a - b).abs().max()
 
 
+def _launch_dtypes(monkeypatch) -> list:
+    """The query dtype of each SDPA runner launch from now on (the list fills as they run)."""
+    import adaattn.backends.sdpa as sdpa
+
+    launch, dtypes = sdpa.SdpaRunner._launch, []
+    monkeypatch.setattr(sdpa.SdpaRunner, "_launch", lambda self, q, *a: dtypes.append(q.dtype) or launch(self, q, *a))
+    return dtypes
+
+
 def test_float16_queries_against_a_float32_mask_of_finfo_min_get_sdpa_s_gradients(monkeypatch):
     """seed 5803 #1283 (CPU): float16 queries, a float32 mask of finfo.min: the second launch's
     query scaled by 2^-40 underflowed float16 (dk 0.44 off); it runs in float32."""
     import adaattn
 
-    import adaattn.backends.sdpa as sdpa
-
-    _launch = sdpa.SdpaRunner._launch
     q, k, v, m, go = _drowned_case(torch.float16, torch.float32)
-    launches = []
-    monkeypatch.setattr(sdpa.SdpaRunner, "_launch", lambda self, qq, *a: launches.append(qq.dtype) or
-                        _launch(self, qq, *a))
+    launches = _launch_dtypes(monkeypatch)
 
     def grads(qq, kk, vv, mm, policy=None):
         out = adaattn.attention(qq, kk, vv, attn_mask=mm, policy=policy)
@@ -471,12 +475,8 @@ def test_where_torch_runs_its_cpu_math_kernel_a_drowned_row_takes_one_launch(mon
     """torch's CPU math kernel (a mask taking a gradient, say) answers drowned rows as SDPA's rule
     says; two launches there only added a rounding (CPU fuzz seed 5811 #11195: dk 2.05x math's)."""
     import adaattn
-    import adaattn.backends.sdpa as sdpa
 
-    _launch = sdpa.SdpaRunner._launch
-    launches = []
-    monkeypatch.setattr(sdpa.SdpaRunner, "_launch", lambda self, qq, *a: launches.append(qq.dtype) or
-                        _launch(self, qq, *a))
+    launches = _launch_dtypes(monkeypatch)
     q, k, v, m, go = _drowned_case(torch.bfloat16, torch.bfloat16)
     m.requires_grad_()
     out = adaattn.attention(q, k, v, attn_mask=m)

@@ -703,7 +703,8 @@ def _torch_side(config: Config, inputs: Inputs, wrt: list, device: str, judge=No
     # fused kernel against float32 arithmetic failed ours where torch's own gave inf (seed 5410
     # #10815, seed 5411 #339: ours 2.3-3.6x math's float32 gradients, 0.2-0.9x its bf16 ones).
     reduces_in_half = hasattr(torch.backends.cuda, "allow_fp16_bf16_reduction_math_sdp")
-    attempts = [None] + (["math-half"] if reduces_in_half else []) + [SDPBackend.MATH] + (["cpu"] if device == "cuda" else [])
+    attempts = ([None] + (["math-half"] if reduces_in_half else []) + [SDPBackend.MATH]
+                + (["cpu"] if device == "cuda" else []))
     if device == "cuda" and config.mask_grad and inputs.mask is not None:
         # torch 2.11's default (efficient) gradient of a mask faulted (illegal memory access) on
         # broadcast masks: its math kernel (as it runs by default) is the answer torch gives safely.
