@@ -122,30 +122,45 @@ def test_import_adaattn_imports_no_optional_or_heavy_module():
     assert loaded == "[]", f"import adaattn imported {loaded}"
 
 
-def _import_us(statement: str) -> int:
-    """Total microseconds of the imports `python -X importtime -c statement` makes (the sum of
-    the cumulative time of every top-level import, the interpreter's own start-up included)."""
-    r = subprocess.run([sys.executable, "-X", "importtime", "-c", statement], cwd=ROOT, env=_env(),
+def _import_times(statement: str, pycache: Path) -> dict[str, int]:
+    """Cumulative microseconds of each top-level import that `python -X importtime -c statement`
+    makes, and of torch wherever it is imported first (nested under adaattn, say).
+
+    Bytecode is cached in `pycache`: a package pip installs is byte-compiled at install time,
+    and a user's second import reads the cache, so compiling our sources is not an import
+    cost. CI sets PYTHONDONTWRITEBYTECODE, which without this made every one of these runs
+    compile all of adaattn (about 0.2 s of a 1.8 s import)."""
+    env = _env()
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env["PYTHONPYCACHEPREFIX"] = str(pycache)
+    r = subprocess.run([sys.executable, "-X", "importtime", "-c", statement], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
-    total = 0
+    times = {"<total>": 0}
     for line in r.stderr.splitlines():
         parts = line.split("|")
         if not line.startswith("import time:") or len(parts) != 3 or not parts[1].strip().isdigit():
             continue
+        name = parts[2].strip()
+        if name == "torch":
+            times["torch"] = int(parts[1])
         if parts[2].startswith(" ") and not parts[2].startswith("  "):  # depth 0: one space
-            total += int(parts[1])
-    assert total > 0, f"no -X importtime output for {statement!r}"
-    return total
+            times["<total>"] += int(parts[1])
+    assert times["<total>"] > 0 and "torch" in times, f"no -X importtime output for {statement!r}"
+    return times
 
 
-@pytest.mark.slow  # six interpreter starts that each import torch: about 12 s on a 2-core CPU
-def test_import_adaattn_costs_at_most_1_3x_import_torch():
-    torch_us = min(_import_us("import torch") for _ in range(3))
-    ours_us = min(_import_us("import adaattn") for _ in range(3))
-    assert ours_us <= 1.3 * torch_us, (
-        f"import adaattn took {ours_us / 1e3:.0f} ms, import torch {torch_us / 1e3:.0f} ms "
-        f"(ratio {ours_us / torch_us:.2f} > 1.3)")
+@pytest.mark.slow  # four interpreter starts that each import torch: about 8 s on a 2-core CPU
+def test_import_adaattn_costs_at_most_1_3x_import_torch(tmp_path):
+    """What `import adaattn` adds to `import torch` (the interpreter's start-up and torch's own
+    import measured in the same process, so a neighbour's load moves both alike) is at most
+    30% of import torch."""
+    _import_times("import adaattn", tmp_path)  # fills the bytecode cache
+    runs = [_import_times("import adaattn", tmp_path) for _ in range(3)]
+    ratio, run = min((t["<total>"] / t["torch"], t) for t in runs)
+    assert ratio <= 1.3, (
+        f"import adaattn took {run['<total>'] / 1e3:.0f} ms, of which import torch {run['torch'] / 1e3:.0f} ms "
+        f"(ratio {ratio:.2f} > 1.3)")
 
 
 def _api_tree() -> ast.Module:
