@@ -1,6 +1,6 @@
-"""INT4 KV pages (kv/cache.py storage="int4"): the quantization against a float64 simulation of it,
-the split-KV kernel's unpacking (under the interpreter) against float64 attention on the cache's
-own values, and the pool sized by bytes."""
+"""INT4 KV pages (kv/cache.py storage="int4", per token and group of channels): the quantization
+against a float64 simulation of it, the split-KV kernel's dequantization (under the interpreter)
+against float64 attention on the cache's own values, and the pool sized by bytes."""
 
 from __future__ import annotations
 
@@ -18,49 +18,81 @@ TRITON = pytest.mark.skipif(not (torch.cuda.is_available() or os.environ.get("TR
 DEV = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
 
 
-def _simulate(x: torch.Tensor, page: int, center: torch.Tensor | None) -> torch.Tensor:
-    """float64: (Hkv, N, D) values of one sequence appended at once from position 0, less `center`
-    (Hkv, D), quantized with one scale per (page, KV head), amax / 7, rounded to [-7, 7]."""
-    x = x.double() - (0 if center is None else center.double()[:, None])
-    out = torch.empty_like(x)
-    for p0 in range(0, x.shape[1], page):
-        blk = x[:, p0:p0 + page]
-        scale = (blk.abs().amax((1, 2), keepdim=True) / 7).float().double()
-        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        out[:, p0:p0 + page] = (blk / safe).round().clamp(-7, 7) * scale
+def _bf16_toward(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """float64 values of float32 precision, rounded to bfloat16 toward +inf (up) or -inf, exactly:
+    the nearest bfloat16, then one step of bfloat16's spacing where it went the wrong way."""
+    near = x.to(torch.bfloat16).double()
+    spacing = torch.exp2(torch.floor(torch.log2(near.abs().clamp_min(1e-38))) - 7)
+    if up:
+        return torch.where(near < x, near + spacing, near)
+    low = torch.where(near > x, near - spacing, near)
+    # (stepping down past a power of two: the spacing below it is half as large)
+    return torch.where(low.to(torch.bfloat16).double() != low, near - spacing / 2, low)
+
+
+def _simulate(x: torch.Tensor, group: int, center: torch.Tensor | None) -> torch.Tensor:
+    """float64: (Hkv, N, D) values less `center` (Hkv, D), each token's groups of `group` channels
+    quantized to 16 levels: minimum rounded down and (max - min) / 15 rounded up to bfloat16,
+    codes round((x - min) / scale) in [0, 15], value = code x scale + minimum."""
+    y = x.double() - (0 if center is None else center.double()[:, None])
+    y = y.float().double().unflatten(-1, (-1, group))  # the cache subtracts in float32
+    low = _bf16_toward(y.amin(-1), up=False)
+    scale = _bf16_toward(((y.amax(-1) - low).float() / 15).double(), up=True)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    codes = ((y - low[..., None]) / safe[..., None]).round().clamp(0, 15)
+    out = (codes * scale[..., None] + low[..., None]).flatten(-2)
     return out + (0 if center is None else center.double()[:, None])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-def test_int4_pages_hold_the_simulated_quantization(dtype):
+@pytest.mark.parametrize("group_size", [16, 64])
+def test_int4_pages_hold_the_simulated_quantization(dtype, group_size):
     g = torch.Generator().manual_seed(1)
-    hkv, n, d, page = 2, 45, 16, 8
-    cache = PagedKVCache(1, hkv, d, num_pages=16, page_size=page, dtype=dtype, storage="int4", max_seqs=2)
+    hkv, n, d, page = 2, 45, 64, 8
+    cache = PagedKVCache(1, hkv, d, num_pages=16, page_size=page, dtype=dtype, storage="int4", max_seqs=2,
+                         group_size=group_size)
     s = cache.add()
     k = (torch.randn(1, hkv, n, d, generator=g) * 3 + 1).to(dtype)
     v = torch.randn(1, hkv, n, d, generator=g).to(dtype)
-    cache.append(0, [s], k, v)
+    cache.append(0, [s], k[:, :, :20], v[:, :, :20])
+    cache.append(0, [s], k[:, :, 20:], v[:, :, 20:])  # a second append mid-page
     assert cache.k[0].dtype == torch.uint8 and cache.k[0].shape[-1] == d // 2
+    assert cache.k_scale[0].shape == (16, page, hkv, d // group_size, 2)
     got_k, got_v = cache.gather(0, [s], n, dtype=torch.float64)
-    center = k[0].float().mean(1)
-    want_k, want_v = _simulate(k[0], page, center), _simulate(v[0], page, None)
-    # The cache dequantizes in float32 (scale times value, plus the centre): equal to float32's rounding.
-    assert torch.allclose(got_k[0], want_k, rtol=1e-6, atol=1e-6)
-    assert torch.allclose(got_v[0], want_v, rtol=1e-6, atol=1e-6)
+    center = k[0, :, :20].float().mean(1)  # (the centre is the first append's mean)
+    want_k, want_v = _simulate(k[0], group_size, center), _simulate(v[0], group_size, None)
+    # The cache dequantizes in float32 (code x scale + minimum, plus the centre): float32's rounding.
+    torch.testing.assert_close(got_k[0], want_k, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(got_v[0], want_v, rtol=1e-6, atol=1e-6)
 
 
-def test_an_append_that_raises_a_pages_scale_requantizes_what_the_page_holds():
-    g = torch.Generator().manual_seed(2)
-    cache = PagedKVCache(1, 1, 8, num_pages=4, page_size=8, dtype=torch.float32, storage="int4", max_seqs=1)
+def test_every_value_lies_within_half_a_step_even_far_from_zero():
+    """The minimum rounds down and the scale up, so no value of a group is clipped: each is within
+    half its group's step, also where the group sits far from zero (float32 values of 1000 + small
+    ones, where bfloat16's nearest minimum would lie above the smallest)."""
+    g = torch.Generator().manual_seed(4)
+    cache = PagedKVCache(1, 1, 32, num_pages=2, page_size=8, dtype=torch.float32, storage="int4", max_seqs=1)
     s = cache.add()
-    small, large = torch.randn(1, 1, 3, 8, generator=g) * 0.1, torch.randn(1, 1, 2, 8, generator=g) * 10
+    v = 1000 + torch.randn(1, 1, 8, 32, generator=g) * 0.5
+    cache.append(0, [s], v, v)
+    _, got = cache.gather(0, [s], 8, dtype=torch.float64)
+    step = cache.v_scale[0][0, :, 0, :, 0].double().repeat_interleave(16, -1)  # (8, 32)
+    assert bool(((got[0, 0] - v[0, 0].double()).abs() <= step / 2 * (1 + 1e-3) + 1e-4).all())
+    # (a stored minimum of bfloat16 near 1000 is a multiple of 4: the step, not the minimum, sets the error)
+    assert float((got[0, 0] - v[0, 0].double()).abs().max()) <= 0.5 * float(step.max()) + 1e-4
+
+
+def test_a_token_is_written_once_a_later_larger_append_leaves_it_alone():
+    g = torch.Generator().manual_seed(2)
+    cache = PagedKVCache(1, 1, 16, num_pages=4, page_size=8, dtype=torch.float32, storage="int4", max_seqs=1)
+    s = cache.add()
+    small, large = torch.randn(1, 1, 3, 16, generator=g) * 0.1, torch.randn(1, 1, 2, 16, generator=g) * 10
     cache.append(0, [s], small, small)
+    before = cache.v[0][0, :3].clone(), cache.v_scale[0][0, :3].clone()
     cache.append(0, [s], large, large)
+    assert torch.equal(cache.v[0][0, :3], before[0]) and torch.equal(cache.v_scale[0][0, :3], before[1])
     _, v = cache.gather(0, [s], 5, dtype=torch.float64)
-    step = float(cache.v_scale[0][cache.block_table[s, 0].long(), 0])
-    whole = torch.cat([small, large], 2).double()
-    assert (v - whole).abs().max() <= step  # at most one more rounding of the earlier tokens
-    assert (v[..., 3:, :] - whole[..., 3:, :]).abs().max() <= step / 2 + 1e-6
+    assert (v[..., :3, :] - small.double()).abs().max() < 0.02  # the small tokens keep their own fine step
 
 
 def _filled(kind, storage, lens, hkv, d, dtype, g):
@@ -109,28 +141,36 @@ def test_int4_decode_matches_float64_on_the_caches_own_values(kind, t, runner):
         assert relative_errors(out[row:row + 1], want).item() < 2e-3, row
 
 
-def test_a_byte_budget_holds_four_times_the_tokens_at_int4():
+def test_a_byte_budget_holds_the_tokens_int4_s_bytes_allow():
+    """0.5625 bytes a value at groups of 64 (3.56x bf16's tokens), 0.75 at groups of 16 (2.67x)."""
     kw = dict(dtype=torch.bfloat16, max_seqs=2, device="meta")
     budget = 256 * 2**20
     held = {s: PagedKVCache.for_budget(budget, 4, 8, 128, 64, storage=s, **kw).capacity
             for s in ("native", "fp8", "int8", "int4")}
-    assert held["int4"] >= 3.5 * held["native"] and held["fp8"] >= 1.9 * held["native"]
+    coarse = PagedKVCache.for_budget(budget, 4, 8, 128, 64, storage="int4", group_size=64, **kw).capacity
+    assert coarse >= 3.5 * held["native"] and held["int4"] >= 2.6 * held["native"]
+    assert held["fp8"] >= 1.9 * held["native"]
     per_page = 4 * PagedKVCache.page_bytes(8, 128, 64, storage="int4")
+    assert per_page == 4 * 64 * 8 * 2 * (64 + 8 * 4)  # codes, and two bfloat16 per group of 16
     assert held["int4"] // 64 == budget // per_page
     with pytest.raises(ValueError, match="holds no page"):
         PagedKVCache.for_budget(1000, 4, 8, 128, 64, storage="int4", **kw)
     with pytest.raises(ValueError, match="head_dim and value_dim must be even"):
         PagedKVCache(1, 2, 15, 4, storage="int4")
+    with pytest.raises(ValueError, match="group_size must be a positive int"):
+        PagedKVCache(1, 2, 16, 4, storage="int4", group_size=0)
 
 
-def test_an_empty_int4_pool_holds_zeros_and_both_appends_leave_it_so():
-    """Bytes 0x88 are two zeros: the slots no token has filled decode to 0 before and after either
-    append's requantization of a page (the torch path rewrites whole pages)."""
-    from adaattn.kv.cache import _decode
+def test_groups_shrink_to_a_power_of_two_that_divides_the_head_dim():
+    cache = PagedKVCache(1, 1, 72, 2, 8, value_dim=40, storage="int4", group_size=16, device="meta")
+    assert (cache.k_group, cache.v_group) == (8, 8)
+    assert PagedKVCache(1, 1, 96, 2, 8, storage="int4", group_size=64, device="meta").k_group == 32
 
+
+def test_an_empty_int4_pool_holds_zeros_and_appends_leave_the_other_slots_so():
     cache = PagedKVCache(1, 1, 8, num_pages=2, page_size=8, dtype=torch.float32, storage="int4", max_seqs=1)
-    assert torch.equal(_decode(cache.k[0], "int4"), torch.zeros(2, 8, 1, 8))
     s = cache.add()
     cache.append(0, [s], torch.ones(1, 1, 2, 8) * 0.1, torch.ones(1, 1, 2, 8) * 0.1)
-    cache.append(0, [s], torch.ones(1, 1, 1, 8) * 5, torch.ones(1, 1, 1, 8) * 5)  # the page's scale grows
-    assert not _decode(cache.v[0], "int4")[0, 3:].any() and not _decode(cache.v[0], "int4")[1].any()
+    cache.append(0, [s], torch.ones(1, 1, 1, 8) * 5, torch.ones(1, 1, 1, 8) * 5)
+    _, v = cache.gather(0, [s], 8, dtype=torch.float64)  # the page's 8 slots, 3 of them filled
+    assert not v[0, 0, 3:].any() and torch.allclose(v[0, 0, 2], torch.full((8,), 5.0, dtype=torch.float64))

@@ -4,7 +4,8 @@ One program owns one (sequence, KV head, split): the query rows of the whole GQA
 KV head (G query heads x T rows, packed into one BLOCK_M tile, row r = g * T + t) against the
 keys of its split, BLOCK_N keys at a time, each key's page read from the sequence's block-table
 row. Pages in FP8 or INT8 convert exactly to fp16 in registers, and their (page, KV head) scales
-multiply the scores and P. Each program writes its split's normalised output and natural-log
+multiply the scores and P; INT4 pages are dequantized in registers (per token and group of
+channels) to the query's dtype. Each program writes its split's normalised output and natural-log
 log-sum-exp; a second kernel merges the splits by log-sum-exp.
 
 Positions are bottom-right aligned: query row t of T sits at position len - T + t and sees keys
@@ -41,16 +42,25 @@ def as_operand(x, dtype: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def unpack_int4(row_ptrs, live, stride_d, WIDTH: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
-    """(BLOCK_N, BLOCK_W) int8 values in [-7, 7] from rows of WIDTH / 2 bytes at row_ptrs (each
-    byte: the even element in its low nibble, the odd one in its high nibble, offset by 8); rows
-    not live and columns past WIDTH give 0."""
+def load_int4(row_ptrs, scale_ptrs, live, stride_d, stride_g, WIDTH: tl.constexpr, GROUP: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    """(BLOCK_N, BLOCK_W) fp32 values of INT4 rows (kv/cache._int4_decode): WIDTH / 2 bytes at
+    row_ptrs (channel 2i in byte i's low nibble, 2i + 1 in its high one) and, per GROUP channels,
+    a bfloat16 (scale, minimum) pair at scale_ptrs; value = code x scale + minimum (the product is
+    exact, so fused or not it is one rounding, as the cache's own). Rows not live and columns past
+    WIDTH give 0."""
     half = tl.arange(0, BLOCK_W // 2)
-    b = tl.load(row_ptrs + half[None, :] * stride_d, mask=live[:, None] & (half[None, :] < WIDTH // 2), other=8)
-    b = b.to(tl.int16)
-    low = ((b & 15) - 8).to(tl.int8)
-    high = ((b >> 4) - 8).to(tl.int8)
-    return tl.reshape(tl.join(low, high), (BLOCK_N, BLOCK_W))
+    b = tl.load(row_ptrs + half[None, :] * stride_d, mask=live[:, None] & (half[None, :] < WIDTH // 2), other=0)
+    b = b.to(tl.int32)
+    codes = tl.reshape(tl.join(b & 15, b >> 4), (BLOCK_N, BLOCK_W)).to(tl.float32)
+    NG: tl.constexpr = BLOCK_W // GROUP
+    grp = tl.arange(0, NG)
+    at = scale_ptrs + grp[None, :] * stride_g
+    ok = live[:, None] & (grp[None, :] < WIDTH // GROUP)
+    scale = tl.load(at, mask=ok, other=0.0).to(tl.float32)
+    low = tl.load(at + 1, mask=ok, other=0.0).to(tl.float32)
+    x = tl.reshape(codes, (BLOCK_N, NG, GROUP)) * scale[:, :, None] + low[:, :, None]
+    return tl.reshape(x, (BLOCK_N, BLOCK_W))
 
 
 @triton.jit
@@ -71,6 +81,9 @@ def decode_split_kernel(
     PAGE: tl.constexpr, QUANTIZED: tl.constexpr, DOT_PRECISION: tl.constexpr, CONTIG: tl.constexpr = False,
     SPARSE: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0, SLOPES=None, stride_slb=0,
     HAS_ALIBI: tl.constexpr = False, QOFF=None, HAS_QOFF: tl.constexpr = False, INT4: tl.constexpr = False,
+    stride_ksp=0, stride_ksn=0, stride_ksh=0, stride_ksg=0,  # INT4's (page, slot, head, group) scales
+    stride_vsp=0, stride_vsn=0, stride_vsh=0, stride_vsg=0,
+    GK: tl.constexpr = 1, GV: tl.constexpr = 1,
 ):
     """Program (split, sequence x KV head): tiles [split * TILES_PER_SPLIT, ...) of BLOCK_N keys
     of its sequence (a tile may span pages, or a page several tiles: each key's page comes from
@@ -81,8 +94,10 @@ def decode_split_kernel(
     (page, KV head) scales multiply the scores, and P over the tile's largest V scale.
     CONTIG: the sequence's pages follow each other in the pool from its first (a contiguous
     KVCache), so a key's page is computed, not read: no dependent load in the loop.
-    INT4 (with QUANTIZED): pages hold two values a byte (kv/cache._encode: element 2i in the low
-    nibble of byte i, offset by 8); a tile's bytes are loaded and split into values in registers.
+    INT4 (not QUANTIZED): pages hold two codes a byte with a bfloat16 scale and minimum per token
+    and GK (keys) or GV (values) channels in KS and VS (kv/cache.py); a tile's bytes and scales are
+    loaded and dequantized in registers, then go to the tensor cores in the query's dtype as a
+    model-dtype page would.
     Score modifiers (problem.Modifiers): SOFTCAP > 0 caps the scaled scores at that value (the cap
     times log2(e)) before the causal mask; HAS_ALIBI subtracts slope * (position - key), SLOPES
     float32 (Hq,) (stride_slb 0) or one row of Hq per query sequence. HAS_QOFF: QOFF (S, Hq, T)
@@ -147,10 +162,12 @@ def decode_split_kernel(
             page = tl.load(table + (keys // PAGE) * stride_tp, mask=live, other=0).to(tl.int64)
         slot = keys % PAGE
         if INT4:
-            k = unpack_int4(K + page[:, None] * stride_kp + slot[:, None] * stride_kn + h * stride_kh, live,
-                            stride_kd, D, BLOCK_N, BLOCK_D)
-            v = unpack_int4(V + page[:, None] * stride_vp + slot[:, None] * stride_vn + h * stride_vh, live,
-                            stride_vd, DV, BLOCK_N, BLOCK_DV)
+            k = load_int4(K + page[:, None] * stride_kp + slot[:, None] * stride_kn + h * stride_kh,
+                          KS + page[:, None] * stride_ksp + slot[:, None] * stride_ksn + h * stride_ksh, live,
+                          stride_kd, stride_ksg, D, GK, BLOCK_N, BLOCK_D)
+            v = load_int4(V + page[:, None] * stride_vp + slot[:, None] * stride_vn + h * stride_vh,
+                          VS + page[:, None] * stride_vsp + slot[:, None] * stride_vsn + h * stride_vsh, live,
+                          stride_vd, stride_vsg, DV, GV, BLOCK_N, BLOCK_DV)
         else:
             k = tl.load(K + page[:, None] * stride_kp + slot[:, None] * stride_kn + h * stride_kh
                         + dq[None, :] * stride_kd, mask=live[:, None] & (dq[None, :] < D), other=0.0)

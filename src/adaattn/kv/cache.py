@@ -1,5 +1,6 @@
 """KV caches: pages of tokens per layer, a block table per sequence, stored in the model dtype or
-quantized once at append (FP8 E4M3, INT8 or INT4 two values a byte, one scale per (page, KV head)).
+quantized once at append (FP8 E4M3 or INT8 with one scale per (page, KV head); INT4 two values a
+byte with a scale and a minimum per token and group of channels).
 
 Layout per layer: keys and values are pools of shape (num_pages, page_size, Hkv, D) (token-major
 pages, so a contiguous cache's pages of one sequence read as one (N, Hkv, D) tensor). A sequence
@@ -20,9 +21,21 @@ Jensen, count x exp(score) a lower bound of the page's softmax mass): it ranks p
 max bound every key's score from above (Quest's bound: sum over channels of max(q min, q max)).
 They cost 3 x D floats per (page, KV head): 4.7% of a bf16 page of 64 keys and values at D=128.
 
-Quantized pages: a page's scale is amax / QMAX over its tokens so far (per KV head). An append
-that brings a larger value into a partly filled page rescales the page's stored values to the
-new scale first (their error grows by at most one more rounding), so no value is ever clipped.
+Quantized pages (FP8, INT8): a page's scale is amax / QMAX over its tokens so far (per KV head).
+An append that brings a larger value into a partly filled page rescales the page's stored values
+to the new scale first (their error grows by at most one more rounding), so no value is ever
+clipped.
+
+INT4 pages: each token's values, per KV head, in groups of `group_size` channels (the largest power
+of two up to it that divides the head dim), are stored as codes 0..15 over the group's range:
+value = code x scale + minimum, the minimum rounded down and the scale (range / 15) rounded up to
+bfloat16, so every value lies within the 16 levels. Codes pack two a byte (channel 2i in the low
+nibble of byte i, 2i + 1 in the high one); scale and minimum sit in a (num_pages, page_size, Hkv,
+D / group, 2) bfloat16 pool beside the codes. A token is written once: no page is ever rescaled.
+Code x scale is exact in float32 (4 bits times bfloat16's 8), so the dequantized value is one
+rounding of the sum, with or without a fused multiply-add. Groups of 16 measured 3-5 heads of 16
+better than per-(page, head) scales or KIVI's per-channel keys at equal bytes on the shipped
+GPT (benchmarks/NOTES.md, "INT4 layouts at equal bytes").
 """
 
 from __future__ import annotations
@@ -33,29 +46,71 @@ import torch
 
 STORAGES = ("native", "fp8", "int8", "int4")
 APPENDS = ("auto", "triton", "torch")  # append: one Triton launch per layer (CUDA's default), or torch indexing
-QMAX = {"fp8": 448.0, "int8": 127.0, "int4": 7.0}
-# Bytes a stored element takes (int4: two values a byte).
-ELEMENT_BYTES = {"fp8": 1.0, "int8": 1.0, "int4": 0.5}
+QMAX = {"fp8": 448.0, "int8": 127.0, "int4": 15.0}
+PER_PAGE = ("fp8", "int8")  # the storages with one scale per (page, KV head)
+INT4_GROUP = 16  # INT4's default group of channels (module docstring)
+
+
+def int4_group(group_size: int, dim: int) -> int:
+    """The channels one INT4 scale covers for a head dim of `dim`: the largest power of two up to
+    `group_size` that divides `dim` (dim is even, so at least 2)."""
+    g = 1 << (int(group_size).bit_length() - 1)
+    while dim % g:
+        g //= 2
+    return g
+
+
+def value_bytes(storage: str, dtype: torch.dtype, dim: int = 128, group_size: int = INT4_GROUP) -> float:
+    """Bytes one stored value takes in `storage`, its scales included: the model dtype's size for
+    "native", 1 for FP8 and INT8 (their (page, KV head) scales are a few bytes a page), and for INT4
+    half a byte plus 4 bytes (bfloat16 scale and minimum) per group of channels of a `dim` head."""
+    if storage == "native":
+        return torch.empty((), dtype=dtype).element_size()
+    if storage == "int4":
+        return 0.5 + 4 / int4_group(group_size, dim)
+    return 1.0
 
 
 def _encode(y: torch.Tensor, storage: str) -> torch.Tensor:
-    """Values already in the scale's units (float) to the storage. int4: round to [-7, 7], stored
-    offset by 8 as nibbles, element 2i in the low nibble of byte i and 2i+1 in the high one."""
+    """Values already in the scale's units (float) to the storage (FP8, INT8; INT4: _int4_encode)."""
     if storage == "fp8":
         return y.clamp(-QMAX["fp8"], QMAX["fp8"]).to(torch.float8_e4m3fn)
-    if storage == "int8":
-        return y.round().clamp(-QMAX["int8"], QMAX["int8"]).to(torch.int8)
-    n = (y.round().clamp(-QMAX["int4"], QMAX["int4"]) + 8).to(torch.uint8)
-    return n[..., 0::2] | (n[..., 1::2] << 4)
+    return y.round().clamp(-QMAX["int8"], QMAX["int8"]).to(torch.int8)
 
 
 def _decode(stored: torch.Tensor, storage: str) -> torch.Tensor:
-    """The stored values as float32, in the scale's units (the inverse of _encode)."""
+    """The stored values as float32, in the scale's units (the inverse of _encode; INT4: the codes
+    0..15, unpacked)."""
     if storage != "int4":
         return stored.float()
-    low = (stored & 15).to(torch.int8) - 8
-    high = (stored >> 4).to(torch.int8) - 8
-    return torch.stack((low, high), dim=-1).flatten(-2).float()
+    return torch.stack((stored & 15, stored >> 4), dim=-1).flatten(-2).float()
+
+
+def _bf16_toward(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """float32 `x` rounded to bfloat16 toward +inf (up) or -inf, as bfloat16 (bit arithmetic:
+    bfloat16 is float32's upper half). kernels/kv_append.py rounds alike."""
+    bits = x.float().contiguous().view(torch.int32)
+    magnitude_up = (bits >= 0) == up  # toward +inf grows a positive value's magnitude, toward -inf a negative one's
+    bits = torch.where(magnitude_up, (bits + 0xFFFF) & -65536, bits & -65536)
+    return bits.view(torch.float32).to(torch.bfloat16)
+
+
+def _int4_encode(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., D) float to INT4: the packed codes (..., D / 2) uint8 and (..., D / group, 2)
+    bfloat16 scale and minimum (module docstring)."""
+    y = x.float().unflatten(-1, (-1, group))
+    low = _bf16_toward(y.amin(-1), up=False)
+    scale = _bf16_toward((y.amax(-1) - low.float()) / 15.0, up=True)
+    safe = torch.where(scale > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
+    codes = ((y - low.float()[..., None]) / safe[..., None]).round().clamp(0, 15).flatten(-2).to(torch.uint8)
+    return codes[..., 0::2] | (codes[..., 1::2] << 4), torch.stack((scale, low), dim=-1)
+
+
+def _int4_decode(stored: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The inverse of _int4_encode, float32: code x scale + minimum per group."""
+    codes = _decode(stored, "int4").unflatten(-1, (scales.shape[-2], -1))
+    sm = scales.float()
+    return (codes * sm[..., 0:1] + sm[..., 1:2]).flatten(-2)
 
 
 def _quantize(x: torch.Tensor, scale: torch.Tensor, storage: str) -> torch.Tensor:
@@ -66,9 +121,10 @@ def _quantize(x: torch.Tensor, scale: torch.Tensor, storage: str) -> torch.Tenso
 class PagedKVCache:
     """Keys and values of many sequences for `layers` layers, in pages of `page_size` tokens.
 
-    storage: "native" (the model dtype `dtype`), "fp8" (E4M3), "int8" or "int4" (values in [-7, 7],
-    two a byte: a quarter of bf16's bytes), quantized at append. for_budget(...) sizes the pool by
-    bytes.
+    storage: "native" (the model dtype `dtype`), "fp8" (E4M3), "int8" or "int4" (16 levels a value,
+    two a byte, with a bfloat16 scale and minimum per token and `group_size` channels: 0.75 bytes a
+    value at groups of 16, 0.5625 at 64, against bf16's 2), quantized at append. for_budget(...)
+    sizes the pool by bytes.
     num_pages: pages per layer in the pool; max_seqs: sequences at once; max_pages_per_seq: the
     block table's width (default: every page). summaries: keep per-page key sums and per-channel
     bounds for sparse decode (the module's docstring).
@@ -77,9 +133,11 @@ class PagedKVCache:
     def __init__(self, layers: int, kv_heads: int, head_dim: int, num_pages: int, page_size: int = 64, *,
                  value_dim: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu", storage: str = "native", max_seqs: int = 256,
-                 max_pages_per_seq: Optional[int] = None, append: str = "auto", summaries: bool = False):
+                 max_pages_per_seq: Optional[int] = None, append: str = "auto", summaries: bool = False,
+                 group_size: int = INT4_GROUP):
         for name, val in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim),
-                          ("num_pages", num_pages), ("page_size", page_size), ("max_seqs", max_seqs)):
+                          ("num_pages", num_pages), ("page_size", page_size), ("max_seqs", max_seqs),
+                          ("group_size", group_size)):
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
         if storage not in STORAGES:
@@ -98,14 +156,24 @@ class PagedKVCache:
         self.page_size, self.num_pages, self.max_seqs = page_size, num_pages, max_seqs
         self.max_pages_per_seq = num_pages if max_pages_per_seq is None else max_pages_per_seq
         self.dtype, self.storage, self.device = dtype, storage, torch.device(device)
+        # INT4: channels per scale, keys and values (module docstring)
+        self.group_size = group_size
+        self.k_group, self.v_group = int4_group(group_size, head_dim), int4_group(group_size, self.value_dim)
         store = {"native": dtype, "fp8": torch.float8_e4m3fn, "int8": torch.int8, "int4": torch.uint8}[storage]
         shape = (num_pages, page_size, kv_heads)
         width = 2 if storage == "int4" else 1  # values a stored element holds
-        self.k = [self._empty_pool((*shape, head_dim // width), store) for _ in range(layers)]
-        self.v = [self._empty_pool((*shape, self.value_dim // width), store) for _ in range(layers)]
-        if storage != "native":
+        self.k = [torch.zeros((*shape, head_dim // width), dtype=store, device=self.device) for _ in range(layers)]
+        self.v = [torch.zeros((*shape, self.value_dim // width), dtype=store, device=self.device)
+                  for _ in range(layers)]
+        if storage == "int4":  # (scale, minimum) per token and group, bfloat16
+            self.k_scale = [torch.zeros(*shape, head_dim // self.k_group, 2, dtype=torch.bfloat16, device=self.device)
+                            for _ in range(layers)]
+            self.v_scale = [torch.zeros(*shape, self.value_dim // self.v_group, 2, dtype=torch.bfloat16,
+                                        device=self.device) for _ in range(layers)]
+        elif storage != "native":
             self.k_scale = [torch.zeros(num_pages, kv_heads, device=self.device) for _ in range(layers)]
             self.v_scale = [torch.zeros(num_pages, kv_heads, device=self.device) for _ in range(layers)]
+        if storage != "native":
             # Each sequence's keys are stored less their mean over its first append (per layer and KV
             # head): attention is unchanged (q.c is the same for every key of a query's row), and
             # the quantized residuals are smaller than the keys where keys share an offset.
@@ -130,23 +198,19 @@ class PagedKVCache:
             append = "triton" if self.device.type == "cuda" else "torch"
         self.append_runner = append
 
-    def _empty_pool(self, shape: tuple, store: torch.dtype) -> torch.Tensor:
-        """A pool of zeros (int4: bytes 0x88, two zeros as the nibbles hold them, offset by 8)."""
-        if self.storage == "int4":
-            return torch.full(shape, 0x88, dtype=store, device=self.device)
-        return torch.zeros(shape, dtype=store, device=self.device)
-
     @staticmethod
     def page_bytes(kv_heads: int, head_dim: int, page_size: int = 64, *, value_dim: Optional[int] = None,
-                   dtype: torch.dtype = torch.bfloat16, storage: str = "native", summaries: bool = False) -> int:
-        """Bytes one page takes in one layer: keys and values in the storage, their (page, KV head)
-        scales (quantized storages) and the page summaries (summaries=True)."""
+                   dtype: torch.dtype = torch.bfloat16, storage: str = "native", summaries: bool = False,
+                   group_size: int = INT4_GROUP) -> int:
+        """Bytes one page takes in one layer: keys and values in the storage with their scales
+        (FP8/INT8: one fp32 per (page, KV head); INT4: per token and group) and the page summaries
+        (summaries=True)."""
         if storage not in STORAGES:
             raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
         dv = head_dim if value_dim is None else value_dim
-        per_value = torch.empty((), dtype=dtype).element_size() if storage == "native" else ELEMENT_BYTES[storage]
-        total = page_size * kv_heads * (head_dim + dv) * per_value
-        if storage != "native":
+        total = page_size * kv_heads * (head_dim * value_bytes(storage, dtype, head_dim, group_size)
+                                         + dv * value_bytes(storage, dtype, dv, group_size))
+        if storage in PER_PAGE:
             total += 2 * kv_heads * 4  # fp32 key and value scales
         if summaries:
             total += 3 * kv_heads * head_dim * 4
@@ -158,7 +222,7 @@ class PagedKVCache:
         """A cache whose page pools (all layers) take at most `budget_bytes`: as many pages as fit
         at its storage (kwargs as the constructor's; `capacity` then says how many tokens). The
         block table, lengths and each sequence's key centre are extra, a few bytes a page."""
-        keep = {k: kwargs[k] for k in ("value_dim", "dtype", "storage", "summaries") if k in kwargs}
+        keep = {k: kwargs[k] for k in ("value_dim", "dtype", "storage", "summaries", "group_size") if k in kwargs}
         per_page = layers * cls.page_bytes(kv_heads, head_dim, page_size, **keep)
         pages = int(budget_bytes) // per_page
         if pages < 1:
@@ -200,7 +264,7 @@ class PagedKVCache:
         """Give a sequence's pages back; its id may be reused by a later add()."""
         self._check_seq(seq)
         pages = self._pages.pop(seq)
-        if self.storage != "native" and pages:  # a reused page starts from a fresh scale
+        if self.storage in PER_PAGE and pages:  # a reused page starts from a fresh scale
             for sc in (*self.k_scale, *self.v_scale):
                 sc[pages] = 0
         self._free_pages.extend(reversed(pages))
@@ -328,7 +392,7 @@ class PagedKVCache:
         from ..kernels.kv_append import append_kernel
 
         s, hkv, t, d = key.shape
-        quantized = self.storage != "native"
+        quantized, per_page, int4 = self.storage != "native", self.storage in PER_PAGE, self.storage == "int4"
         k_pool, v_pool, lengths, ids = self.k[layer], self.v[layer], self.lengths[layer], self.seq_ids(seqs)
         ks = self.k_scale[layer] if quantized else self._count  # placeholder pointers when not read
         vs = self.v_scale[layer] if quantized else self._count
@@ -342,13 +406,16 @@ class PagedKVCache:
         def build():
             return ((key, value, k_pool, v_pool, ks, vs, kc, self.block_table, lengths, ids,
                      self._count, sums, mins, maxs, *key.stride(), *value.stride(), *k_pool.stride(), *v_pool.stride(),
-                     *(ks.stride() if quantized else (0, 0)), *(kc.stride() if quantized else (0, 0, 0)),
+                     *(ks.stride() if per_page else (0, 0)), *(kc.stride() if quantized else (0, 0, 0)),
                      *self.block_table.stride(), *(sums.stride()[:2] if self.summaries else (0, 0)),
                      t, hkv, chunks, self.max_pages_per_seq),
                     dict(D=d, DV=value.shape[3], BLOCK_D=next_power_of_2(d), BLOCK_DV=next_power_of_2(value.shape[3]),
                          PAGE=self.page_size, BLOCK_P=next_power_of_2(self.page_size),
                          STORAGE=STORAGES.index(self.storage), QMAX=QMAX.get(self.storage, 1.0),
                          INTERPRET=interpreting(), SUMMARIES=self.summaries,
+                         **(dict(zip(("stride_ksp", "stride_ksn", "stride_ksh", "stride_ksg"), ks.stride()[:4]))
+                            | dict(zip(("stride_vsp", "stride_vsn", "stride_vsh", "stride_vsg"), vs.stride()[:4]))
+                            | dict(GK=self.k_group, GV=self.v_group) if int4 else {}),
                          num_warps=4 if self.page_size <= 64 else 8))
 
         # One layer's appends of one shape are the same launch but for the tensors (a decode step's
@@ -371,6 +438,11 @@ class PagedKVCache:
         if self.storage == "native":
             self.k[layer][page, slot] = k.to(self.dtype)
             self.v[layer][page, slot] = v.to(self.dtype)
+        elif self.storage == "int4":  # written once per token: no page is rescaled
+            k = k.float() - self.k_center[layer][sid][:, None]
+            for pool, scales, x, group in ((self.k[layer], self.k_scale[layer], k, self.k_group),
+                                           (self.v[layer], self.v_scale[layer], v, self.v_group)):
+                pool[page, slot], scales[page, slot] = _int4_encode(x, group)
         else:
             k = k.float() - self.k_center[layer][sid][:, None]
             self._append_quantized(self.k[layer], self.k_scale[layer], page, slot, k)
@@ -389,8 +461,11 @@ class PagedKVCache:
                 pages.append(self._pages[s][index])
                 fill.append(min(p, end - index * p))
         ids = torch.tensor(pages, dtype=torch.long, device=self.device)
-        x = _decode(self.k[layer][ids], self.storage)  # (n, page, Hkv, D)
-        if self.storage != "native":
+        if self.storage == "int4":
+            x = _int4_decode(self.k[layer][ids], self.k_scale[layer][ids])  # (n, page, Hkv, D)
+        else:
+            x = _decode(self.k[layer][ids], self.storage)
+        if self.storage in PER_PAGE:
             x = x * self.k_scale[layer][ids][:, None, :, None]
         live = (torch.arange(p, device=self.device)[None, :] < torch.tensor(fill, device=self.device)[:, None])
         live = live[:, :, None, None]
@@ -437,6 +512,9 @@ class PagedKVCache:
             x = pool[table]  # (S, P, page, Hkv, D)
             if scales is None:
                 x = x.to(dtype)
+            elif self.storage == "int4":
+                x = _int4_decode(x, scales[table])
+                x = (x if center is None else x + center).to(dtype)
             else:
                 x = _decode(x, self.storage) * scales[table][:, :, None, :, None]
                 x = (x if center is None else x + center).to(dtype)
@@ -453,14 +531,14 @@ class KVCache(PagedKVCache):
     def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, *,
                  value_dim: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu", storage: str = "native", page_size: int = 64,
-                 append: str = "auto", summaries: bool = False):
+                 append: str = "auto", summaries: bool = False, group_size: int = INT4_GROUP):
         for name, val in (("batch", batch), ("max_len", max_len), ("page_size", page_size)):
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
         per_seq = -(-max_len // page_size)
         super().__init__(layers, kv_heads, head_dim, batch * per_seq, page_size, value_dim=value_dim, dtype=dtype,
                          device=device, storage=storage, max_seqs=batch, max_pages_per_seq=per_seq, append=append,
-                         summaries=summaries)
+                         summaries=summaries, group_size=group_size)
         self.batch, self.max_len = batch, max_len
         self._free_pages = []  # every page belongs to its sequence from the start
         self._pages_owned = True  # (so an append takes none: _ensure would find nothing to do)
@@ -490,7 +568,7 @@ class KVCache(PagedKVCache):
                 self._lengths[layer][s] = 0
             self.lengths[:, s] = 0
             self._forget(s)
-            if self.storage != "native":
+            if self.storage in PER_PAGE:
                 for sc in (*self.k_scale, *self.v_scale):
                     sc[self._pages[s]] = 0
 

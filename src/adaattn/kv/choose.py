@@ -3,7 +3,7 @@ on the keys and values a cache would hold, and the storage of fewest bytes withi
 
 The error is measured, not modelled: the keys and values go through a KVCache of each storage
 exactly as an append stores them (pages of `page_size` tokens, one scale per (page, KV head),
-keys less their centre, INT4 two values a byte), are read back dequantized, and the queries attend
+keys less their centre; INT4 two values a byte with a scale and minimum per token and group), are read back dequantized, and the queries attend
 them in float64 beside the same queries over the unquantized keys and values. A head's error is
 ||o_storage - o|| / ||o|| over every row of its query group (the per-head figure of MEASURING.md).
 
@@ -21,14 +21,15 @@ import torch
 
 from ..backends.reference import relative_errors
 from ..problem import default_scale
-from .cache import ELEMENT_BYTES, STORAGES, KVCache
+from .cache import INT4_GROUP, STORAGES, KVCache, value_bytes
 
 QUANTIZED = ("int4", "fp8", "int8")  # the storages that quantize, fewest bytes first
 
 
 def storage_errors(key: torch.Tensor, value: torch.Tensor, query: Optional[torch.Tensor] = None, *,
                    storages: Sequence[str] = QUANTIZED, page_size: int = 64,
-                   scale: Optional[float] = None, proxy_rows: int = 64) -> dict[str, torch.Tensor]:
+                   scale: Optional[float] = None, proxy_rows: int = 64, group_size: int = INT4_GROUP
+                   ) -> dict[str, torch.Tensor]:
     """{storage: (Hkv,) float64 tensor}: per KV head, the relative error of attention's output when
     a cache holds `key` (B, Hkv, N, D) and `value` (B, Hkv, N, Dv) in that storage (stored as one
     append, as a prompt is), against the same attention over them unquantized, in float64.
@@ -36,7 +37,8 @@ def storage_errors(key: torch.Tensor, value: torch.Tensor, query: Optional[torch
     query: (B, Hq, T, D) rows attending every key (decode steps), Hq a multiple of Hkv; None: the
     last `proxy_rows` keys of each KV head stand in for its group's queries (see the module's
     docstring). scale: the softmax scale (default 1/sqrt(D)). storages: any of "native", "fp8",
-    "int8", "int4" ("native": the model dtype's own rounding, zero for float32 keys)."""
+    "int8", "int4" ("native": the model dtype's own rounding, zero for float32 keys). group_size:
+    INT4's channels per scale (kv.cache)."""
     if not isinstance(key, torch.Tensor) or not isinstance(value, torch.Tensor):
         raise TypeError(f"key and value must be tensors, got {type(key).__name__} and {type(value).__name__}")
     if key.dim() != 4 or value.dim() != 4 or key.shape[:3] != value.shape[:3]:
@@ -63,7 +65,7 @@ def storage_errors(key: torch.Tensor, value: torch.Tensor, query: Optional[torch
     out = {}
     for s in storages:
         cache = KVCache(1, b, hkv, n, d, value_dim=value.shape[-1], dtype=key.dtype, device=key.device, storage=s,
-                        page_size=page_size, append="torch")
+                        page_size=page_size, append="torch", group_size=group_size)
         cache.append(0, key.detach(), value.detach())
         ks, vs = cache.gather(0, list(range(b)), n, dtype=torch.float32)
         out[s] = relative_errors(_attend(q, ks.double(), vs.double(), scale), exact, dims=(0, 2, 3)).cpu()
@@ -75,11 +77,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
     return torch.softmax((q @ k.transpose(-1, -2)) * scale, dim=-1) @ v
 
 
-def storage_bytes(storage: str, dtype: torch.dtype) -> float:
-    """Bytes one stored element takes in `storage` (the model dtype's size for "native")."""
-    if storage == "native":
-        return float(torch.empty((), dtype=dtype).element_size())
-    return ELEMENT_BYTES[storage]
+def storage_bytes(storage: str, dtype: torch.dtype, dim: int = 128, group_size: int = INT4_GROUP) -> float:
+    """Bytes one stored value takes in `storage`, scales included (cache.value_bytes)."""
+    return float(value_bytes(storage, dtype, dim, group_size))
 
 
 def choose_storages(errors: dict[str, torch.Tensor], tolerance: float, dtype: torch.dtype = torch.bfloat16

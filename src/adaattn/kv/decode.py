@@ -47,7 +47,7 @@ from ..problem import default_scale
 from .. import stats
 from . import sparse
 from .gathered import sdpa_gathered
-from .cache import KVCache, PagedKVCache
+from .cache import PER_PAGE, KVCache, PagedKVCache
 
 # The triton runner's tiles and launch, from sweeps on an H100 (benchmarks/NOTES.md, decode): 128 keys
 # per tile; 8 warps for pages in the model dtype, 4 for quantized pages (their fp16 operands sit in
@@ -391,9 +391,14 @@ def _split_kv(query, cache, layer, plan, scale, sel=None, count=None, pages=1.0,
         splits = -(-tiles // per)
     o_part, l_part = plan.scratch(dv, query.device, splits)
     k_pool, v_pool, lengths = cache.k[layer], cache.v[layer], cache.lengths[layer]
-    quantized = cache.storage != "native"
-    ks = cache.k_scale[layer] if quantized else l_part  # a placeholder pointer when not read
-    vs = cache.v_scale[layer] if quantized else l_part
+    quantized, int4 = cache.storage in PER_PAGE, cache.storage == "int4"
+    ks = cache.k_scale[layer] if quantized or int4 else l_part  # a placeholder pointer when not read
+    vs = cache.v_scale[layer] if quantized or int4 else l_part
+    int4_strides = {}
+    if int4:  # (page, slot, head, group) scales
+        int4_strides = dict(zip(("stride_ksp", "stride_ksn", "stride_ksh", "stride_ksg"), ks.stride()[:4]))
+        int4_strides.update(zip(("stride_vsp", "stride_vsn", "stride_vsh", "stride_vsg"), vs.stride()[:4]))
+        int4_strides.update(GK=cache.k_group, GV=cache.v_group)
     scale = default_scale(d) if scale is None else float(scale)
     precision = dot_precision(query.dtype)
     block_m, block_d, block_dv = max(16, next_power_of_2(g * t)), max(16, next_power_of_2(d)), max(16, next_power_of_2(dv))
@@ -407,7 +412,7 @@ def _split_kv(query, cache, layer, plan, scale, sel=None, count=None, pages=1.0,
                  hkv, per),
                 dict(G=g, T=t, D=d, DV=dv, BLOCK_M=block_m, BLOCK_N=plan.block_n,
                      BLOCK_D=block_d, BLOCK_DV=block_dv, PAGE=cache.page_size,
-                     QUANTIZED=quantized, INT4=cache.storage == "int4", DOT_PRECISION=precision,
+                     QUANTIZED=quantized, INT4=int4, DOT_PRECISION=precision, **int4_strides,
                      CONTIG=plan.contiguous, SPARSE=sparse_, num_warps=plan.num_warps, num_stages=plan.num_stages,
                      **{name: x for name, x in (mods or {}).items() if name != "merge"}))
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from . import sparse
-from .cache import ELEMENT_BYTES, KVCache, PagedKVCache
+from .cache import KVCache, PagedKVCache, value_bytes
 
 MAX_TILE_ROWS = 128  # query rows of one KV head (GQA group x query_len) the kernel packs into a tile
 
@@ -61,14 +61,17 @@ def decode_problem(cache: PagedKVCache, now: list[int], heads: int, query_len: i
                    max_len: int, sparse_: Any = None, device_type: str | None = None) -> DecodeProblem:
     """The DecodeProblem of a step over `cache` whose sequences hold `now` tokens (the one place
     that makes one); `device_type` plans for another device than the cache's (explain)."""
-    elem = torch.finfo(cache.dtype).bits / 8 if cache.storage == "native" else ELEMENT_BYTES[cache.storage]
+    def elem(dim):
+        return value_bytes(cache.storage, cache.dtype, dim, cache.group_size)
+
     device_type = device_type or cache.device.type
     return DecodeProblem(
         device_type=device_type, cache_kind="KVCache" if isinstance(cache, KVCache) else "PagedKVCache",
         storage=cache.storage, cache_dtype=cache.dtype, dtype=dtype, heads=heads, kv_heads=cache.kv_heads,
         query_len=query_len, head_dim=cache.head_dim, value_dim=cache.value_dim, page_size=cache.page_size,
         sequences=len(now), longest=max(now), max_len=max_len,
-        kv_bytes=int(cache.kv_heads * (cache.head_dim + cache.value_dim) * elem * sum(now)),
+        kv_bytes=int(cache.kv_heads * (cache.head_dim * elem(cache.head_dim) + cache.value_dim * elem(cache.value_dim))
+                     * sum(now)),
         summaries=cache.summaries, max_pages_per_seq=cache.max_pages_per_seq,
         kernel_reasons=kernel_declines(device_type, dtype, cache.dtype, max(cache.head_dim, cache.value_dim),
                                        heads // cache.kv_heads * query_len),
