@@ -288,7 +288,7 @@ def _tiny_llama():
 def test_generate_with_the_adaattn_cache_gives_sdpa_tokens(storage, paged, runner):
     """Greedy generate() through adaattn's Cache: decode steps read the cache (stats name the
     kv runner), and the tokens are those of "sdpa" with transformers' own cache (float32 model:
-    quantized caches too, on this small model)."""
+    quantized caches too, on this small model; INT4 with a window of the newest 16 tokens)."""
     if runner == "triton":
         from helpers import NEEDS_CUDA_OR_INTERPRETER
 
@@ -300,9 +300,11 @@ def test_generate_with_the_adaattn_cache_gives_sdpa_tokens(storage, paged, runne
               pad_token_id=0)
     want = model.generate(ids, **kw)
     model.set_attn_implementation("adaattn")
-    cache = hf.Cache(64, storage=storage, paged=paged, page_size=16, decode_runner=runner)
+    window = 16 if storage == "int4" else 0
+    cache = hf.Cache(64, storage=storage, paged=paged, page_size=16, decode_runner=runner, window=window)
     with adaattn.stats.collect() as records:
         got = model.generate(ids, past_key_values=cache, **kw)
+    assert cache.kvs[0].window == window
     ran = {r.backend for r in records}
     assert f"kv.{runner or 'sdpa'}" in ran, ran
     assert "kv." + (runner or "sdpa") in cache.explain()
@@ -320,6 +322,10 @@ def test_cache_refuses_what_it_cannot_do():
         hf.Cache(64, storage="fp4")
     with pytest.raises(ValueError, match="decode_runner must be one of"):
         hf.Cache(64, decode_runner="flash")
+    with pytest.raises(ValueError, match="storage 'fp8' takes no window"):
+        hf.Cache(64, storage="fp8", window=16)
+    with pytest.raises(ValueError, match="group_size must be a positive int"):
+        hf.Cache(64, storage="int4", group_size=0)
     cache = hf.Cache(64)
     assert type(cache) is type(hf.Cache(16))  # one class, made once
     assert isinstance(cache, transformers.cache_utils.Cache)

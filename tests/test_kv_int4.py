@@ -95,13 +95,15 @@ def test_a_token_is_written_once_a_later_larger_append_leaves_it_alone():
     assert (v[..., :3, :] - small.double()).abs().max() < 0.02  # the small tokens keep their own fine step
 
 
-def _filled(kind, storage, lens, hkv, d, dtype, g):
+def _filled(kind, storage, lens, hkv, d, dtype, g, window=0):
     page = 16
     if kind == "contiguous":
-        cache = KVCache(1, len(lens), hkv, max(lens), d, dtype=dtype, device=DEV, storage=storage, page_size=page)
+        cache = KVCache(1, len(lens), hkv, max(lens), d, dtype=dtype, device=DEV, storage=storage, page_size=page,
+                        window=window)
         seqs = list(range(len(lens)))
     else:
-        cache = PagedKVCache(1, hkv, d, 64, page, dtype=dtype, device=DEV, storage=storage, max_seqs=len(lens) + 1)
+        cache = PagedKVCache(1, hkv, d, 64, page, dtype=dtype, device=DEV, storage=storage, max_seqs=len(lens) + 1,
+                             window=window)
         seqs = [cache.add() for _ in lens]
         for _ in range(3):  # pages taken in turns: each sequence's pages spread through the pool
             for s in seqs:
@@ -120,15 +122,17 @@ def _filled(kind, storage, lens, hkv, d, dtype, g):
 @pytest.mark.parametrize("kind", ["contiguous", "paged"])
 @pytest.mark.parametrize("t", [1, 3])
 @pytest.mark.parametrize("runner", ["triton", "sdpa"])
-def test_int4_decode_matches_float64_on_the_caches_own_values(kind, t, runner):
-    """The split-KV kernel unpacks the nibbles in registers (and the sdpa runner reads gather's
-    values): against float64 attention on the values the cache holds, GQA, ragged lengths, one
-    and three query rows, several splits."""
+@pytest.mark.parametrize("window", [0, 16])
+def test_int4_decode_matches_float64_on_the_caches_own_values(kind, t, runner, window):
+    """The split-KV kernel dequantizes in registers, and with a window reads the newest tokens from
+    the ring (the sdpa runner reads gather's values): against float64 attention on the values the
+    cache holds, GQA, ragged lengths (one shorter than the window), one and three query rows,
+    several splits."""
     pytest.importorskip("triton")
     g = torch.Generator().manual_seed(3)
     hq, hkv, d, dtype = 4, 2, 32, torch.float16
     lens = [37, 9, 70] if kind == "paged" else [50, 50]
-    cache, seqs = _filled(kind, "int4", lens, hkv, d, dtype, g)
+    cache, seqs = _filled(kind, "int4", lens, hkv, d, dtype, g, window)
     q = (torch.randn(len(seqs), hq, t, d, generator=g)).to(DEV, dtype)
     with adaattn.stats.collect() as records:
         out = adaattn.decode_attention(q, cache, 0, seqs=seqs, runner=runner,
@@ -174,3 +178,45 @@ def test_an_empty_int4_pool_holds_zeros_and_appends_leave_the_other_slots_so():
     cache.append(0, [s], torch.ones(1, 1, 1, 8) * 5, torch.ones(1, 1, 1, 8) * 5)
     _, v = cache.gather(0, [s], 8, dtype=torch.float64)  # the page's 8 slots, 3 of them filled
     assert not v[0, 0, 3:].any() and torch.allclose(v[0, 0, 2], torch.full((8,), 5.0, dtype=torch.float64))
+
+
+def test_a_window_keeps_the_newest_tokens_exact_and_both_appends_write_the_same():
+    """Ragged appends (one longer than the window, one token, mid-page starts): the newest `window`
+    tokens of each sequence read back as appended, older ones as INT4; the one-launch append
+    writes the torch append's pages, scales and rings, bit for bit."""
+    from helpers import NEEDS_CUDA_OR_INTERPRETER  # noqa: F401
+
+    g = torch.Generator().manual_seed(6)
+    hkv, d, dv, w = 2, 32, 16, 12
+    caches = [PagedKVCache(1, hkv, d, 24, 8, value_dim=dv, dtype=torch.bfloat16, storage="int4", max_seqs=3,
+                           append=a, window=w, device=DEV) for a in ("torch", "triton")]
+    seqs = [[c.add() for _ in range(2)] for c in caches][0]
+    ks, vs = [], []
+    for t in (5, 1, 20, 1, 3):
+        k = (torch.randn(2, hkv, t, d, generator=g) * 2 + 1).to(DEV, torch.bfloat16)
+        v = torch.randn(2, hkv, t, dv, generator=g).to(DEV, torch.bfloat16)
+        ks.append(k)
+        vs.append(v)
+        for c in caches:
+            c.append(0, seqs, k, v)
+    k_all, v_all = torch.cat(ks, 2).double(), torch.cat(vs, 2).double()
+    n = k_all.shape[2]
+    for name in ("k", "v", "k_scale", "v_scale", "k_window", "v_window"):
+        torch.testing.assert_close(getattr(caches[1], name)[0], getattr(caches[0], name)[0], rtol=0, atol=0)
+    got_k, got_v = caches[0].gather(0, seqs, n, dtype=torch.float64)
+    assert torch.equal(got_k[:, :, n - w:], k_all[:, :, n - w:]) and torch.equal(got_v[:, :, n - w:], v_all[:, :, n - w:])
+    assert 0 < float((got_v[:, :, :n - w] - v_all[:, :, :n - w]).abs().max()) < 0.5
+
+
+def test_a_window_is_refused_off_int4_and_counted_in_a_byte_budget():
+    with pytest.raises(ValueError, match="storage 'int8' takes no window"):
+        PagedKVCache(1, 2, 16, 4, storage="int8", window=64)
+    with pytest.raises(ValueError, match="window must be an int >= 0"):
+        PagedKVCache(1, 2, 16, 4, storage="int4", window=-1)
+    kw = dict(storage="int4", dtype=torch.bfloat16, max_seqs=4, device="meta")
+    budget = 64 * 2**20
+    plain = PagedKVCache.for_budget(budget, 2, 8, 128, 64, **kw)
+    windowed = PagedKVCache.for_budget(budget, 2, 8, 128, 64, window=512, **kw)
+    rings = 2 * 4 * 512 * 8 * 256 * 2  # layers x sequences x window x Hkv x (D + Dv) x bf16
+    per_page = 2 * PagedKVCache.page_bytes(8, 128, 64, storage="int4")
+    assert windowed.num_pages == (budget - rings) // per_page < plain.num_pages

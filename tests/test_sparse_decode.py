@@ -135,16 +135,18 @@ def test_selection_kernel_matches_its_reference_and_keeps_sinks_and_the_newest_p
     assert kept == sorted(kept, reverse=True) and kept[-1] < kept[0] / 2, kept  # a larger theta drops more
 
 
-@pytest.mark.parametrize("storage,dtype", [("native", torch.bfloat16), ("native", torch.float16), ("fp8", torch.bfloat16)])
+@pytest.mark.parametrize("storage,dtype", [("native", torch.bfloat16), ("native", torch.float16), ("fp8", torch.bfloat16),
+                                           ("int4", torch.bfloat16)])
 def test_the_sparse_step_matches_float64_on_the_pages_it_keeps(storage, dtype):
     """The split-KV kernel reading only the kept pages, against float64 attention restricted to
     them (GQA 3:1, a paged cache, ragged lengths, one and two query rows), within 2x SDPA's own
-    error on the same keys."""
+    error on the same keys (INT4: with a window of the newest 40 tokens, read from its ring)."""
     from helpers import NEEDS_CUDA_OR_INTERPRETER  # noqa: F401
 
     q1, k, v = _structured(n=500, seed=2)
     hkv, d = k.shape[1], k.shape[3]
-    cache = PagedKVCache(1, hkv, d, 80, 16, dtype=dtype, storage=storage, summaries=True, max_seqs=2)
+    cache = PagedKVCache(1, hkv, d, 80, 16, dtype=dtype, storage=storage, summaries=True, max_seqs=2,
+                         window=40 if storage == "int4" else 0)
     seqs = [cache.add(), cache.add()]
     lens = (500, 230)
     for i, s in enumerate(seqs):

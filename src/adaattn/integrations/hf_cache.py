@@ -15,12 +15,14 @@ from .hf_decode import _Handle
 
 
 def Cache(max_cache_len: int, storage: str = "native", paged: bool = False, page_size: int = 64,
-          decode_runner: str | None = None, compile: bool | None = None):
+          decode_runner: str | None = None, compile: bool | None = None, *, group_size: int = 16, window: int = 0):
     """A transformers Cache backed by adaattn.kv: pass it as `past_key_values` to generate() or
     forward() of a model loaded with attn_implementation="adaattn".
 
     max_cache_len: tokens per sequence it holds (prompt + new tokens); storage: "native" (the
-    model dtype), "fp8" or "int8" (quantized once at append, per (page, KV head) scales); paged:
+    model dtype), "fp8" or "int8" (quantized once at append, per (page, KV head) scales) or "int4"
+    (per token and `group_size` channels; `window`: the newest tokens also kept in the model dtype,
+    adaattn.kv.cache's docstring); paged:
     a PagedKVCache (pages from a pool, each sequence's reserved at its first update) instead of a
     contiguous KVCache; page_size: tokens per page; decode_runner: "triton", "sdpa" or None (the
     plan's choice).
@@ -58,7 +60,16 @@ def Cache(max_cache_len: int, storage: str = "native", paged: bool = False, page
         raise TypeError(f"compile must be a bool or None, got {type(compile).__name__}")
     if compile is None:
         compile = torch.cuda.is_available()
-    return _cache_class()(max_cache_len, storage, bool(paged), page_size, decode_runner, compile)
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+        raise ValueError(f"window must be an int >= 0, got {window!r}")
+    if window and storage != "int4":
+        raise ValueError(f"window={window} keeps the newest tokens in the model dtype beside INT4 pages; storage "
+                         f"{storage!r} takes no window (use storage='int4', or window=0)")
+    cache = _cache_class()(max_cache_len, storage, bool(paged), page_size, decode_runner, compile)
+    cache._layout = dict(group_size=group_size, window=min(window, max_cache_len))
+    return cache
 
 
 @functools.lru_cache(maxsize=None)
@@ -112,6 +123,7 @@ def _cache_class():
             self._masked: list[bool] = []  # per layer: a prompt or chunk came with more than the causal mask
             self._seen: list[bool] = []  # per layer: adaattn's attention function read the cache
             self._stale = False  # compiled steps advanced the device lengths, not the host mirrors
+            self._layout: dict = {}  # INT4's group_size and window (Cache sets them)
 
         @property
         def max_cache_len(self) -> int:  # a read-only property of transformers' Cache in some versions
@@ -127,6 +139,8 @@ def _cache_class():
             state = [kv.lengths, kv.k[0], kv.v[0]]
             if kv.storage != "native":
                 state += [kv.k_scale[0], kv.v_scale[0]]
+            if kv.window:
+                state += [kv.k_window[0], kv.v_window[0]]
             return state
 
         def _sync(self):
@@ -162,12 +176,12 @@ def _cache_class():
                     per_seq = -(-self.max_cache_len // self.page_size)
                     kv = PagedKVCache(1, hkv, d, b * per_seq, self.page_size, value_dim=value_states.shape[3],
                                       dtype=key_states.dtype, device=key_states.device, storage=self.storage,
-                                      max_seqs=b, max_pages_per_seq=per_seq)
+                                      max_seqs=b, max_pages_per_seq=per_seq, **self._layout)
                     seqs = tuple(kv.add(reserve=self.max_cache_len) for _ in range(b))  # (no allocation in steps)
                 else:
                     kv = KVCache(1, b, hkv, self.max_cache_len, d, value_dim=value_states.shape[3],
                                  dtype=key_states.dtype, device=key_states.device, storage=self.storage,
-                                 page_size=self.page_size)
+                                 page_size=self.page_size, **self._layout)
                     seqs = tuple(range(b))
                 self.kvs[layer], self.seqs = kv, seqs
                 for x in self._state(layer):  # fixed addresses: CUDA graphs replay over them

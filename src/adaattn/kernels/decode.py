@@ -84,6 +84,8 @@ def decode_split_kernel(
     stride_ksp=0, stride_ksn=0, stride_ksh=0, stride_ksg=0,  # INT4's (page, slot, head, group) scales
     stride_vsp=0, stride_vsn=0, stride_vsh=0, stride_vsg=0,
     GK: tl.constexpr = 1, GV: tl.constexpr = 1,
+    KW=None, VW=None, KC=None, stride_ws=0, stride_wn=0, stride_wh=0, stride_wd=0,  # INT4's window rings
+    stride_xs=0, stride_xn=0, stride_xh=0, stride_xd=0, stride_cs=0, stride_ch=0, WINDOW: tl.constexpr = 0,
 ):
     """Program (split, sequence x KV head): tiles [split * TILES_PER_SPLIT, ...) of BLOCK_N keys
     of its sequence (a tile may span pages, or a page several tiles: each key's page comes from
@@ -97,7 +99,9 @@ def decode_split_kernel(
     INT4 (not QUANTIZED): pages hold two codes a byte with a bfloat16 scale and minimum per token
     and GK (keys) or GV (values) channels in KS and VS (kv/cache.py); a tile's bytes and scales are
     loaded and dequantized in registers, then go to the tensor cores in the query's dtype as a
-    model-dtype page would.
+    model-dtype page would. WINDOW > 0: each sequence's newest WINDOW keys and values come from
+    the rings KW and VW (S, WINDOW, Hkv, D) in the model dtype instead (token j in slot j % WINDOW),
+    keys less their centre KC (S, Hkv, D) fp32, as the pages hold them.
     Score modifiers (problem.Modifiers): SOFTCAP > 0 caps the scaled scores at that value (the cap
     times log2(e)) before the causal mask; HAS_ALIBI subtracts slope * (position - key), SLOPES
     float32 (Hq,) (stride_slb 0) or one row of Hq per query sequence. HAS_QOFF: QOFF (S, Hq, T)
@@ -139,6 +143,8 @@ def decode_split_kernel(
         first = split * TILES_PER_SPLIT
         last = tl.minimum(first + TILES_PER_SPLIT, n_tiles)
     cols = tl.arange(0, BLOCK_N)
+    if WINDOW > 0:
+        centre = tl.load(KC + seq * stride_cs + h * stride_ch + dq, mask=dq < D, other=0.0)
     table = TABLE + seq * stride_ts
     base = tl.load(table).to(tl.int64)
     if QUANTIZED:  # fp16 operands (FP8/INT8 convert to fp16 natively; to bf16 through fp32): q scaled into range
@@ -162,12 +168,24 @@ def decode_split_kernel(
             page = tl.load(table + (keys // PAGE) * stride_tp, mask=live, other=0).to(tl.int64)
         slot = keys % PAGE
         if INT4:
+            paged = live
+            if WINDOW > 0:
+                newest = live & (keys >= length - WINDOW)
+                paged = live & (keys < length - WINDOW)
             k = load_int4(K + page[:, None] * stride_kp + slot[:, None] * stride_kn + h * stride_kh,
-                          KS + page[:, None] * stride_ksp + slot[:, None] * stride_ksn + h * stride_ksh, live,
+                          KS + page[:, None] * stride_ksp + slot[:, None] * stride_ksn + h * stride_ksh, paged,
                           stride_kd, stride_ksg, D, GK, BLOCK_N, BLOCK_D)
             v = load_int4(V + page[:, None] * stride_vp + slot[:, None] * stride_vn + h * stride_vh,
-                          VS + page[:, None] * stride_vsp + slot[:, None] * stride_vsn + h * stride_vsh, live,
+                          VS + page[:, None] * stride_vsp + slot[:, None] * stride_vsn + h * stride_vsh, paged,
                           stride_vd, stride_vsg, DV, GV, BLOCK_N, BLOCK_DV)
+            if WINDOW > 0:  # (the two loads' rows are disjoint: the other gives zeros)
+                ring = keys % WINDOW
+                kw = tl.load(KW + seq * stride_ws + ring[:, None] * stride_wn + h * stride_wh + dq[None, :] * stride_wd,
+                             mask=newest[:, None] & (dq[None, :] < D), other=0.0).to(tl.float32)
+                k = k + tl.where(newest[:, None], kw - centre[None, :], 0.0)
+                v = v + tl.load(VW + seq * stride_xs + ring[:, None] * stride_xn + h * stride_xh
+                                + dv[None, :] * stride_xd, mask=newest[:, None] & (dv[None, :] < DV),
+                                other=0.0).to(tl.float32)
         else:
             k = tl.load(K + page[:, None] * stride_kp + slot[:, None] * stride_kn + h * stride_kh
                         + dq[None, :] * stride_kd, mask=live[:, None] & (dq[None, :] < D), other=0.0)

@@ -68,16 +68,22 @@ def _write_int4(X, stride_xt, stride_xd, P, S, page, h, stride_pp, stride_pn, st
                 stride_sp, stride_sn, stride_sh, stride_sg, slots, tok, new, old_rows, cols, DIM: tl.constexpr,
                 GROUP: tl.constexpr, C=None, stride_cd=0, CENTER: tl.constexpr = False, SUMS=None, MINS=None,
                 MAXS=None, stride_bp=0, stride_bh=0, SUMMARIES: tl.constexpr = False, BLOCK_R: tl.constexpr = 1,
-                BLOCK_C: tl.constexpr = 1):
+                BLOCK_C: tl.constexpr = 1, RING=None, ring_off=0, stride_rn=0, stride_rd=0, ring_rows=None,
+                ring_slots=None, WINDOW: tl.constexpr = 0):
     """The new rows of one page and KV head as INT4 (kv/cache._int4_encode, the same operations in
     the same order): per row and GROUP channels, the minimum rounded down and (max - min) / 15
     rounded up to bfloat16, codes round((x - min) / scale) in [0, 15], two a byte, and (scale,
     minimum) at S[page, slot, h, group]. SUMMARIES: the page's key sum and per-channel min/max kept
-    exact from the dequantized rows (code x scale is exact in fp32: fused or not, one rounding)."""
+    exact from the dequantized rows (code x scale is exact in fp32: fused or not, one rounding).
+    WINDOW: the rows `ring_rows` also go to RING[ring_off + ring_slots] in RING's dtype (the
+    model's), as they come."""
     NG: tl.constexpr = BLOCK_C // GROUP
     dmask = cols[None, :] < DIM
     live = new[:, None] & dmask
     x = tl.load(X + tok[:, None] * stride_xt + cols[None, :] * stride_xd, mask=live, other=0.0).to(tl.float32)
+    if WINDOW > 0:
+        tl.store(RING + ring_off + ring_slots[:, None] * stride_rn + cols[None, :] * stride_rd, x.to(RING.dtype.element_ty),
+                 mask=ring_rows[:, None] & dmask)
     if CENTER:
         x = x - tl.load(C + cols * stride_cd, mask=cols < DIM, other=0.0)[None, :]
     y = tl.reshape(x, (BLOCK_R, NG, GROUP))
@@ -193,6 +199,9 @@ def append_kernel(
     stride_ksp=0, stride_ksn=0, stride_ksh=0, stride_ksg=0,  # INT4's (page, slot, head, group) scales
     stride_vsp=0, stride_vsn=0, stride_vsh=0, stride_vsg=0,
     GK: tl.constexpr = 1, GV: tl.constexpr = 1,
+    KW=None, VW=None, stride_ws=0, stride_wn=0, stride_wh=0, stride_wd=0,  # INT4's window rings (S, W, Hkv, D)
+    stride_xs=0, stride_xn=0, stride_xh=0, stride_xd=0,  # (the value ring's)
+    WINDOW: tl.constexpr = 0,
 ):
     pid_sh = tl.program_id(0)
     c = tl.program_id(1)
@@ -211,14 +220,19 @@ def append_kernel(
         new = (pos >= lo) & (pos < hi)
         old_rows = pos < start
         tok = pos - start
+        ring_rows = new & (pos >= start + T - WINDOW)  # the last WINDOW new tokens go to the ring too
+        ring_slots = pos % tl.maximum(WINDOW, 1)
         if STORAGE == INT4:
             _write_int4(KEY + s * stride_ks + h * stride_kh, stride_kt, stride_kd, K, KS, page, h,
                         stride_kp, stride_kn, stride_kph, stride_kpd, stride_ksp, stride_ksn, stride_ksh, stride_ksg,
                         slots, tok, new, old_rows, tl.arange(0, BLOCK_D), D, GK, KC + seq * stride_cs + h * stride_ch,
-                        stride_cd, True, SUMS, MINS, MAXS, stride_bp, stride_bh, SUMMARIES, BLOCK_P, BLOCK_D)
+                        stride_cd, True, SUMS, MINS, MAXS, stride_bp, stride_bh, SUMMARIES, BLOCK_P, BLOCK_D,
+                        KW, seq * stride_ws + h * stride_wh, stride_wn, stride_wd, ring_rows, ring_slots, WINDOW)
             _write_int4(VALUE + s * stride_vs + h * stride_vh, stride_vt, stride_vd, V, VS, page, h,
                         stride_vp, stride_vn, stride_vph, stride_vpd, stride_vsp, stride_vsn, stride_vsh, stride_vsg,
-                        slots, tok, new, old_rows, tl.arange(0, BLOCK_DV), DV, GV, BLOCK_R=BLOCK_P, BLOCK_C=BLOCK_DV)
+                        slots, tok, new, old_rows, tl.arange(0, BLOCK_DV), DV, GV, BLOCK_R=BLOCK_P, BLOCK_C=BLOCK_DV,
+                        RING=VW, ring_off=seq * stride_xs + h * stride_xh, stride_rn=stride_xn, stride_rd=stride_xd,
+                        ring_rows=ring_rows, ring_slots=ring_slots, WINDOW=WINDOW)
         else:
             _write_page(KEY + s * stride_ks + h * stride_kh, stride_kt, stride_kd, K, KS, page, h,
                         stride_kp, stride_kn, stride_kph, stride_kpd, stride_sp, stride_sh, slots, tok, new, old_rows,

@@ -36,6 +36,14 @@ Code x scale is exact in float32 (4 bits times bfloat16's 8), so the dequantized
 rounding of the sum, with or without a fused multiply-add. Groups of 16 measured 3-5 heads of 16
 better than per-(page, head) scales or KIVI's per-channel keys at equal bytes on the shipped
 GPT (benchmarks/NOTES.md, "INT4 layouts at equal bytes").
+
+Window (`window=W`, INT4 only): each sequence's newest W tokens are kept a second time in the model
+dtype, in a ring of W slots per sequence (token t in slot t % W, as appended), and every reader
+(the split-KV kernel, gather) takes those tokens from the ring.
+A decode query weighs its newest keys most; at 16k on the shipped GPT, a window of 512 brought 10
+of 16 heads within 5e-2 where groups of 16 alone brought 1 (the same NOTES section). The ring costs
+W x Hkv x (D + Dv) model-dtype values per sequence and layer, which for_budget counts. Page
+summaries (sparse decode) stay those of the INT4 keys.
 """
 
 from __future__ import annotations
@@ -134,7 +142,7 @@ class PagedKVCache:
                  value_dim: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu", storage: str = "native", max_seqs: int = 256,
                  max_pages_per_seq: Optional[int] = None, append: str = "auto", summaries: bool = False,
-                 group_size: int = INT4_GROUP):
+                 group_size: int = INT4_GROUP, window: int = 0):
         for name, val in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim),
                           ("num_pages", num_pages), ("page_size", page_size), ("max_seqs", max_seqs),
                           ("group_size", group_size)):
@@ -149,6 +157,11 @@ class PagedKVCache:
             raise ValueError(f"append must be one of {APPENDS}, got {append!r}")
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise TypeError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
+        if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+            raise ValueError(f"window must be an int >= 0, got {window!r}")
+        if window and storage != "int4":
+            raise ValueError(f"window={window} keeps the newest tokens in the model dtype beside INT4 pages; storage "
+                             f"{storage!r} takes no window (use storage='int4', or window=0)")
         if not isinstance(summaries, bool):
             raise TypeError(f"summaries must be a bool, got {type(summaries).__name__}")
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
@@ -178,6 +191,12 @@ class PagedKVCache:
             # head): attention is unchanged (q.c is the same for every key of a query's row), and
             # the quantized residuals are smaller than the keys where keys share an offset.
             self.k_center = [torch.zeros(max_seqs, kv_heads, head_dim, device=self.device) for _ in range(layers)]
+        self.window = window
+        if window:  # the newest tokens' ring, per sequence (module docstring)
+            self.k_window = [torch.zeros(max_seqs, window, kv_heads, head_dim, dtype=dtype, device=self.device)
+                             for _ in range(layers)]
+            self.v_window = [torch.zeros(max_seqs, window, kv_heads, self.value_dim, dtype=dtype, device=self.device)
+                             for _ in range(layers)]
         self.summaries = summaries
         if summaries:  # (num_pages, Hkv, D) fp32 each: key sums, per-channel min and max (see the module's docstring)
             self.k_sum = [torch.zeros(num_pages, kv_heads, head_dim, device=self.device) for _ in range(layers)]
@@ -224,9 +243,16 @@ class PagedKVCache:
         block table, lengths and each sequence's key centre are extra, a few bytes a page."""
         keep = {k: kwargs[k] for k in ("value_dim", "dtype", "storage", "summaries", "group_size") if k in kwargs}
         per_page = layers * cls.page_bytes(kv_heads, head_dim, page_size, **keep)
-        pages = int(budget_bytes) // per_page
+        window = kwargs.get("window", 0)
+        rings = 0
+        if isinstance(window, int) and window > 0:  # every sequence's ring of the newest tokens, every layer
+            item = torch.empty((), dtype=kwargs.get("dtype", torch.bfloat16)).element_size()
+            dv = kwargs.get("value_dim") or head_dim
+            rings = layers * kwargs.get("max_seqs", 256) * window * kv_heads * (head_dim + dv) * item
+        pages = (int(budget_bytes) - rings) // per_page
         if pages < 1:
-            raise ValueError(f"budget_bytes {budget_bytes} holds no page: one page of every layer takes {per_page}")
+            raise ValueError(f"budget_bytes {budget_bytes} holds no page: one page of every layer takes {per_page}"
+                             + (f", after the windows' {rings} bytes" if rings else ""))
         return cls(layers, kv_heads, head_dim, pages, page_size, **kwargs)
 
     @property
@@ -416,6 +442,11 @@ class PagedKVCache:
                          **(dict(zip(("stride_ksp", "stride_ksn", "stride_ksh", "stride_ksg"), ks.stride()[:4]))
                             | dict(zip(("stride_vsp", "stride_vsn", "stride_vsh", "stride_vsg"), vs.stride()[:4]))
                             | dict(GK=self.k_group, GV=self.v_group) if int4 else {}),
+                         **(dict(KW=self.k_window[layer], VW=self.v_window[layer], WINDOW=self.window,
+                                 **dict(zip(("stride_ws", "stride_wn", "stride_wh", "stride_wd"),
+                                            self.k_window[layer].stride())),
+                                 **dict(zip(("stride_xs", "stride_xn", "stride_xh", "stride_xd"),
+                                            self.v_window[layer].stride()))) if self.window else {}),
                          num_warps=4 if self.page_size <= 64 else 8))
 
         # One layer's appends of one shape are the same launch but for the tensors (a decode step's
@@ -424,7 +455,7 @@ class PagedKVCache:
         site = (layer, key.shape, key.stride(), value.shape, value.stride(), key.dtype)
         site_launch(self._sites, site, append_kernel, (s * hkv, chunks),
                     (key, value, k_pool, v_pool, ks, vs, kc, self.block_table, lengths, ids, self._count, sums, mins,
-                     maxs), build)
+                     maxs) + ((self.k_window[layer], self.v_window[layer]) if self.window else ()), build)
 
     def _append_torch(self, layer, seqs, key, value) -> None:
         t = key.shape[2]
@@ -439,6 +470,11 @@ class PagedKVCache:
             self.k[layer][page, slot] = k.to(self.dtype)
             self.v[layer][page, slot] = v.to(self.dtype)
         elif self.storage == "int4":  # written once per token: no page is rescaled
+            if self.window:  # the last `window` new tokens into the ring, as they come
+                keep = pos >= start[:, None] + t - self.window  # (S, T)
+                seq_at, ring_at = sid[:, None].expand_as(pos)[keep], (pos % self.window)[keep]
+                self.k_window[layer][seq_at, ring_at] = k[keep].to(self.dtype)
+                self.v_window[layer][seq_at, ring_at] = v[keep].to(self.dtype)
             k = k.float() - self.k_center[layer][sid][:, None]
             for pool, scales, x, group in ((self.k[layer], self.k_scale[layer], k, self.k_group),
                                            (self.v[layer], self.v_scale[layer], v, self.v_group)):
@@ -506,21 +542,36 @@ class PagedKVCache:
         table = self.block_table[sid, :pages].long()  # (S, P)
         out = []
         quantized = self.storage != "native"
-        for pool, scales, center in ((self.k[layer], self.k_scale[layer] if quantized else None,
-                                      self.k_center[layer][sid][:, None, None] if quantized else None),
-                                     (self.v[layer], self.v_scale[layer] if quantized else None, None)):
+        for pool, scales, center, ring in ((self.k[layer], self.k_scale[layer] if quantized else None,
+                                            self.k_center[layer][sid][:, None, None] if quantized else None,
+                                            self.k_window[layer] if self.window else None),
+                                           (self.v[layer], self.v_scale[layer] if quantized else None, None,
+                                            self.v_window[layer] if self.window else None)):
             x = pool[table]  # (S, P, page, Hkv, D)
             if scales is None:
                 x = x.to(dtype)
             elif self.storage == "int4":
                 x = _int4_decode(x, scales[table])
-                x = (x if center is None else x + center).to(dtype)
+                x = x if center is None else x + center
+                if self.window:  # the newest tokens from the ring
+                    x = self._windowed(x.reshape(len(sid), -1, *x.shape[3:]), layer, sid, ring).view(x.shape)
+                x = x.to(dtype)
             else:
                 x = _decode(x, self.storage) * scales[table][:, :, None, :, None]
                 x = (x if center is None else x + center).to(dtype)
             x = x.reshape(len(sid), pages * self.page_size, self.kv_heads, -1)[:, :length]
             out.append(x.transpose(1, 2))
         return out[0], out[1]
+
+    def _windowed(self, x: torch.Tensor, layer: int, sid: torch.Tensor, ring: torch.Tensor) -> torch.Tensor:
+        """x (S, N, Hkv, D) float32 values of `sid`'s tokens from the pages, with each sequence's
+        newest `window` tokens (positions len - W .. len - 1, by the device lengths) from its ring."""
+        n = x.shape[1]
+        pos = torch.arange(n, device=self.device)[None, :]
+        lens = self.lengths[layer][sid].long()[:, None]
+        newest = (pos >= lens - self.window) & (pos < lens)  # (S, N)
+        from_ring = ring[sid[:, None], pos % self.window].float()  # (S, N, Hkv, D)
+        return torch.where(newest[:, :, None, None], from_ring, x)
 
 
 class KVCache(PagedKVCache):
@@ -531,14 +582,14 @@ class KVCache(PagedKVCache):
     def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, *,
                  value_dim: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu", storage: str = "native", page_size: int = 64,
-                 append: str = "auto", summaries: bool = False, group_size: int = INT4_GROUP):
+                 append: str = "auto", summaries: bool = False, group_size: int = INT4_GROUP, window: int = 0):
         for name, val in (("batch", batch), ("max_len", max_len), ("page_size", page_size)):
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
         per_seq = -(-max_len // page_size)
         super().__init__(layers, kv_heads, head_dim, batch * per_seq, page_size, value_dim=value_dim, dtype=dtype,
                          device=device, storage=storage, max_seqs=batch, max_pages_per_seq=per_seq, append=append,
-                         summaries=summaries, group_size=group_size)
+                         summaries=summaries, group_size=group_size, window=window)
         self.batch, self.max_len = batch, max_len
         self._free_pages = []  # every page belongs to its sequence from the start
         self._pages_owned = True  # (so an append takes none: _ensure would find nothing to do)

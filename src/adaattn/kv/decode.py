@@ -399,6 +399,12 @@ def _split_kv(query, cache, layer, plan, scale, sel=None, count=None, pages=1.0,
         int4_strides = dict(zip(("stride_ksp", "stride_ksn", "stride_ksh", "stride_ksg"), ks.stride()[:4]))
         int4_strides.update(zip(("stride_vsp", "stride_vsn", "stride_vsh", "stride_vsg"), vs.stride()[:4]))
         int4_strides.update(GK=cache.k_group, GV=cache.v_group)
+        if cache.window:  # the newest tokens' rings, and the keys' centre they are read less of
+            kw, vw, kc = cache.k_window[layer], cache.v_window[layer], cache.k_center[layer]
+            int4_strides.update(KW=kw, VW=vw, KC=kc, WINDOW=cache.window, stride_cs=kc.stride(0),
+                                stride_ch=kc.stride(1))
+            int4_strides.update(zip(("stride_ws", "stride_wn", "stride_wh", "stride_wd"), kw.stride()))
+            int4_strides.update(zip(("stride_xs", "stride_xn", "stride_xh", "stride_xd"), vw.stride()))
     scale = default_scale(d) if scale is None else float(scale)
     precision = dot_precision(query.dtype)
     block_m, block_d, block_dv = max(16, next_power_of_2(g * t)), max(16, next_power_of_2(d)), max(16, next_power_of_2(dv))
@@ -436,7 +442,7 @@ def _split_kv(query, cache, layer, plan, scale, sel=None, count=None, pages=1.0,
     key = (layer, query.dtype, query.shape, query.stride(), scale, splits, per, plan.block_n, plan.num_warps,
            plan.num_stages, plan.contiguous)
     site_launch(cache._sites, ("split",) + key, decode_split_kernel, (splits, s * hkv),
-                (query, k_pool, v_pool, ks, vs, cache.block_table, lengths, plan.seq_ids, o_part, l_part),
-                split_args)
+                (query, k_pool, v_pool, ks, vs, cache.block_table, lengths, plan.seq_ids, o_part, l_part)
+                + tuple(int4_strides[n] for n in ("KW", "VW", "KC") if n in int4_strides), split_args)
     site_launch(cache._sites, ("merge",) + key, decode_merge_kernel, (s * hq * t,), (o_part, l_part, out), merge_args)
     return out
