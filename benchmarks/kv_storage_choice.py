@@ -5,7 +5,11 @@ those last positions attend it, decode-like (every cached key visible). Prints e
 head)'s output error per storage and, per tolerance, the storages chosen (choose_storages) and the
 bytes a cached value takes against bf16's 2.
 
-    python benchmarks/kv_storage_choice.py [--seq-len 16384] [--batch 1] [--rows 32] [--json out.json]
+    python benchmarks/kv_storage_choice.py [--seq-len 16384] [--batch 1] [--rows 32] [--group-size 16]
+        [--window 0] [--json out.json]
+
+INT4 is the cache's own (per token and group of channels; --window keeps the newest tokens in
+bf16, their bytes counted in INT4's bytes a value).
 
 CPU is fine at 16k (about 25 s on 2 cores); --device cuda for longer contexts.
 """
@@ -34,6 +38,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--rows", type=int, default=32, help="query positions at the end that attend the cache")
     ap.add_argument("--offset", type=int, default=123456, help="byte offset into the held-out text")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--group-size", type=int, default=16, help="INT4's channels per scale")
+    ap.add_argument("--window", type=int, default=0, help="INT4's newest tokens kept in bf16")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if not 0 < args.rows < args.seq_len:
@@ -50,24 +56,34 @@ def main(argv=None) -> dict:
     for lc in cap.layers:
         k, v = (x[:, :, : n - t].to(torch.bfloat16) for x in (lc.k, lc.v))
         q = lc.q[:, :, n - t:].to(torch.bfloat16)
-        errors = storage_errors(k, v, q, storages=STORAGES)
+        errors = storage_errors(k, v, q, storages=STORAGES, group_size=args.group_size, window=args.window)
         layers.append({"layer": lc.layer, "errors": {s: [round(float(x), 5) for x in e] for s, e in errors.items()},
                        "chosen": {str(tol): choose_storages(errors, tol) for tol in TOLERANCES}})
         print(f"layer {lc.layer}: " + "  ".join(f"{s} {layers[-1]['errors'][s]}" for s in STORAGES))
     summary = {}
     for tol in TOLERANCES:
         chosen = [c for row in layers for c in row["chosen"][str(tol)]]
-        per_value = sum(storage_bytes(c, torch.bfloat16) for c in chosen) / len(chosen)
+        per_value = sum(_bytes(c, n - t, args) for c in chosen) / len(chosen)
         counts = {s: chosen.count(s) for s in sorted(set(chosen))}
         summary[str(tol)] = {"counts": counts, "bytes_per_value": per_value, "x_fewer_than_bf16": 2.0 / per_value}
         print(f"tolerance {tol:g}: {counts}, {per_value:.3f} bytes a value ({2.0 / per_value:.2f}x fewer than bf16)")
     out = {"weights": path, "seq_len": n, "batch": args.batch, "rows": t, "offset": args.offset,
+           "group_size": args.group_size, "window": args.window,
            "bits_per_byte": cap.bits_per_byte, "torch": torch.__version__, "device": args.device,
            "layers": layers, "summary": summary}
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
     return out
+
+
+def _bytes(storage: str, cached: int, args) -> float:
+    """Bytes a cached value takes in `storage`, INT4's window (bf16) spread over the cached tokens."""
+    one = storage_bytes(storage, torch.bfloat16, 128, args.group_size)
+    if storage != "int4" or not args.window:
+        return one
+    w = min(args.window, cached)
+    return ((cached - w) * one + w * 2.0) / cached
 
 
 if __name__ == "__main__":

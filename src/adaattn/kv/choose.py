@@ -28,8 +28,8 @@ QUANTIZED = ("int4", "fp8", "int8")  # the storages that quantize, fewest bytes 
 
 def storage_errors(key: torch.Tensor, value: torch.Tensor, query: Optional[torch.Tensor] = None, *,
                    storages: Sequence[str] = QUANTIZED, page_size: int = 64,
-                   scale: Optional[float] = None, proxy_rows: int = 64, group_size: int = INT4_GROUP
-                   ) -> dict[str, torch.Tensor]:
+                   scale: Optional[float] = None, proxy_rows: int = 64, group_size: int = INT4_GROUP,
+                   window: int = 0) -> dict[str, torch.Tensor]:
     """{storage: (Hkv,) float64 tensor}: per KV head, the relative error of attention's output when
     a cache holds `key` (B, Hkv, N, D) and `value` (B, Hkv, N, Dv) in that storage (stored as one
     append, as a prompt is), against the same attention over them unquantized, in float64.
@@ -38,7 +38,7 @@ def storage_errors(key: torch.Tensor, value: torch.Tensor, query: Optional[torch
     last `proxy_rows` keys of each KV head stand in for its group's queries (see the module's
     docstring). scale: the softmax scale (default 1/sqrt(D)). storages: any of "native", "fp8",
     "int8", "int4" ("native": the model dtype's own rounding, zero for float32 keys). group_size:
-    INT4's channels per scale (kv.cache)."""
+    INT4's channels per scale; window: INT4's newest tokens kept in the model dtype (kv.cache)."""
     if not isinstance(key, torch.Tensor) or not isinstance(value, torch.Tensor):
         raise TypeError(f"key and value must be tensors, got {type(key).__name__} and {type(value).__name__}")
     if key.dim() != 4 or value.dim() != 4 or key.shape[:3] != value.shape[:3]:
@@ -65,7 +65,8 @@ def storage_errors(key: torch.Tensor, value: torch.Tensor, query: Optional[torch
     out = {}
     for s in storages:
         cache = KVCache(1, b, hkv, n, d, value_dim=value.shape[-1], dtype=key.dtype, device=key.device, storage=s,
-                        page_size=page_size, append="torch", group_size=group_size)
+                        page_size=page_size, append="torch", group_size=group_size,
+                        window=min(window, n) if s == "int4" else 0)
         cache.append(0, key.detach(), value.detach())
         ks, vs = cache.gather(0, list(range(b)), n, dtype=torch.float32)
         out[s] = relative_errors(_attend(q, ks.double(), vs.double(), scale), exact, dims=(0, 2, 3)).cpu()

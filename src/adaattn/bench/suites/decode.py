@@ -8,7 +8,7 @@ Two kinds of case:
   (page 64, pages interleaved between sequences as continuous batching leaves them), bf16 and FP8.
 
 TB/s counts the bytes of K and V in the model dtype (bf16), for every row: a quantized cache reads
-half of them (INT4 a quarter), so its figure is the bf16 bandwidth it is worth.
+half of them (INT4 0.28-0.38 with its scales), so its figure is the bf16 bandwidth it is worth.
 """
 
 from __future__ import annotations
@@ -102,9 +102,9 @@ def cache_peer(name: str, q: torch.Tensor, cache, seqs=None, graph: bool = False
     return graphed(name, call, info) if graph else Peer(name, call, info=info)
 
 
-def _fill_contiguous(k, v, storage, lens=None):
+def _fill_contiguous(k, v, storage, lens=None, **layout):
     b, hkv, n, d = k.shape
-    cache = KVCache(1, b, hkv, n, d, dtype=k.dtype, device=k.device, storage=storage, page_size=PAGE)
+    cache = KVCache(1, b, hkv, n, d, dtype=k.dtype, device=k.device, storage=storage, page_size=PAGE, **layout)
     if lens is None:
         cache.append(0, k, v)
     else:
@@ -144,6 +144,10 @@ def _contiguous(grid, kv_heads, n, dtype, device, seed):
             rows.append(cache_peer(name, q, cache))
             if storage in ("native", "fp8", "int4"):
                 rows.append(cache_peer(f"{name} graph", q, cache, graph=True))
+        # INT4's other layouts (kv/cache.py): groups of 64 channels (0.5625 bytes a value against
+        # 0.75 at 16), and the newest 512 tokens kept in bf16
+        for name, layout in (("kv int4 g64 graph", dict(group_size=64)), ("kv int4 w512 graph", dict(window=512))):
+            rows.append(cache_peer(name, q, _fill_contiguous(k, v, "int4", **layout), graph=True))
         return rows, error_check(call)
 
     return make
