@@ -80,3 +80,24 @@ def test_without_queries_the_keys_stand_in_and_bad_arguments_raise():
         choose_storages(proxy, -1.0)
     with pytest.raises(ValueError, match="no token"):
         storage_errors(k[:, :, :0], v[:, :, :0])
+
+
+@pytest.mark.parametrize("storage,window", [("native", 0), ("fp8", 0), ("int8", 0), ("int4", 0), ("int4", 24)])
+@pytest.mark.parametrize("append", ["torch", "triton"])
+def test_the_measured_values_are_the_caches_own_bit_for_bit(storage, window, append):
+    """formats.stored_values (what the choice measures on) against a cache's append of a prompt
+    and its gather: ragged lengths past a page, bf16, keys centred."""
+    if append == "triton":
+        from helpers import NEEDS_CUDA_OR_INTERPRETER  # noqa: F401
+    from adaattn.kv import KVCache
+    from adaattn.kv.formats import stored_values
+
+    g = torch.Generator().manual_seed(9)
+    k = (torch.randn(2, 3, 70, 32, generator=g) * 2 + 0.5).bfloat16()
+    v = torch.randn(2, 3, 70, 16, generator=g).bfloat16()
+    cache = KVCache(1, 2, 3, 80, 32, value_dim=16, dtype=torch.bfloat16, storage=storage, page_size=16, append=append,
+                    window=window)
+    cache.append(0, k, v)
+    got_k, got_v = cache.gather(0, [0, 1], 70, dtype=torch.float32)
+    assert torch.equal(got_k, stored_values(k, storage, torch.bfloat16, 16, centre=True, window=window))
+    assert torch.equal(got_v, stored_values(v, storage, torch.bfloat16, 16, window=window))

@@ -1,10 +1,10 @@
 """Which storage each KV head can take: attention's output error per (KV head, storage), measured
 on the keys and values a cache would hold, and the storage of fewest bytes within a tolerance.
 
-The error is measured, not modelled: the keys and values go through a KVCache of each storage
-exactly as an append stores them (pages of `page_size` tokens, one scale per (page, KV head),
-keys less their centre; INT4 two values a byte with a scale and minimum per token and group), are read back dequantized, and the queries attend
-them in float64 beside the same queries over the unquantized keys and values. A head's error is
+The error is measured, not modelled: the keys and values are stored and read back exactly as a
+cache's append and gather do them (formats.stored_values, bit for bit: pages of `page_size` tokens
+with one scale per (page, KV head), keys less their centre; INT4 per token and group), and the
+queries attend them in float64 beside the same queries over the unquantized keys and values. A head's error is
 ||o_storage - o|| / ||o|| over every row of its query group (the per-head figure of MEASURING.md).
 
 Decode queries sit after the cached tokens, so every query row sees every key (no causal mask).
@@ -21,7 +21,7 @@ import torch
 
 from ..backends.reference import relative_errors
 from ..problem import default_scale
-from .cache import INT4_GROUP, STORAGES, KVCache, value_bytes
+from .formats import INT4_GROUP, STORAGES, stored_values, value_bytes
 
 QUANTIZED = ("int4", "fp8", "int8")  # the storages that quantize, fewest bytes first
 
@@ -64,11 +64,9 @@ def storage_errors(key: torch.Tensor, value: torch.Tensor, query: Optional[torch
     exact = _attend(q, k64, v64, scale)
     out = {}
     for s in storages:
-        cache = KVCache(1, b, hkv, n, d, value_dim=value.shape[-1], dtype=key.dtype, device=key.device, storage=s,
-                        page_size=page_size, append="torch", group_size=group_size,
-                        window=min(window, n) if s == "int4" else 0)
-        cache.append(0, key.detach(), value.detach())
-        ks, vs = cache.gather(0, list(range(b)), n, dtype=torch.float32)
+        layout = dict(group_size=group_size, window=window if s == "int4" else 0)
+        ks = stored_values(key.detach(), s, key.dtype, page_size, centre=True, **layout)
+        vs = stored_values(value.detach(), s, key.dtype, page_size, **layout)
         out[s] = relative_errors(_attend(q, ks.double(), vs.double(), scale), exact, dims=(0, 2, 3)).cpu()
     return out
 
