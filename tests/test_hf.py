@@ -317,6 +317,30 @@ def test_generate_with_the_adaattn_cache_gives_sdpa_tokens(storage, paged, runne
         model.generate(ids, past_key_values=hf.Cache(45), **kw)
 
 
+def test_generate_with_a_storage_per_head_chosen_at_the_prompt():
+    """hf.Cache(storage="auto"): each layer's KV heads take INT4, INT8 or the model dtype from the
+    error measured on the prompt's keys and values; the decode steps read them in one launch and
+    give "sdpa"'s tokens (float32 model)."""
+    from helpers import NEEDS_CUDA_OR_INTERPRETER
+
+    if NEEDS_CUDA_OR_INTERPRETER.args[0]:
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    model = _tiny_llama()
+    ids = torch.randint(3, 512, (2, 80), generator=torch.Generator().manual_seed(2))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    want = model.generate(ids, **kw)
+    model.set_attn_implementation("adaattn")
+    cache = hf.Cache(96, storage="auto", tolerance=0.1, page_size=16, decode_runner="triton", window=16,
+                     compile=False)
+    with adaattn.stats.collect() as records:
+        got = model.generate(ids, past_key_values=cache, **kw)
+    assert "kv.triton" in {r.backend for r in records}
+    held = [kv._mixed[0].storages for kv in cache.kvs]
+    assert all(s in ("int4", "int8", "native") for row in held for s in row) and any("int4" in row for row in held)
+    assert "measured int4" in cache.kvs[0].storages(0)
+    assert (got == want).float().mean().item() >= 0.9
+
+
 def test_cache_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="storage must be one of"):
         hf.Cache(64, storage="fp4")
@@ -326,6 +350,8 @@ def test_cache_refuses_what_it_cannot_do():
         hf.Cache(64, storage="fp8", window=16)
     with pytest.raises(ValueError, match="group_size must be a positive int"):
         hf.Cache(64, storage="int4", group_size=0)
+    with pytest.raises(ValueError, match="give tolerance > 0"):
+        hf.Cache(64, storage="auto")
     cache = hf.Cache(64)
     assert type(cache) is type(hf.Cache(16))  # one class, made once
     assert isinstance(cache, transformers.cache_utils.Cache)

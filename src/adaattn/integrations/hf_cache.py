@@ -15,14 +15,16 @@ from .hf_decode import _Handle
 
 
 def Cache(max_cache_len: int, storage: str = "native", paged: bool = False, page_size: int = 64,
-          decode_runner: str | None = None, compile: bool | None = None, *, group_size: int = 16, window: int = 0):
+          decode_runner: str | None = None, compile: bool | None = None, *, group_size: int = 16, window: int = 0,
+          tolerance: float | None = None):
     """A transformers Cache backed by adaattn.kv: pass it as `past_key_values` to generate() or
     forward() of a model loaded with attn_implementation="adaattn".
 
     max_cache_len: tokens per sequence it holds (prompt + new tokens); storage: "native" (the
     model dtype), "fp8" or "int8" (quantized once at append, per (page, KV head) scales) or "int4"
     (per token and `group_size` channels; `window`: the newest tokens also kept in the model dtype,
-    adaattn.kv.cache's docstring); paged:
+    adaattn.kv.cache's docstring), or "auto" with a `tolerance`: each layer's KV heads in INT4, INT8
+    or the model dtype, chosen from the error each measures on the prompt (adaattn.kv.mixed); paged:
     a PagedKVCache (pages from a pool, each sequence's reserved at its first update) instead of a
     contiguous KVCache; page_size: tokens per page; decode_runner: "triton", "sdpa" or None (the
     plan's choice).
@@ -49,8 +51,12 @@ def Cache(max_cache_len: int, storage: str = "native", paged: bool = False, page
     from ..kv.cache import STORAGES
     from ..planner import DECODE_RUNNER_NAMES as RUNNERS
 
-    if storage not in STORAGES:
-        raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
+    if storage not in STORAGES and storage != "auto":
+        raise ValueError(f"storage must be one of {STORAGES} or 'auto', got {storage!r}")
+    if storage == "auto" and (not isinstance(tolerance, (int, float)) or isinstance(tolerance, bool)
+                              or not tolerance > 0):
+        raise ValueError(f"storage='auto' chooses each head's storage under a tolerance: give tolerance > 0, got "
+                         f"{tolerance!r}")
     if decode_runner is not None and decode_runner not in RUNNERS:
         raise ValueError(f"decode_runner must be one of {RUNNERS} or None, got {decode_runner!r}")
     for name, value in (("max_cache_len", max_cache_len), ("page_size", page_size)):
@@ -64,11 +70,13 @@ def Cache(max_cache_len: int, storage: str = "native", paged: bool = False, page
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
     if not isinstance(window, int) or isinstance(window, bool) or window < 0:
         raise ValueError(f"window must be an int >= 0, got {window!r}")
-    if window and storage != "int4":
+    if window and storage not in ("int4", "auto"):
         raise ValueError(f"window={window} keeps the newest tokens in the model dtype beside INT4 pages; storage "
                          f"{storage!r} takes no window (use storage='int4', or window=0)")
     cache = _cache_class()(max_cache_len, storage, bool(paged), page_size, decode_runner, compile)
     cache._layout = dict(group_size=group_size, window=min(window, max_cache_len))
+    if storage == "auto":
+        cache._layout["tolerance"] = float(tolerance)
     return cache
 
 
@@ -136,6 +144,10 @@ def _cache_class():
         def _state(self, layer):
             """The tensors the compiled-step ops take for `layer` (see _OWNERS)."""
             kv = self.kvs[layer]
+            if kv.storage == "mixed":  # its parts' tensors (made at the first update)
+                from ..kv import mixed
+
+                return [kv.lengths, *mixed.tensors(kv, 0)]
             state = [kv.lengths, kv.k[0], kv.v[0]]
             if kv.storage != "native":
                 state += [kv.k_scale[0], kv.v_scale[0]]
@@ -184,8 +196,6 @@ def _cache_class():
                                  page_size=self.page_size, **self._layout)
                     seqs = tuple(range(b))
                 self.kvs[layer], self.seqs = kv, seqs
-                for x in self._state(layer):  # fixed addresses: CUDA graphs replay over them
-                    torch._dynamo.mark_static_address(x, guard=False)
                 ref = weakref.ref(self)
                 _OWNERS[kv.lengths.data_ptr()] = (ref, layer)
                 weakref.finalize(self, _forget, kv.lengths.data_ptr(), ref)
@@ -194,6 +204,9 @@ def _cache_class():
                 raise ValueError(f"max_cache_len={self.max_cache_len} is too short: layer {layer} would hold "
                                  f"{before + t} tokens")
             PagedKVCache.append(kv, 0, self.seqs, key_states, value_states)  # KVCache's own takes no seqs first
+            if before == 0:  # (after the first append: storage="auto" makes its pools there)
+                for x in self._state(layer):  # fixed addresses: CUDA graphs replay over them
+                    torch._dynamo.mark_static_address(x, guard=False)
             n = self.max_cache_len if self._compile else before + t  # (as long as the masks transformers builds)
             if isinstance(kv, KVCache) and self.storage == "native":
                 keys, values = kv.keys(0)[:, :, :n], kv.values(0)[:, :, :n]

@@ -64,6 +64,37 @@ def load_int4(row_ptrs, scale_ptrs, live, stride_d, stride_g, WIDTH: tl.constexp
 
 
 @triton.jit
+def int4_tile(K, V, KS, VS, KW, VW, centre, page, slot, keys, live, length, seq, hk,
+              stride_kp, stride_kn, stride_kh, stride_kd, stride_vp, stride_vn, stride_vh, stride_vd,
+              stride_ksp, stride_ksn, stride_ksh, stride_ksg, stride_vsp, stride_vsn, stride_vsh, stride_vsg,
+              stride_ws, stride_wn, stride_wh, stride_wd, stride_xs, stride_xn, stride_xh, stride_xd,
+              D: tl.constexpr, DV: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, WINDOW: tl.constexpr):
+    """One tile's keys and values (fp32) of head `hk` of INT4 pools; with WINDOW, the sequence's
+    newest WINDOW keys (length - WINDOW on) from the rings KW, VW instead (keys less `centre`)."""
+    dq = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    paged = live
+    if WINDOW > 0:
+        newest = live & (keys >= length - WINDOW)
+        paged = live & (keys < length - WINDOW)
+    k = load_int4(K + page[:, None] * stride_kp + slot[:, None] * stride_kn + hk * stride_kh,
+                  KS + page[:, None] * stride_ksp + slot[:, None] * stride_ksn + hk * stride_ksh, paged,
+                  stride_kd, stride_ksg, D, GK, BLOCK_N, BLOCK_D)
+    v = load_int4(V + page[:, None] * stride_vp + slot[:, None] * stride_vn + hk * stride_vh,
+                  VS + page[:, None] * stride_vsp + slot[:, None] * stride_vsn + hk * stride_vsh, paged,
+                  stride_vd, stride_vsg, DV, GV, BLOCK_N, BLOCK_DV)
+    if WINDOW > 0:  # (the two loads' rows are disjoint: the other gives zeros)
+        ring = keys % WINDOW
+        kw = tl.load(KW + seq * stride_ws + ring[:, None] * stride_wn + hk * stride_wh + dq[None, :] * stride_wd,
+                     mask=newest[:, None] & (dq[None, :] < D), other=0.0).to(tl.float32)
+        k = k + tl.where(newest[:, None], kw - centre[None, :], 0.0)
+        v = v + tl.load(VW + seq * stride_xs + ring[:, None] * stride_xn + hk * stride_xh + dv[None, :] * stride_xd,
+                        mask=newest[:, None] & (dv[None, :] < DV), other=0.0).to(tl.float32)
+    return k, v
+
+
+@triton.jit
 def decode_split_kernel(
     Q, K, V, KS, VS, TABLE, LENS, SEQS, O_PART, L_PART, SEL, COUNT,
     sm_scale,
@@ -86,6 +117,8 @@ def decode_split_kernel(
     GK: tl.constexpr = 1, GV: tl.constexpr = 1,
     KW=None, VW=None, KC=None, stride_ws=0, stride_wn=0, stride_wh=0, stride_wd=0,  # INT4's window rings
     stride_xs=0, stride_xn=0, stride_xh=0, stride_xd=0, stride_cs=0, stride_ch=0, WINDOW: tl.constexpr = 0,
+    MIXED: tl.constexpr = False, HS=None, HI=None,  # per-head storages: each head's code and index in its pool
+    KN=None, VN=None, HN=1, K8=None, V8=None, KS8=None, VS8=None, H8=1,  # the model-dtype and INT8 heads' pools
 ):
     """Program (split, sequence x KV head): tiles [split * TILES_PER_SPLIT, ...) of BLOCK_N keys
     of its sequence (a tile may span pages, or a page several tiles: each key's page comes from
@@ -102,6 +135,12 @@ def decode_split_kernel(
     model-dtype page would. WINDOW > 0: each sequence's newest WINDOW keys and values come from
     the rings KW and VW (S, WINDOW, Hkv, D) in the model dtype instead (token j in slot j % WINDOW),
     keys less their centre KC (S, Hkv, D) fp32, as the pages hold them.
+    MIXED: the KV heads hold different storages (kv/mixed.py): head h's code HS[h] (0 the model
+    dtype, 2 INT8, 3 INT4) picks the pool its program reads, at index HI[h] there: K, V, KS, VS
+    (and the window rings) as for INT4; KN, VN the model-dtype heads' pools (num_pages, PAGE, HN, D)
+    and K8, V8 the INT8 heads' (num_pages, PAGE, H8, D) with (num_pages, H8) fp32 scales KS8, VS8,
+    all contiguous. Every storage is dequantized to fp32, then goes to the tensor cores in the
+    query's dtype (the branch is uniform over a program).
     Score modifiers (problem.Modifiers): SOFTCAP > 0 caps the scaled scores at that value (the cap
     times log2(e)) before the causal mask; HAS_ALIBI subtracts slope * (position - key), SLOPES
     float32 (Hq,) (stride_slb 0) or one row of Hq per query sequence. HAS_QOFF: QOFF (S, Hq, T)
@@ -143,8 +182,13 @@ def decode_split_kernel(
         first = split * TILES_PER_SPLIT
         last = tl.minimum(first + TILES_PER_SPLIT, n_tiles)
     cols = tl.arange(0, BLOCK_N)
+    hk = h  # the head's index in the pool it reads
+    if MIXED:
+        code = tl.load(HS + h)
+        hk = tl.load(HI + h)
+    centre = tl.zeros([BLOCK_D], tl.float32)
     if WINDOW > 0:
-        centre = tl.load(KC + seq * stride_cs + h * stride_ch + dq, mask=dq < D, other=0.0)
+        centre = tl.load(KC + seq * stride_cs + hk * stride_ch + dq, mask=dq < D, other=0.0)
     table = TABLE + seq * stride_ts
     base = tl.load(table).to(tl.int64)
     if QUANTIZED:  # fp16 operands (FP8/INT8 convert to fp16 natively; to bf16 through fp32): q scaled into range
@@ -167,25 +211,31 @@ def decode_split_kernel(
         else:
             page = tl.load(table + (keys // PAGE) * stride_tp, mask=live, other=0).to(tl.int64)
         slot = keys % PAGE
-        if INT4:
-            paged = live
-            if WINDOW > 0:
-                newest = live & (keys >= length - WINDOW)
-                paged = live & (keys < length - WINDOW)
-            k = load_int4(K + page[:, None] * stride_kp + slot[:, None] * stride_kn + h * stride_kh,
-                          KS + page[:, None] * stride_ksp + slot[:, None] * stride_ksn + h * stride_ksh, paged,
-                          stride_kd, stride_ksg, D, GK, BLOCK_N, BLOCK_D)
-            v = load_int4(V + page[:, None] * stride_vp + slot[:, None] * stride_vn + h * stride_vh,
-                          VS + page[:, None] * stride_vsp + slot[:, None] * stride_vsn + h * stride_vsh, paged,
-                          stride_vd, stride_vsg, DV, GV, BLOCK_N, BLOCK_DV)
-            if WINDOW > 0:  # (the two loads' rows are disjoint: the other gives zeros)
-                ring = keys % WINDOW
-                kw = tl.load(KW + seq * stride_ws + ring[:, None] * stride_wn + h * stride_wh + dq[None, :] * stride_wd,
-                             mask=newest[:, None] & (dq[None, :] < D), other=0.0).to(tl.float32)
-                k = k + tl.where(newest[:, None], kw - centre[None, :], 0.0)
-                v = v + tl.load(VW + seq * stride_xs + ring[:, None] * stride_xn + h * stride_xh
-                                + dv[None, :] * stride_xd, mask=newest[:, None] & (dv[None, :] < DV),
-                                other=0.0).to(tl.float32)
+        if MIXED:
+            if code == 3:
+                k, v = int4_tile(K, V, KS, VS, KW, VW, centre, page, slot, keys, live, length, seq, hk,
+                                 stride_kp, stride_kn, stride_kh, stride_kd, stride_vp, stride_vn, stride_vh, stride_vd,
+                                 stride_ksp, stride_ksn, stride_ksh, stride_ksg, stride_vsp, stride_vsn, stride_vsh,
+                                 stride_vsg, stride_ws, stride_wn, stride_wh, stride_wd, stride_xs, stride_xn,
+                                 stride_xh, stride_xd, D, DV, GK, GV, BLOCK_N, BLOCK_D, BLOCK_DV, WINDOW)
+            elif code == 2:
+                at = page[:, None] * (PAGE * H8) + slot[:, None] * H8 + hk
+                k = tl.load(K8 + at * D + dq[None, :], mask=live[:, None] & (dq[None, :] < D), other=0.0)
+                k = k.to(tl.float32) * tl.load(KS8 + page * H8 + hk, mask=live, other=0.0)[:, None]
+                v = tl.load(V8 + at * DV + dv[None, :], mask=live[:, None] & (dv[None, :] < DV), other=0.0)
+                v = v.to(tl.float32) * tl.load(VS8 + page * H8 + hk, mask=live, other=0.0)[:, None]
+            else:
+                at = page[:, None] * (PAGE * HN) + slot[:, None] * HN + hk
+                k = tl.load(KN + at * D + dq[None, :], mask=live[:, None] & (dq[None, :] < D),
+                            other=0.0).to(tl.float32)
+                v = tl.load(VN + at * DV + dv[None, :], mask=live[:, None] & (dv[None, :] < DV),
+                            other=0.0).to(tl.float32)
+        elif INT4:
+            k, v = int4_tile(K, V, KS, VS, KW, VW, centre, page, slot, keys, live, length, seq, hk,
+                             stride_kp, stride_kn, stride_kh, stride_kd, stride_vp, stride_vn, stride_vh, stride_vd,
+                             stride_ksp, stride_ksn, stride_ksh, stride_ksg, stride_vsp, stride_vsn, stride_vsh,
+                             stride_vsg, stride_ws, stride_wn, stride_wh, stride_wd, stride_xs, stride_xn,
+                             stride_xh, stride_xd, D, DV, GK, GV, BLOCK_N, BLOCK_D, BLOCK_DV, WINDOW)
         else:
             k = tl.load(K + page[:, None] * stride_kp + slot[:, None] * stride_kn + h * stride_kh
                         + dq[None, :] * stride_kd, mask=live[:, None] & (dq[None, :] < D), other=0.0)

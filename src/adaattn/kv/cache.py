@@ -52,6 +52,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from . import mixed
 from .formats import (INT4_GROUP, PER_PAGE, QMAX, STORAGES, _decode, _encode, _int4_decode, _int4_encode,  # noqa: F401
                       _quantize, int4_group, value_bytes)
 
@@ -63,8 +64,11 @@ class PagedKVCache:
 
     storage: "native" (the model dtype `dtype`), "fp8" (E4M3), "int8" or "int4" (16 levels a value,
     two a byte, with a bfloat16 scale and minimum per token and `group_size` channels: 0.75 bytes a
-    value at groups of 16, 0.5625 at 64, against bf16's 2), quantized at append. for_budget(...)
-    sizes the pool by bytes.
+    value at groups of 16, 0.5625 at 64, against bf16's 2), quantized at append; or a storage per
+    (layer, KV head) among "int4", "int8" and "native" (a list per layer of one name per head), or
+    "auto" with a `tolerance`: each layer's heads get the storage of fewest bytes whose error,
+    measured at the layer's first append, is within it (kv/mixed.py). for_budget(...) sizes the
+    pool by bytes.
     num_pages: pages per layer in the pool; max_seqs: sequences at once; max_pages_per_seq: the
     block table's width (default: every page). summaries: keep per-page key sums and per-channel
     bounds for sparse decode (the module's docstring).
@@ -74,15 +78,22 @@ class PagedKVCache:
                  value_dim: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu", storage: str = "native", max_seqs: int = 256,
                  max_pages_per_seq: Optional[int] = None, append: str = "auto", summaries: bool = False,
-                 group_size: int = INT4_GROUP, window: int = 0):
+                 group_size: int = INT4_GROUP, window: int = 0, tolerance: Optional[float] = None):
         for name, val in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim),
                           ("num_pages", num_pages), ("page_size", page_size), ("max_seqs", max_seqs),
                           ("group_size", group_size)):
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
-        if storage not in STORAGES:
-            raise ValueError(f"storage must be one of {STORAGES}, got {storage!r}")
-        if storage == "int4" and (head_dim % 2 or (value_dim or head_dim) % 2):
+        per_head = mixed.check_storage(storage, layers, kv_heads)  # None: one storage for every head
+        if per_head is not None:
+            if per_head == "auto" and (not isinstance(tolerance, (int, float)) or isinstance(tolerance, bool)
+                                       or not tolerance > 0):
+                raise ValueError(f"storage='auto' chooses each head's storage under a tolerance: give tolerance > 0, "
+                                 f"got {tolerance!r}")
+            if summaries:
+                raise ValueError("summaries (sparse decode) are not kept for a cache with a storage per head yet")
+            storage = "mixed"
+        if (storage == "int4" or storage == "mixed") and (head_dim % 2 or (value_dim or head_dim) % 2):
             raise ValueError(f"storage 'int4' packs two values a byte: head_dim and value_dim must be even, got "
                              f"{head_dim} and {value_dim or head_dim}")
         if append not in APPENDS:
@@ -91,7 +102,7 @@ class PagedKVCache:
             raise TypeError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
         if not isinstance(window, int) or isinstance(window, bool) or window < 0:
             raise ValueError(f"window must be an int >= 0, got {window!r}")
-        if window and storage != "int4":
+        if window and storage not in ("int4", "mixed"):
             raise ValueError(f"window={window} keeps the newest tokens in the model dtype beside INT4 pages; storage "
                              f"{storage!r} takes no window (use storage='int4', or window=0)")
         if not isinstance(summaries, bool):
@@ -104,31 +115,9 @@ class PagedKVCache:
         # INT4: channels per scale, keys and values (module docstring)
         self.group_size = group_size
         self.k_group, self.v_group = int4_group(group_size, head_dim), int4_group(group_size, self.value_dim)
-        store = {"native": dtype, "fp8": torch.float8_e4m3fn, "int8": torch.int8, "int4": torch.uint8}[storage]
-        shape = (num_pages, page_size, kv_heads)
-        width = 2 if storage == "int4" else 1  # values a stored element holds
-        self.k = [torch.zeros((*shape, head_dim // width), dtype=store, device=self.device) for _ in range(layers)]
-        self.v = [torch.zeros((*shape, self.value_dim // width), dtype=store, device=self.device)
-                  for _ in range(layers)]
-        if storage == "int4":  # (scale, minimum) per token and group, bfloat16
-            self.k_scale = [torch.zeros(*shape, head_dim // self.k_group, 2, dtype=torch.bfloat16, device=self.device)
-                            for _ in range(layers)]
-            self.v_scale = [torch.zeros(*shape, self.value_dim // self.v_group, 2, dtype=torch.bfloat16,
-                                        device=self.device) for _ in range(layers)]
-        elif storage != "native":
-            self.k_scale = [torch.zeros(num_pages, kv_heads, device=self.device) for _ in range(layers)]
-            self.v_scale = [torch.zeros(num_pages, kv_heads, device=self.device) for _ in range(layers)]
-        if storage != "native":
-            # Each sequence's keys are stored less their mean over its first append (per layer and KV
-            # head): attention is unchanged (q.c is the same for every key of a query's row), and
-            # the quantized residuals are smaller than the keys where keys share an offset.
-            self.k_center = [torch.zeros(max_seqs, kv_heads, head_dim, device=self.device) for _ in range(layers)]
-        self.window = window
-        if window:  # the newest tokens' ring, per sequence (module docstring)
-            self.k_window = [torch.zeros(max_seqs, window, kv_heads, head_dim, dtype=dtype, device=self.device)
-                             for _ in range(layers)]
-            self.v_window = [torch.zeros(max_seqs, window, kv_heads, self.value_dim, dtype=dtype, device=self.device)
-                             for _ in range(layers)]
+        self.tolerance, self.window = tolerance, window
+        if storage != "mixed":  # (a mixed cache's pools are its layers' parts: kv/mixed.py)
+            self._pools(layers, num_pages, page_size, kv_heads, head_dim, dtype, storage, max_seqs, window)
         self.summaries = summaries
         if summaries:  # (num_pages, Hkv, D) fp32 each: key sums, per-channel min and max (see the module's docstring)
             self.k_sum = [torch.zeros(num_pages, kv_heads, head_dim, device=self.device) for _ in range(layers)]
@@ -148,6 +137,60 @@ class PagedKVCache:
         if append == "auto":
             append = "triton" if self.device.type == "cuda" else "torch"
         self.append_runner = append
+        # per layer, its heads by storage (kv/mixed.py); "auto": made at the layer's first append
+        self._mixed: list = []
+        if storage == "mixed":
+            self.k = self.v = []
+            self._mixed = [None if per_head == "auto" else mixed.Layer(self, row) for row in
+                           (per_head if per_head != "auto" else [None] * layers)]
+
+    def _part(self, heads: int, storage: str) -> "PagedKVCache":
+        """A one-layer cache of `heads` KV heads in `storage`, sharing this cache's block table and
+        pages (kv/mixed.py)."""
+        part = PagedKVCache(1, heads, self.head_dim, self.num_pages, self.page_size, value_dim=self.value_dim,
+                            dtype=self.dtype, device=self.device, storage=storage, max_seqs=self.max_seqs,
+                            max_pages_per_seq=self.max_pages_per_seq, append=self.append_runner,
+                            group_size=self.group_size, window=self.window if storage == "int4" else 0)
+        part.block_table, part._pages, part._pages_owned = self.block_table, self._pages, True
+        part._free_pages, part._free_seqs = [], []
+        return part
+
+    def storages(self, layer: int) -> str:
+        """What `layer`'s heads hold, and for a per-head cache which storage each head holds and why
+        (with "auto", the errors measured at the layer's first append)."""
+        if self.storage != "mixed":
+            return f"{self.storage} for every head"
+        here = self._mixed[layer]
+        return "not chosen yet (storage='auto': at the layer's first append)" if here is None else here.describe()
+
+    def _pools(self, layers, num_pages, page_size, kv_heads, head_dim, dtype, storage, max_seqs, window) -> None:
+        """The pools of one storage for every head: keys and values, their scales and centres
+        (quantized storages), INT4's window rings."""
+        store = {"native": dtype, "fp8": torch.float8_e4m3fn, "int8": torch.int8, "int4": torch.uint8}[storage]
+        shape = (num_pages, page_size, kv_heads)
+        width = 2 if storage == "int4" else 1  # values a stored element holds
+        self.k = [torch.zeros((*shape, head_dim // width), dtype=store, device=self.device)
+                  for _ in range(layers)]
+        self.v = [torch.zeros((*shape, self.value_dim // width), dtype=store, device=self.device)
+                  for _ in range(layers)]
+        if storage == "int4":  # (scale, minimum) per token and group, bfloat16
+            self.k_scale = [torch.zeros(*shape, head_dim // self.k_group, 2, dtype=torch.bfloat16, device=self.device)
+                            for _ in range(layers)]
+            self.v_scale = [torch.zeros(*shape, self.value_dim // self.v_group, 2, dtype=torch.bfloat16,
+                                        device=self.device) for _ in range(layers)]
+        elif storage != "native":
+            self.k_scale = [torch.zeros(num_pages, kv_heads, device=self.device) for _ in range(layers)]
+            self.v_scale = [torch.zeros(num_pages, kv_heads, device=self.device) for _ in range(layers)]
+        if storage != "native":
+            # Each sequence's keys are stored less their mean over its first append (per layer and KV
+            # head): attention is unchanged (q.c is the same for every key of a query's row), and
+            # the quantized residuals are smaller than the keys where keys share an offset.
+            self.k_center = [torch.zeros(max_seqs, kv_heads, head_dim, device=self.device) for _ in range(layers)]
+        if window:  # the newest tokens' ring, per sequence (module docstring)
+            self.k_window = [torch.zeros(max_seqs, window, kv_heads, head_dim, dtype=dtype, device=self.device)
+                             for _ in range(layers)]
+            self.v_window = [torch.zeros(max_seqs, window, kv_heads, self.value_dim, dtype=dtype, device=self.device)
+                             for _ in range(layers)]
 
     @staticmethod
     def page_bytes(kv_heads: int, head_dim: int, page_size: int = 64, *, value_dim: Optional[int] = None,
@@ -173,8 +216,16 @@ class PagedKVCache:
         """A cache whose page pools (all layers) take at most `budget_bytes`: as many pages as fit
         at its storage (kwargs as the constructor's; `capacity` then says how many tokens). The
         block table, lengths and each sequence's key centre are extra, a few bytes a page."""
-        keep = {k: kwargs[k] for k in ("value_dim", "dtype", "storage", "summaries", "group_size") if k in kwargs}
-        per_page = layers * cls.page_bytes(kv_heads, head_dim, page_size, **keep)
+        keep = {k: kwargs[k] for k in ("value_dim", "dtype", "summaries", "group_size") if k in kwargs}
+        storage = kwargs.get("storage", "native")
+        per_head = mixed.check_storage(storage, layers, kv_heads)
+        if per_head == "auto":
+            raise ValueError("for_budget needs the storages to size the pool: storage='auto' chooses them at each "
+                             "layer's first append; give the storage per (layer, KV head) expected")
+        if per_head is None:
+            per_page = layers * cls.page_bytes(kv_heads, head_dim, page_size, storage=storage, **keep)
+        else:
+            per_page = sum(cls.page_bytes(1, head_dim, page_size, storage=x, **keep) for row in per_head for x in row)
         window = kwargs.get("window", 0)
         rings = 0
         if isinstance(window, int) and window > 0:  # every sequence's ring of the newest tokens, every layer
@@ -204,6 +255,7 @@ class PagedKVCache:
             self._lengths[layer][seq] = 0
         self.lengths[:, seq] = 0
         self._forget(seq)
+        mixed.forget(self, seq)
         try:
             self.reserve(seq, reserve)
         except (ValueError, RuntimeError):  # a reservation that does not fit adds no sequence
@@ -231,6 +283,7 @@ class PagedKVCache:
             self._lengths[layer][seq] = 0
         self.lengths[:, seq] = 0
         self._forget(seq)
+        mixed.forget(self, seq, pages)
 
     def _forget(self, seq: int) -> None:
         """Sparse decode's thresholds for this sequence slot start over (a new or emptied sequence)."""
@@ -312,8 +365,13 @@ class PagedKVCache:
         if not self._pages_owned:
             for s, n in zip(seqs, held):
                 self._ensure(s, n + t)
-        first = [i for i, n in enumerate(held) if n == 0]  # empty rows: their append sets the keys' center
         key, value = key.to(self.device), value.to(self.device)
+        if self.storage == "mixed":  # each part writes its heads (and sets its own centres)
+            mixed.append(self, layer, seqs, key, value)
+            for s in seqs:
+                lengths[s] += t
+            return
+        first = [i for i, n in enumerate(held) if n == 0]  # empty rows: their append sets the keys' center
         if first and self.storage != "native":
             rows = torch.tensor(first, device=self.device)
             ids = torch.tensor([seqs[i] for i in first], device=self.device)
@@ -342,6 +400,7 @@ class PagedKVCache:
         host = self.lengths.tolist()
         for layer in range(self.layers):
             self._lengths[layer] = list(host[layer])
+        mixed.sync(self)
 
     def _append_kernel(self, layer, seqs, key, value) -> None:
         from ..backends.triton.bound import site_launch
@@ -470,6 +529,8 @@ class PagedKVCache:
             sid = seqs.to(device=self.device, dtype=torch.long)
         else:  # the device copy made once per list (no host-to-device copy in a captured step)
             sid = self.seq_ids([int(s) for s in seqs]).long()
+        if self.storage == "mixed":
+            return mixed.gather(self, layer, sid, length, dtype)
         pages = -(-length // self.page_size)
         table = self.block_table[sid, :pages].long()  # (S, P)
         out = []
@@ -514,14 +575,15 @@ class KVCache(PagedKVCache):
     def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, *,
                  value_dim: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu", storage: str = "native", page_size: int = 64,
-                 append: str = "auto", summaries: bool = False, group_size: int = INT4_GROUP, window: int = 0):
+                 append: str = "auto", summaries: bool = False, group_size: int = INT4_GROUP, window: int = 0,
+                 tolerance: Optional[float] = None):
         for name, val in (("batch", batch), ("max_len", max_len), ("page_size", page_size)):
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
         per_seq = -(-max_len // page_size)
         super().__init__(layers, kv_heads, head_dim, batch * per_seq, page_size, value_dim=value_dim, dtype=dtype,
                          device=device, storage=storage, max_seqs=batch, max_pages_per_seq=per_seq, append=append,
-                         summaries=summaries, group_size=group_size, window=window)
+                         summaries=summaries, group_size=group_size, window=window, tolerance=tolerance)
         self.batch, self.max_len = batch, max_len
         self._free_pages = []  # every page belongs to its sequence from the start
         self._pages_owned = True  # (so an append takes none: _ensure would find nothing to do)
@@ -551,6 +613,7 @@ class KVCache(PagedKVCache):
                 self._lengths[layer][s] = 0
             self.lengths[:, s] = 0
             self._forget(s)
+            mixed.forget(self, s, self._pages[s])
             if self.storage in PER_PAGE:
                 for sc in (*self.k_scale, *self.v_scale):
                     sc[self._pages[s]] = 0

@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from ..problem import default_scale
 from .. import stats
-from . import sparse
+from . import mixed, sparse
 from .gathered import sdpa_gathered
 from .cache import PER_PAGE, KVCache, PagedKVCache
 
@@ -54,15 +54,15 @@ from .cache import PER_PAGE, KVCache, PagedKVCache
 # registers); the split count aims at 4 programs per SM for native pages and 8 for quantized ones;
 # 3 stages where the keys' pages are computed (a contiguous KVCache: the loads pipeline), else 2.
 BLOCK_N = 128
-PROGRAMS_PER_SM = {"native": 4, "fp8": 8, "int8": 8, "int4": 8}  # int4: as int8 until measured
+PROGRAMS_PER_SM = {"native": 4, "fp8": 8, "int8": 8, "int4": 8, "mixed": 8}  # int4, mixed: as int8 until measured
 # Tiles a program reads at least, unless that would leave SMs without one: short programs lose to
 # their pipeline's fill and to a wider merge. H100, bf16 pages (benchmarks/NOTES.md, decode at head
 # dim 64): head dim 64, B8 Hkv8 8k, 0.906x -> 0.979x cuDNN in CUDA graphs; head dim 128, B16 8k,
 # 2.72 -> 2.76 TB/s. Quantized pages keep the occupancy rule alone: longer programs moved the
 # shipped GPT's bits per byte through an FP8 cache from +0.095% to +0.102% of exact (the P of keys
 # far under a longer split's running max loses precision in fp16), and INT8 ran slower.
-MIN_TILES = {"native": 32, "fp8": 1, "int8": 1, "int4": 1}
-WARPS = {"native": 8, "fp8": 4, "int8": 4, "int4": 4}
+MIN_TILES = {"native": 32, "fp8": 1, "int8": 1, "int4": 1, "mixed": 1}
+WARPS = {"native": 8, "fp8": 4, "int8": 4, "int4": 4, "mixed": 4}
 STAGES = {True: 3, False: 2}  # by contiguity
 # Warps for native pages of head dim <= 64 (stages as above). H100, CUDA-graph kernel times, 8 ->
 # 4 warps (benchmarks/NOTES.md, decode at head dim 64): B16 Hkv8 32k 446.7 -> 417.3 us, ragged
@@ -94,14 +94,16 @@ class DecodePlan:
     sparse_always: bool = False
     sparse_why: str = ""
     policy: object = None
+    storages: str = ""  # a cache with a storage per head: what each layer's heads hold (kv/mixed.py)
     _scratch: dict = field(default_factory=dict, repr=False)
 
     def explain(self) -> str:
         split = (f"; {self.splits} split(s) of up to {self.tiles_per_split * self.block_n} keys"
                  if self.runner == "triton" else "")
         sparse_ = f"; sparse: {self.sparse_why}" if self.sparse_why else ""
+        held = f"; storage per head: {self.storages}" if self.storages else ""
         return (f"decode runner kv.{self.runner} for {len(self.seqs)} sequence(s), {self.query_len} query row(s) "
-                f"each, up to {self.max_len} keys{split}: {self.why}{sparse_}")
+                f"each, up to {self.max_len} keys{split}: {self.why}{sparse_}{held}")
 
     def scratch(self, dv: int, device, splits: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The split outputs and log-sum-exps (fp32) of `splits` splits (default: the plan's),
@@ -156,6 +158,8 @@ def build_plan(cache: PagedKVCache, seqs: tuple, heads: int, query_len: int, max
     seq_ids = cache.seq_ids(seqs)  # made once per list: a fresh host-to-device copy would wait for the GPU's queue
     plan = DecodePlan(runner, why, seqs, seq_ids, heads, query_len, max_len, policy=policy, sparse=sparse_on,
                       sparse_always=sparse_always, sparse_why=sparse_why)
+    if cache.storage == "mixed":
+        plan.storages = "; ".join(f"layer {i}: {cache.storages(i)}" for i in range(cache.layers))
     if runner == "triton":
         tiles = -(-plan.max_len // BLOCK_N)
         if splits is None:
@@ -229,6 +233,7 @@ def run_decode(query: torch.Tensor, cache: PagedKVCache, layer: int, plan: Decod
             dtype=str(query.dtype).replace("torch.", ""), device=str(query.device.type),
             mode="decode" if not plan.sparse else "decode.auto",
             decisions={"why": plan.why, "storage": cache.storage, "page_size": cache.page_size,
+                       **({"head_storages": cache.storages(layer)} if cache.storage == "mixed" else {}),
                        "splits": plan.splits if plan.runner == "triton" else None, "layer": layer, **extra}))
     return out
 
@@ -264,7 +269,8 @@ def _kernel_modifiers(query, cache, layer, plan, scale, softcap, sinks, alibi_sl
     if cache.storage != "native" and (softcap is not None or sinks is not None):
         # Quantized pages hold keys less their sequence's centre c: the scores lack q.c, which the
         # softmax ignores but the cap and the sinks do not.
-        centre = cache.k_center[layer].index_select(0, plan.seq_ids.long())  # (S, Hkv, D)
+        centre = (mixed.key_centre(cache, layer) if cache.storage == "mixed" else cache.k_center[layer])
+        centre = centre.index_select(0, plan.seq_ids.long())  # (S, Hkv, D)
         centre = centre.repeat_interleave(hq // cache.kv_heads, 1)  # (S, Hq, D)
         scale_f = default_scale(query.shape[-1]) if scale is None else float(scale)
         qoff = torch.einsum("shtd,shd->sht", query.float(), centre).mul_(scale_f).contiguous()
@@ -390,11 +396,17 @@ def _split_kv(query, cache, layer, plan, scale, sel=None, count=None, pages=1.0,
         tiles = -(-listed_keys // plan.block_n)
         splits = -(-tiles // per)
     o_part, l_part = plan.scratch(dv, query.device, splits)
-    k_pool, v_pool, lengths = cache.k[layer], cache.v[layer], cache.lengths[layer]
+    lengths = cache.lengths[layer]
     quantized, int4 = cache.storage in PER_PAGE, cache.storage == "int4"
-    ks = cache.k_scale[layer] if quantized or int4 else l_part  # a placeholder pointer when not read
-    vs = cache.v_scale[layer] if quantized or int4 else l_part
     int4_strides = {}
+    if cache.storage == "mixed":  # each head reads its storage's pool (kv/mixed.py)
+        m = mixed.kernel_args(cache, layer, l_part)
+        k_pool, v_pool, ks, vs = m["pools"]["K"], m["pools"]["V"], m["pools"]["KS"], m["pools"]["VS"]
+        int4_strides = m["kw"]
+    else:
+        k_pool, v_pool = cache.k[layer], cache.v[layer]
+        ks = cache.k_scale[layer] if quantized or int4 else l_part  # a placeholder pointer when not read
+        vs = cache.v_scale[layer] if quantized or int4 else l_part
     if int4:  # (page, slot, head, group) scales
         int4_strides = dict(zip(("stride_ksp", "stride_ksn", "stride_ksh", "stride_ksg"), ks.stride()[:4]))
         int4_strides.update(zip(("stride_vsp", "stride_vsn", "stride_vsh", "stride_vsg"), vs.stride()[:4]))
@@ -443,6 +455,6 @@ def _split_kv(query, cache, layer, plan, scale, sel=None, count=None, pages=1.0,
            plan.num_stages, plan.contiguous)
     site_launch(cache._sites, ("split",) + key, decode_split_kernel, (splits, s * hkv),
                 (query, k_pool, v_pool, ks, vs, cache.block_table, lengths, plan.seq_ids, o_part, l_part)
-                + tuple(int4_strides[n] for n in ("KW", "VW", "KC") if n in int4_strides), split_args)
+                + tuple(x for x in int4_strides.values() if isinstance(x, torch.Tensor)), split_args)
     site_launch(cache._sites, ("merge",) + key, decode_merge_kernel, (s * hq * t,), (o_part, l_part, out), merge_args)
     return out

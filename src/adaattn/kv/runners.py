@@ -62,6 +62,9 @@ def decode_problem(cache: PagedKVCache, now: list[int], heads: int, query_len: i
     """The DecodeProblem of a step over `cache` whose sequences hold `now` tokens (the one place
     that makes one); `device_type` plans for another device than the cache's (explain)."""
     def elem(dim):
+        if cache.storage == "mixed":  # the average over the layers' heads chosen so far (the model dtype before)
+            held = [x for here in cache._mixed if here is not None for x in here.storages] or ["native"]
+            return sum(value_bytes(x, cache.dtype, dim, cache.group_size) for x in held) / len(held)
         return value_bytes(cache.storage, cache.dtype, dim, cache.group_size)
 
     device_type = device_type or cache.device.type

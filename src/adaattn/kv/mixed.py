@@ -1,0 +1,199 @@
+"""Storage per KV head: a layer whose heads hold different storages (INT4, INT8 or the model dtype),
+chosen by the caller or, with storage="auto", from the error each storage measures on the layer's
+first append (the prompt), under a tolerance.
+
+A mixed layer keeps one single-layer cache per storage it holds ("part"), of that storage's heads
+only, so each part's pool takes its own bytes. The parts share the cache's block table and page
+list (a page id means the same tokens in every part) and keep their own lengths, which advance
+with the cache's. An append writes each part (one launch a part); the split-KV kernel reads every
+head in one launch, each program branching on its head's storage (kernels/decode.py, MIXED).
+
+The choice ("auto"): per head, the storage of fewest bytes whose measured output error is within
+the tolerance (kv/choose.py), the keys of the append standing in for the queries, which an append
+does not see. An append of fewer than MIN_PROMPT tokens measures nothing worth trusting: its layer
+keeps the model dtype. Where the append is shorter than 4 windows, INT4 is measured without its
+window (the window will be a smaller share of a longer sequence, so that is the error it tends to).
+A head whose error drifts past the tolerance later is not yet moved up a level.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .choose import choose_storages, storage_errors
+from .formats import PER_PAGE, STORAGES
+
+MIXED = ("native", "int8", "int4")  # what a mixed layer's heads may hold (one kernel branch each)
+CODES = {"native": 0, "int8": 2, "int4": 3}  # kernels/decode.py's HS codes
+MIN_PROMPT = 64  # the fewest tokens a layer's first append must hold for "auto" to measure on
+
+
+def check_storage(storage: Any, layers: int, kv_heads: int) -> Optional[tuple]:
+    """None for a single storage name; "auto" as it is; per-layer per-head names as a tuple of
+    tuples (a ValueError naming what is wrong otherwise)."""
+    if isinstance(storage, str):
+        if storage == "auto" or storage in STORAGES:
+            return storage if storage == "auto" else None
+        raise ValueError(f"storage must be one of {STORAGES}, 'auto', or one storage per (layer, KV head), got "
+                         f"{storage!r}")
+    try:
+        rows = tuple(tuple(row) for row in storage)
+    except TypeError:
+        raise ValueError(f"storage must be a name or one storage per (layer, KV head), got {storage!r}") from None
+    if len(rows) != layers or any(len(row) != kv_heads for row in rows):
+        raise ValueError(f"storage per head must be {layers} layer(s) of {kv_heads} KV head(s), got "
+                         f"{[len(r) for r in rows]}")
+    for row in rows:
+        for name in row:
+            if name not in MIXED:
+                raise ValueError(f"a head's storage must be one of {MIXED}, got {name!r}")
+    return rows
+
+
+class Layer:
+    """One layer's heads by storage: `parts` storage -> (heads, its one-layer cache), the device
+    maps the kernel reads (`code`, `index`: per head, its storage's code and its index in that
+    part), and, where "auto" chose, the errors measured and why."""
+
+    def __init__(self, cache, storages: tuple, errors: Optional[dict] = None, why: str = ""):
+        self.storages, self.errors, self.why = storages, errors, why
+        self.parts: dict[str, tuple[list[int], Any]] = {}
+        index = [0] * len(storages)
+        for s in MIXED:
+            heads = [h for h, x in enumerate(storages) if x == s]
+            if not heads:
+                continue
+            part = cache._part(len(heads), s)
+            for i, h in enumerate(heads):
+                index[h] = i
+            self.parts[s] = (heads, part)
+        dev = cache.device
+        self.code = torch.tensor([CODES[s] for s in storages], dtype=torch.int32, device=dev)
+        self.index = torch.tensor(index, dtype=torch.int32, device=dev)
+        self.heads = {s: torch.tensor(h, dtype=torch.long, device=dev) for s, (h, _) in self.parts.items()}
+
+    def describe(self) -> str:
+        counts = ", ".join(f"{s} {len(h)}" for s, (h, _) in self.parts.items())
+        line = f"{counts} of {len(self.storages)} heads: {list(self.storages)}"
+        if self.errors:
+            line += "; measured " + ", ".join(f"{s} {[round(float(x), 4) for x in e]}" for s, e in self.errors.items())
+        return line + (f" ({self.why})" if self.why else "")
+
+
+def choose(cache, key: torch.Tensor, value: torch.Tensor) -> Layer:
+    """A layer's storages from its first append (module docstring)."""
+    n, hkv = key.shape[2], key.shape[1]
+    if n < MIN_PROMPT:
+        return Layer(cache, ("native",) * hkv, None, f"its first append held {n} tokens, fewer than {MIN_PROMPT} "
+                                                      f"to measure on: the model dtype")
+    window = cache.window if n >= 4 * cache.window else 0
+    errors = storage_errors(key, value, None, storages=("int4", "int8"), page_size=cache.page_size,
+                            group_size=cache.group_size, window=window)
+    chosen = tuple(choose_storages(errors, cache.tolerance, cache.dtype))
+    why = (f"chosen at its first append ({n} tokens, keys as queries) under tolerance {cache.tolerance:g}"
+           + ("" if window or not cache.window else f"; INT4 measured without its window of {cache.window}"))
+    return Layer(cache, chosen, errors, why)
+
+
+def append(cache, layer: int, seqs: Sequence[int], key: torch.Tensor, value: torch.Tensor) -> None:
+    """Write each part's heads (the cache's append checked and allocated already), then advance the
+    cache's own device lengths."""
+    here = cache._mixed[layer]
+    if here is None:  # "auto": the first append chooses
+        here = cache._mixed[layer] = choose(cache, key, value)
+    for s, (_, part) in here.parts.items():
+        heads = here.heads[s]
+        part.append(0, seqs, key.index_select(1, heads), value.index_select(1, heads))
+    cache.lengths[layer].index_add_(0, cache.seq_ids(seqs), torch.full((len(seqs),), key.shape[2], dtype=torch.int32,
+                                                                        device=cache.device))
+
+
+def gather(cache, layer: int, sid: torch.Tensor, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    here = cache._mixed[layer]
+    k = torch.zeros(len(sid), cache.kv_heads, length, cache.head_dim, dtype=dtype, device=cache.device)
+    v = torch.zeros(len(sid), cache.kv_heads, length, cache.value_dim, dtype=dtype, device=cache.device)
+    if here is None:
+        return k, v
+    for s, (_, part) in here.parts.items():
+        pk, pv = part.gather(0, sid, length, dtype)
+        k[:, here.heads[s]] = pk
+        v[:, here.heads[s]] = pv
+    return k, v
+
+
+def key_centre(cache, layer: int) -> torch.Tensor:
+    """(max_seqs, Hkv, D) fp32: the centre each head's stored keys are less of (zero for the
+    model-dtype heads)."""
+    out = torch.zeros(cache.max_seqs, cache.kv_heads, cache.head_dim, device=cache.device)
+    here = cache._mixed[layer]
+    for s, (_, part) in (here.parts.items() if here is not None else ()):
+        if s != "native":
+            out[:, here.heads[s]] = part.k_center[0]
+    return out
+
+
+def forget(cache, seq: int, pages: Sequence[int] = ()) -> None:
+    """A sequence emptied (added, freed or reset): each part's lengths for it go to 0, and the
+    per-page scales of `pages` (given back) start afresh."""
+    for here in cache._mixed:
+        for s, (_, part) in (here.parts.items() if here is not None else ()):
+            part._lengths[0][seq] = 0
+            part.lengths[0, seq] = 0
+            if s in PER_PAGE and pages:
+                part.k_scale[0][list(pages)] = 0
+                part.v_scale[0][list(pages)] = 0
+
+
+def sync(cache) -> None:
+    for here in cache._mixed:
+        for _, part in (here.parts.values() if here is not None else ()):
+            part.sync()
+
+
+def tensors(cache, layer: int) -> list[torch.Tensor]:
+    """Every tensor a mixed layer's reads and writes touch (a compiled step's static addresses)."""
+    here = cache._mixed[layer]
+    out = []
+    for _, part in (here.parts.values() if here is not None else ()):
+        out += [part.lengths, part.k[0], part.v[0]]
+        if part.storage != "native":
+            out += [part.k_scale[0], part.v_scale[0], part.k_center[0]]
+        if part.window:
+            out += [part.k_window[0], part.v_window[0]]
+    return out
+
+
+def kernel_args(cache, layer: int, placeholder: torch.Tensor) -> dict:
+    """The split-KV kernel's MIXED arguments for `layer` (kernels/decode.py): "pools", the INT4 part's
+    K, V, KS, VS (the caller passes them and their pools' strides), and "kw", the rest: the head
+    maps, the INT4 scales' strides, groups and window, the model-dtype and INT8 parts' pools.
+    `placeholder` stands for a part the layer lacks (never read)."""
+    here = cache._mixed[layer]
+    if here is None:
+        raise ValueError(f"layer {layer} of this storage='auto' cache holds no token yet: its storages are chosen "
+                         "at its first append")
+    kw: dict = dict(MIXED=True, HS=here.code, HI=here.index, KN=placeholder, VN=placeholder, K8=placeholder,
+                    V8=placeholder, KS8=placeholder, VS8=placeholder, HN=1, H8=1)
+    pools = {"K": placeholder, "V": placeholder, "KS": placeholder, "VS": placeholder}
+    if "native" in here.parts:
+        heads, part = here.parts["native"]
+        kw.update(KN=part.k[0], VN=part.v[0], HN=len(heads))
+    if "int8" in here.parts:
+        heads, part = here.parts["int8"]
+        kw.update(K8=part.k[0], V8=part.v[0], KS8=part.k_scale[0], VS8=part.v_scale[0], H8=len(heads))
+    if "int4" in here.parts:
+        _, part = here.parts["int4"]
+        ks, vs = part.k_scale[0], part.v_scale[0]
+        pools = {"K": part.k[0], "V": part.v[0], "KS": ks, "VS": vs}
+        kw.update(zip(("stride_ksp", "stride_ksn", "stride_ksh", "stride_ksg"), ks.stride()[:4]))
+        kw.update(zip(("stride_vsp", "stride_vsn", "stride_vsh", "stride_vsg"), vs.stride()[:4]))
+        kw.update(GK=part.k_group, GV=part.v_group)
+        if part.window:
+            kc = part.k_center[0]
+            kw.update(KW=part.k_window[0], VW=part.v_window[0], KC=kc, WINDOW=part.window, stride_cs=kc.stride(0),
+                      stride_ch=kc.stride(1))
+            kw.update(zip(("stride_ws", "stride_wn", "stride_wh", "stride_wd"), part.k_window[0].stride()))
+            kw.update(zip(("stride_xs", "stride_xn", "stride_xh", "stride_xd"), part.v_window[0].stride()))
+    return {"pools": pools, "kw": kw}

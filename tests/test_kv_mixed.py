@@ -1,0 +1,127 @@
+"""A storage per KV head (kv/mixed.py): explicit per-head storages read in one launch of the
+split-KV kernel (under the interpreter) against float64 attention on the cache's own values, each
+head holding what a cache of its storage holds, and storage="auto" choosing per head from the
+error measured at a layer's first append."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import adaattn
+from adaattn.backends.reference import reference_attention, relative_errors
+from adaattn.kv import KVCache, PagedKVCache
+
+ROWS = [["int4", "int8", "native", "int4"], ["native", "native", "int8", "int8"]]
+
+
+def _kv(s, hkv, n, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    k = (torch.randn(s, hkv, n, d, generator=g) * 2 + 0.3).half()
+    v = torch.randn(s, hkv, n, d, generator=g).half()
+    return k, v
+
+
+def _filled(kind, storage, lens, hkv=4, d=32, seed=0, **kw):
+    k, v = _kv(len(lens), hkv, max(lens), d, seed)
+    if kind == "paged":
+        cache = PagedKVCache(2, hkv, d, 64, 16, dtype=torch.float16, storage=storage, max_seqs=len(lens) + 1, **kw)
+        dropped = cache.add()  # a sequence added, filled and freed first: its pages and lengths are reused
+        cache.append(0, [dropped], k[:1, :, :40], v[:1, :, :40])
+        cache.free(dropped)
+        seqs = [cache.add() for _ in lens]
+    else:
+        cache = KVCache(2, len(lens), hkv, max(lens) + 8, d, dtype=torch.float16, storage=storage, page_size=16, **kw)
+        seqs = list(range(len(lens)))
+    for layer in range(2):
+        for i, (s, n) in enumerate(zip(seqs, lens)):
+            for lo, hi in ((0, n - 5), (n - 5, n)):  # a prompt, then a few tokens at a time
+                if kind == "paged":
+                    cache.append(layer, [s], k[i:i + 1, :, lo:hi], v[i:i + 1, :, lo:hi])
+                else:
+                    cache.append(layer, k[i:i + 1, :, lo:hi], v[i:i + 1, :, lo:hi], seqs=[s])
+    return cache, seqs, k, v
+
+
+@pytest.mark.parametrize("kind", ["paged", "contiguous"])
+def test_each_head_holds_what_a_cache_of_its_storage_holds(kind):
+    lens = [70, 33]
+    cache, seqs, k, v = _filled(kind, ROWS, lens, window=16)
+    for layer, row in enumerate(ROWS):
+        got_k, got_v = cache.gather(layer, seqs, max(lens), torch.float64)
+        for h, storage in enumerate(row):
+            one = KVCache(1, len(lens), 1, max(lens) + 8, 32, dtype=torch.float16, storage=storage, page_size=16,
+                          window=16 if storage == "int4" else 0)
+            for i, n in enumerate(lens):
+                for lo, hi in ((0, n - 5), (n - 5, n)):
+                    one.append(0, k[i:i + 1, h:h + 1, lo:hi], v[i:i + 1, h:h + 1, lo:hi], seqs=[i])
+            want_k, want_v = one.gather(0, list(range(len(lens))), max(lens), torch.float64)
+            for i, n in enumerate(lens):
+                assert torch.equal(got_k[i, h, :n], want_k[i, 0, :n]), (layer, h, storage)
+                assert torch.equal(got_v[i, h, :n], want_v[i, 0, :n]), (layer, h, storage)
+
+
+@pytest.mark.parametrize("kind", ["paged", "contiguous"])
+@pytest.mark.parametrize("t", [1, 3])
+@pytest.mark.parametrize("runner", ["triton", "sdpa"])
+def test_one_launch_reads_heads_of_every_storage(kind, t, runner):
+    """GQA 2:1, ragged lengths, INT4 with a window: the kernel against float64 on the values the
+    cache holds; the plan and the stats say what each head holds."""
+    if runner == "triton":
+        from helpers import NEEDS_CUDA_OR_INTERPRETER  # noqa: F401
+    lens = [70, 33]
+    cache, seqs, _, _ = _filled(kind, ROWS, lens, window=16)
+    q = torch.randn(len(lens), 8, t, 32, generator=torch.Generator().manual_seed(5)).half()
+    for layer in (0, 1):
+        with adaattn.stats.collect() as records:
+            out = adaattn.decode_attention(q, cache, layer, seqs=seqs, runner=runner,
+                                           **({"splits": 2} if runner == "triton" else {}))
+        assert records[-1].backend == f"kv.{runner}"
+        assert records[-1].decisions["head_storages"] == cache.storages(layer)
+        k64, v64 = cache.gather(layer, seqs, max(lens), torch.float64)
+        for i, n in enumerate(lens):
+            want = reference_attention(q[i:i + 1].double(), k64[i:i + 1, :, :n], v64[i:i + 1, :, :n], None, True,
+                                       None, None, bottom_right=True)
+            assert relative_errors(out[i:i + 1], want).item() < 2e-3, (layer, i)
+    plan = adaattn.plan_decode(cache, seqs, heads=8, query_len=t)
+    assert "storage per head: layer 0: native 1, int8 1, int4 2 of 4 heads" in plan.explain()
+
+
+def test_auto_puts_a_smooth_head_in_int4_and_keeps_an_outlier_head_higher():
+    """storage='auto': at each layer's first append, per head the storage of fewest bytes whose
+    measured error is within the tolerance (head 1 carries an outlier channel in every group);
+    a first append too short to measure keeps the model dtype."""
+    k, v = _kv(1, 3, 200, 64, seed=3)
+    k[:, 1, :, 5::16] *= 8
+    v[:, 1, :, 7::16] *= 8
+    cache = PagedKVCache(2, 3, 64, 32, 16, dtype=torch.float16, storage="auto", tolerance=0.1, max_seqs=2)
+    s = cache.add()
+    assert "not chosen yet" in cache.storages(0)
+    cache.append(0, [s], k, v)
+    cache.append(1, [s], k[:, :, :20], v[:, :, :20])
+    assert cache._mixed[0].storages == ("int4", "int8", "int4")
+    assert "measured int4 [" in cache.storages(0) and "under tolerance 0.1" in cache.storages(0)
+    assert cache._mixed[1].storages == ("native",) * 3 and "fewer than 64" in cache.storages(1)
+    errors = cache._mixed[0].errors
+    assert float(errors["int4"][1]) > 0.1 >= float(errors["int4"][0]) and float(errors["int8"][1]) <= 0.1
+    # the pools hold each storage's bytes only: two INT4 heads, one INT8 head
+    here = cache._mixed[0].parts
+    assert here["int4"][1].k[0].shape == (32, 16, 2, 32) and here["int8"][1].k[0].shape == (32, 16, 1, 64)
+
+
+def test_per_head_storages_are_checked_and_sized_by_bytes():
+    with pytest.raises(ValueError, match="storage per head must be 2 layer"):
+        PagedKVCache(2, 4, 32, 8, storage=[["int4"] * 4])
+    with pytest.raises(ValueError, match="a head's storage must be one of"):
+        PagedKVCache(1, 2, 32, 8, storage=[["int4", "fp8"]])
+    with pytest.raises(ValueError, match="give tolerance > 0"):
+        PagedKVCache(1, 2, 32, 8, storage="auto")
+    with pytest.raises(ValueError, match="summaries"):
+        PagedKVCache(1, 2, 32, 8, storage="auto", tolerance=0.05, summaries=True)
+    with pytest.raises(ValueError, match="for_budget needs the storages"):
+        PagedKVCache.for_budget(2**20, 1, 2, 32, storage="auto", tolerance=0.05)
+    budget = 64 * 2**20
+    rows = [["int4", "int8"], ["native", "int4"]]
+    per_page = sum(PagedKVCache.page_bytes(1, 128, 64, storage=x) for row in rows for x in row)
+    cache = PagedKVCache.for_budget(budget, 2, 2, 128, 64, storage=rows, device="meta", max_seqs=2)
+    assert cache.num_pages == budget // per_page and cache.storages(1).startswith("native 1, int4 1 of 2")
