@@ -16,6 +16,8 @@ j <= pos + right (causal folds in as right = 0) and j >= pos - left, each only w
 side is bounded (HAS_RIGHT / HAS_LEFT).
 """
 
+import os
+
 import triton
 import triton.language as tl
 
@@ -30,14 +32,28 @@ LOG2E_K: tl.constexpr = tl.constexpr(LOG2E)
 LN2_K: tl.constexpr = tl.constexpr(LN2)
 
 
+# Whether @triton.jit functions run under the CPU interpreter (triton decides that when a function
+# is decorated, from the same variable).
+INTERPRETED: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
 @triton.jit
 def dot(a, b, acc, DOT_PRECISION: tl.constexpr):
     """a @ b (+ acc) accumulated in fp32. "ieee" and "tf32" go to tl.dot as they are.
     "interpreter_bf16" is for bfloat16 under the CPU interpreter, whose tl.dot reads bf16
     bits as integers (triton 3.9): both operands are upcast first. Products of bf16 values
-    are exact in fp32, so only the summation order differs from the tensor cores."""
+    are exact in fp32, so only the summation order differs from the tensor cores.
+    float32 ("ieee") under the interpreter accumulates in float64: the interpreter's tl.dot is
+    numpy's float32 matmul, whose accuracy is the CPU's BLAS kernel's. On an AMD EPYC (OpenBLAS's
+    Zen kernel) a fuzzed float32 backward (seed 20261127 #20, logits x30) gave dq 2.4e-5 against
+    torch's 7.3e-6; accumulated in float64, 7.9e-7. The GPU's fp32 products are the CUDA fuzz's."""
     if DOT_PRECISION == "interpreter_bf16":
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    elif INTERPRETED and DOT_PRECISION == "ieee":
+        product = tl.dot(a.to(tl.float64), b.to(tl.float64), input_precision="ieee")
+        if acc is None:
+            return product.to(tl.float32)
+        return (product + acc.to(tl.float64)).to(tl.float32)
     else:
         return tl.dot(a, b, acc, input_precision=DOT_PRECISION)
 
