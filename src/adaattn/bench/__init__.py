@@ -109,9 +109,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--gpt-parts", type=_parts, default=None, metavar="PART,...",
                    help=f"gpt: some of {','.join(GPT_PARTS)} (default all); rank: some of {','.join(RANK_PARTS)} "
                    "(default kernels,heldout)")
-    s.add_argument("--decode-parts", choices=("all", "dense", "sparse"), default="all",
+    s.add_argument("--decode-parts", choices=("all", "dense", "sparse", "storage"), default="all",
                    help="decode: the dense cases (random K/V), the sparse decode cases on the 32k checkpoint's "
-                   "K/V, or both (default)")
+                   "K/V, a storage per KV head on the checkpoint's K/V, or all (default)")
     s.add_argument("--gpt-size", choices=("shipped", "medium"), default=None,
                    help="gpt step: the shipped config, or GPT-2 medium's size (24 layers, d=1024)")
     s.add_argument("--gpt-windows", type=_positive, default=None, help="gpt heldout: windows of 8192 bytes (default 16)")

@@ -30,7 +30,8 @@ NAME = "decode"
 HELP = ("bf16 B=16 Hq=32 Hkv=8 D=128, one query row, KV 8k/32k and a ragged batch 1k..32k: cuDNN, FA2, "
         "efficient, flash_attn, adaattn, and adaattn.kv caches (contiguous, paged page 64; bf16, fp8, int8, int4) "
         "through decode_attention with a plan, eager and CUDA-graph replay; TB/s of bf16 K and V, x cuDNN; "
-        "and sparse decode on every layer of the 32k checkpoint (suites/sparse_decode.py)")
+        "sparse decode on every layer of the 32k checkpoint (suites/sparse_decode.py), and a storage per KV "
+        "head (storage='auto') over the checkpoint's whole decode attention (suites/kv_storage.py)")
 NEEDS_CUDA = True
 DEFAULT = Grid((8192, 32768), batch=16, heads=32, kv_heads=8, head_dim=128, dtypes=(torch.bfloat16,), causal="no")
 PAGE = 64
@@ -38,11 +39,15 @@ PAGE = 64
 
 def cases(args, device):
     parts = getattr(args, "decode_parts", "all")
-    out = [] if parts == "sparse" else _dense_cases(args, device)
-    if parts != "dense":
+    out = _dense_cases(args, device) if parts in ("all", "dense") else []
+    if parts in ("all", "sparse"):
         from . import sparse_decode
 
         out += sparse_decode.cases(device)
+    if parts in ("all", "storage"):  # a storage per KV head on the checkpoint's K/V (suites/kv_storage.py)
+        from . import kv_storage
+
+        out += kv_storage.cases(device)
     return out
 
 
