@@ -52,7 +52,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import mixed
+from . import append, mixed
 from .formats import (INT4_GROUP, PER_PAGE, QMAX, STORAGES, _decode, _encode, _int4_decode, _int4_encode,  # noqa: F401
                       _quantize, int4_group, value_bytes)
 
@@ -403,120 +403,10 @@ class PagedKVCache:
         mixed.sync(self)
 
     def _append_kernel(self, layer, seqs, key, value) -> None:
-        from ..backends.triton.bound import site_launch
-        from ..backends.triton.common import interpreting
-        from ..backends.triton.common import next_pow2 as next_power_of_2
-        from ..kernels.kv_append import append_kernel
-
-        s, hkv, t, d = key.shape
-        quantized, per_page, int4 = self.storage != "native", self.storage in PER_PAGE, self.storage == "int4"
-        k_pool, v_pool, lengths, ids = self.k[layer], self.v[layer], self.lengths[layer], self.seq_ids(seqs)
-        ks = self.k_scale[layer] if quantized else self._count  # placeholder pointers when not read
-        vs = self.v_scale[layer] if quantized else self._count
-        kc = self.k_center[layer] if quantized else self._count
-        if self.summaries:
-            sums, mins, maxs = self.k_sum[layer], self.k_min[layer], self.k_max[layer]
-        else:
-            sums = mins = maxs = self._count
-        chunks = -(-(t - 1) // self.page_size) + 1  # pages T tokens from any slot can touch
-
-        def build():
-            return ((key, value, k_pool, v_pool, ks, vs, kc, self.block_table, lengths, ids,
-                     self._count, sums, mins, maxs, *key.stride(), *value.stride(), *k_pool.stride(), *v_pool.stride(),
-                     *(ks.stride() if per_page else (0, 0)), *(kc.stride() if quantized else (0, 0, 0)),
-                     *self.block_table.stride(), *(sums.stride()[:2] if self.summaries else (0, 0)),
-                     t, hkv, chunks, self.max_pages_per_seq),
-                    dict(D=d, DV=value.shape[3], BLOCK_D=next_power_of_2(d), BLOCK_DV=next_power_of_2(value.shape[3]),
-                         PAGE=self.page_size, BLOCK_P=next_power_of_2(self.page_size),
-                         STORAGE=STORAGES.index(self.storage), QMAX=QMAX.get(self.storage, 1.0),
-                         INTERPRET=interpreting(), SUMMARIES=self.summaries,
-                         **(dict(zip(("stride_ksp", "stride_ksn", "stride_ksh", "stride_ksg"), ks.stride()[:4]))
-                            | dict(zip(("stride_vsp", "stride_vsn", "stride_vsh", "stride_vsg"), vs.stride()[:4]))
-                            | dict(GK=self.k_group, GV=self.v_group) if int4 else {}),
-                         **(dict(KW=self.k_window[layer], VW=self.v_window[layer], WINDOW=self.window,
-                                 **dict(zip(("stride_ws", "stride_wn", "stride_wh", "stride_wd"),
-                                            self.k_window[layer].stride())),
-                                 **dict(zip(("stride_xs", "stride_xn", "stride_xh", "stride_xd"),
-                                            self.v_window[layer].stride()))) if self.window else {}),
-                         num_warps=4 if self.page_size <= 64 else 8))
-
-        # One layer's appends of one shape are the same launch but for the tensors (a decode step's
-        # one token per sequence): known once per layer and layout (bound.site_launch, where bound
-        # launches are on; every tensor is put in its slot each call).
-        site = (layer, key.shape, key.stride(), value.shape, value.stride(), key.dtype)
-        site_launch(self._sites, site, append_kernel, (s * hkv, chunks),
-                    (key, value, k_pool, v_pool, ks, vs, kc, self.block_table, lengths, ids, self._count, sums, mins,
-                     maxs) + ((self.k_window[layer], self.v_window[layer]) if self.window else ()), build)
+        append.write_kernel(self, layer, seqs, key, value)
 
     def _append_torch(self, layer, seqs, key, value) -> None:
-        t = key.shape[2]
-        start = torch.tensor([self._lengths[layer][s] for s in seqs], dtype=torch.long, device=self.device)
-        sid = torch.tensor(seqs, dtype=torch.long, device=self.device)
-        pos = start[:, None] + torch.arange(t, device=self.device)  # (S, T) token positions
-        page = self.block_table[sid[:, None], pos // self.page_size].long()  # (S, T)
-        slot = pos % self.page_size
-        k = key.transpose(1, 2)  # (S, T, Hkv, D)
-        v = value.transpose(1, 2)
-        if self.storage == "native":
-            self.k[layer][page, slot] = k.to(self.dtype)
-            self.v[layer][page, slot] = v.to(self.dtype)
-        elif self.storage == "int4":  # written once per token: no page is rescaled
-            if self.window:  # the last `window` new tokens into the ring, as they come
-                keep = pos >= start[:, None] + t - self.window  # (S, T)
-                seq_at, ring_at = sid[:, None].expand_as(pos)[keep], (pos % self.window)[keep]
-                self.k_window[layer][seq_at, ring_at] = k[keep].to(self.dtype)
-                self.v_window[layer][seq_at, ring_at] = v[keep].to(self.dtype)
-            k = k.float() - self.k_center[layer][sid][:, None]
-            for pool, scales, x, group in ((self.k[layer], self.k_scale[layer], k, self.k_group),
-                                           (self.v[layer], self.v_scale[layer], v, self.v_group)):
-                pool[page, slot], scales[page, slot] = _int4_encode(x, group)
-        else:
-            k = k.float() - self.k_center[layer][sid][:, None]
-            self._append_quantized(self.k[layer], self.k_scale[layer], page, slot, k)
-            self._append_quantized(self.v[layer], self.v_scale[layer], page, slot, v)
-        self.lengths[layer, sid] += t
-        if self.summaries:
-            self._summarize_torch(layer, seqs, start, t)
-
-    def _summarize_torch(self, layer, seqs, start, t) -> None:
-        """Recompute the summaries of the pages the append touched, from the keys as stored."""
-        p = self.page_size
-        pages, fill = [], []
-        for i, s in enumerate(seqs):
-            first, end = int(start[i]), int(start[i]) + t
-            for index in range(first // p, (end - 1) // p + 1):
-                pages.append(self._pages[s][index])
-                fill.append(min(p, end - index * p))
-        ids = torch.tensor(pages, dtype=torch.long, device=self.device)
-        if self.storage == "int4":
-            x = _int4_decode(self.k[layer][ids], self.k_scale[layer][ids])  # (n, page, Hkv, D)
-        else:
-            x = _decode(self.k[layer][ids], self.storage)
-        if self.storage in PER_PAGE:
-            x = x * self.k_scale[layer][ids][:, None, :, None]
-        live = (torch.arange(p, device=self.device)[None, :] < torch.tensor(fill, device=self.device)[:, None])
-        live = live[:, :, None, None]
-        self.k_sum[layer][ids] = torch.where(live, x, 0.0).sum(1)
-        self.k_min[layer][ids] = torch.where(live, x, float("inf")).amin(1)
-        self.k_max[layer][ids] = torch.where(live, x, float("-inf")).amax(1)
-
-    def _append_quantized(self, pool, scales, page, slot, x) -> None:
-        """Quantize x (S, T, Hkv, D) into (page, slot); a touched page whose scale must grow is
-        rescaled first."""
-        amax = x.float().abs().amax(-1)  # (S, T, Hkv)
-        touched = page.reshape(-1)
-        src = amax.reshape(-1, amax.shape[-1]) / QMAX[self.storage]  # (S*T, Hkv): each token's scale need
-        need = torch.zeros_like(scales).scatter_reduce_(0, touched[:, None].expand_as(src), src, "amax")
-        new_scale = torch.maximum(scales, need)
-        grow = new_scale > scales  # (pages, Hkv)
-        pages = torch.unique(touched)
-        old = scales[pages]
-        ratio = torch.where(grow[pages] & (old > 0), old / new_scale[pages], torch.ones_like(old))
-        stored = _decode(pool[pages], self.storage) * ratio[:, None, :, None]  # (P, page, Hkv, D), new units
-        pool[pages] = _encode(stored, self.storage)
-        scales.copy_(new_scale)
-        safe = torch.where(new_scale > 0, new_scale, torch.ones_like(new_scale))
-        pool[page, slot] = _quantize(x, safe[page][..., None], self.storage)
+        append.write_torch(self, layer, seqs, key, value)
 
     # ---- reading -----------------------------------------------------------------------------
 
