@@ -88,25 +88,42 @@ def test_one_launch_reads_heads_of_every_storage(kind, t, runner):
 
 
 def test_auto_puts_a_smooth_head_in_int4_and_keeps_an_outlier_head_higher():
-    """storage='auto': at each layer's first append, per head the storage of fewest bytes whose
-    measured error is within the tolerance (head 1 carries an outlier channel in every group);
-    a first append too short to measure keeps the model dtype."""
-    k, v = _kv(1, 3, 200, 64, seed=3)
-    k[:, 1, :, 5::16] *= 8
-    v[:, 1, :, 7::16] *= 8
-    cache = PagedKVCache(2, 3, 64, 32, 16, dtype=torch.float16, storage="auto", tolerance=0.1, max_seqs=2)
-    s = cache.add()
-    assert "not chosen yet" in cache.storages(0)
-    cache.append(0, [s], k, v)
-    cache.append(1, [s], k[:, :, :20], v[:, :, :20])
+    """storage='auto': the prompt waits in the model dtype; the layer's first decode step chooses,
+    per head, the storage of fewest bytes whose error on its queries is within the tolerance (head
+    1 carries an outlier channel in every group), and moves the tokens there; a layer whose first
+    step meets too few tokens keeps the model dtype."""
+    from helpers import NEEDS_CUDA_OR_INTERPRETER  # noqa: F401
+
+    k, v = _kv(2, 3, 200, 64, seed=3)
+    k[:, 1, :, 5::16] *= 20
+    v[:, 1, :, 7::16] *= 20
+    q = (0.3 * torch.randn(2, 6, 1, 64, generator=torch.Generator().manual_seed(4))).half()
+    cache = PagedKVCache(2, 3, 64, 64, 16, dtype=torch.float16, storage="auto", tolerance=0.12, max_seqs=3)
+    s = [cache.add(), cache.add()]
+    assert "nothing held yet" in cache.storages(0)
+    for layer, n in ((0, 200), (1, 20)):
+        cache.append(layer, s, k[:, :, :n], v[:, :, :n])
+    assert "pending" in cache.storages(0)
+    before = cache.gather(0, s, 200, torch.float64)
+    assert torch.equal(before[0], k.double()) and torch.equal(before[1], v.double())  # held as they came
+    with adaattn.stats.collect() as records:
+        out = adaattn.decode_attention(q, cache, 0, seqs=s, runner="triton")
     assert cache._mixed[0].storages == ("int4", "int8", "int4")
-    assert "measured int4 [" in cache.storages(0) and "under tolerance 0.1" in cache.storages(0)
-    assert cache._mixed[1].storages == ("native",) * 3 and "fewer than 64" in cache.storages(1)
+    assert "measured int4 [" in records[-1].decisions["head_storages"] and "first decode step" in cache.storages(0)
     errors = cache._mixed[0].errors
-    assert float(errors["int4"][1]) > 0.1 >= float(errors["int4"][0]) and float(errors["int8"][1]) <= 0.1
-    # the pools hold each storage's bytes only: two INT4 heads, one INT8 head
-    here = cache._mixed[0].parts
-    assert here["int4"][1].k[0].shape == (32, 16, 2, 32) and here["int8"][1].k[0].shape == (32, 16, 1, 64)
+    assert float(errors["int4"][1]) > 0.12 >= float(errors["int4"][0]) and float(errors["int8"][1]) <= 0.12
+    # every token moved: what the layer holds now is what caches of the chosen storages hold
+    k64, v64 = cache.gather(0, s, 200, torch.float64)
+    want = reference_attention(q.double(), k64, v64, None, True, None, None, bottom_right=True)
+    assert relative_errors(out, want).item() < 2e-3
+    assert relative_errors(out, reference_attention(q.double(), k.double(), v.double(), None, True, None, None,
+                                                    bottom_right=True)).item() < 0.12
+    here = cache._mixed[0].parts  # the pools hold each storage's bytes only: two INT4 heads, one INT8 head
+    assert here["int4"][1].k[0].shape == (64, 16, 2, 32) and here["int8"][1].k[0].shape == (64, 16, 1, 64)
+    adaattn.decode_attention(q, cache, 1, seqs=s, runner="triton")
+    assert cache._mixed[1].storages == ("native",) * 3 and "fewer than 64" in cache.storages(1)
+    cache.append(0, s, k[:, :, :1], v[:, :, :1])  # later appends go to the chosen storages
+    assert cache.length(s[0], 0) == 201 and cache._mixed[0].parts["int4"][1].length(s[0]) == 201
 
 
 def test_per_head_storages_are_checked_and_sized_by_bytes():

@@ -155,6 +155,11 @@ def _cache_class():
                 state += [kv.k_window[0], kv.v_window[0]]
             return state
 
+        def _static(self, layer):
+            """The layer's tensors at fixed addresses: CUDA graphs replay over them."""
+            for x in self._state(layer):
+                torch._dynamo.mark_static_address(x, guard=False)
+
         def _sync(self):
             """The host mirrors of the lengths, from the device, after compiled steps; a ValueError
             where those steps went past max_cache_len (they cannot raise themselves)."""
@@ -205,8 +210,7 @@ def _cache_class():
                                  f"{before + t} tokens")
             PagedKVCache.append(kv, 0, self.seqs, key_states, value_states)  # KVCache's own takes no seqs first
             if before == 0:  # (after the first append: storage="auto" makes its pools there)
-                for x in self._state(layer):  # fixed addresses: CUDA graphs replay over them
-                    torch._dynamo.mark_static_address(x, guard=False)
+                self._static(layer)
             n = self.max_cache_len if self._compile else before + t  # (as long as the masks transformers builds)
             if isinstance(kv, KVCache) and self.storage == "native":
                 keys, values = kv.keys(0)[:, :, :n], kv.values(0)[:, :, :n]

@@ -12,6 +12,7 @@ from .hf_cache_ops import _decode_op, _gather_op
 
 
 DECODE_ROWS = 64  # a step whose query rows (T x GQA group) fit one tile of the decode kernel
+SETTLE_ROWS = 16  # storage="auto": the prompt's last query rows that choose each head's storage
 
 
 def _dense_why(t: int, masked: bool, window) -> str:
@@ -74,6 +75,14 @@ class _Handle:
         if t > 1 or self.before == 0:  # a prompt or a chunk: does its mask say more than causality?
             # (for any cache: a user may compile the forward over a Cache(compile=False) too)
             cache._masked[layer] |= not _plain_causal(mask, self.before, t, self.before + t)
+        if self.before == 0:
+            kv = cache.kvs[layer]
+            if kv.storage == "mixed" and kv._mixed[0] is not None and kv._mixed[0].pending:
+                # storage="auto": the prompt's last query rows choose each head's storage (kv/mixed.py)
+                from ..kv import mixed
+
+                mixed.settle(kv, 0, query[:, :, -SETTLE_ROWS:], cache.seqs)
+                cache._static(layer)
         if self.before == 0 or dropout or t * g > DECODE_ROWS:
             return None
         if cache.is_compileable:

@@ -67,7 +67,7 @@ class PagedKVCache:
     value at groups of 16, 0.5625 at 64, against bf16's 2), quantized at append; or a storage per
     (layer, KV head) among "int4", "int8" and "native" (a list per layer of one name per head), or
     "auto" with a `tolerance`: each layer's heads get the storage of fewest bytes whose error,
-    measured at the layer's first append, is within it (kv/mixed.py). for_budget(...) sizes the
+    measured at the layer's first decode step on its queries, is within it (kv/mixed.py). for_budget(...) sizes the
     pool by bytes.
     num_pages: pages per layer in the pool; max_seqs: sequences at once; max_pages_per_seq: the
     block table's width (default: every page). summaries: keep per-page key sums and per-channel
@@ -157,11 +157,12 @@ class PagedKVCache:
 
     def storages(self, layer: int) -> str:
         """What `layer`'s heads hold, and for a per-head cache which storage each head holds and why
-        (with "auto", the errors measured at the layer's first append)."""
+        (with "auto", the errors measured at the layer's first decode step)."""
         if self.storage != "mixed":
             return f"{self.storage} for every head"
         here = self._mixed[layer]
-        return "not chosen yet (storage='auto': at the layer's first append)" if here is None else here.describe()
+        return ("nothing held yet (storage='auto': chosen at the layer's first decode step)" if here is None
+                else here.describe())
 
     def _pools(self, layers, num_pages, page_size, kv_heads, head_dim, dtype, storage, max_seqs, window) -> None:
         """The pools of one storage for every head: keys and values, their scales and centres

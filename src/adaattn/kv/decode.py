@@ -202,6 +202,9 @@ def run_decode(query: torch.Tensor, cache: PagedKVCache, layer: int, plan: Decod
     if s != len(plan.seqs) or hq != plan.heads or t != plan.query_len:
         raise ValueError(f"query must be (S={len(plan.seqs)}, Hq={plan.heads}, T={plan.query_len}, D) as planned, "
                          f"got {tuple(query.shape)}")
+    if cache.storage == "mixed" and cache._mixed[layer] is not None and cache._mixed[layer].pending:
+        mixed.settle(cache, layer, query, plan.seqs)  # storage="auto": this layer's first decode step chooses
+        plan.storages = "; ".join(f"layer {i}: {cache.storages(i)}" for i in range(cache.layers))
     if d != cache.head_dim:
         raise ValueError(f"query head_dim {d} must equal the cache's head_dim {cache.head_dim}")
     lengths = [cache._lengths[layer][x] for x in plan.seqs]
@@ -452,7 +455,7 @@ def _split_kv(query, cache, layer, plan, scale, sel=None, count=None, pages=1.0,
     # launches are on), so a plan made every step finds them too. The plan's tensors (its sequence
     # ids and scratch) are slotted in like the query.
     key = (layer, query.dtype, query.shape, query.stride(), scale, splits, per, plan.block_n, plan.num_warps,
-           plan.num_stages, plan.contiguous)
+           plan.num_stages, plan.contiguous, id(cache._mixed[layer]) if cache.storage == "mixed" else None)
     site_launch(cache._sites, ("split",) + key, decode_split_kernel, (splits, s * hkv),
                 (query, k_pool, v_pool, ks, vs, cache.block_table, lengths, plan.seq_ids, o_part, l_part)
                 + tuple(x for x in int4_strides.values() if isinstance(x, torch.Tensor)), split_args)

@@ -8,12 +8,17 @@ list (a page id means the same tokens in every part) and keep their own lengths,
 with the cache's. An append writes each part (one launch a part); the split-KV kernel reads every
 head in one launch, each program branching on its head's storage (kernels/decode.py, MIXED).
 
-The choice ("auto"): per head, the storage of fewest bytes whose measured output error is within
-the tolerance (kv/choose.py), the keys of the append standing in for the queries, which an append
-does not see. An append of fewer than MIN_PROMPT tokens measures nothing worth trusting: its layer
-keeps the model dtype. Where the append is shorter than 4 windows, INT4 is measured without its
-window (the window will be a smaller share of a longer sequence, so that is the error it tends to).
-A head whose error drifts past the tolerance later is not yet moved up a level.
+The choice ("auto"): a layer's first appends (the prompts) are held in the model dtype until its
+first decode step, whose queries are the first an append's keys meet. Then, per head, the storage
+of fewest bytes whose output error, measured on those queries against the keys and values held
+(kv/choose.py, each sequence of the step, the largest error), is within the tolerance; every
+sequence's tokens move to the chosen storages (a one-time cost, outside a CUDA graph: the first
+decode step of a layer must not be captured). The prompt's own keys as queries do not do: they
+sit in INT4's window, and on the shipped GPT at 16k they measured every head within 5e-2 where the
+model's queries found 5 of 16 above it (benchmarks/NOTES.md). Fewer than MIN_PROMPT tokens
+measure nothing worth trusting: such a layer keeps the model dtype. Where the keys held are fewer
+than 4 windows, INT4 is measured without its window (the window will be a smaller share of a longer
+sequence). A head whose error drifts past the tolerance later is not yet moved up a level.
 """
 
 from __future__ import annotations
@@ -57,8 +62,8 @@ class Layer:
     maps the kernel reads (`code`, `index`: per head, its storage's code and its index in that
     part), and, where "auto" chose, the errors measured and why."""
 
-    def __init__(self, cache, storages: tuple, errors: Optional[dict] = None, why: str = ""):
-        self.storages, self.errors, self.why = storages, errors, why
+    def __init__(self, cache, storages: tuple, errors: Optional[dict] = None, why: str = "", pending: bool = False):
+        self.storages, self.errors, self.why, self.pending = storages, errors, why, pending
         self.parts: dict[str, tuple[list[int], Any]] = {}
         index = [0] * len(storages)
         for s in MIXED:
@@ -82,27 +87,58 @@ class Layer:
         return line + (f" ({self.why})" if self.why else "")
 
 
-def choose(cache, key: torch.Tensor, value: torch.Tensor) -> Layer:
-    """A layer's storages from its first append (module docstring)."""
-    n, hkv = key.shape[2], key.shape[1]
-    if n < MIN_PROMPT:
-        return Layer(cache, ("native",) * hkv, None, f"its first append held {n} tokens, fewer than {MIN_PROMPT} "
-                                                      f"to measure on: the model dtype")
-    window = cache.window if n >= 4 * cache.window else 0
-    errors = storage_errors(key, value, None, storages=("int4", "int8"), page_size=cache.page_size,
-                            group_size=cache.group_size, window=window)
-    chosen = tuple(choose_storages(errors, cache.tolerance, cache.dtype))
-    why = (f"chosen at its first append ({n} tokens, keys as queries) under tolerance {cache.tolerance:g}"
-           + ("" if window or not cache.window else f"; INT4 measured without its window of {cache.window}"))
-    return Layer(cache, chosen, errors, why)
+def settle(cache, layer: int, query: torch.Tensor, seqs: Sequence[int]) -> None:
+    """A pending layer's storages chosen from `query` (S, Hq, T, D), the rows of `seqs`, and its
+    tokens moved to them (module docstring); nothing for a layer already chosen."""
+    here = cache._mixed[layer]
+    if here is None or not here.pending:
+        return
+    if query.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"layer {layer} of a storage='auto' cache chooses its storages at its first decode step, "
+                           "which moves its tokens (allocations): run that step outside CUDA-graph capture")
+    lengths = [cache._lengths[layer][s] for s in seqs]
+    hkv = cache.kv_heads
+    if max(lengths) < MIN_PROMPT:
+        cache._mixed[layer] = _moved(cache, layer, Layer(cache, ("native",) * hkv, None, (
+            f"its first decode step met {max(lengths)} tokens, fewer than {MIN_PROMPT} to measure on: the model dtype")))
+        return
+    worst: dict = {}
+    for i, (s, n) in enumerate(zip(seqs, lengths)):
+        if n == 0:
+            continue
+        k, v = gather(cache, layer, cache.seq_ids([s]), n, cache.dtype)
+        window = cache.window if n >= 4 * cache.window else 0
+        errors = storage_errors(k, v, query[i:i + 1], storages=("int4", "int8"), page_size=cache.page_size,
+                                group_size=cache.group_size, window=window)
+        for name, e in errors.items():
+            worst[name] = e if name not in worst else torch.maximum(worst[name], e)
+    chosen = tuple(choose_storages(worst, cache.tolerance, cache.dtype))
+    n = max(lengths)
+    why = (f"chosen at its first decode step ({n} tokens, its {query.shape[2]} query row(s)) under tolerance "
+           f"{cache.tolerance:g}" + ("" if n >= 4 * cache.window or not cache.window
+                                     else f"; INT4 measured without its window of {cache.window}"))
+    cache._mixed[layer] = _moved(cache, layer, Layer(cache, chosen, worst, why))
+
+
+def _moved(cache, layer: int, new: Layer) -> Layer:
+    """`new` holding every token the layer's current parts hold, sequence by sequence."""
+    held = [(s, cache._lengths[layer][s]) for s in cache._pages if cache._lengths[layer][s] > 0]
+    old = [(s, n, *gather(cache, layer, cache.seq_ids([s]), n, cache.dtype)) for s, n in held]
+    for s, n, k, v in old:
+        for name, (_, part) in new.parts.items():
+            heads = new.heads[name]
+            part.append(0, [s], k.index_select(1, heads), v.index_select(1, heads))
+    return new
 
 
 def append(cache, layer: int, seqs: Sequence[int], key: torch.Tensor, value: torch.Tensor) -> None:
     """Write each part's heads (the cache's append checked and allocated already), then advance the
     cache's own device lengths."""
     here = cache._mixed[layer]
-    if here is None:  # "auto": the first append chooses
-        here = cache._mixed[layer] = choose(cache, key, value)
+    if here is None:  # "auto": held in the model dtype until the layer's first decode step chooses
+        here = cache._mixed[layer] = Layer(cache, ("native",) * cache.kv_heads, None,
+                                           "pending: chosen at the layer's first decode step, from its queries",
+                                           pending=True)
     for s, (_, part) in here.parts.items():
         heads = here.heads[s]
         part.append(0, seqs, key.index_select(1, heads), value.index_select(1, heads))
