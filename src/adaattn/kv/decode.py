@@ -455,7 +455,7 @@ def _split_kv(query, cache, layer, plan, scale, sel=None, count=None, pages=1.0,
     # launches are on), so a plan made every step finds them too. The plan's tensors (its sequence
     # ids and scratch) are slotted in like the query.
     key = (layer, query.dtype, query.shape, query.stride(), scale, splits, per, plan.block_n, plan.num_warps,
-           plan.num_stages, plan.contiguous, id(cache._mixed[layer]) if cache.storage == "mixed" else None)
+           plan.num_stages, plan.contiguous, cache._mixed[layer].serial if cache.storage == "mixed" else None)
     site_launch(cache._sites, ("split",) + key, decode_split_kernel, (splits, s * hkv),
                 (query, k_pool, v_pool, ks, vs, cache.block_table, lengths, plan.seq_ids, o_part, l_part)
                 + tuple(x for x in int4_strides.values() if isinstance(x, torch.Tensor)), split_args)

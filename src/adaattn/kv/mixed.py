@@ -23,6 +23,7 @@ sequence). A head whose error drifts past the tolerance later is not yet moved u
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Optional, Sequence
 
 import torch
@@ -32,7 +33,8 @@ from .formats import PER_PAGE, STORAGES
 
 MIXED = ("native", "int8", "int4")  # what a mixed layer's heads may hold (one kernel branch each)
 CODES = {"native": 0, "int8": 2, "int4": 3}  # kernels/decode.py's HS codes
-MIN_PROMPT = 64  # the fewest tokens a layer's first append must hold for "auto" to measure on
+MIN_PROMPT = 64  # the fewest tokens a layer's first decode step must meet for "auto" to measure on
+_SERIALS = itertools.count()  # each Layer's own number (a kernel launch site's key: ids are reused)
 
 
 def check_storage(storage: Any, layers: int, kv_heads: int) -> Optional[tuple]:
@@ -64,6 +66,7 @@ class Layer:
 
     def __init__(self, cache, storages: tuple, errors: Optional[dict] = None, why: str = "", pending: bool = False):
         self.storages, self.errors, self.why, self.pending = storages, errors, why, pending
+        self.serial = next(_SERIALS)
         self.parts: dict[str, tuple[list[int], Any]] = {}
         index = [0] * len(storages)
         for s in MIXED:
