@@ -48,15 +48,11 @@ def Cache(max_cache_len: int, storage: str = "native", paged: bool = False, page
     returns views of it); a quantized or paged one returns NaN placeholders, so that a model that
     bypasses adaattn's attention fails loudly instead of reading wrong keys, and a compiled step
     after such a prompt raises. Beam search (reorder_cache) and crop are refused."""
-    from ..kv.cache import STORAGES
+    from ..kv.formats import STORAGES, check_layout, check_tolerance
     from ..planner import DECODE_RUNNER_NAMES as RUNNERS
 
     if storage not in STORAGES and storage != "auto":
         raise ValueError(f"storage must be one of {STORAGES} or 'auto', got {storage!r}")
-    if storage == "auto" and (not isinstance(tolerance, (int, float)) or isinstance(tolerance, bool)
-                              or not tolerance > 0):
-        raise ValueError(f"storage='auto' chooses each head's storage under a tolerance: give tolerance > 0, got "
-                         f"{tolerance!r}")
     if decode_runner is not None and decode_runner not in RUNNERS:
         raise ValueError(f"decode_runner must be one of {RUNNERS} or None, got {decode_runner!r}")
     for name, value in (("max_cache_len", max_cache_len), ("page_size", page_size)):
@@ -66,17 +62,11 @@ def Cache(max_cache_len: int, storage: str = "native", paged: bool = False, page
         raise TypeError(f"compile must be a bool or None, got {type(compile).__name__}")
     if compile is None:
         compile = torch.cuda.is_available()
-    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
-        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
-    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
-        raise ValueError(f"window must be an int >= 0, got {window!r}")
-    if window and storage not in ("int4", "auto"):
-        raise ValueError(f"window={window} keeps the newest tokens in the model dtype beside INT4 pages; storage "
-                         f"{storage!r} takes no window (use storage='int4', or window=0)")
+    check_layout(storage, group_size, window)
     cache = _cache_class()(max_cache_len, storage, bool(paged), page_size, decode_runner, compile)
     cache._layout = dict(group_size=group_size, window=min(window, max_cache_len))
     if storage == "auto":
-        cache._layout["tolerance"] = float(tolerance)
+        cache._layout["tolerance"] = check_tolerance(tolerance)
     return cache
 
 

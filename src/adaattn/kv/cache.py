@@ -54,7 +54,7 @@ import torch
 
 from . import append, mixed
 from .formats import (INT4_GROUP, PER_PAGE, QMAX, STORAGES, _decode, _encode, _int4_decode, _int4_encode,  # noqa: F401
-                      _quantize, int4_group, value_bytes)
+                      _quantize, check_layout, check_tolerance, int4_group, value_bytes)
 
 APPENDS = ("auto", "triton", "torch")  # append: one Triton launch per layer (CUDA's default), or torch indexing
 
@@ -86,10 +86,8 @@ class PagedKVCache:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
         per_head = mixed.check_storage(storage, layers, kv_heads)  # None: one storage for every head
         if per_head is not None:
-            if per_head == "auto" and (not isinstance(tolerance, (int, float)) or isinstance(tolerance, bool)
-                                       or not tolerance > 0):
-                raise ValueError(f"storage='auto' chooses each head's storage under a tolerance: give tolerance > 0, "
-                                 f"got {tolerance!r}")
+            if per_head == "auto":
+                check_tolerance(tolerance)
             if summaries:
                 raise ValueError("summaries (sparse decode) are not kept for a cache with a storage per head yet")
             storage = "mixed"
@@ -100,11 +98,7 @@ class PagedKVCache:
             raise ValueError(f"append must be one of {APPENDS}, got {append!r}")
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise TypeError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
-        if not isinstance(window, int) or isinstance(window, bool) or window < 0:
-            raise ValueError(f"window must be an int >= 0, got {window!r}")
-        if window and storage not in ("int4", "mixed"):
-            raise ValueError(f"window={window} keeps the newest tokens in the model dtype beside INT4 pages; storage "
-                             f"{storage!r} takes no window (use storage='int4', or window=0)")
+        check_layout(storage, group_size, window)
         if not isinstance(summaries, bool):
             raise TypeError(f"summaries must be a bool, got {type(summaries).__name__}")
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim

@@ -11,6 +11,26 @@ PER_PAGE = ("fp8", "int8")  # the storages with one scale per (page, KV head)
 INT4_GROUP = 16  # INT4's default group of channels (kv/cache.py's docstring)
 
 
+def check_layout(storage: str, group_size: int, window: int) -> None:
+    """INT4's group_size and window, checked (a ValueError naming the argument): a window only where
+    INT4 pages can be (`storage` "int4", or a storage per head: "mixed", "auto")."""
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+        raise ValueError(f"window must be an int >= 0, got {window!r}")
+    if window and storage not in ("int4", "mixed", "auto"):
+        raise ValueError(f"window={window} keeps the newest tokens in the model dtype beside INT4 pages; storage "
+                         f"{storage!r} takes no window (use storage='int4', or window=0)")
+
+
+def check_tolerance(tolerance) -> float:
+    """storage="auto"'s tolerance: a number > 0."""
+    if not isinstance(tolerance, (int, float)) or isinstance(tolerance, bool) or not tolerance > 0:
+        raise ValueError(f"storage='auto' chooses each head's storage under a tolerance: give tolerance > 0, got "
+                         f"{tolerance!r}")
+    return float(tolerance)
+
+
 def int4_group(group_size: int, dim: int) -> int:
     """The channels one INT4 scale covers for a head dim of `dim`: the largest power of two up to
     `group_size` that divides `dim` (dim is even, so at least 2)."""
