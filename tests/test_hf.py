@@ -319,8 +319,8 @@ def test_generate_with_the_adaattn_cache_gives_sdpa_tokens(storage, paged, runne
 
 def test_generate_with_a_storage_per_head_chosen_at_the_prompt():
     """hf.Cache(storage="auto"): each layer's KV heads take INT4, INT8 or the model dtype from the
-    error measured on the prompt's keys and values; the decode steps read them in one launch and
-    give "sdpa"'s tokens (float32 model)."""
+    error the prompt's last query rows measure on its keys and values; the decode steps read them
+    in one launch and give "sdpa"'s tokens (float32 model)."""
     from helpers import NEEDS_CUDA_OR_INTERPRETER
 
     if NEEDS_CUDA_OR_INTERPRETER.args[0]:
@@ -346,7 +346,7 @@ def test_cache_refuses_what_it_cannot_do():
         hf.Cache(64, storage="fp4")
     with pytest.raises(ValueError, match="decode_runner must be one of"):
         hf.Cache(64, decode_runner="flash")
-    with pytest.raises(ValueError, match="storage 'fp8' takes no window"):
+    with pytest.raises(ValueError, match="storage 'fp8' holds none"):
         hf.Cache(64, storage="fp8", window=16)
     with pytest.raises(ValueError, match="group_size must be a positive int"):
         hf.Cache(64, storage="int4", group_size=0)
@@ -369,6 +369,26 @@ def _compile_config():
     cc = cfg(backend="aot_eager", fullgraph=True)
     cc._compile_all_devices = True
     return cc
+
+
+def test_compiled_steps_over_a_storage_per_head_give_the_uncompiled_tokens():
+    """hf.Cache(storage="auto") compiled: the prompt (uncompiled) chooses each head's storage, and
+    the compiled steps' append, decode and their fakes see the heads of every storage."""
+    from helpers import NEEDS_CUDA_OR_INTERPRETER
+
+    if NEEDS_CUDA_OR_INTERPRETER.args[0]:
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    torch._dynamo.reset()
+    model = _tiny_llama()
+    ids = torch.randint(3, 512, (2, 80), generator=torch.Generator().manual_seed(3))
+    kw = dict(attention_mask=torch.ones_like(ids), max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    model.set_attn_implementation("adaattn")
+    layout = dict(storage="auto", tolerance=0.1, page_size=16, decode_runner="triton", window=16)
+    plain = model.generate(ids, past_key_values=hf.Cache(96, compile=False, **layout), **kw)
+    cache = hf.Cache(96, compile=True, **layout)
+    got = model.generate(ids, past_key_values=cache, compile_config=_compile_config(), **kw)
+    assert torch.equal(got, plain)
+    assert any("int4" in kv._mixed[0].storages for kv in cache.kvs) and "compiled step" in cache.explain()
 
 
 @pytest.mark.parametrize("storage,paged,runner,padded", [("native", False, None, False), ("int8", True, None, False),

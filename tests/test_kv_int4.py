@@ -209,7 +209,7 @@ def test_a_window_keeps_the_newest_tokens_exact_and_both_appends_write_the_same(
 
 
 def test_a_window_is_refused_off_int4_and_counted_in_a_byte_budget():
-    with pytest.raises(ValueError, match="storage 'int8' takes no window"):
+    with pytest.raises(ValueError, match="storage 'int8' holds none"):
         PagedKVCache(1, 2, 16, 4, storage="int8", window=64)
     with pytest.raises(ValueError, match="window must be an int >= 0"):
         PagedKVCache(1, 2, 16, 4, storage="int4", window=-1)

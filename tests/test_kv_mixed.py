@@ -1,7 +1,7 @@
 """A storage per KV head (kv/mixed.py): explicit per-head storages read in one launch of the
 split-KV kernel (under the interpreter) against float64 attention on the cache's own values, each
 head holding what a cache of its storage holds, and storage="auto" choosing per head from the
-error measured at a layer's first append."""
+error measured at a layer's first decode step."""
 
 from __future__ import annotations
 
@@ -135,6 +135,16 @@ def test_per_head_storages_are_checked_and_sized_by_bytes():
         PagedKVCache(1, 2, 32, 8, storage="auto")
     with pytest.raises(ValueError, match="summaries"):
         PagedKVCache(1, 2, 32, 8, storage="auto", tolerance=0.05, summaries=True)
+    with pytest.raises(ValueError, match="tolerance=0.05 is storage='auto''s"):
+        PagedKVCache(1, 2, 32, 8, storage="int8", tolerance=0.05)
+    with pytest.raises(ValueError, match="holds none"):
+        PagedKVCache(1, 2, 32, 8, storage=[["int8", "native"]], window=16)
+    with pytest.raises(ValueError, match="group_size=32 sets INT4's channels"):
+        PagedKVCache(1, 2, 32, 8, storage="int8", group_size=32)
+    with pytest.raises(ValueError, match="a list per layer of one name per KV head"):
+        PagedKVCache(1, 2, 32, 8, storage=["int4", "int8"])
+    odd = PagedKVCache(1, 2, 15, 8, storage=[["int8", "native"]])  # no INT4 head: odd head dims are fine
+    assert odd.storages(0).startswith("native 1, int8 1")
     with pytest.raises(ValueError, match="for_budget needs the storages"):
         PagedKVCache.for_budget(2**20, 1, 2, 32, storage="auto", tolerance=0.05)
     budget = 64 * 2**20

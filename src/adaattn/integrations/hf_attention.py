@@ -41,6 +41,7 @@ def attention_forward(
         softcap=None if softcap is None else float(softcap), sinks=sinks)
     handle = getattr(key, "_adaattn_kv", None)
     if handle is not None:  # keys and values of an adaattn Cache (see Cache below)
+        handle.settle(query)  # (storage="auto": a prompt chooses each head's storage)
         window = kwargs.get("sliding_window", getattr(module, "sliding_window", None))
         # The Cache's decode kernels apply no score modifier yet: such calls attend its dense keys.
         out = None if modifiers else handle.decode(query, attention_mask, dropout, scaling, window)

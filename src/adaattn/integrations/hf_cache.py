@@ -15,7 +15,7 @@ from .hf_decode import _Handle
 
 
 def Cache(max_cache_len: int, storage: str = "native", paged: bool = False, page_size: int = 64,
-          decode_runner: str | None = None, compile: bool | None = None, *, group_size: int = 16, window: int = 0,
+          decode_runner: str | None = None, compile: bool | None = None, *, group_size: int | None = None, window: int = 0,
           tolerance: float | None = None):
     """A transformers Cache backed by adaattn.kv: pass it as `past_key_values` to generate() or
     forward() of a model loaded with attn_implementation="adaattn".
@@ -62,9 +62,14 @@ def Cache(max_cache_len: int, storage: str = "native", paged: bool = False, page
         raise TypeError(f"compile must be a bool or None, got {type(compile).__name__}")
     if compile is None:
         compile = torch.cuda.is_available()
-    check_layout(storage, group_size, window)
+    check_layout(storage, group_size, window, storage in ("int4", "auto"))
+    if storage != "auto" and tolerance is not None:
+        raise ValueError(f"tolerance={tolerance!r} is storage='auto''s, which chooses each head's storage under it; "
+                         f"storage {storage!r} takes none")
     cache = _cache_class()(max_cache_len, storage, bool(paged), page_size, decode_runner, compile)
-    cache._layout = dict(group_size=group_size, window=min(window, max_cache_len))
+    cache._layout = dict(window=min(window, max_cache_len))
+    if group_size is not None:
+        cache._layout["group_size"] = group_size
     if storage == "auto":
         cache._layout["tolerance"] = check_tolerance(tolerance)
     return cache
@@ -137,7 +142,7 @@ def _cache_class():
             if kv.storage == "mixed":  # its parts' tensors (made at the first update)
                 from ..kv import mixed
 
-                return [kv.lengths, *mixed.tensors(kv, 0)]
+                return [kv.lengths, kv.k_shape, kv.v_shape, *mixed.tensors(kv, 0)]  # (the ops' fakes read 1, 2)
             state = [kv.lengths, kv.k[0], kv.v[0]]
             if kv.storage != "native":
                 state += [kv.k_scale[0], kv.v_scale[0]]

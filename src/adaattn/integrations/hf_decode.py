@@ -75,14 +75,6 @@ class _Handle:
         if t > 1 or self.before == 0:  # a prompt or a chunk: does its mask say more than causality?
             # (for any cache: a user may compile the forward over a Cache(compile=False) too)
             cache._masked[layer] |= not _plain_causal(mask, self.before, t, self.before + t)
-        if self.before == 0:
-            kv = cache.kvs[layer]
-            if kv.storage == "mixed" and kv._mixed[0] is not None and kv._mixed[0].pending:
-                # storage="auto": the prompt's last query rows choose each head's storage (kv/mixed.py)
-                from ..kv import mixed
-
-                mixed.settle(kv, 0, query[:, :, -SETTLE_ROWS:], cache.seqs)
-                cache._static(layer)
         if self.before == 0 or dropout or t * g > DECODE_ROWS:
             return None
         if cache.is_compileable:
@@ -106,6 +98,18 @@ class _Handle:
             cache._dense_why = _dense_why(t, masked, window)
             return True
         return False
+
+    def settle(self, query):
+        """storage="auto": a prompt's last query rows choose each head's storage (kv/mixed.py), before
+        any step reads the cache (a compiled step cannot move its tokens)."""
+        if self.token is not None or self.before != 0:
+            return
+        kv = self.cache.kvs[self.layer]
+        if kv.storage == "mixed" and kv._mixed[0] is not None and kv._mixed[0].pending:
+            from ..kv import mixed
+
+            mixed.settle(kv, 0, query[:, :, -SETTLE_ROWS:], self.cache.seqs)
+            self.cache._static(self.layer)
 
     def dense(self):
         """Keys and values for the usual attention: a prompt's own states, else the whole history

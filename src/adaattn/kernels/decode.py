@@ -86,10 +86,10 @@ def int4_tile(K, V, KS, VS, KW, VW, centre, page, slot, keys, live, length, seq,
                   stride_vd, stride_vsg, DV, GV, BLOCK_N, BLOCK_DV)
     if WINDOW > 0:  # (the two loads' rows are disjoint: the other gives zeros)
         ring = keys % WINDOW
-        kw = tl.load(KW + seq * stride_ws + ring[:, None] * stride_wn + hk * stride_wh + dq[None, :] * stride_wd,
+        kw = tl.load(KW + seq.to(tl.int64) * stride_ws + ring[:, None] * stride_wn + hk * stride_wh + dq[None, :] * stride_wd,
                      mask=newest[:, None] & (dq[None, :] < D), other=0.0).to(tl.float32)
         k = k + tl.where(newest[:, None], kw - centre[None, :], 0.0)
-        v = v + tl.load(VW + seq * stride_xs + ring[:, None] * stride_xn + hk * stride_xh + dv[None, :] * stride_xd,
+        v = v + tl.load(VW + seq.to(tl.int64) * stride_xs + ring[:, None] * stride_xn + hk * stride_xh + dv[None, :] * stride_xd,
                         mask=newest[:, None] & (dv[None, :] < DV), other=0.0).to(tl.float32)
     return k, v
 
@@ -187,8 +187,11 @@ def decode_split_kernel(
         code = tl.load(HS + h)
         hk = tl.load(HI + h)
     centre = tl.zeros([BLOCK_D], tl.float32)
-    if WINDOW > 0:
-        centre = tl.load(KC + seq * stride_cs + hk * stride_ch + dq, mask=dq < D, other=0.0)
+    if WINDOW > 0:  # (MIXED: only an INT4 head has a centre in KC, the INT4 part's)
+        ok = dq < D
+        if MIXED:
+            ok = ok & ((dq * 0 + code) == 3)
+        centre = tl.load(KC + seq.to(tl.int64) * stride_cs + hk * stride_ch + dq, mask=ok, other=0.0)
     table = TABLE + seq * stride_ts
     base = tl.load(table).to(tl.int64)
     if QUANTIZED:  # fp16 operands (FP8/INT8 convert to fp16 natively; to bf16 through fp32): q scaled into range

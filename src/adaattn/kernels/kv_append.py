@@ -227,11 +227,11 @@ def append_kernel(
                         stride_kp, stride_kn, stride_kph, stride_kpd, stride_ksp, stride_ksn, stride_ksh, stride_ksg,
                         slots, tok, new, old_rows, tl.arange(0, BLOCK_D), D, GK, KC + seq * stride_cs + h * stride_ch,
                         stride_cd, True, SUMS, MINS, MAXS, stride_bp, stride_bh, SUMMARIES, BLOCK_P, BLOCK_D,
-                        KW, seq * stride_ws + h * stride_wh, stride_wn, stride_wd, ring_rows, ring_slots, WINDOW)
+                        KW, seq.to(tl.int64) * stride_ws + h * stride_wh, stride_wn, stride_wd, ring_rows, ring_slots, WINDOW)
             _write_int4(VALUE + s * stride_vs + h * stride_vh, stride_vt, stride_vd, V, VS, page, h,
                         stride_vp, stride_vn, stride_vph, stride_vpd, stride_vsp, stride_vsn, stride_vsh, stride_vsg,
                         slots, tok, new, old_rows, tl.arange(0, BLOCK_DV), DV, GV, BLOCK_R=BLOCK_P, BLOCK_C=BLOCK_DV,
-                        RING=VW, ring_off=seq * stride_xs + h * stride_xh, stride_rn=stride_xn, stride_rd=stride_xd,
+                        RING=VW, ring_off=seq.to(tl.int64) * stride_xs + h * stride_xh, stride_rn=stride_xn, stride_rd=stride_xd,
                         ring_rows=ring_rows, ring_slots=ring_slots, WINDOW=WINDOW)
         else:
             _write_page(KEY + s * stride_ks + h * stride_kh, stride_kt, stride_kd, K, KS, page, h,

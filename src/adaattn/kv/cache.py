@@ -78,27 +78,32 @@ class PagedKVCache:
                  value_dim: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu", storage: str = "native", max_seqs: int = 256,
                  max_pages_per_seq: Optional[int] = None, append: str = "auto", summaries: bool = False,
-                 group_size: int = INT4_GROUP, window: int = 0, tolerance: Optional[float] = None):
+                 group_size: Optional[int] = None, window: int = 0, tolerance: Optional[float] = None):
         for name, val in (("layers", layers), ("kv_heads", kv_heads), ("head_dim", head_dim),
-                          ("num_pages", num_pages), ("page_size", page_size), ("max_seqs", max_seqs),
-                          ("group_size", group_size)):
+                          ("num_pages", num_pages), ("page_size", page_size), ("max_seqs", max_seqs)):
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ValueError(f"{name} must be a positive int, got {val!r}")
         per_head = mixed.check_storage(storage, layers, kv_heads)  # None: one storage for every head
+        int4 = storage == "int4" or per_head == "auto" or (per_head is not None and any("int4" in r for r in per_head))
+        if per_head == "auto":
+            check_tolerance(tolerance)
+        elif tolerance is not None:
+            raise ValueError(f"tolerance={tolerance!r} is storage='auto''s, which chooses each head's storage under "
+                             f"it; storage {storage!r} takes none")
+        check_layout("auto" if per_head == "auto" else storage if per_head is None else "per head", group_size,
+                     window, int4)
         if per_head is not None:
-            if per_head == "auto":
-                check_tolerance(tolerance)
             if summaries:
                 raise ValueError("summaries (sparse decode) are not kept for a cache with a storage per head yet")
             storage = "mixed"
-        if (storage == "int4" or storage == "mixed") and (head_dim % 2 or (value_dim or head_dim) % 2):
+        even = not (head_dim % 2 or (value_dim or head_dim) % 2)
+        if int4 and not even and per_head != "auto":  # ("auto" then measures INT8 and the model dtype only)
             raise ValueError(f"storage 'int4' packs two values a byte: head_dim and value_dim must be even, got "
                              f"{head_dim} and {value_dim or head_dim}")
         if append not in APPENDS:
             raise ValueError(f"append must be one of {APPENDS}, got {append!r}")
         if dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise TypeError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
-        check_layout(storage, group_size, window)
         if not isinstance(summaries, bool):
             raise TypeError(f"summaries must be a bool, got {type(summaries).__name__}")
         self.layers, self.kv_heads, self.head_dim = layers, kv_heads, head_dim
@@ -107,6 +112,7 @@ class PagedKVCache:
         self.max_pages_per_seq = num_pages if max_pages_per_seq is None else max_pages_per_seq
         self.dtype, self.storage, self.device = dtype, storage, torch.device(device)
         # INT4: channels per scale, keys and values (module docstring)
+        group_size = INT4_GROUP if group_size is None else group_size
         self.group_size = group_size
         self.k_group, self.v_group = int4_group(group_size, head_dim), int4_group(group_size, self.value_dim)
         self.tolerance, self.window = tolerance, window
@@ -131,20 +137,25 @@ class PagedKVCache:
         if append == "auto":
             append = "triton" if self.device.type == "cuda" else "torch"
         self.append_runner = append
-        # per layer, its heads by storage (kv/mixed.py); "auto": made at the layer's first append
+        # per layer, its heads by storage (kv/mixed.py); "auto": held in the model dtype from the layer's first
+        # append, chosen at its first decode step
         self._mixed: list = []
         if storage == "mixed":
             self.k = self.v = []
+            # empty tensors of the pools' shapes (Hkv, D and Dv), for what reads shapes off a pool
+            self.k_shape = torch.empty(0, 0, kv_heads, head_dim, dtype=dtype, device=self.device)
+            self.v_shape = torch.empty(0, 0, kv_heads, self.value_dim, dtype=dtype, device=self.device)
             self._mixed = [None if per_head == "auto" else mixed.Layer(self, row) for row in
                            (per_head if per_head != "auto" else [None] * layers)]
 
     def _part(self, heads: int, storage: str) -> "PagedKVCache":
         """A one-layer cache of `heads` KV heads in `storage`, sharing this cache's block table and
         pages (kv/mixed.py)."""
+        int4 = storage == "int4"
         part = PagedKVCache(1, heads, self.head_dim, self.num_pages, self.page_size, value_dim=self.value_dim,
                             dtype=self.dtype, device=self.device, storage=storage, max_seqs=self.max_seqs,
                             max_pages_per_seq=self.max_pages_per_seq, append=self.append_runner,
-                            group_size=self.group_size, window=self.window if storage == "int4" else 0)
+                            group_size=self.group_size if int4 else None, window=self.window if int4 else 0)
         part.block_table, part._pages, part._pages_owned = self.block_table, self._pages, True
         part._free_pages, part._free_seqs = [], []
         return part
@@ -211,12 +222,12 @@ class PagedKVCache:
         """A cache whose page pools (all layers) take at most `budget_bytes`: as many pages as fit
         at its storage (kwargs as the constructor's; `capacity` then says how many tokens). The
         block table, lengths and each sequence's key centre are extra, a few bytes a page."""
-        keep = {k: kwargs[k] for k in ("value_dim", "dtype", "summaries", "group_size") if k in kwargs}
+        keep = {k: kwargs[k] for k in ("value_dim", "dtype", "summaries", "group_size") if kwargs.get(k) is not None}
         storage = kwargs.get("storage", "native")
         per_head = mixed.check_storage(storage, layers, kv_heads)
         if per_head == "auto":
             raise ValueError("for_budget needs the storages to size the pool: storage='auto' chooses them at each "
-                             "layer's first append; give the storage per (layer, KV head) expected")
+                             "layer's first decode step; give the storage per (layer, KV head) expected")
         if per_head is None:
             per_page = layers * cls.page_bytes(kv_heads, head_dim, page_size, storage=storage, **keep)
         else:
@@ -226,7 +237,8 @@ class PagedKVCache:
         if isinstance(window, int) and window > 0:  # every sequence's ring of the newest tokens, every layer
             item = torch.empty((), dtype=kwargs.get("dtype", torch.bfloat16)).element_size()
             dv = kwargs.get("value_dim") or head_dim
-            rings = layers * kwargs.get("max_seqs", 256) * window * kv_heads * (head_dim + dv) * item
+            held = layers * kv_heads if per_head is None else sum(r.count("int4") for r in per_head)  # INT4 heads
+            rings = kwargs.get("max_seqs", 256) * window * held * (head_dim + dv) * item
         pages = (int(budget_bytes) - rings) // per_page
         if pages < 1:
             raise ValueError(f"budget_bytes {budget_bytes} holds no page: one page of every layer takes {per_page}"
@@ -398,7 +410,10 @@ class PagedKVCache:
         mixed.sync(self)
 
     def _append_kernel(self, layer, seqs, key, value) -> None:
-        append.write_kernel(self, layer, seqs, key, value)
+        if self.storage == "mixed":  # (a compiled step's append: the device lengths only)
+            mixed.append_kernel(self, layer, seqs, key, value)
+        else:
+            append.write_kernel(self, layer, seqs, key, value)
 
     def _append_torch(self, layer, seqs, key, value) -> None:
         append.write_torch(self, layer, seqs, key, value)
@@ -460,7 +475,7 @@ class KVCache(PagedKVCache):
     def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, *,
                  value_dim: Optional[int] = None, dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str = "cpu", storage: str = "native", page_size: int = 64,
-                 append: str = "auto", summaries: bool = False, group_size: int = INT4_GROUP, window: int = 0,
+                 append: str = "auto", summaries: bool = False, group_size: Optional[int] = None, window: int = 0,
                  tolerance: Optional[float] = None):
         for name, val in (("batch", batch), ("max_len", max_len), ("page_size", page_size)):
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:

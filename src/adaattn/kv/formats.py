@@ -11,16 +11,20 @@ PER_PAGE = ("fp8", "int8")  # the storages with one scale per (page, KV head)
 INT4_GROUP = 16  # INT4's default group of channels (kv/cache.py's docstring)
 
 
-def check_layout(storage: str, group_size: int, window: int) -> None:
-    """INT4's group_size and window, checked (a ValueError naming the argument): a window only where
-    INT4 pages can be (`storage` "int4", or a storage per head: "mixed", "auto")."""
-    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
+def check_layout(storage: str, group_size, window: int, int4: bool) -> None:
+    """INT4's group_size (None: the default) and window, checked (a ValueError naming the argument):
+    either given only where INT4 pages can be (`int4`: the storage is "int4", "auto", or a storage
+    per head with an INT4 head)."""
+    if group_size is not None and (not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1):
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
     if not isinstance(window, int) or isinstance(window, bool) or window < 0:
         raise ValueError(f"window must be an int >= 0, got {window!r}")
-    if window and storage not in ("int4", "mixed", "auto"):
+    if window and not int4:
         raise ValueError(f"window={window} keeps the newest tokens in the model dtype beside INT4 pages; storage "
-                         f"{storage!r} takes no window (use storage='int4', or window=0)")
+                         f"{storage!r} holds none (use storage='int4', or window=0)")
+    if group_size is not None and not int4:
+        raise ValueError(f"group_size={group_size} sets INT4's channels per scale; storage {storage!r} holds no INT4 "
+                         "page")
 
 
 def check_tolerance(tolerance) -> float:

@@ -1,6 +1,6 @@
 """Storage per KV head: a layer whose heads hold different storages (INT4, INT8 or the model dtype),
-chosen by the caller or, with storage="auto", from the error each storage measures on the layer's
-first append (the prompt), under a tolerance.
+chosen by the caller or, with storage="auto", from the error each storage measures at the layer's
+first decode step, under a tolerance.
 
 A mixed layer keeps one single-layer cache per storage it holds ("part"), of that storage's heads
 only, so each part's pool takes its own bytes. The parts share the cache's block table and page
@@ -18,7 +18,10 @@ sit in INT4's window, and on the shipped GPT at 16k they measured every head wit
 model's queries found 5 of 16 above it (benchmarks/NOTES.md). Fewer than MIN_PROMPT tokens
 measure nothing worth trusting: such a layer keeps the model dtype. Where the keys held are fewer
 than 4 windows, INT4 is measured without its window (the window will be a smaller share of a longer
-sequence). A head whose error drifts past the tolerance later is not yet moved up a level.
+sequence). INT4 is not a candidate where the head dims are odd (it packs two values a byte). The
+choice holds for the cache's life (a sequence freed or reset keeps it); a head whose error drifts
+past the tolerance later is not yet moved up a level. A pending layer holds full model-dtype pools,
+and the move allocates the chosen ones before it frees those: the peak is a model-dtype cache's.
 """
 
 from __future__ import annotations
@@ -49,6 +52,9 @@ def check_storage(storage: Any, layers: int, kv_heads: int) -> Optional[tuple]:
         rows = tuple(tuple(row) for row in storage)
     except TypeError:
         raise ValueError(f"storage must be a name or one storage per (layer, KV head), got {storage!r}") from None
+    if any(isinstance(row, str) for row in storage):
+        raise ValueError(f"storage per head is a list per layer of one name per KV head (e.g. [['int4', 'int8']]), "
+                         f"got {storage!r}")
     if len(rows) != layers or any(len(row) != kv_heads for row in rows):
         raise ValueError(f"storage per head must be {layers} layer(s) of {kv_heads} KV head(s), got "
                          f"{[len(r) for r in rows]}")
@@ -99,19 +105,21 @@ def settle(cache, layer: int, query: torch.Tensor, seqs: Sequence[int]) -> None:
     if query.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(f"layer {layer} of a storage='auto' cache chooses its storages at its first decode step, "
                            "which moves its tokens (allocations): run that step outside CUDA-graph capture")
+    cache.sync()  # (the host lengths, after any replayed appends)
     lengths = [cache._lengths[layer][s] for s in seqs]
-    hkv = cache.kv_heads
-    if max(lengths) < MIN_PROMPT:
-        cache._mixed[layer] = _moved(cache, layer, Layer(cache, ("native",) * hkv, None, (
-            f"its first decode step met {max(lengths)} tokens, fewer than {MIN_PROMPT} to measure on: the model dtype")))
+    if max(lengths) < MIN_PROMPT:  # the model dtype it holds already, for good
+        here.pending = False
+        here.why = f"its first decode step met {max(lengths)} tokens, fewer than {MIN_PROMPT} to measure on"
         return
+    even = not (cache.head_dim % 2 or cache.value_dim % 2)
     worst: dict = {}
     for i, (s, n) in enumerate(zip(seqs, lengths)):
         if n == 0:
             continue
         k, v = gather(cache, layer, cache.seq_ids([s]), n, cache.dtype)
         window = cache.window if n >= 4 * cache.window else 0
-        errors = storage_errors(k, v, query[i:i + 1], storages=("int4", "int8"), page_size=cache.page_size,
+        errors = storage_errors(k, v, query[i:i + 1], storages=("int4", "int8") if even else ("int8",),
+                                page_size=cache.page_size,
                                 group_size=cache.group_size, window=window)
         for name, e in errors.items():
             worst[name] = e if name not in worst else torch.maximum(worst[name], e)
@@ -145,8 +153,23 @@ def append(cache, layer: int, seqs: Sequence[int], key: torch.Tensor, value: tor
     for s, (_, part) in here.parts.items():
         heads = here.heads[s]
         part.append(0, seqs, key.index_select(1, heads), value.index_select(1, heads))
-    cache.lengths[layer].index_add_(0, cache.seq_ids(seqs), torch.full((len(seqs),), key.shape[2], dtype=torch.int32,
-                                                                        device=cache.device))
+    _advance(cache, layer, seqs, key.shape[2])
+
+
+def append_kernel(cache, layer: int, seqs: Sequence[int], key: torch.Tensor, value: torch.Tensor) -> None:
+    """A compiled step's append (no host state): each part's kernel on its heads, then the cache's
+    device lengths."""
+    here = cache._mixed[layer]
+    for s, (_, part) in here.parts.items():
+        heads = here.heads[s]
+        part._append_kernel(0, seqs, key.index_select(1, heads), value.index_select(1, heads))
+    _advance(cache, layer, seqs, key.shape[2])
+
+
+def _advance(cache, layer: int, seqs: Sequence[int], t: int) -> None:
+    """The cache's own device lengths of `seqs` in `layer`, t tokens on (its parts keep theirs)."""
+    add = torch.full((len(seqs),), t, dtype=torch.int32, device=cache.device)
+    cache.lengths[layer].index_add_(0, cache.seq_ids(seqs), add)
 
 
 def gather(cache, layer: int, sid: torch.Tensor, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,7 +235,7 @@ def kernel_args(cache, layer: int, placeholder: torch.Tensor) -> dict:
     here = cache._mixed[layer]
     if here is None:
         raise ValueError(f"layer {layer} of this storage='auto' cache holds no token yet: its storages are chosen "
-                         "at its first append")
+                         "at its first decode step")
     kw: dict = dict(MIXED=True, HS=here.code, HI=here.index, KN=placeholder, VN=placeholder, K8=placeholder,
                     V8=placeholder, KS8=placeholder, VS8=placeholder, HN=1, H8=1)
     pools = {"K": placeholder, "V": placeholder, "KS": placeholder, "VS": placeholder}
