@@ -85,7 +85,12 @@ def test_decode_figure_is_the_bytes_of_k_and_v():
     everything = _cases(["--suite", "decode"])
     cases = _cases(["--suite", "decode", "--decode-parts", "dense"])
     sparse = _cases(["--suite", "decode", "--decode-parts", "sparse"])
-    assert [c.label for c in everything] == [c.label for c in cases + sparse]
+    storage = _cases(["--suite", "decode", "--decode-parts", "storage"])
+    assert [c.label for c in everything] == [c.label for c in cases + sparse + storage]
+    # storage per head: the whole model's K/V (8 layers, B=16, Hkv=8, D=64, bf16) against cuDNN
+    (whole,) = storage
+    assert whole.work == 8 * 2 * 16 * 8 * 32768 * 64 * 2 and whole.baseline == "cuDNN" and whole.figure == "TB/s"
+    assert whole.fields["tolerance"] == 5e-2 and whole.fields["window"] == 512
     random, generation, layers = sparse[0], sparse[1], sparse[2:]
     assert [c.x for c in layers] == list(range(8)) and all(c.baseline == "kv bf16" for c in layers)
     assert layers[0].work == 2 * 16 * 8 * 32768 * 64 * 2 and layers[0].fields["taus"] == [1e-2, 5e-2]
