@@ -224,14 +224,51 @@ def test_sparse_decode_on_cuda_matches_its_reference_and_replays_in_a_cuda_graph
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kind", ["contiguous", "paged"])
 @pytest.mark.parametrize("t", [1, 3])
-def test_int4_pages_decode_on_the_gpu_as_float64_on_the_caches_values(kind, t):
-    """INT4 pages through the split-KV kernel on CUDA (the interpreter checks it in CI)."""
+@pytest.mark.parametrize("window", [0, 16])
+def test_int4_pages_decode_on_the_gpu_as_float64_on_the_caches_values(kind, t, window):
+    """INT4 pages (with and without a window) through the split-KV kernel on CUDA (the interpreter
+    checks it in CI)."""
     import test_kv_int4
 
-    test_kv_int4.test_int4_decode_matches_float64_on_the_caches_own_values(kind, t, "triton")
+    test_kv_int4.test_int4_decode_matches_float64_on_the_caches_own_values(kind, t, "triton", window)
 
 
-@pytest.mark.parametrize("storage", ["native", "fp8", "int8", "int4"])
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["contiguous", "paged"])
+def test_a_storage_per_head_decodes_on_the_gpu_as_float64_on_the_caches_values(kind):
+    """Heads of every storage read in one launch on CUDA, appended by the append kernel, and
+    storage='auto' choosing at the first decode step (the interpreter checks both in CI)."""
+    from adaattn.backends.reference import reference_attention, relative_errors
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    rows = [["int4", "int8", "native", "int4"]] * 2
+    for storage in (rows, "auto"):
+        kw = dict(dtype=torch.bfloat16, device="cuda", storage=storage, window=64,
+                  tolerance=0.05 if storage == "auto" else None)
+        lens = [300, 130]
+        if kind == "paged":
+            cache = PagedKVCache(2, 4, 128, 64, 16, max_seqs=3, **kw)
+            seqs = [cache.add() for _ in lens]
+        else:
+            cache = KVCache(2, 2, 4, 320, 128, page_size=16, **kw)
+            seqs = [0, 1]
+        k = torch.randn(2, 4, 300, 128, device="cuda", generator=g).bfloat16()
+        v = torch.randn(2, 4, 300, 128, device="cuda", generator=g).bfloat16()
+        for layer in range(2):
+            for i, (s, n) in enumerate(zip(seqs, lens)):
+                PagedKVCache.append(cache, layer, [s], k[i:i + 1, :, :n], v[i:i + 1, :, :n])
+        q = torch.randn(2, 16, 1, 128, device="cuda", generator=g).bfloat16()
+        for layer in range(2):
+            out = decode_attention(q, cache, layer, seqs=seqs, runner="triton")
+            k64, v64 = cache.gather(layer, seqs, max(lens), torch.float64)
+            for i, n in enumerate(lens):
+                want = reference_attention(q[i:i + 1].double(), k64[i:i + 1, :, :n], v64[i:i + 1, :, :n], None, True,
+                                           None, None, bottom_right=True)
+                assert relative_errors(out[i:i + 1], want).item() < 1e-2, (storage, layer, i)
+
+
+@pytest.mark.parametrize("storage", ["native", "fp8", "int8", "int4", [["int4", "int8", "native", "int4"]] * 2],
+                         ids=["native", "fp8", "int8", "int4", "per-head"])
 def test_site_launches_give_triton_s_own_launches_bit_for_bit_eagerly_and_in_a_cuda_graph(storage):
     """Decode steps and appends with site launches on (the default; ADAATTN_TRITON_SITES=0 turns
     them off: the decode plan's and the append's launches found once, then only their tensors
@@ -271,7 +308,12 @@ def test_site_launches_give_triton_s_own_launches_bit_for_bit_eagerly_and_in_a_c
                 outs += [o.clone() for o in captured]
             torch.cuda.synchronize()
             cache.sync()
-            return outs, [t.clone() for t in (*cache.k, *cache.v, cache.lengths)]
+            state = [*cache.k, *cache.v, cache.lengths]
+            if cache.storage == "mixed":  # (its pools are its layers' parts)
+                from adaattn.kv import mixed
+
+                state += [x for layer in range(layers) for x in mixed.tensors(cache, layer)]
+            return outs, [t.clone() for t in state]
         finally:
             bound.set_sites_enabled(None)
 

@@ -82,8 +82,8 @@ def test_without_queries_the_keys_stand_in_and_bad_arguments_raise():
         storage_errors(k[:, :, :0], v[:, :, :0])
 
 
-@pytest.mark.parametrize("storage,window", [("native", 0), ("fp8", 0), ("int8", 0), ("int4", 0), ("int4", 24)])
-@pytest.mark.parametrize("append", ["torch", "triton"])
+@pytest.mark.parametrize("storage,window,append", [("native", 0, "torch"), ("fp8", 0, "torch"), ("int8", 0, "torch"),
+                                                   ("int4", 0, "torch"), ("int4", 24, "torch"), ("int4", 24, "triton")])
 def test_the_measured_values_are_the_caches_own_bit_for_bit(storage, window, append):
     """formats.stored_values (what the choice measures on) against a cache's append of a prompt
     and its gather: ragged lengths past a page, bf16, keys centred."""

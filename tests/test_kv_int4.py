@@ -121,8 +121,7 @@ def _filled(kind, storage, lens, hkv, d, dtype, g, window=0):
 @TRITON
 @pytest.mark.parametrize("kind", ["contiguous", "paged"])
 @pytest.mark.parametrize("t", [1, 3])
-@pytest.mark.parametrize("runner", ["triton", "sdpa"])
-@pytest.mark.parametrize("window", [0, 16])
+@pytest.mark.parametrize("runner,window", [("triton", 0), ("triton", 16), ("sdpa", 0)])
 def test_int4_decode_matches_float64_on_the_caches_own_values(kind, t, runner, window):
     """The split-KV kernel dequantizes in registers, and with a window reads the newest tokens from
     the ring (the sdpa runner reads gather's values): against float64 attention on the values the
