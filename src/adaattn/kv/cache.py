@@ -160,6 +160,10 @@ class PagedKVCache:
         part._free_pages, part._free_seqs = [], []
         return part
 
+    def all_storages(self) -> str:
+        """storages() of every layer, one clause each."""
+        return "; ".join(f"layer {i}: {self.storages(i)}" for i in range(self.layers))
+
     def storages(self, layer: int) -> str:
         """What `layer`'s heads hold, and for a per-head cache which storage each head holds and why
         (with "auto", the errors measured at the layer's first decode step)."""

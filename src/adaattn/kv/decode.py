@@ -159,7 +159,7 @@ def build_plan(cache: PagedKVCache, seqs: tuple, heads: int, query_len: int, max
     plan = DecodePlan(runner, why, seqs, seq_ids, heads, query_len, max_len, policy=policy, sparse=sparse_on,
                       sparse_always=sparse_always, sparse_why=sparse_why)
     if cache.storage == "mixed":
-        plan.storages = "; ".join(f"layer {i}: {cache.storages(i)}" for i in range(cache.layers))
+        plan.storages = cache.all_storages()
     if runner == "triton":
         tiles = -(-plan.max_len // BLOCK_N)
         if splits is None:
@@ -204,7 +204,7 @@ def run_decode(query: torch.Tensor, cache: PagedKVCache, layer: int, plan: Decod
                          f"got {tuple(query.shape)}")
     if cache.storage == "mixed" and cache._mixed[layer] is not None and cache._mixed[layer].pending:
         mixed.settle(cache, layer, query, plan.seqs)  # storage="auto": this layer's first decode step chooses
-        plan.storages = "; ".join(f"layer {i}: {cache.storages(i)}" for i in range(cache.layers))
+        plan.storages = cache.all_storages()
     if d != cache.head_dim:
         raise ValueError(f"query head_dim {d} must equal the cache's head_dim {cache.head_dim}")
     lengths = [cache._lengths[layer][x] for x in plan.seqs]

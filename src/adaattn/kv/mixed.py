@@ -145,30 +145,27 @@ def _moved(cache, layer: int, new: Layer) -> Layer:
 def append(cache, layer: int, seqs: Sequence[int], key: torch.Tensor, value: torch.Tensor) -> None:
     """Write each part's heads (the cache's append checked and allocated already), then advance the
     cache's own device lengths."""
-    here = cache._mixed[layer]
-    if here is None:  # "auto": held in the model dtype until the layer's first decode step chooses
-        here = cache._mixed[layer] = Layer(cache, ("native",) * cache.kv_heads, None,
-                                           "pending: chosen at the layer's first decode step, from its queries",
-                                           pending=True)
-    for s, (_, part) in here.parts.items():
-        heads = here.heads[s]
-        part.append(0, seqs, key.index_select(1, heads), value.index_select(1, heads))
-    _advance(cache, layer, seqs, key.shape[2])
+    if cache._mixed[layer] is None:  # "auto": held in the model dtype until the layer's first decode step chooses
+        cache._mixed[layer] = Layer(cache, ("native",) * cache.kv_heads, None,
+                                    "pending: chosen at the layer's first decode step, from its queries", pending=True)
+    _write(cache, layer, seqs, key, value, compiled=False)
 
 
 def append_kernel(cache, layer: int, seqs: Sequence[int], key: torch.Tensor, value: torch.Tensor) -> None:
     """A compiled step's append (no host state): each part's kernel on its heads, then the cache's
     device lengths."""
+    _write(cache, layer, seqs, key, value, compiled=True)
+
+
+def _write(cache, layer: int, seqs: Sequence[int], key: torch.Tensor, value: torch.Tensor, compiled: bool) -> None:
+    """Each part's heads appended (compiled: its kernel alone, no host state), then the cache's own
+    device lengths of `seqs` in `layer` advanced (its parts keep theirs)."""
     here = cache._mixed[layer]
     for s, (_, part) in here.parts.items():
         heads = here.heads[s]
-        part._append_kernel(0, seqs, key.index_select(1, heads), value.index_select(1, heads))
-    _advance(cache, layer, seqs, key.shape[2])
-
-
-def _advance(cache, layer: int, seqs: Sequence[int], t: int) -> None:
-    """The cache's own device lengths of `seqs` in `layer`, t tokens on (its parts keep theirs)."""
-    add = torch.full((len(seqs),), t, dtype=torch.int32, device=cache.device)
+        write = part._append_kernel if compiled else part.append
+        write(0, seqs, key.index_select(1, heads), value.index_select(1, heads))
+    add = torch.full((len(seqs),), key.shape[2], dtype=torch.int32, device=cache.device)
     cache.lengths[layer].index_add_(0, cache.seq_ids(seqs), add)
 
 
