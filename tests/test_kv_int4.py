@@ -219,3 +219,35 @@ def test_a_window_is_refused_off_int4_and_counted_in_a_byte_budget():
     rings = 2 * 4 * 512 * 8 * 256 * 2  # layers x sequences x window x Hkv x (D + Dv) x bf16
     per_page = 2 * PagedKVCache.page_bytes(8, 128, 64, storage="int4")
     assert windowed.num_pages == (budget - rings) // per_page < plain.num_pages
+
+
+def test_decode_pipeline_stages_fit_the_devices_shared_memory(monkeypatch):
+    """The split-KV kernel's stages shrink where their tiles would not fit a program's shared memory:
+    INT4 with a window at head dim 128 in 3 stages asked for 233,472 of an H200's 232,448 bytes
+    (OutOfResources; 2 stages ran), bf16 at head dim 256 would ask for 384 KiB. Where they fit, the
+    tuned stages stay (bf16 and INT4 at head dim 128, contiguous: 3)."""
+    from types import SimpleNamespace
+
+    from adaattn import hardware
+    from adaattn.kv import decode as kd
+
+    monkeypatch.setattr(hardware, "max_shared_memory", lambda index: 232448)  # an H100/H200's per block
+
+    def cache(storage="native", d=128, window=0):
+        return SimpleNamespace(device=torch.device("cuda", 0), head_dim=d, value_dim=d, dtype=torch.bfloat16,
+                               storage=storage, k_group=16, v_group=16, window=window)
+
+    assert kd._stages(cache(), True) == 3
+    assert kd._stages(cache(), False) == 2
+    assert kd._stages(cache("int4"), True) == 3
+    assert kd._stages(cache("int8"), True) == 3
+    assert kd._stages(cache("int4", window=512), True) == 2
+    assert kd._stages(cache("mixed"), True) == 2  # the model dtype's tile and INT4's scales
+    # a storage per head counts the model dtype's tile and the window's together (1 stage; a bound)
+    assert kd._stages(cache("mixed", window=512), True) == 1
+    assert kd._stages(cache("mixed", d=64, window=512), True) == 2
+    assert kd._stages(cache(d=256), True) == 1
+    assert kd._stages(cache("int4", d=256, window=512), True) == 1
+    cpu = cache("int4", window=512)
+    cpu.device = torch.device("cpu")
+    assert kd._stages(cpu, True) == 3

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from ..problem import default_scale
-from .. import stats
+from .. import hardware, stats
 from . import mixed, sparse
 from .gathered import sdpa_gathered
 from .cache import PER_PAGE, KVCache, PagedKVCache
@@ -69,6 +69,41 @@ STAGES = {True: 3, False: 2}  # by contiguity
 # 1k..32k 125.9 -> 122.0 (B16: 236.5 -> 224.7), 8k 65.2 -> 64.5, paged ragged 125.1 -> 123.2.
 # (4 stages: 32k better still, ragged 6% worse; 2 stages: 8k 20% worse.)
 SMALL_HEAD_NATIVE_WARPS = 4
+
+
+def _pow2(n: int) -> int:
+    return max(16, 1 << (int(n) - 1).bit_length())
+
+
+# Shared memory kept free of the pipelined tiles: the tensor-core operands' layout conversions and
+# the compiler's scratch.
+STAGE_RESERVE = 32 * 1024
+
+
+def _stages(cache: PagedKVCache, contiguous: bool) -> int:
+    """STAGES[contiguous], less where that many copies of a tile's loads would not fit the device's
+    shared memory. A tile of BLOCK_N keys loads D + Dv channels at the storage's bytes a value (a
+    cache with a storage per head: its widest, the model dtype), INT4's scales and minima (4 bytes a
+    group), and with a window the ring's rows in the model dtype as well. INT4 with a window at head
+    dim 128 in 3 stages asked for 233,472 bytes of 232,448 (OutOfResources, H200); bf16 at head
+    dim 256 would ask for 384 KiB."""
+    stages = STAGES[contiguous]
+    if cache.device.type != "cuda":
+        return stages
+    d, dv = _pow2(cache.head_dim), _pow2(cache.value_dim)
+    elem = torch.empty((), dtype=cache.dtype).element_size()
+    per_value = {"fp8": 1, "int8": 1, "int4": 0.5}.get(cache.storage, elem)
+    tile = BLOCK_N * (d + dv) * per_value
+    if cache.storage in ("int4", "mixed"):
+        k_group = getattr(cache, "k_group", 16) or 16
+        v_group = getattr(cache, "v_group", 16) or 16
+        tile += BLOCK_N * (-(-d // k_group) + -(-dv // v_group)) * 4
+    if getattr(cache, "window", 0):
+        tile += BLOCK_N * (d + dv) * elem
+    limit = hardware.max_shared_memory(cache.device.index) - STAGE_RESERVE
+    while stages > 1 and stages * tile > limit:
+        stages -= 1
+    return stages
 
 
 @dataclass
@@ -181,7 +216,7 @@ def build_plan(cache: PagedKVCache, seqs: tuple, heads: int, query_len: int, max
         plan.num_warps = WARPS[cache.storage]
         # A KVCache's sequence b owns pages b*P.. b*P+P-1 in order: keys' pages are computed, not read.
         plan.contiguous = isinstance(cache, KVCache)
-        plan.num_stages = STAGES[plan.contiguous]
+        plan.num_stages = _stages(cache, plan.contiguous)
         if cache.storage == "native" and max(cache.head_dim, cache.value_dim) <= 64:
             plan.num_warps = SMALL_HEAD_NATIVE_WARPS
     return plan
