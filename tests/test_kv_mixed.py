@@ -126,6 +126,34 @@ def test_auto_puts_a_smooth_head_in_int4_and_keeps_an_outlier_head_higher():
     assert cache.length(s[0], 0) == 201 and cache._mixed[0].parts["int4"][1].length(s[0]) == 201
 
 
+def test_auto_leaves_out_a_storage_whose_decode_kernel_measured_slower_than_the_model_dtype(monkeypatch):
+    """On CUDA, INT4's split-KV kernel measured 1.9x the model dtype's time (H200): "auto" does not
+    choose it there, and says so; the heads the CPU would put in INT4 take INT8 where it is within
+    the tolerance. Measured here as a CUDA device would (slower_than_exact patched)."""
+    from adaattn.kv import mixed
+
+    assert mixed.slower_than_exact("cuda") == ["int4"] and mixed.slower_than_exact("cpu") == []
+    monkeypatch.setattr(mixed, "slower_than_exact", lambda device_type: ["int4"])
+    k, v = _kv(2, 3, 200, 64, seed=3)
+    k[:, 1, :, 5::16] *= 20
+    v[:, 1, :, 7::16] *= 20
+    q = (0.3 * torch.randn(2, 6, 1, 64, generator=torch.Generator().manual_seed(4))).half()
+    cache = PagedKVCache(1, 3, 64, 64, 16, dtype=torch.float16, storage="auto", tolerance=0.12, max_seqs=3)
+    s = [cache.add(), cache.add()]
+    cache.append(0, s, k, v)
+    out = adaattn.decode_attention(q, cache, 0, seqs=s, runner="sdpa")
+    assert cache._mixed[0].storages == ("int8",) * 3
+    assert "int4" not in cache._mixed[0].errors and "int4 no candidate on cpu" in cache.storages(0)
+    assert relative_errors(out, reference_attention(q.double(), k.double(), v.double(), None, True, None, None,
+                                                    bottom_right=True)).item() < 0.12
+    cache = PagedKVCache(1, 3, 63, 64, 16, dtype=torch.float16, storage="auto", tolerance=0.12, max_seqs=3)
+    monkeypatch.setattr(mixed, "slower_than_exact", lambda device_type: ["int4", "int8"])
+    s = [cache.add()]
+    cache.append(0, s, k[:1, :, :, :63], v[:1, :, :, :63])
+    adaattn.decode_attention(q[:1, :, :, :63], cache, 0, seqs=s, runner="sdpa")
+    assert cache._mixed[0].storages == ("native",) * 3  # no candidate left: the model dtype
+
+
 def test_per_head_storages_are_checked_and_sized_by_bytes():
     with pytest.raises(ValueError, match="storage per head must be 2 layer"):
         PagedKVCache(2, 4, 32, 8, storage=[["int4"] * 4])

@@ -18,7 +18,8 @@ sit in INT4's window, and on the shipped GPT at 16k they measured every head wit
 model's queries found 5 of 16 above it (benchmarks/NOTES.md). Fewer than MIN_PROMPT tokens
 measure nothing worth trusting: such a layer keeps the model dtype. Where the keys held are fewer
 than 4 windows, INT4 is measured without its window (the window will be a smaller share of a longer
-sequence). INT4 is not a candidate where the head dims are odd (it packs two values a byte). The
+sequence). INT4 is not a candidate where the head dims are odd (it packs two values a byte), nor
+on CUDA while its decode kernel measures slower than the model dtype's (CUDA_DECODE_TIME). The
 choice holds for the cache's life (a sequence freed or reset keeps it); a head whose error drifts
 past the tolerance later is not yet moved up a level. A pending layer holds full model-dtype pools,
 and the move allocates the chosen ones before it frees those: the peak is a model-dtype cache's.
@@ -36,6 +37,12 @@ from .formats import PER_PAGE, STORAGES
 
 MIXED = ("native", "int8", "int4")  # what a mixed layer's heads may hold (one kernel branch each)
 CODES = {"native": 0, "int8": 2, "int4": 3}  # kernels/decode.py's HS codes
+# The split-KV kernel's time over a storage against the model dtype's, in CUDA graphs at B16 Hkv8
+# 32k (H200, session 40, benchmarks/NOTES.md): INT8 0.94x at head dim 64 (288 vs 307 us) and
+# 0.98x at 128; INT4 in groups of 16 1.90x and 2.30x (585, 1162 us), 4.1-4.9x with a window of
+# 512. On CUDA a storage slower than the model dtype is no candidate: an approximation that is
+# slower than exact must not run. (On the CPU, unmeasured, the fewest bytes decide.)
+CUDA_DECODE_TIME = {"native": 1.0, "int8": 0.94, "int4": 1.9}
 MIN_PROMPT = 64  # the fewest tokens a layer's first decode step must meet for "auto" to measure on
 _SERIALS = itertools.count()  # each Layer's own number (a kernel launch site's key: ids are reused)
 
@@ -96,6 +103,12 @@ class Layer:
         return line + (f" ({self.why})" if self.why else "")
 
 
+def slower_than_exact(device_type: str) -> list[str]:
+    """The storages whose decode kernel measured slower than the model dtype's on this device type
+    (CUDA_DECODE_TIME): no candidates for "auto" there."""
+    return [s for s, t in CUDA_DECODE_TIME.items() if device_type == "cuda" and t >= 1.0 and s != "native"]
+
+
 def settle(cache, layer: int, query: torch.Tensor, seqs: Sequence[int]) -> None:
     """A pending layer's storages chosen from `query` (S, Hq, T, D), the rows of `seqs`, and its
     tokens moved to them (module docstring); nothing for a layer already chosen."""
@@ -112,22 +125,26 @@ def settle(cache, layer: int, query: torch.Tensor, seqs: Sequence[int]) -> None:
         here.why = f"its first decode step met {max(lengths)} tokens, fewer than {MIN_PROMPT} to measure on"
         return
     even = not (cache.head_dim % 2 or cache.value_dim % 2)
+    candidates = ("int4", "int8") if even else ("int8",)
+    slower = [c for c in candidates if c in slower_than_exact(query.device.type)]
+    candidates = tuple(c for c in candidates if c not in slower)
     worst: dict = {}
     for i, (s, n) in enumerate(zip(seqs, lengths)):
-        if n == 0:
+        if n == 0 or not candidates:
             continue
         k, v = gather(cache, layer, cache.seq_ids([s]), n, cache.dtype)
         window = cache.window if n >= 4 * cache.window else 0
-        errors = storage_errors(k, v, query[i:i + 1], storages=("int4", "int8") if even else ("int8",),
-                                page_size=cache.page_size,
+        errors = storage_errors(k, v, query[i:i + 1], storages=candidates, page_size=cache.page_size,
                                 group_size=cache.group_size, window=window)
         for name, e in errors.items():
             worst[name] = e if name not in worst else torch.maximum(worst[name], e)
-    chosen = tuple(choose_storages(worst, cache.tolerance, cache.dtype))
+    chosen = tuple(choose_storages(worst, cache.tolerance, cache.dtype)) if worst else ("native",) * cache.kv_heads
     n = max(lengths)
     why = (f"chosen at its first decode step ({n} tokens, its {query.shape[2]} query row(s)) under tolerance "
-           f"{cache.tolerance:g}" + ("" if n >= 4 * cache.window or not cache.window
-                                     else f"; INT4 measured without its window of {cache.window}"))
+           f"{cache.tolerance:g}" + ("" if n >= 4 * cache.window or not cache.window or "int4" not in candidates
+                                     else f"; INT4 measured without its window of {cache.window}")
+           + "".join(f"; {c} no candidate on {query.device.type}: its decode kernel measured {CUDA_DECODE_TIME[c]:g}x the model "
+                     f"dtype's time (H200)" for c in slower))
     cache._mixed[layer] = _moved(cache, layer, Layer(cache, chosen, worst, why))
 
 
