@@ -202,3 +202,24 @@ def test_quick_on_a_cpu_runs_the_cpu_suite_with_its_overhead_and_prints_the_tabl
     assert {r["x"] for r in data["rows"]} == {128, 512, 1024, 2048}
     assert [o["seq_len"] for o in data["overhead"]] == [128, 512]
     assert all(o["error"] is None and o["picked"] == "sdpa.cpu" for o in data["overhead"])
+
+
+def test_a_graphed_peer_that_fails_to_build_reports_in_its_row_and_its_case_still_runs():
+    """graphed(): a warm call or capture that raises (a kernel's OutOfResources on an H200 took
+    every row of the decode suite's cases with it) becomes that peer's row error; the other peers
+    of the case are timed."""
+    from adaattn.bench import cases as cases_mod
+
+    def broken():
+        raise RuntimeError("out of resource: shared memory")
+
+    x = torch.ones(4)
+
+    def make():
+        return [cases_mod.Peer("ok", lambda: x * 2), cases_mod.graphed("broken graph", broken)], None
+
+    case = cases_mod.Case("t", "t", 4, {}, "ok", "TB/s", 4.0, make)
+    rows = {r["peer"]: r for r in cases_mod.run_cases([case], cases_mod.Settings(device=CPU, rep_ms=2.0,
+                                                                                   progress=False))}
+    assert rows["ok"]["error"] is None and rows["ok"]["ms"] is not None
+    assert "out of resource" in rows["broken graph"]["error"] and rows["broken graph"]["ms"] is None

@@ -41,12 +41,22 @@ def unavailable(name: str, reason: str) -> Peer:
 
 
 def graphed(name: str, call: Callable[[], object], info: Callable[[], dict] | None = None) -> Peer:
-    """A peer replaying `call` captured once in a CUDA graph (after one warm call, which compiles)."""
-    call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    """A peer replaying `call` captured once in a CUDA graph (after one warm call, which compiles).
+    Where the warm call or the capture raises, the peer's row reports it, not its whole case (a
+    kernel's OutOfResources took every row of the decode suite's cases with it, H200)."""
+    try:
+        call()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = call()
+    except Exception as e:  # noqa: BLE001 - reported in the peer's row by measure()
+        error = e
+
+        def failed():
+            raise error
+
+        return Peer(name, failed, info=info)
     return Peer(name, lambda: (graph.replay(), out)[1], info=info)
 
 
