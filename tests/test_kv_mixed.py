@@ -180,3 +180,30 @@ def test_per_head_storages_are_checked_and_sized_by_bytes():
     per_page = sum(PagedKVCache.page_bytes(1, 128, 64, storage=x) for row in rows for x in row)
     cache = PagedKVCache.for_budget(budget, 2, 2, 128, 64, storage=rows, device="meta", max_seqs=2)
     assert cache.num_pages == budget // per_page and cache.storages(1).startswith("native 1, int4 1 of 2")
+
+
+@pytest.mark.parametrize("storage,layout", [("int8", {}), ("int4", dict(window=16)), ("native", {})])
+def test_a_layer_whose_heads_all_hold_one_storage_decodes_as_a_cache_of_that_storage(storage, layout):
+    """A mixed layer with every head in one storage runs that storage's own kernel path: its output
+    equals, bit for bit, a cache of that storage holding the same tokens (the MIXED branch reads
+    INT8 through fp32 and would differ); a layer of two storages still reads through the branch."""
+    from helpers import NEEDS_CUDA_OR_INTERPRETER  # noqa: F401
+    from adaattn.kv import mixed
+
+    k, v = _kv(2, 4, 90, 32, seed=5)
+    q = torch.randn(2, 8, 1, 32, generator=torch.Generator().manual_seed(6)).half()
+    rows = [[storage] * 4, ["int8", "int8", "native", "native"]]
+    per_head = PagedKVCache(2, 4, 32, 32, 16, dtype=torch.float16, storage=rows, max_seqs=2, **layout)
+    plain = PagedKVCache(1, 4, 32, 32, 16, dtype=torch.float16, storage=storage, max_seqs=2, **layout)
+    s, p = [per_head.add(), per_head.add()], [plain.add(), plain.add()]
+    for layer in range(2):
+        per_head.append(layer, s, k, v)
+    plain.append(0, p, k, v)
+    assert mixed.uniform_part(per_head, 0) is not None and mixed.uniform_part(per_head, 1) is None
+    got = adaattn.decode_attention(q, per_head, 0, seqs=s, runner="triton")
+    want = adaattn.decode_attention(q, plain, 0, seqs=p, runner="triton")
+    assert torch.equal(got, want)
+    two = adaattn.decode_attention(q, per_head, 1, seqs=s, runner="triton")
+    k64, v64 = per_head.gather(1, s, 90, torch.float64)
+    ref = reference_attention(q.double(), k64, v64, None, True, None, None, bottom_right=True)
+    assert relative_errors(two, ref).item() < 2e-3

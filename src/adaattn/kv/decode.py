@@ -423,6 +423,9 @@ def _split_kv(query, cache, layer, plan, scale, sel=None, count=None, pages=1.0,
     from ..backends.triton.common import dot_precision
     from ..kernels.decode import decode_merge_kernel, decode_split_kernel
 
+    whole = mixed.uniform_part(cache, layer) if cache.storage == "mixed" else None
+    if whole is not None:  # every head of the layer in one storage: that storage's own path
+        return _split_kv(query, whole, 0, plan, scale, sel, count, pages, mods)
     s, hq, t, d = query.shape
     hkv, dv = cache.kv_heads, cache.value_dim
     g = hq // hkv

@@ -241,6 +241,18 @@ def tensors(cache, layer: int) -> list[torch.Tensor]:
     return out
 
 
+def uniform_part(cache, layer: int):
+    """The one-layer cache that holds every head of `layer` where they all hold one storage (in head
+    order), else None. Such a layer decodes through that storage's own kernel path, not the MIXED
+    branch: on an H200 the branch per head cost 30-35% over plain INT4 (benchmarks/NOTES.md,
+    "Session 40"), and plain INT8 reads with fp16 operands and its scales after the dot."""
+    here = cache._mixed[layer]
+    if here is None or len(here.parts) != 1:
+        return None
+    (_, part), = here.parts.values()
+    return part
+
+
 def kernel_args(cache, layer: int, placeholder: torch.Tensor) -> dict:
     """The split-KV kernel's MIXED arguments for `layer` (kernels/decode.py): "pools", the INT4 part's
     K, V, KS, VS (the caller passes them and their pools' strides), and "kw", the rest: the head
