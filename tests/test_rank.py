@@ -42,7 +42,7 @@ def short_ok(monkeypatch):
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("n,d,hq,hkv,dtype,qb,kb", [
-    (300, 64, 4, 2, torch.bfloat16, 32, 16),
+    (200, 64, 4, 2, torch.bfloat16, 32, 16),  # (300 keys took 41-54 s of CI under the interpreter)
     (257, 32, 2, 2, torch.float16, 32, 32),
     (130, 128, 2, 1, torch.bfloat16, 64, 32),
 ])
@@ -203,7 +203,7 @@ def test_shipped_model_heads_meet_tolerance(short_ok):
     tau = 5e-2
     pol = adaattn.Policy(mode="auto", approximations=("lowrank",), tolerance=tau, verify=1.0)
     densities = []
-    for layer in (cap.layers[5], cap.layers[6]):
+    for layer in (cap.layers[6],):  # (layers 5 and 6 took 171 s of CI under the interpreter)
         q, k, v = (t.bfloat16() for t in (layer.q, layer.k, layer.v))
         with adaattn.stats.collect() as records:
             out = adaattn.attention(q, k, v, is_causal=True, enable_gqa=True, policy=pol)
@@ -279,7 +279,7 @@ def _same_plan(a: bl.Plan, b: bl.Plan):
     torch.testing.assert_close(a.summarised, b.summarised)
 
 
-@pytest.mark.parametrize("causal,n", [(True, 1000), (False, 700), (True, 2048), (True, 100), (False, 1500)])
+@pytest.mark.parametrize("causal,n", [(False, 700), (True, 2048), (True, 100), (False, 1500)])
 def test_plan_kernel_matches_torch(causal, n):
     """The bisection plan (kernels/rank_plan.py) keeps the blocks the sorted torch plan keeps."""
     g = torch.Generator().manual_seed(n)
@@ -287,7 +287,7 @@ def test_plan_kernel_matches_torch(causal, n):
     m = torch.rand(1, 3, nqb, nkb, generator=g) ** 4
     m = m / m.sum(-1, keepdim=True)
     est = bl.Estimate(m, torch.zeros(3), torch.zeros(0), m * 0.5)
-    for th in (-1.0, 0.01, 0.1, 0.5, 2.0):
+    for th in (-1.0, 0.01, 0.5, 2.0):  # (every block, few, most, none: 5 values and 1000 keys took 92 s of CI)
         thr = torch.tensor([th, th / 2, th * 1.5])
         for summaries in (True, False):
             ref = bl.make_plan(est, thr, n, causal, summaries=summaries, kernel=False)
