@@ -87,6 +87,15 @@ def test_one_launch_reads_heads_of_every_storage(kind, t, runner):
     assert "storage per head: layer 0: native 1, int8 1, int4 2 of 4 heads" in plan.explain()
 
 
+def _outlier_head():
+    """Two sequences of 200 tokens, 3 KV heads of dim 64: head 1 carries an outlier channel in
+    every group of 16; 6 query heads, one row each."""
+    k, v = _kv(2, 3, 200, 64, seed=3)
+    k[:, 1, :, 5::16] *= 20
+    v[:, 1, :, 7::16] *= 20
+    return k, v, (0.3 * torch.randn(2, 6, 1, 64, generator=torch.Generator().manual_seed(4))).half()
+
+
 def test_auto_puts_a_smooth_head_in_int4_and_keeps_an_outlier_head_higher():
     """storage='auto': the prompt waits in the model dtype; the layer's first decode step chooses,
     per head, the storage of fewest bytes whose error on its queries is within the tolerance (head
@@ -94,10 +103,7 @@ def test_auto_puts_a_smooth_head_in_int4_and_keeps_an_outlier_head_higher():
     step meets too few tokens keeps the model dtype."""
     from helpers import NEEDS_CUDA_OR_INTERPRETER  # noqa: F401
 
-    k, v = _kv(2, 3, 200, 64, seed=3)
-    k[:, 1, :, 5::16] *= 20
-    v[:, 1, :, 7::16] *= 20
-    q = (0.3 * torch.randn(2, 6, 1, 64, generator=torch.Generator().manual_seed(4))).half()
+    k, v, q = _outlier_head()
     cache = PagedKVCache(2, 3, 64, 64, 16, dtype=torch.float16, storage="auto", tolerance=0.12, max_seqs=3)
     s = [cache.add(), cache.add()]
     assert "nothing held yet" in cache.storages(0)
@@ -134,10 +140,7 @@ def test_auto_leaves_out_a_storage_whose_decode_kernel_measured_slower_than_the_
 
     assert mixed.slower_than_exact("cuda") == ["int4"] and mixed.slower_than_exact("cpu") == []
     monkeypatch.setattr(mixed, "slower_than_exact", lambda device_type: ["int4"])
-    k, v = _kv(2, 3, 200, 64, seed=3)
-    k[:, 1, :, 5::16] *= 20
-    v[:, 1, :, 7::16] *= 20
-    q = (0.3 * torch.randn(2, 6, 1, 64, generator=torch.Generator().manual_seed(4))).half()
+    k, v, q = _outlier_head()
     cache = PagedKVCache(1, 3, 64, 64, 16, dtype=torch.float16, storage="auto", tolerance=0.12, max_seqs=3)
     s = [cache.add(), cache.add()]
     cache.append(0, s, k, v)
