@@ -246,6 +246,10 @@ def test_decode_pipeline_stages_fit_the_devices_shared_memory(monkeypatch):
     # a storage per head counts the model dtype's tile and the window's together (1 stage; a bound)
     assert kd._stages(cache("mixed", window=512), True) == 1
     assert kd._stages(cache("mixed", d=64, window=512), True) == 2
+    # one part of such a cache (a layer whose heads all hold it): that storage's own tile
+    assert kd._stages(cache("mixed", window=512), True, "int8") == 3
+    assert kd._stages(cache("mixed", window=512), True, "int4") == 2
+    assert kd._stages(cache("mixed", window=512), True, "native") == 3
     assert kd._stages(cache(d=256), True) == 1
     assert kd._stages(cache("int4", d=256, window=512), True) == 1
     cpu = cache("int4", window=512)

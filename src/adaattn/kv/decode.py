@@ -43,6 +43,7 @@ from typing import Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..backends.triton.common import next_pow2
 from ..problem import default_scale
 from .. import hardware, stats
 from . import mixed, sparse
@@ -71,35 +72,29 @@ STAGES = {True: 3, False: 2}  # by contiguity
 SMALL_HEAD_NATIVE_WARPS = 4
 
 
-def _pow2(n: int) -> int:
-    return max(16, 1 << (int(n) - 1).bit_length())
-
-
 # Shared memory kept free of the pipelined tiles: the tensor-core operands' layout conversions and
 # the compiler's scratch.
 STAGE_RESERVE = 32 * 1024
 
 
-def _stages(cache: PagedKVCache, contiguous: bool) -> int:
+def _stages(cache: PagedKVCache, contiguous: bool, storage: Optional[str] = None) -> int:
     """STAGES[contiguous], less where that many copies of a tile's loads would not fit the device's
-    shared memory. A tile of BLOCK_N keys loads D + Dv channels at the storage's bytes a value (a
-    cache with a storage per head: its widest, the model dtype), INT4's scales and minima (4 bytes a
-    group), and with a window the ring's rows in the model dtype as well. INT4 with a window at head
+    shared memory, for the cache's storage or `storage` (one part of a cache with a storage per
+    head). A tile of BLOCK_N keys loads D + Dv channels at the storage's bytes a value (a cache with
+    a storage per head: its widest, the model dtype), INT4's scales and minima (4 bytes a group),
+    and with a window (INT4's) the ring's rows in the model dtype as well. INT4 with a window at head
     dim 128 in 3 stages asked for 233,472 bytes of 232,448 (OutOfResources, H200); bf16 at head
     dim 256 would ask for 384 KiB."""
-    stages = STAGES[contiguous]
+    stages, storage = STAGES[contiguous], storage or cache.storage
     if cache.device.type != "cuda":
         return stages
-    d, dv = _pow2(cache.head_dim), _pow2(cache.value_dim)
-    elem = torch.empty((), dtype=cache.dtype).element_size()
-    per_value = {"fp8": 1, "int8": 1, "int4": 0.5}.get(cache.storage, elem)
-    tile = BLOCK_N * (d + dv) * per_value
-    if cache.storage in ("int4", "mixed"):
-        k_group = getattr(cache, "k_group", 16) or 16
-        v_group = getattr(cache, "v_group", 16) or 16
-        tile += BLOCK_N * (-(-d // k_group) + -(-dv // v_group)) * 4
-    if getattr(cache, "window", 0):
-        tile += BLOCK_N * (d + dv) * elem
+    d, dv = max(16, next_pow2(cache.head_dim)), max(16, next_pow2(cache.value_dim))  # the kernel's BLOCK_D, BLOCK_DV
+    elem = cache.dtype.itemsize
+    tile = BLOCK_N * (d + dv) * {"fp8": 1, "int8": 1, "int4": 0.5}.get(storage, elem)
+    if storage in ("int4", "mixed"):
+        tile += BLOCK_N * (-(-d // cache.k_group) + -(-dv // cache.v_group)) * 4
+        if cache.window:
+            tile += BLOCK_N * (d + dv) * elem
     limit = hardware.max_shared_memory(cache.device.index) - STAGE_RESERVE
     while stages > 1 and stages * tile > limit:
         stages -= 1
@@ -130,6 +125,7 @@ class DecodePlan:
     sparse_why: str = ""
     policy: object = None
     storages: str = ""  # a cache with a storage per head: what each layer's heads hold (kv/mixed.py)
+    part_stages: dict = field(default_factory=dict)  # and the stages of a layer whose heads all hold one storage
     _scratch: dict = field(default_factory=dict, repr=False)
 
     def explain(self) -> str:
@@ -217,6 +213,8 @@ def build_plan(cache: PagedKVCache, seqs: tuple, heads: int, query_len: int, max
         # A KVCache's sequence b owns pages b*P.. b*P+P-1 in order: keys' pages are computed, not read.
         plan.contiguous = isinstance(cache, KVCache)
         plan.num_stages = _stages(cache, plan.contiguous)
+        if cache.storage == "mixed":
+            plan.part_stages = {s: _stages(cache, plan.contiguous, s) for s in mixed.MIXED}
         if cache.storage == "native" and max(cache.head_dim, cache.value_dim) <= 64:
             plan.num_warps = SMALL_HEAD_NATIVE_WARPS
     return plan
@@ -413,11 +411,12 @@ def _sdpa(query, cache, layer, plan, lengths, scale):
     return sdpa_gathered(query, cache, layer, plan.seqs, torch.tensor(lengths, device=query.device), longest, scale)
 
 
-def _split_kv(query, cache, layer, plan, scale, sel=None, count=None, pages=1.0, mods=None):
+def _split_kv(query, cache, layer, plan, scale, sel=None, count=None, pages=1.0, mods=None, stages=None):
     """The split-KV kernel and the merge. Sparse (sel, count): each program reads TILES_PER_SPLIT
     tiles of its (sequence, KV head)'s listed pages, sized so that a head listing the fraction
     `pages` of its pages (the site's last read-back figure) gets the dense plan's programs times
-    that fraction: heads listing more get more programs, and the launch covers a head listing all."""
+    that fraction: heads listing more get more programs, and the launch covers a head listing all.
+    `stages`: the pipeline's, where not the plan's (a layer of a per-head cache run as its one part)."""
     from ..backends.triton.bound import bound, site_launch
     from ..backends.triton.common import next_pow2 as next_power_of_2
     from ..backends.triton.common import dot_precision
@@ -425,7 +424,8 @@ def _split_kv(query, cache, layer, plan, scale, sel=None, count=None, pages=1.0,
 
     whole = mixed.uniform_part(cache, layer) if cache.storage == "mixed" else None
     if whole is not None:  # every head of the layer in one storage: that storage's own path
-        return _split_kv(query, whole, 0, plan, scale, sel, count, pages, mods)
+        return _split_kv(query, whole, 0, plan, scale, sel, count, pages, mods, plan.part_stages.get(whole.storage))
+    stages = plan.num_stages if stages is None else stages
     s, hq, t, d = query.shape
     hkv, dv = cache.kv_heads, cache.value_dim
     g = hq // hkv
@@ -472,7 +472,7 @@ def _split_kv(query, cache, layer, plan, scale, sel=None, count=None, pages=1.0,
                 dict(G=g, T=t, D=d, DV=dv, BLOCK_M=block_m, BLOCK_N=plan.block_n,
                      BLOCK_D=block_d, BLOCK_DV=block_dv, PAGE=cache.page_size,
                      QUANTIZED=quantized, INT4=int4, DOT_PRECISION=precision, **int4_strides,
-                     CONTIG=plan.contiguous, SPARSE=sparse_, num_warps=plan.num_warps, num_stages=plan.num_stages,
+                     CONTIG=plan.contiguous, SPARSE=sparse_, num_warps=plan.num_warps, num_stages=stages,
                      **{name: x for name, x in (mods or {}).items() if name != "merge"}))
 
     out = torch.empty(s, hq, t, dv, dtype=query.dtype, device=query.device)
@@ -493,7 +493,7 @@ def _split_kv(query, cache, layer, plan, scale, sel=None, count=None, pages=1.0,
     # launches are on), so a plan made every step finds them too. The plan's tensors (its sequence
     # ids and scratch) are slotted in like the query.
     key = (layer, query.dtype, query.shape, query.stride(), scale, splits, per, plan.block_n, plan.num_warps,
-           plan.num_stages, plan.contiguous, cache._mixed[layer].serial if cache.storage == "mixed" else None)
+           stages, plan.contiguous, cache._mixed[layer].serial if cache.storage == "mixed" else None)
     site_launch(cache._sites, ("split",) + key, decode_split_kernel, (splits, s * hkv),
                 (query, k_pool, v_pool, ks, vs, cache.block_table, lengths, plan.seq_ids, o_part, l_part)
                 + tuple(x for x in int4_strides.values() if isinstance(x, torch.Tensor)), split_args)

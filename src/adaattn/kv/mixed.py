@@ -106,7 +106,9 @@ class Layer:
 def slower_than_exact(device_type: str) -> list[str]:
     """The storages whose decode kernel measured slower than the model dtype's on this device type
     (CUDA_DECODE_TIME): no candidates for "auto" there."""
-    return [s for s, t in CUDA_DECODE_TIME.items() if device_type == "cuda" and t >= 1.0 and s != "native"]
+    if device_type != "cuda":
+        return []
+    return [s for s, t in CUDA_DECODE_TIME.items() if t > CUDA_DECODE_TIME["native"]]
 
 
 def settle(cache, layer: int, query: torch.Tensor, seqs: Sequence[int]) -> None:
@@ -125,9 +127,8 @@ def settle(cache, layer: int, query: torch.Tensor, seqs: Sequence[int]) -> None:
         here.why = f"its first decode step met {max(lengths)} tokens, fewer than {MIN_PROMPT} to measure on"
         return
     even = not (cache.head_dim % 2 or cache.value_dim % 2)
-    candidates = ("int4", "int8") if even else ("int8",)
-    slower = [c for c in candidates if c in slower_than_exact(query.device.type)]
-    candidates = tuple(c for c in candidates if c not in slower)
+    slower = slower_than_exact(query.device.type)
+    candidates = tuple(c for c in (("int4", "int8") if even else ("int8",)) if c not in slower)
     worst: dict = {}
     for i, (s, n) in enumerate(zip(seqs, lengths)):
         if n == 0 or not candidates:
