@@ -223,3 +223,25 @@ def test_a_graphed_peer_that_fails_to_build_reports_in_its_row_and_its_case_stil
                                                                                    progress=False))}
     assert rows["ok"]["error"] is None and rows["ok"]["ms"] is not None
     assert "out of resource" in rows["broken graph"]["error"] and rows["broken graph"]["ms"] is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graphed_peer_keeps_what_its_capture_reads_alive():
+    """A graphed peer's replay reads the tensors its capture read: the peer keeps them alive. It
+    once dropped them, and a decode cache made only for that peer was freed, then unmapped by the
+    next capture's empty_cache(): its replay raised an illegal memory access (decode suite, H200)."""
+    import gc
+    import weakref
+
+    from adaattn.bench.cases import graphed
+
+    x = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+    alive = weakref.ref(x)
+    peer = graphed("twice", lambda x=x: x * 2)
+    del x
+    gc.collect()
+    other = graphed("later capture", lambda: torch.ones(4, device="cuda") + 1)  # empty_cache() on entering
+    assert alive() is not None, "the captured input was freed while the peer can still replay it"
+    torch.testing.assert_close(peer.forward(), torch.arange(1 << 20, dtype=torch.float32, device="cuda") * 2)
+    torch.testing.assert_close(other.forward(), torch.full((4,), 2.0, device="cuda"))

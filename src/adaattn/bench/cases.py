@@ -57,7 +57,11 @@ def graphed(name: str, call: Callable[[], object], info: Callable[[], dict] | No
             raise error
 
         return Peer(name, failed, info=info)
-    return Peer(name, lambda: (graph.replay(), out)[1], info=info)
+    # The replay reads what the capture read (a decode cache's pools, its plan's tensors) through
+    # addresses fixed at capture: `call` keeps them alive as long as the peer. Dropping it freed a
+    # cache made only for this peer, whose memory the next capture's empty_cache() unmapped (an
+    # illegal memory access in the decode suite, H200).
+    return Peer(name, lambda: (graph.replay(), call, out)[2], info=info)
 
 
 @dataclass
