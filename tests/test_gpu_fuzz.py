@@ -187,14 +187,23 @@ FOUND_AFTER_1E71C02 = [(5101, i) for i in (15, 416, 608, 1625, 1979, 2538, 2602,
     # cuDNN's float16 backward with a mask (here a window) gave inf dq at scales of 1 and more, torch's
     # own choice alike (5415 #16352, H200): sdpa.cudnn declines float16 masked calls under gradients.
     (5415, 16352)] + [
-    # float32 under gradients on a transposed-last-dim key, one query against one key at logits x30:
-    # torch runs math (weight exactly 1), the efficient kernel on aligned copies gave dv 16x its
-    # error (5418 #2950, H200): sdpa.efficient declines float32 gradients on views torch refuses.
-    (5418, 2950)] + [
+    # float32 causal with an additive mask under gradients on views torch's checks refuse: the
+    # efficient kernel on aligned copies, as torch is given them; math there was 9.5x torch's output
+    # error (5419 #6040, H200, when sdpa.efficient declined such calls in a7aa1ff, reverted).
+    (5419, 6040)] + [
     pytest.param(seed, i, marks=pytest.mark.xfail(strict=True, reason=why)) for seed, i, why in (
         # The Triton forward read outside K/V with both at odd offsets, at BLOCK_N 64 (illegal memory
         # access, H200): they are now copied to aligned rows first, and it runs. Its gradient stays open.
-        (5300, 16237, "open: Triton backward at Dv=16, bfloat16, logits x30: dk 3.8x torch's error (H200)"),)]
+        (5300, 16237, "open: Triton backward at Dv=16, bfloat16, logits x30: dk 3.8x torch's error (H200)"),
+        # One query against one key whose additive mask is -1e4 (a transposed-last-dim key). Not yet
+        # shown, the likely cause: drowned_rows shifts the low row to peak at 0, where the efficient
+        # kernel's backward can recompute the score 1 ulp off its forward (weight 1 +- 2.6e-6);
+        # torch, unshifted at -1e4, rounds both alike (weight exactly 1).
+        (5418, 2950, "open: efficient float32 dv 1.3e-6 against torch's 7.7e-8 at one key, mask -1e4, "
+                     "logits x30 (H200)"),
+        # cuDNN's bfloat16 backward with a bool mask, causal and a window at logits x100 (q up to 340,
+        # an expanded query): dq not finite, where math and efficient meet the standard (H200).
+        (5419, 12693, "open: sdpa.cudnn bfloat16 dq not finite at logits x100 with a bool mask (H200)"),)]
 
 
 @cuda

@@ -224,14 +224,6 @@ class SdpaRunner(Runner):
         # With a mask or a window as well, causal goes in folded into the mask, which the fused
         # kernel takes at any scale: torch's choice for that mask (seed 4700 #51284: math's float32
         # dk was 2.4x the fused kernel's at logits x100).
-        if (self.kernel == SDPBackend.EFFICIENT_ATTENTION and problem.dtype == torch.float32 and problem.needs_grad
-                and not problem.tma_aligned and not torch.compiler.is_compiling()):
-            # float32 gradients on views torch's own checks refuse (a transposed last dim, say):
-            # torch runs its math kernel there, and this kernel on aligned copies gave dv 16x math's
-            # error (one query against one key at logits x30, where math's weight is exactly 1:
-            # CUDA fuzzer seed 5418 #2950, H200). Declined: math takes the call, as in torch.
-            self._check(query, key, value, attn_mask, problem.dropout_p,
-                        problem.causal and attn_mask is None and problem.window is None, problem.gqa)
         if self.kernel == SDPBackend.MATH and not torch.compiler.is_compiling() and not problem.tma_aligned:
             # torch's SDPA runs its math kernel on views its fused kernels cannot load; the same
             # call on aligned copies (what the fused kernels take) gave float32 gradients 8x more
