@@ -1,23 +1,23 @@
-"""INT4 decode: the split-KV kernel's time with variants of its INT4 tile loads, against the same
-caches in bf16 and INT8 and against cuDNN (benchmarks/NOTES.md, "Session 40": the shipped kernel
-takes 1.9-2.3x bf16's time at groups of 16 though it reads 0.375 of the bytes).
+"""INT4 decode: the split-KV kernel's time as shipped against its earlier INT4 tile loads, and
+against the same caches in bf16 and INT8 and against cuDNN (benchmarks/NOTES.md, sessions 40-41).
 
 Each variant swaps a @triton.jit helper of adaattn.kernels.decode (load_int4 or int4_tile) in a
 fresh process before anything compiles, so every variant compiles on its own:
 
-- A: as shipped;
-- D: each token's scales and minima (all groups of one KV head: 16 bytes at D=64 in groups of 16)
-  read in one vector load, then split, in place of two scalar loads per group;
-- W: the window's ring read only in tiles that reach the newest W keys (a branch per tile), in
-  place of masked ring loads in every tile;
-- DW: both.
+- A: as shipped (since session 41: a token's scales and minima of every group in one vector load,
+  and the window's ring read only in tiles that reach the newest W keys);
+- S: the scales and minima by two scalar loads a group (the kernel of session 40);
+- M: the ring's loads masked in every tile (the kernel of session 40);
+- SM: both, the kernel of session 40 as it was.
 
 Times are the decode_attention call with a plan, captured in a CUDA graph, replayed one at a time
 with L2 cleared (256 MiB zeroed) before each: median of --reps, in us. B16 Hkv8 32k, bf16, D 64 (Hq
 24) and 128 (Hq 32); each row also gives the output's error against float64 over the unquantized
 keys and values and the plan's stages. Errors of every variant must equal A's (same arithmetic).
+Session 41's table (A then held SM's loads, and D, W, DW the loads now shipped) is
+results/2026-11-29-int4-decode-variants-A-D-W-DW-h200.json.
 
-    python benchmarks/int4_decode_variants.py [--variants A,D,W,DW] [--kv-len 32768] [--json out.json]
+    python benchmarks/int4_decode_variants.py [--variants A,S,M,SM] [--kv-len 32768] [--json out.json]
     TRITON_INTERPRET=1 python benchmarks/int4_decode_variants.py --check   # CPU: outputs equal A's
     (each variant in its own process: the interpreter keeps the helpers its first call found)
 """
@@ -36,35 +36,35 @@ import triton.language as tl
 
 
 @triton.jit
-def load_int4_vector_scales(row_ptrs, scale_ptrs, live, stride_d, stride_g, WIDTH: tl.constexpr,
+def load_int4_scalar_scales(row_ptrs, scale_ptrs, live, stride_d, stride_g, WIDTH: tl.constexpr,
                             GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
-    """load_int4 with a token's (scale, minimum) pairs of every group in one load: they sit
-    together, group after group (stride_g == 2, checked by the caller)."""
+    """kernels/decode.load_int4 as in session 40: each group's scale and minimum in two loads."""
     half = tl.arange(0, BLOCK_W // 2)
     b = tl.load(row_ptrs + half[None, :] * stride_d, mask=live[:, None] & (half[None, :] < WIDTH // 2), other=0)
     b = b.to(tl.int32)
     codes = tl.reshape(tl.join(b & 15, b >> 4), (BLOCK_N, BLOCK_W)).to(tl.float32)
     NG: tl.constexpr = BLOCK_W // GROUP
-    j = tl.arange(0, 2 * NG)
-    pairs = tl.load(scale_ptrs + j[None, :], mask=live[:, None] & (j[None, :] < 2 * (WIDTH // GROUP)), other=0.0)
-    scale, low = tl.split(tl.reshape(pairs.to(tl.float32), (BLOCK_N, NG, 2)))
+    grp = tl.arange(0, NG)
+    at = scale_ptrs + grp[None, :] * stride_g
+    ok = live[:, None] & (grp[None, :] < WIDTH // GROUP)
+    scale = tl.load(at, mask=ok, other=0.0).to(tl.float32)
+    low = tl.load(at + 1, mask=ok, other=0.0).to(tl.float32)
     x = tl.reshape(codes, (BLOCK_N, NG, GROUP)) * scale[:, :, None] + low[:, :, None]
     return tl.reshape(x, (BLOCK_N, BLOCK_W))
 
 
-load_int4 = None  # the load the W tile calls: the shipped one or D's (set by swap, before compiling)
+load_int4 = None  # the load the M tile calls: the shipped one or S's (set by swap, before compiling)
 
 
 @triton.jit
-def int4_tile_window_branch(K, V, KS, VS, KW, VW, centre, page, slot, keys, live, length, seq, hk,
-                            stride_kp, stride_kn, stride_kh, stride_kd, stride_vp, stride_vn, stride_vh, stride_vd,
-                            stride_ksp, stride_ksn, stride_ksh, stride_ksg, stride_vsp, stride_vsn, stride_vsh,
-                            stride_vsg, stride_ws, stride_wn, stride_wh, stride_wd, stride_xs, stride_xn, stride_xh,
-                            stride_xd, D: tl.constexpr, DV: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                            WINDOW: tl.constexpr):
-    """kernels/decode.int4_tile with the ring's loads under a branch: only tiles that reach the
-    newest WINDOW keys read it."""
+def int4_tile_masked_ring(K, V, KS, VS, KW, VW, centre, page, slot, keys, live, length, seq, hk,
+                          stride_kp, stride_kn, stride_kh, stride_kd, stride_vp, stride_vn, stride_vh, stride_vd,
+                          stride_ksp, stride_ksn, stride_ksh, stride_ksg, stride_vsp, stride_vsn, stride_vsh,
+                          stride_vsg, stride_ws, stride_wn, stride_wh, stride_wd, stride_xs, stride_xn, stride_xh,
+                          stride_xd, D: tl.constexpr, DV: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                          WINDOW: tl.constexpr):
+    """kernels/decode.int4_tile as in session 40: the ring's loads masked in every tile."""
     dq = tl.arange(0, BLOCK_D)
     dv = tl.arange(0, BLOCK_DV)
     paged = live
@@ -78,14 +78,12 @@ def int4_tile_window_branch(K, V, KS, VS, KW, VW, centre, page, slot, keys, live
                   VS + page[:, None] * stride_vsp + slot[:, None] * stride_vsn + hk * stride_vsh, paged,
                   stride_vd, stride_vsg, DV, GV, BLOCK_N, BLOCK_DV)
     if WINDOW > 0:
-        if tl.max(newest.to(tl.int32), 0) > 0:
-            ring = keys % WINDOW
-            kw = tl.load(KW + seq.to(tl.int64) * stride_ws + ring[:, None] * stride_wn + hk * stride_wh
-                         + dq[None, :] * stride_wd, mask=newest[:, None] & (dq[None, :] < D), other=0.0)
-            k = k + tl.where(newest[:, None], kw.to(tl.float32) - centre[None, :], 0.0)
-            v = v + tl.load(VW + seq.to(tl.int64) * stride_xs + ring[:, None] * stride_xn + hk * stride_xh
-                            + dv[None, :] * stride_xd, mask=newest[:, None] & (dv[None, :] < DV),
-                            other=0.0).to(tl.float32)
+        ring = keys % WINDOW
+        kw = tl.load(KW + seq.to(tl.int64) * stride_ws + ring[:, None] * stride_wn + hk * stride_wh
+                     + dq[None, :] * stride_wd, mask=newest[:, None] & (dq[None, :] < D), other=0.0).to(tl.float32)
+        k = k + tl.where(newest[:, None], kw - centre[None, :], 0.0)
+        v = v + tl.load(VW + seq.to(tl.int64) * stride_xs + ring[:, None] * stride_xn + hk * stride_xh
+                        + dv[None, :] * stride_xd, mask=newest[:, None] & (dv[None, :] < DV), other=0.0).to(tl.float32)
     return k, v
 
 
@@ -93,11 +91,11 @@ def swap(variant: str) -> None:
     """Put the variant's helpers into adaattn.kernels.decode (before anything compiles)."""
     from adaattn.kernels import decode as kd
 
-    if "D" in variant:
-        kd.load_int4 = load_int4_vector_scales
-    if "W" in variant:
+    if "S" in variant:
+        kd.load_int4 = load_int4_scalar_scales
+    if "M" in variant:
         globals()["load_int4"] = kd.load_int4
-        kd.int4_tile = int4_tile_window_branch
+        kd.int4_tile = int4_tile_masked_ring
 
 
 LAYOUTS = (("int4", dict(storage="int4")), ("int4 g64", dict(storage="int4", group_size=64)),
@@ -187,7 +185,7 @@ def _in_process(variant: str, *args: str) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--variants", default="A,D,W,DW")
+    p.add_argument("--variants", default="A,S,M,SM")
     p.add_argument("--kv-len", type=int, default=32768)
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--json", default=None)

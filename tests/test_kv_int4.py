@@ -255,3 +255,30 @@ def test_decode_pipeline_stages_fit_the_devices_shared_memory(monkeypatch):
     cpu = cache("int4", window=512)
     cpu.device = torch.device("cpu")
     assert kd._stages(cpu, True) == 3
+
+
+@TRITON
+@pytest.mark.parametrize("d,dv,group,window", [(72, 40, 16, 0), (64, 64, 64, 8), (48, 32, 16, 8)])
+def test_int4_kernel_reads_every_groups_scales_and_the_ring_where_reached(d, dv, group, window):
+    """The split-KV kernel loads a token's (scale, minimum) pairs of every group in one vector load
+    (the pools keep them together, group after group), and reads the window's ring only in tiles
+    that reach the newest keys: head dims that are not powers of two (72/40: groups of 8, 9 and 5
+    of them, in blocks of 128 and 64), one group of 64, windows inside and across tiles, against
+    float64 attention over the values the cache holds (ragged lengths, several splits)."""
+    pytest.importorskip("triton")
+    g = torch.Generator().manual_seed(5)
+    hq, hkv, dtype, lens = 4, 2, torch.float16, [70, 23]
+    cache = KVCache(1, len(lens), hkv, max(lens), d, value_dim=dv, dtype=dtype, device=DEV, storage="int4",
+                    page_size=16, group_size=group, window=window)
+    for part in (cache.k_scale[0], cache.v_scale[0]):  # the layout the kernel's one load assumes
+        assert part.stride()[-2:] == (2, 1)
+    for s, n in enumerate(lens):
+        cache.append(0, (torch.randn(1, hkv, n, d, generator=g) * 2).to(DEV, dtype),
+                     torch.randn(1, hkv, n, dv, generator=g).to(DEV, dtype), seqs=[s])
+    q = torch.randn(len(lens), hq, 1, d, generator=g).to(DEV, dtype)
+    out = adaattn.decode_attention(q, cache, 0, runner="triton", splits=3)
+    k_all, v_all = cache.gather(0, list(range(len(lens))), max(lens), dtype=torch.float64)
+    for row, n in enumerate(lens):
+        want = reference_attention(q[row:row + 1].double(), k_all[row:row + 1, :, :n], v_all[row:row + 1, :, :n],
+                                   None, True, None, None, bottom_right=True)
+        assert relative_errors(out[row:row + 1], want).item() < 2e-3, row

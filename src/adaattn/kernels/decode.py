@@ -48,17 +48,18 @@ def load_int4(row_ptrs, scale_ptrs, live, stride_d, stride_g, WIDTH: tl.constexp
     row_ptrs (channel 2i in byte i's low nibble, 2i + 1 in its high one) and, per GROUP channels,
     a bfloat16 (scale, minimum) pair at scale_ptrs; value = code x scale + minimum (the product is
     exact, so fused or not it is one rounding, as the cache's own). Rows not live and columns past
-    WIDTH give 0."""
+    WIDTH give 0. A token's pairs sit together, group after group (stride_g == 2, unit last stride:
+    kv/cache.py makes the pools so, and tests/test_kv_int4.py checks it): all of them come in one
+    vector load, split after. Two scalar loads a group took 1.5x (D64) to 1.8x (D128) the kernel's time at
+    groups of 16 (H200, benchmarks/NOTES.md, session 41)."""
     half = tl.arange(0, BLOCK_W // 2)
     b = tl.load(row_ptrs + half[None, :] * stride_d, mask=live[:, None] & (half[None, :] < WIDTH // 2), other=0)
     b = b.to(tl.int32)
     codes = tl.reshape(tl.join(b & 15, b >> 4), (BLOCK_N, BLOCK_W)).to(tl.float32)
     NG: tl.constexpr = BLOCK_W // GROUP
-    grp = tl.arange(0, NG)
-    at = scale_ptrs + grp[None, :] * stride_g
-    ok = live[:, None] & (grp[None, :] < WIDTH // GROUP)
-    scale = tl.load(at, mask=ok, other=0.0).to(tl.float32)
-    low = tl.load(at + 1, mask=ok, other=0.0).to(tl.float32)
+    j = tl.arange(0, 2 * NG)
+    pairs = tl.load(scale_ptrs + j[None, :], mask=live[:, None] & (j[None, :] < 2 * (WIDTH // GROUP)), other=0.0)
+    scale, low = tl.split(tl.reshape(pairs.to(tl.float32), (BLOCK_N, NG, 2)))
     x = tl.reshape(codes, (BLOCK_N, NG, GROUP)) * scale[:, :, None] + low[:, :, None]
     return tl.reshape(x, (BLOCK_N, BLOCK_W))
 
@@ -84,13 +85,18 @@ def int4_tile(K, V, KS, VS, KW, VW, centre, page, slot, keys, live, length, seq,
     v = load_int4(V + page[:, None] * stride_vp + slot[:, None] * stride_vn + hk * stride_vh,
                   VS + page[:, None] * stride_vsp + slot[:, None] * stride_vsn + hk * stride_vsh, paged,
                   stride_vd, stride_vsg, DV, GV, BLOCK_N, BLOCK_DV)
-    if WINDOW > 0:  # (the two loads' rows are disjoint: the other gives zeros)
-        ring = keys % WINDOW
-        kw = tl.load(KW + seq.to(tl.int64) * stride_ws + ring[:, None] * stride_wn + hk * stride_wh + dq[None, :] * stride_wd,
-                     mask=newest[:, None] & (dq[None, :] < D), other=0.0).to(tl.float32)
-        k = k + tl.where(newest[:, None], kw - centre[None, :], 0.0)
-        v = v + tl.load(VW + seq.to(tl.int64) * stride_xs + ring[:, None] * stride_xn + hk * stride_xh + dv[None, :] * stride_xd,
-                        mask=newest[:, None] & (dv[None, :] < DV), other=0.0).to(tl.float32)
+    # (the two loads' rows are disjoint: the other gives zeros). Only tiles that reach the newest
+    # WINDOW keys read the ring: masked loads in every tile took 1.9x (D64) the kernel's time (H200,
+    # benchmarks/NOTES.md, session 41).
+    if WINDOW > 0:
+        if tl.max(newest.to(tl.int32), 0) > 0:
+            ring = keys % WINDOW
+            kw = tl.load(KW + seq.to(tl.int64) * stride_ws + ring[:, None] * stride_wn + hk * stride_wh
+                         + dq[None, :] * stride_wd, mask=newest[:, None] & (dq[None, :] < D), other=0.0)
+            k = k + tl.where(newest[:, None], kw.to(tl.float32) - centre[None, :], 0.0)
+            v = v + tl.load(VW + seq.to(tl.int64) * stride_xs + ring[:, None] * stride_xn + hk * stride_xh
+                            + dv[None, :] * stride_xd, mask=newest[:, None] & (dv[None, :] < DV),
+                            other=0.0).to(tl.float32)
     return k, v
 
 

@@ -38,11 +38,13 @@ from .formats import PER_PAGE, STORAGES
 MIXED = ("native", "int8", "int4")  # what a mixed layer's heads may hold (one kernel branch each)
 CODES = {"native": 0, "int8": 2, "int4": 3}  # kernels/decode.py's HS codes
 # The split-KV kernel's time over a storage against the model dtype's, in CUDA graphs at B16 Hkv8
-# 32k (H200, session 40, benchmarks/NOTES.md): INT8 0.94x at head dim 64 (288 vs 307 us) and
-# 0.98x at 128; INT4 in groups of 16 1.90x and 2.30x (585, 1162 us), 4.1-4.9x with a window of
-# 512. On CUDA a storage slower than the model dtype is no candidate: an approximation that is
-# slower than exact must not run. (On the CPU, unmeasured, the fewest bytes decide.)
-CUDA_DECODE_TIME = {"native": 1.0, "int8": 0.94, "int4": 1.9}
+# 32k (H200, benchmarks/NOTES.md): INT8 0.86x at head dim 64 (289 vs 336 us) and 0.86x at 128
+# (session 41); INT4 in groups of 16, with its scales in one load a token and the window's ring
+# read only where reached (session 41), 1.13x and 1.14x (381, 647 us), with a window of 512 1.48x
+# and 1.95x; groups of 64 0.96x and 1.06x (the kernel before: 1.74x and 2.05x at groups of 16).
+# On CUDA a storage slower than the model dtype is no candidate: an approximation that is slower
+# than exact must not run. (On the CPU, unmeasured, the fewest bytes decide.)
+CUDA_DECODE_TIME = {"native": 1.0, "int8": 0.86, "int4": 1.13}
 MIN_PROMPT = 64  # the fewest tokens a layer's first decode step must meet for "auto" to measure on
 _SERIALS = itertools.count()  # each Layer's own number (a kernel launch site's key: ids are reused)
 
