@@ -36,16 +36,17 @@ import triton.language as tl
 
 
 @triton.jit
-def load_int4_scalar_scales(row_ptrs, scale_ptrs, live, stride_d, stride_g, WIDTH: tl.constexpr,
+def load_int4_scalar_scales(row_ptrs, scale_ptrs, live, stride_d, WIDTH: tl.constexpr,
                             GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
-    """kernels/decode.load_int4 as in session 40: each group's scale and minimum in two loads."""
+    """kernels/decode.load_int4 as in session 40: each group's scale and minimum in two loads (the
+    pairs 2 apart, as the pools lay them; session 40 read that stride from the pools)."""
     half = tl.arange(0, BLOCK_W // 2)
     b = tl.load(row_ptrs + half[None, :] * stride_d, mask=live[:, None] & (half[None, :] < WIDTH // 2), other=0)
     b = b.to(tl.int32)
     codes = tl.reshape(tl.join(b & 15, b >> 4), (BLOCK_N, BLOCK_W)).to(tl.float32)
     NG: tl.constexpr = BLOCK_W // GROUP
     grp = tl.arange(0, NG)
-    at = scale_ptrs + grp[None, :] * stride_g
+    at = scale_ptrs + grp[None, :] * 2
     ok = live[:, None] & (grp[None, :] < WIDTH // GROUP)
     scale = tl.load(at, mask=ok, other=0.0).to(tl.float32)
     low = tl.load(at + 1, mask=ok, other=0.0).to(tl.float32)
@@ -59,9 +60,8 @@ load_int4 = None  # the load the M tile calls: the shipped one or S's (set by sw
 @triton.jit
 def int4_tile_masked_ring(K, V, KS, VS, KW, VW, centre, page, slot, keys, live, length, seq, hk,
                           stride_kp, stride_kn, stride_kh, stride_kd, stride_vp, stride_vn, stride_vh, stride_vd,
-                          stride_ksp, stride_ksn, stride_ksh, stride_ksg, stride_vsp, stride_vsn, stride_vsh,
-                          stride_vsg, stride_ws, stride_wn, stride_wh, stride_wd, stride_xs, stride_xn, stride_xh,
-                          stride_xd, D: tl.constexpr, DV: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
+                          stride_ksp, stride_ksn, stride_ksh, stride_vsp, stride_vsn, stride_vsh, stride_ws,
+                          stride_wn, stride_wh, stride_wd, stride_xs, stride_xn, stride_xh, stride_xd, D: tl.constexpr, DV: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
                           WINDOW: tl.constexpr):
     """kernels/decode.int4_tile as in session 40: the ring's loads masked in every tile."""
@@ -73,10 +73,10 @@ def int4_tile_masked_ring(K, V, KS, VS, KW, VW, centre, page, slot, keys, live, 
         paged = live & (keys < length - WINDOW)
     k = load_int4(K + page[:, None] * stride_kp + slot[:, None] * stride_kn + hk * stride_kh,
                   KS + page[:, None] * stride_ksp + slot[:, None] * stride_ksn + hk * stride_ksh, paged,
-                  stride_kd, stride_ksg, D, GK, BLOCK_N, BLOCK_D)
+                  stride_kd, D, GK, BLOCK_N, BLOCK_D)
     v = load_int4(V + page[:, None] * stride_vp + slot[:, None] * stride_vn + hk * stride_vh,
                   VS + page[:, None] * stride_vsp + slot[:, None] * stride_vsn + hk * stride_vsh, paged,
-                  stride_vd, stride_vsg, DV, GV, BLOCK_N, BLOCK_DV)
+                  stride_vd, DV, GV, BLOCK_N, BLOCK_DV)
     if WINDOW > 0:
         ring = keys % WINDOW
         kw = tl.load(KW + seq.to(tl.int64) * stride_ws + ring[:, None] * stride_wn + hk * stride_wh

@@ -42,15 +42,15 @@ def as_operand(x, dtype: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def load_int4(row_ptrs, scale_ptrs, live, stride_d, stride_g, WIDTH: tl.constexpr, GROUP: tl.constexpr,
+def load_int4(row_ptrs, scale_ptrs, live, stride_d, WIDTH: tl.constexpr, GROUP: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
     """(BLOCK_N, BLOCK_W) fp32 values of INT4 rows (kv/cache._int4_decode): WIDTH / 2 bytes at
     row_ptrs (channel 2i in byte i's low nibble, 2i + 1 in its high one) and, per GROUP channels,
     a bfloat16 (scale, minimum) pair at scale_ptrs; value = code x scale + minimum (the product is
     exact, so fused or not it is one rounding, as the cache's own). Rows not live and columns past
-    WIDTH give 0. A token's pairs sit together, group after group (stride_g == 2, unit last stride:
-    kv/cache.py makes the pools so, and tests/test_kv_int4.py checks it): all of them come in one
-    vector load, split after. Two scalar loads a group took 1.5x (D64) to 1.8x (D128) the kernel's time at
+    WIDTH give 0. A token's pairs sit together, group after group (strides 2 and 1: kv/cache.py
+    makes the pools so, and tests/test_kv_int4.py checks it): all of them come in one vector load,
+    split after, so the pools' group stride is no argument. Two scalar loads a group took 1.5x (D64) to 1.8x (D128) the kernel's time at
     groups of 16 (H200, benchmarks/NOTES.md, session 41)."""
     half = tl.arange(0, BLOCK_W // 2)
     b = tl.load(row_ptrs + half[None, :] * stride_d, mask=live[:, None] & (half[None, :] < WIDTH // 2), other=0)
@@ -67,7 +67,7 @@ def load_int4(row_ptrs, scale_ptrs, live, stride_d, stride_g, WIDTH: tl.constexp
 @triton.jit
 def int4_tile(K, V, KS, VS, KW, VW, centre, page, slot, keys, live, length, seq, hk,
               stride_kp, stride_kn, stride_kh, stride_kd, stride_vp, stride_vn, stride_vh, stride_vd,
-              stride_ksp, stride_ksn, stride_ksh, stride_ksg, stride_vsp, stride_vsn, stride_vsh, stride_vsg,
+              stride_ksp, stride_ksn, stride_ksh, stride_vsp, stride_vsn, stride_vsh,
               stride_ws, stride_wn, stride_wh, stride_wd, stride_xs, stride_xn, stride_xh, stride_xd,
               D: tl.constexpr, DV: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, WINDOW: tl.constexpr):
@@ -81,10 +81,10 @@ def int4_tile(K, V, KS, VS, KW, VW, centre, page, slot, keys, live, length, seq,
         paged = live & (keys < length - WINDOW)
     k = load_int4(K + page[:, None] * stride_kp + slot[:, None] * stride_kn + hk * stride_kh,
                   KS + page[:, None] * stride_ksp + slot[:, None] * stride_ksn + hk * stride_ksh, paged,
-                  stride_kd, stride_ksg, D, GK, BLOCK_N, BLOCK_D)
+                  stride_kd, D, GK, BLOCK_N, BLOCK_D)
     v = load_int4(V + page[:, None] * stride_vp + slot[:, None] * stride_vn + hk * stride_vh,
                   VS + page[:, None] * stride_vsp + slot[:, None] * stride_vsn + hk * stride_vsh, paged,
-                  stride_vd, stride_vsg, DV, GV, BLOCK_N, BLOCK_DV)
+                  stride_vd, DV, GV, BLOCK_N, BLOCK_DV)
     # (the two loads' rows are disjoint: the other gives zeros). Only tiles that reach the newest
     # WINDOW keys read the ring: masked loads in every tile took 1.9x (D64) the kernel's time (H200,
     # benchmarks/NOTES.md, session 41).
@@ -118,8 +118,8 @@ def decode_split_kernel(
     PAGE: tl.constexpr, QUANTIZED: tl.constexpr, DOT_PRECISION: tl.constexpr, CONTIG: tl.constexpr = False,
     SPARSE: tl.constexpr = False, SOFTCAP: tl.constexpr = 0.0, SLOPES=None, stride_slb=0,
     HAS_ALIBI: tl.constexpr = False, QOFF=None, HAS_QOFF: tl.constexpr = False, INT4: tl.constexpr = False,
-    stride_ksp=0, stride_ksn=0, stride_ksh=0, stride_ksg=0,  # INT4's (page, slot, head, group) scales
-    stride_vsp=0, stride_vsn=0, stride_vsh=0, stride_vsg=0,
+    stride_ksp=0, stride_ksn=0, stride_ksh=0,  # INT4's (page, slot, head) scales (groups: load_int4)
+    stride_vsp=0, stride_vsn=0, stride_vsh=0,
     GK: tl.constexpr = 1, GV: tl.constexpr = 1,
     KW=None, VW=None, KC=None, stride_ws=0, stride_wn=0, stride_wh=0, stride_wd=0,  # INT4's window rings
     stride_xs=0, stride_xn=0, stride_xh=0, stride_xd=0, stride_cs=0, stride_ch=0, WINDOW: tl.constexpr = 0,
@@ -224,8 +224,8 @@ def decode_split_kernel(
             if code == 3:
                 k, v = int4_tile(K, V, KS, VS, KW, VW, centre, page, slot, keys, live, length, seq, hk,
                                  stride_kp, stride_kn, stride_kh, stride_kd, stride_vp, stride_vn, stride_vh, stride_vd,
-                                 stride_ksp, stride_ksn, stride_ksh, stride_ksg, stride_vsp, stride_vsn, stride_vsh,
-                                 stride_vsg, stride_ws, stride_wn, stride_wh, stride_wd, stride_xs, stride_xn,
+                                 stride_ksp, stride_ksn, stride_ksh, stride_vsp, stride_vsn, stride_vsh,
+                                 stride_ws, stride_wn, stride_wh, stride_wd, stride_xs, stride_xn,
                                  stride_xh, stride_xd, D, DV, GK, GV, BLOCK_N, BLOCK_D, BLOCK_DV, WINDOW)
             elif code == 2:
                 at = page[:, None] * (PAGE * H8) + slot[:, None] * H8 + hk
@@ -242,8 +242,8 @@ def decode_split_kernel(
         elif INT4:
             k, v = int4_tile(K, V, KS, VS, KW, VW, centre, page, slot, keys, live, length, seq, hk,
                              stride_kp, stride_kn, stride_kh, stride_kd, stride_vp, stride_vn, stride_vh, stride_vd,
-                             stride_ksp, stride_ksn, stride_ksh, stride_ksg, stride_vsp, stride_vsn, stride_vsh,
-                             stride_vsg, stride_ws, stride_wn, stride_wh, stride_wd, stride_xs, stride_xn,
+                             stride_ksp, stride_ksn, stride_ksh, stride_vsp, stride_vsn, stride_vsh,
+                             stride_ws, stride_wn, stride_wh, stride_wd, stride_xs, stride_xn,
                              stride_xh, stride_xd, D, DV, GK, GV, BLOCK_N, BLOCK_D, BLOCK_DV, WINDOW)
         else:
             k = tl.load(K + page[:, None] * stride_kp + slot[:, None] * stride_kn + h * stride_kh

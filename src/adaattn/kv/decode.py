@@ -448,9 +448,9 @@ def _split_kv(query, cache, layer, plan, scale, sel=None, count=None, pages=1.0,
         k_pool, v_pool = cache.k[layer], cache.v[layer]
         ks = cache.k_scale[layer] if quantized or int4 else l_part  # a placeholder pointer when not read
         vs = cache.v_scale[layer] if quantized or int4 else l_part
-    if int4:  # (page, slot, head, group) scales
-        int4_strides = dict(zip(("stride_ksp", "stride_ksn", "stride_ksh", "stride_ksg"), ks.stride()[:4]))
-        int4_strides.update(zip(("stride_vsp", "stride_vsn", "stride_vsh", "stride_vsg"), vs.stride()[:4]))
+    if int4:  # the scales' (page, slot, head) strides (their groups lie as kernels/decode.load_int4 reads them)
+        int4_strides = dict(zip(("stride_ksp", "stride_ksn", "stride_ksh"), ks.stride()[:3]))
+        int4_strides.update(zip(("stride_vsp", "stride_vsn", "stride_vsh"), vs.stride()[:3]))
         int4_strides.update(GK=cache.k_group, GV=cache.v_group)
         if cache.window:  # the newest tokens' rings, and the keys' centre they are read less of
             kw, vw, kc = cache.k_window[layer], cache.v_window[layer], cache.k_center[layer]

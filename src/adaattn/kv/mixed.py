@@ -278,8 +278,8 @@ def kernel_args(cache, layer: int, placeholder: torch.Tensor) -> dict:
         _, part = here.parts["int4"]
         ks, vs = part.k_scale[0], part.v_scale[0]
         pools = {"K": part.k[0], "V": part.v[0], "KS": ks, "VS": vs}
-        kw.update(zip(("stride_ksp", "stride_ksn", "stride_ksh", "stride_ksg"), ks.stride()[:4]))
-        kw.update(zip(("stride_vsp", "stride_vsn", "stride_vsh", "stride_vsg"), vs.stride()[:4]))
+        kw.update(zip(("stride_ksp", "stride_ksn", "stride_ksh"), ks.stride()[:3]))
+        kw.update(zip(("stride_vsp", "stride_vsn", "stride_vsh"), vs.stride()[:3]))
         kw.update(GK=part.k_group, GV=part.v_group)
         if part.window:
             kc = part.k_center[0]
