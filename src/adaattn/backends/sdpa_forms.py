@@ -82,8 +82,9 @@ def finite_floor(attn_mask: torch.Tensor) -> torch.Tensor:
     return torch.where(low, floor, attn_mask)
 
 
-def drowned_rows(attn_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """An additive mask as the fused kernels' backward takes it: its low rows moved to peak at 0,
+def drowned_rows(attn_mask: torch.Tensor, low_peak: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """An additive mask as the fused kernels' backward takes it: its low rows (peaking below
+    `low_peak`, LOW_PEAK unless given) moved to peak at 0,
     and (..., Nq, 1) bool marking the drowned ones among them (None where there is none). A mask
     with no low row comes back as it is. One read of the mask, and one sync (none under
     torch.compile or CUDA-graph capture: there every low row is shifted and none is named drowned).
@@ -108,7 +109,7 @@ def drowned_rows(attn_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | 
                  for st, n in zip(attn_mask.stride(), attn_mask.shape)]
     base = attn_mask[tuple(slice(0, 1) if c else slice(None) for c in collapsed)]
     top = base.detach().amax(-1, keepdim=True)
-    low = (top < LOW_PEAK) & (top > float("-inf"))
+    low = (top < (LOW_PEAK if low_peak is None else low_peak)) & (top > float("-inf"))
     drowned = low & (top < DROWN_BELOW)
     # No read under torch.compile or CUDA-graph capture: every low row shifted, one launch. A
     # drowned row then gives softmax of its scores (finite; SDPA's answer is uniform weights, torch's
