@@ -163,6 +163,19 @@ def test_the_backward_takes_ds_in_two_roundings_only_where_torch_runs_math(monke
 
 
 @INTERPRETED
+@pytest.mark.xfail(strict=True, reason="open: Triton float16 backward at logits x30 and scale 0.82 (scores to +-800): "
+                   "dq/dk 0.13/0.12 against torch's math 2.6e-11/2.8e-4 (seed 5832 #382)")
+def test_triton_half_gradients_at_scores_of_hundreds_meet_the_standard():
+    # seed 5832, 1,000 interpreted configurations (session 42): float16, D=112, Dv=16, Nq=Nk=36, no
+    # mask, every row peaked (max p >= 0.9985). float32 and logits x1-x3 meet the standard; x10 is
+    # 9e-4; contiguous views 3.9 (another tile shape). Neither the split row statistics (float32's
+    # fix) nor a larger ds scale moved it: not lse rounding nor ds underflow. Not yet found.
+    pytest.importorskip("triton")
+    result = check(draw(5832, 382, "cpu", "triton"), "cpu")
+    assert result["status"] == "ok", result.get("why")
+
+
+@INTERPRETED
 @pytest.mark.parametrize("index", [46, 652, 746, 905])
 def test_triton_float32_gradients_at_large_logits_meet_the_standard(index):
     # seed 20261128, 1,000 interpreted configurations: float32 gradients at logits x30-100 were
