@@ -139,10 +139,16 @@ def exact_delta(q, do, row_a, row_b, k_base, v_base, mask_base, lo, hi, offs_m, 
                 BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_LEFT: tl.constexpr,
                 HAS_RIGHT: tl.constexpr, MASK_KIND: tl.constexpr, DOT_PRECISION: tl.constexpr,
                 SPLIT_STATS: tl.constexpr, SOFTCAP: tl.constexpr = 0.0, HAS_ALIBI: tl.constexpr = False,
-                alibi2=0.0):
-    """delta = rowsum(p * dp) in fp32 over key tiles [lo, hi), p and dp as dq_tile makes them (row
-    statistics as there: row_a = lse, or with SPLIT_STATS the row max and row_b = log2 row sum)."""
+                alibi2=0.0, ROW_NORM: tl.constexpr = True):
+    """delta = rowsum(p * dp) / rowsum(p) in fp32 over key tiles [lo, hi), p and dp as dq_tile makes
+    them (row statistics as there: row_a = lse, or with SPLIT_STATS the row max and row_b = log2 row
+    sum). The division takes out the part of delta that a recomputed row sum off 1 adds: at scores
+    in the hundreds p is recomputed to ~1e-4 (the scores' own fp32 spacing), and a peaked row's
+    dp_1 - delta, the size of its true ds, would carry dp_1 (1 - rowsum(p)) (float16 dk 0.12 relative
+    against torch's math 2.8e-4, interpreter fuzz seed 5832 #382). Not with sinks (ROW_NORM off):
+    there the keys' p sum to 1 less the sink's weight."""
     delta = tl.zeros([BLOCK_M], dtype=tl.float32)
+    total = tl.zeros([BLOCK_M], dtype=tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         k = load_rows(k_base + cols[:, None] * stride_kn + offs_d[None, :], cols, k_len, offs_d,
@@ -162,6 +168,9 @@ def exact_delta(q, do, row_a, row_b, k_base, v_base, mask_base, lo, hi, offs_m, 
             p = tl.math.exp2(s - row_a[:, None])
         dp = dot(do, tl.trans(v), None, DOT_PRECISION)
         delta += tl.sum(p * dp, 1)
+        total += tl.sum(p, 1)
+    if ROW_NORM:
+        delta = tl.where(total > 0.0, delta / tl.where(total > 0.0, total, 1.0), delta)
     return delta
 
 
@@ -196,6 +205,7 @@ def attention_bwd_delta_kernel(
     HAS_LEFT: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False,
     MASK_KIND: tl.constexpr = 0, DOT_PRECISION: tl.constexpr = "ieee", EXACT_KEYS: tl.constexpr = 0,
     SOFTCAP: tl.constexpr = 0.0, Slopes=None, stride_sb=0, HAS_ALIBI: tl.constexpr = False,
+    ROW_NORM: tl.constexpr = True,
 ):
     """Grid: (query blocks, batch * q_heads). Delta has the layout of the saved lse: the sum
     over the HEAD_DIM_V value columns of o * do, or with EXACT_KEYS > 0, for a query block none of
@@ -262,7 +272,7 @@ def attention_bwd_delta_kernel(
                                     tl.arange(0, BLOCK_N), offs_d, offs_dv, q_len, k_len, diag, window_left,
                                     window_right, stride_kn, stride_vn, stride_mm, stride_mn, scale_log2, HEAD_DIM,
                                     BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                                    DOT_PRECISION, True, SOFTCAP, HAS_ALIBI, alibi2)
+                                    DOT_PRECISION, True, SOFTCAP, HAS_ALIBI, alibi2, ROW_NORM)
             else:
                 lse = tl.load(l_base + offs_m * stride_lm, mask=offs_m < q_len, other=float("inf"))
                 lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E_K
@@ -270,7 +280,7 @@ def attention_bwd_delta_kernel(
                                     tl.arange(0, BLOCK_N), offs_d, offs_dv, q_len, k_len, diag, window_left,
                                     window_right, stride_kn, stride_vn, stride_mm, stride_mn, scale_log2, HEAD_DIM,
                                     BLOCK_D, HEAD_DIM_V, BLOCK_DV, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT, MASK_KIND,
-                                    DOT_PRECISION, False, SOFTCAP, HAS_ALIBI, alibi2)
+                                    DOT_PRECISION, False, SOFTCAP, HAS_ALIBI, alibi2, ROW_NORM)
         else:
             delta = delta_from_out(o_base, do, offs_m, offs_dv, q_len, stride_om, HEAD_DIM_V, BLOCK_DV)
     else:

@@ -50,6 +50,7 @@ def attention_bwd_ws_prep_kernel(
     kv_group=1, k_len=0, scale_log2=1.0, window_left=0,
     BLOCK_N: tl.constexpr = 64, CAUSAL: tl.constexpr = False, BOTTOM_RIGHT: tl.constexpr = False,
     HAS_LEFT: tl.constexpr = False, DOT_PRECISION: tl.constexpr = "ieee", EXACT_KEYS: tl.constexpr = 0,
+    ROW_NORM: tl.constexpr = True,
 ):
     """Grid (q_pitch // BLOCK_M, batch * q_heads). Stat[pid_bh * q_pitch + row] = lse * log2(e)
     (+inf where the row saw no key or lies past its sequence's end); Stat[stat_plane + ...] =
@@ -100,6 +101,7 @@ def attention_bwd_ws_prep_kernel(
                           HEAD_DIM_V, BLOCK_DV, True)
             offs_n = tl.arange(0, BLOCK_N)
             delta = tl.zeros([BLOCK_M], dtype=tl.float32)
+            total = tl.zeros([BLOCK_M], dtype=tl.float32)
             for start_n in range(lo, hi, BLOCK_N):
                 cols = start_n + offs_n
                 k = load_rows(k_base + cols[:, None] * stride_kn + offs_dv[None, :], cols, k_len, offs_dv,
@@ -113,6 +115,9 @@ def attention_bwd_ws_prep_kernel(
                 p = tl.math.exp2(tl.where(keep, s, float("-inf")) - lse2[:, None])
                 dp = dot(do, tl.trans(v), None, DOT_PRECISION)
                 delta += tl.sum(p * dp, 1)
+                total += tl.sum(p, 1)
+            if ROW_NORM:  # divided by rowsum(p): attention_bwd.exact_delta says why (not with sinks)
+                delta = tl.where(total > 0.0, delta / tl.where(total > 0.0, total, 1.0), delta)
         else:
             delta = delta_from_out(o_base, do, offs_m, offs_dv, q_len, stride_om, HEAD_DIM_V, BLOCK_DV)
     else:

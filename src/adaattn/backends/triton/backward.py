@@ -84,22 +84,23 @@ def _clear_packed_grads(grads: tuple, cu_seqlens_q, cu_seqlens_k) -> tuple:
 
 def launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                launch: AttentionLaunch, stats: Optional[torch.Tensor] = None, exact_delta: bool = False,
-               slopes: Optional[torch.Tensor] = None):
+               slopes: Optional[torch.Tensor] = None, sinks: bool = False):
     """Run delta, dk/dv and dq kernels; returns (dq, dk, dv) shaped like q, k, v.
     launch.dq_mode "separate" is the one whose bits do not depend on timing. stats: what
     launch_fwd filled under an additive mask (recomputed probabilities then keep full precision
     under large biases); without it the backward reads lse alone. Packed rows past the last
     sequence get 0. exact_delta: out and lse are these keys' own forward (not a ring step's global
     ones), so delta may be recomputed from q, k, v where a query tile sees few keys (EXACT_DELTA_KEYS).
-    slopes: the forward's ALiBi slopes (launch_fwd), float32; no gradient reaches them."""
+    slopes: the forward's ALiBi slopes (launch_fwd), float32; no gradient reaches them. sinks: the
+    forward folded sinks into its rows (a recomputed delta is then not divided by the keys' row sum)."""
     return _clear_packed_grads(_launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k,
-                                           max_seqlen_q, max_seqlen_k, launch, stats, exact_delta, slopes),
+                                           max_seqlen_q, max_seqlen_k, launch, stats, exact_delta, slopes, sinks),
                                cu_seqlens_q, cu_seqlens_k)
 
 
 def _launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 launch: AttentionLaunch, stats: Optional[torch.Tensor] = None, exact_delta: bool = False,
-                slopes: Optional[torch.Tensor] = None):
+                slopes: Optional[torch.Tensor] = None, sinks: bool = False):
     from ...kernels.attention_bwd import (
         attention_bwd_delta_kernel,
         attention_bwd_dkdv_kernel,
@@ -113,7 +114,8 @@ def _launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, 
     if mode != "atomic_rotate" and out.dtype == q.dtype and slopes is None and bwd_ws_here(q) and bwd_ws_ok(
             dout, q, k, v, attn_mask, cu_seqlens_q is not None, launch):
         return _launch_bwd_ws(dout, q, k, v, out, lse, launch, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, exact_delta=exact_delta)
+                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, exact_delta=exact_delta,
+                              sinks=sinks)
     lay = row_layout(q, k, v, cu_seqlens_q, max_seqlen_q, max_seqlen_k)
     (dq, dk, dv), empty = bwd_outputs(q, k, v, lay)
     if empty:
@@ -163,7 +165,7 @@ def _launch_bwd(dout, q, k, v, out, lse, attn_mask, cu_seqlens_q, cu_seqlens_k, 
             window_left=left, window_right=right, BLOCK_N=dcfg.block_n, BOTTOM_RIGHT=launch.bottom_right,
             HAS_LEFT=launch.has_left, HAS_RIGHT=launch.has_right, MASK_KIND=mask_kind,
             DOT_PRECISION=flags["DOT_PRECISION"], EXACT_KEYS=exact_delta_keys(lay, launch),
-            SOFTCAP=launch.softcap * LOG2E, **alibi)
+            SOFTCAP=launch.softcap * LOG2E, ROW_NORM=not sinks, **alibi)
         if split:
             exact["stride_ls"] = stats.stride(0)
     bound(attention_bwd_delta_kernel)[(cdiv(lay.q_len, dcfg.block_m), lay.batch * lay.q_heads)](
@@ -233,7 +235,7 @@ def launch_bwd_ws(dout, q, k, v, out, lse, launch: AttentionLaunch, configs: Opt
 
 def _launch_bwd_ws(dout, q, k, v, out, lse, launch: AttentionLaunch, configs: Optional[tuple] = None,
                    warp_spec: bool = True, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
-                   exact_delta: bool = False):
+                   exact_delta: bool = False, sinks: bool = False):
     from ...kernels.attention_bwd_ws import attention_bwd_dkdv_ws_kernel, attention_bwd_dq_ws_kernel
 
     q, k, v = pointer_ready(q), pointer_ready(k), pointer_ready(v)
@@ -246,7 +248,7 @@ def _launch_bwd_ws(dout, q, k, v, out, lse, launch: AttentionLaunch, configs: Op
     varlen = lay.varlen
     cu_q, cu_k = lay.offsets(cu_seqlens_q, cu_seqlens_k, q)
     stat, pitch, plane = _bwd_stat_planes(out, dout, lse, lay, cu_q,
-                                          (q, k, v, cu_k, launch) if exact_delta else None)
+                                          (q, k, v, cu_k, launch) if exact_delta else None, sinks)
     descriptor = tensor_descriptor()
     ensure_triton_allocator()
     group = lay.q_heads // lay.kv_heads
@@ -312,7 +314,8 @@ def _launch_bwd_ws(dout, q, k, v, out, lse, launch: AttentionLaunch, configs: Op
     return dq, dk, dv
 
 
-def _bwd_stat_planes(out, dout, lse, lay: RowLayout, cu_q, exact: Optional[tuple] = None) -> tuple:
+def _bwd_stat_planes(out, dout, lse, lay: RowLayout, cu_q, exact: Optional[tuple] = None,
+                     sinks: bool = False) -> tuple:
     """The prep kernel's planes of a backward (kernels/attention_bwd_ws.py): (stat, pitch, plane),
     lse in the log2 domain at stat[bh * pitch + row] and delta at stat[plane + bh * pitch + row]. Whole
     128-row tiles (the largest BLOCK_M) per (sequence, head), the longest sequence's length each,
@@ -331,7 +334,8 @@ def _bwd_stat_planes(out, dout, lse, lay: RowLayout, cu_q, exact: Optional[tuple
              "stride_vn"), lay.strides(q) + lay.strides(k) + lay.strides(v))),
             kv_group=lay.q_heads // lay.kv_heads, k_len=lay.k_len, scale_log2=launch.scale * LOG2E,
             window_left=launch.left, BLOCK_N=64, CAUSAL=launch.has_right, BOTTOM_RIGHT=launch.bottom_right,
-            HAS_LEFT=launch.has_left, DOT_PRECISION=dot_precision(q.dtype), EXACT_KEYS=exact_delta_keys(lay, launch))
+            HAS_LEFT=launch.has_left, DOT_PRECISION=dot_precision(q.dtype), EXACT_KEYS=exact_delta_keys(lay, launch),
+            ROW_NORM=not sinks)
     bound(attention_bwd_ws_prep_kernel)[(pitch // 64, lay.batch * lay.q_heads)](
         out, dout, lse, stat, cu_q, *lay.strides(out), *lay.strides(dout), *lse_strides(lse, lay),
         lay.q_heads, lay.q_len, pitch, plane, HEAD_DIM_V=lay.head_dim, BLOCK_DV=lay.head_dim, BLOCK_M=64,

@@ -159,7 +159,7 @@ class _ModifiedAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, attn_mask, out, lse, stats, z, m = ctx.saved_tensors
         dq, dk, dv = launch_bwd(dout, q, k, v, out, lse, attn_mask, None, None, q.shape[2], k.shape[2],
-                                launch_of(ctx.launch), stats, exact_delta=True, slopes=m)
+                                launch_of(ctx.launch), stats, exact_delta=True, slopes=m, sinks=z is not None)
         dz = None
         if z is not None:
             # In float64: d z sums rows of either sign, so what it keeps is what the terms keep.
