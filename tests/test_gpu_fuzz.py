@@ -198,7 +198,12 @@ FOUND_AFTER_1E71C02 = [(5101, i) for i in (15, 416, 608, 1625, 1979, 2538, 2602,
     pytest.param(seed, i, marks=pytest.mark.xfail(strict=True, reason=why)) for seed, i, why in (
         # The Triton forward read outside K/V with both at odd offsets, at BLOCK_N 64 (illegal memory
         # access, H200): they are now copied to aligned rows first, and it runs. Its gradient stays open.
-        (5300, 16237, "open: Triton backward at Dv=16, bfloat16, logits x30: dk 3.8x torch's error (H200)"),)]
+        (5300, 16237, "open: Triton backward at Dv=16, bfloat16, logits x30: dk 3.8x torch's error (H200)"),
+        # cuDNN's bfloat16 backward with a bool mask, causal and a window at logits x100: dq not finite
+        # on rows whose log-sum-exp is below about -88 (torch's own default runs cuDNN and gives the
+        # same). A checked backward (session 42) cost checkpointed blocks a second recomputation and
+        # held the graph after the backward: reverted (NOTES).
+        (5419, 12693, "open: sdpa.cudnn bfloat16 dq not finite on rows of log-sum-exp below -88 (H200)"),)]
 
 
 @cuda
@@ -209,17 +214,3 @@ def test_configurations_found_after_1e71c02_meet_the_standard(seed, index):
     result = check(draw(seed, index, "cuda"), "cuda")
     assert result["status"] == "ok", f"{result.get('why')} | {result['repro']}"
 
-
-@cuda
-def test_cudnn_gradients_that_are_not_finite_are_recomputed_with_math_and_said():
-    """cuDNN's bfloat16 backward with a bool mask, causal and a window at logits x100: dq not finite
-    (torch's own default runs cuDNN and gives the same), on rows whose live keys score ~90 nats below
-    a masked key. The backward is checked and recomputed with math (_FiniteGradients), with one
-    warning: a runtime fallback (seed 5419 #12693, H200)."""
-    from adaattn.backends import sdpa
-    from fuzz.sdpa import check, draw
-
-    sdpa._SAID_NON_FINITE.clear()
-    result = check(draw(5419, 12693, "cuda"), "cuda")
-    assert result["status"] == "warn" and "non-finite gradients" in result["why"], result
-    assert all(ours <= 2 * torch_err + 1e-6 for ours, torch_err in result["errors"].values()), result

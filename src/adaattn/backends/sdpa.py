@@ -21,7 +21,7 @@ from .. import hardware
 from .base import Declined, Runner, no_keys
 from ..problem import SMALL_SCORES
 from .masks import fold_positions
-from .sdpa_forms import (CUDNN_VERSION, CUDNN_WIDE, DROWN_BELOW, DROWN_EPS, F32_ALIGN_DIM, FUSED, HALF, LOW_PEAK,
+from .sdpa_forms import (CUDNN_VERSION, CUDNN_WIDE, DROWN_EPS, EFFICIENT_LOW_PEAK, F32_ALIGN_DIM, FUSED, HALF, LOW_PEAK,
                          _GradTimes, cudnn_bias, dim_unit, drowned_rows, efficient_bias, fused_form, fused_ready, padded_dim)
 
 
@@ -332,11 +332,12 @@ class SdpaRunner(Runner):
             # gradients in bfloat16, 3x torch's error in float32: a CUDA fuzzer, H100). On the CPU,
             # torch's own gradients of rows of finfo.min were 2.7-4.6 relative (float32, bfloat16).
             # Under torch.compile drowned_rows shifts without a read and names no drowned row.
-            # The efficient kernel's backward took low rows as they are (torch's own, #132); shifted to
-            # peak at 0, one query against one key of -1e4 gave float32 dv 16x torch's error (its
-            # backward recomputed the score an ulp off the forward's, at a weight of exactly 1:
-            # seed 5418 #2950, H200). Only its drowned rows are moved.
-            low_peak = DROWN_BELOW if self.kernel == SDPBackend.EFFICIENT_ATTENTION else LOW_PEAK
+            # The efficient kernel's backward took rows of -1e4 as they are (torch's own, #132); shifted
+            # to peak at 0, one query against one key of -1e4 gave float32 dv 16x torch's error (its
+            # backward recomputed the score an ulp off the forward's, at a weight of exactly 1: seed
+            # 5418 #2950, H200). Its rows move from EFFICIENT_LOW_PEAK down, where float32 loses the
+            # scores beside the bias (at -1e9 a spacing of 64: uniform weights, lse without log n).
+            low_peak = EFFICIENT_LOW_PEAK if self.kernel == SDPBackend.EFFICIENT_ATTENTION else LOW_PEAK
             attn_mask, rows = drowned_rows(attn_mask, low_peak)
             if rows is not None:
                 return self._run_drowned(query, key, value, attn_mask, rows, problem)
@@ -388,12 +389,6 @@ class SdpaRunner(Runner):
         return out + (part - part.detach()).to(out.dtype) * rows
 
     def _launch(self, query, key, value, attn_mask, problem, causal):
-        if (self.kernel == SDPBackend.CUDNN_ATTENTION and attn_mask is not None and problem.needs_grad
-                and torch.is_grad_enabled() and not _no_reads(query)):
-            return _FiniteGradients.apply(self, problem, causal, query, key, value, attn_mask)
-        return self._launch_kernel(query, key, value, attn_mask, problem, causal)
-
-    def _launch_kernel(self, query, key, value, attn_mask, problem, causal):
         if self.kernel == SDPBackend.EFFICIENT_ATTENTION and attn_mask is not None:
             attn_mask = efficient_bias(attn_mask, query.dtype, problem.kv_len, floor=not problem.needs_grad)
         live = None
@@ -417,90 +412,6 @@ class SdpaRunner(Runner):
                 is_causal=causal, scale=problem.scale, enable_gqa=gqa,
             )
         return out if live is None else out * live
-
-
-def _no_reads(t: torch.Tensor) -> bool:
-    """Under torch.compile or CUDA-graph capture nothing is read back to the host."""
-    return torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing())
-
-
-_SAID_NON_FINITE: set = set()
-# Rows whose log-sum-exp is below this are where cuDNN's backward overflowed (inf dq from about -88:
-# exp(88.7) is float32's largest; seed 5419 #12693 had rows at -105 and -150, its rows at -80 fine).
-LOW_LSE = -80.0
-_LSE_FLAG = True  # (False: every checked backward reads its gradients instead; a timing comparison)
-
-
-def _low_lse(out: torch.Tensor):
-    """Whether any row of the cuDNN launch behind `out` has a log-sum-exp below LOW_LSE, as (a pinned
-    host flag copied without a wait, the event after the copy); None where the launch's saved
-    log-sum-exp is not found (the backward then reads its gradients)."""
-    node = out.grad_fn
-    for _ in range(3):  # the launch, or the launch times the live rows (cudnn_bias)
-        if node is None:
-            return None
-        if type(node).__name__.startswith("ScaledDotProductCudnnAttentionBackward"):
-            break
-        node = next((f for f, _ in node.next_functions if f is not None), None)
-    else:
-        return None
-    lse = getattr(node, "_saved_logsumexp", None)
-    if lse is None or not lse.is_cuda:
-        return None
-    host = torch.empty((), dtype=torch.bool, pin_memory=True)
-    host.copy_((lse < LOW_LSE).any(), non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
-    return host, event
-
-
-class _FiniteGradients(torch.autograd.Function):
-    """A masked cuDNN call under gradients whose backward is checked: where cuDNN's gradients are not
-    finite, they are recomputed with torch's math kernel (one warning). cuDNN's backward gave inf dq
-    for rows whose live keys all score far (~90 nats) below a masked key's score, with a bool or an
-    additive mask of -inf or -1e4 alike, where its forward, the efficient kernel and math were right
-    (seed 5419 #12693, bfloat16 at logits x100, H200, torch 2.11; torch's own default runs cuDNN
-    there and gives the same inf). Nothing about the call's shape shows such rows: the forward flags
-    rows whose log-sum-exp is below LOW_LSE (copied to the host without a wait), and only a flagged
-    call's backward reads its gradients (a sync). Not under torch.compile or CUDA-graph capture."""
-
-    @staticmethod
-    def forward(ctx, runner, problem, causal, query, key, value, attn_mask):
-        leaves = [t.detach().requires_grad_(t.requires_grad) if t.is_floating_point() else t
-                  for t in (query, key, value, attn_mask)]
-        with torch.enable_grad():
-            out = runner._launch_kernel(*leaves, problem, causal)
-        ctx.graph = (runner, problem, causal, leaves, out)
-        ctx.low = _low_lse(out) if _LSE_FLAG else None
-        return out.detach()
-
-    @staticmethod
-    def backward(ctx, grad):
-        runner, problem, causal, leaves, out = ctx.graph
-        wrt = [t for t in leaves if t.requires_grad]
-        grads = torch.autograd.grad(out, wrt, grad, retain_graph=True, create_graph=torch.is_grad_enabled(),
-                                    allow_unused=True)
-        present = [g for g in grads if g is not None]
-        risky = True
-        if ctx.low is not None:  # the forward's flag: long copied by now, no wait for this backward
-            host, event = ctx.low
-            event.synchronize()
-            risky = bool(host)
-        if risky and present and not bool(torch.stack([torch.isfinite(g).all() for g in present]).all()):
-            import warnings
-
-            if problem.shape_class not in _SAID_NON_FINITE:  # said once per problem class
-                _SAID_NON_FINITE.add(problem.shape_class)
-                warnings.warn(f"adaattn: runner {runner.name} gave non-finite gradients for {problem.describe()} "
-                              "(torch's own cuDNN kernel does too); recomputed with sdpa.math.",
-                              RuntimeWarning, stacklevel=2)
-            fresh = [t.detach().requires_grad_(True) if t.requires_grad else t for t in leaves]
-            with torch.enable_grad():
-                again = _MATH._launch_kernel(*fresh, problem, causal)
-            grads = torch.autograd.grad(again, [t for t in fresh if t.requires_grad], grad,
-                                        create_graph=torch.is_grad_enabled(), allow_unused=True)
-        it = iter(grads)
-        return (None, None, None) + tuple(next(it) if t.requires_grad else None for t in leaves)
 
 
 # The efficient kernel picks one of its instantiations on the host, before any launch; where none
@@ -549,9 +460,6 @@ def sdpa_runners() -> list[SdpaRunner]:
         ),
         SdpaRunner("sdpa.math", SDPBackend.MATH, "cuda", all_float),
     ]
-
-
-_MATH = SdpaRunner("sdpa.math", SDPBackend.MATH, "cuda", (torch.float16, torch.bfloat16, torch.float32, torch.float64))
 
 
 def _generator_state(device: torch.device):

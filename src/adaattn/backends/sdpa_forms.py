@@ -144,6 +144,9 @@ class _GradTimes(torch.autograd.Function):
 DROWN_BELOW = -1e18
 # Rows peaking below this are shifted to peak at 0 under gradients (drowned_rows).
 LOW_PEAK = -1e3
+# The efficient kernel's rows are shifted from here down: rows of -1e4 keep torch's own answer
+# (seed 5418 #2950), rows where float32's spacing swallows the scores (8e-3 at 1e5, 64 at 1e9) move.
+EFFICIENT_LOW_PEAK = -1e5
 # A drowned row's query, scaled by this, gives scores that vanish against 1 in float32 (|s| < 1e5).
 DROWN_EPS = 2.0 ** -40
 
