@@ -163,6 +163,19 @@ def test_the_backward_takes_ds_in_two_roundings_only_where_torch_runs_math(monke
 
 
 @INTERPRETED
+@pytest.mark.xfail(strict=True, reason="open: Triton float16 dv 2.6x torch's math at one query against six keys "
+                   "(p rounded to float16 before P^T dO; seed 5837 #170)")
+def test_triton_half_dv_where_torch_runs_math_meets_the_standard():
+    # seed 5837 #170, 1,000 interpreted configurations (session 42, at e886178): float16, Nq=1, Nk=6,
+    # D=128, Dv=40, a bool (3, 1, 1, 6) mask, under gradients: dv 2.9e-4 against torch's math 1.1e-4
+    # (out, dq, dk equal to torch's). The dv product takes p rounded to float16 (FA2 and cuDNN do);
+    # math keeps it in float32. ds has two roundings where torch runs math (ds_split); p has one.
+    pytest.importorskip("triton")
+    result = check(draw(5837, 170, "cpu", "triton"), "cpu")
+    assert result["status"] == "ok", result.get("why")
+
+
+@INTERPRETED
 def test_triton_half_gradients_at_scores_of_hundreds_meet_the_standard():
     # seed 5832 #382, 1,000 interpreted configurations (session 42): float16, D=112, Dv=16, Nq=Nk=36,
     # no mask, scores to +-800, every row peaked (max p >= 0.9985). dq/dk were 0.13/0.12 against
