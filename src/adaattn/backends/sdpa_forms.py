@@ -82,9 +82,23 @@ def finite_floor(attn_mask: torch.Tensor) -> torch.Tensor:
     return torch.where(low, floor, attn_mask)
 
 
-def drowned_rows(attn_mask: torch.Tensor, low_peak: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+# Rows peaking below this drown their scores in float64 (its spacing there is 128; the scores of a
+# call are far below it) and in float32 alike: SDPA's weights are uniform over the keys at the peak.
+# Between -1e15 and here float64 rounds the scores partly: neither answer is exact. (At -1e25 the
+# common masked_fill(-1e20) rows were shifted: softmax of their scores, 2.2 relative off.)
+DROWN_BELOW = -1e18
+# Rows peaking below this are shifted to peak at 0 under gradients (drowned_rows).
+LOW_PEAK = -1e3
+# The efficient kernel's rows are shifted from here down: rows of -1e4 keep torch's own answer
+# (seed 5418 #2950), rows where float32's spacing swallows the scores (8e-3 at 1e5, 64 at 1e9) move.
+EFFICIENT_LOW_PEAK = -1e5
+# A drowned row's query, scaled by this, gives scores that vanish against 1 in float32 (|s| < 1e5).
+DROWN_EPS = 2.0 ** -40
+
+
+def drowned_rows(attn_mask: torch.Tensor, low_peak: float = LOW_PEAK) -> tuple[torch.Tensor, torch.Tensor | None]:
     """An additive mask as the fused kernels' backward takes it: its low rows (peaking below
-    `low_peak`, LOW_PEAK unless given) moved to peak at 0,
+    `low_peak`) moved to peak at 0,
     and (..., Nq, 1) bool marking the drowned ones among them (None where there is none). A mask
     with no low row comes back as it is. One read of the mask, and one sync (none under
     torch.compile or CUDA-graph capture: there every low row is shifted and none is named drowned).
@@ -109,7 +123,7 @@ def drowned_rows(attn_mask: torch.Tensor, low_peak: float | None = None) -> tupl
                  for st, n in zip(attn_mask.stride(), attn_mask.shape)]
     base = attn_mask[tuple(slice(0, 1) if c else slice(None) for c in collapsed)]
     top = base.detach().amax(-1, keepdim=True)
-    low = (top < (LOW_PEAK if low_peak is None else low_peak)) & (top > float("-inf"))
+    low = (top < low_peak) & (top > float("-inf"))
     drowned = low & (top < DROWN_BELOW)
     # No read under torch.compile or CUDA-graph capture: every low row shifted, one launch. A
     # drowned row then gives softmax of its scores (finite; SDPA's answer is uniform weights, torch's
@@ -135,20 +149,6 @@ class _GradTimes(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad * ctx.factor, None
-
-
-# Rows peaking below this drown their scores in float64 (its spacing there is 128; the scores of a
-# call are far below it) and in float32 alike: SDPA's weights are uniform over the keys at the peak.
-# Between -1e15 and here float64 rounds the scores partly: neither answer is exact. (At -1e25 the
-# common masked_fill(-1e20) rows were shifted: softmax of their scores, 2.2 relative off.)
-DROWN_BELOW = -1e18
-# Rows peaking below this are shifted to peak at 0 under gradients (drowned_rows).
-LOW_PEAK = -1e3
-# The efficient kernel's rows are shifted from here down: rows of -1e4 keep torch's own answer
-# (seed 5418 #2950), rows where float32's spacing swallows the scores (8e-3 at 1e5, 64 at 1e9) move.
-EFFICIENT_LOW_PEAK = -1e5
-# A drowned row's query, scaled by this, gives scores that vanish against 1 in float32 (|s| < 1e5).
-DROWN_EPS = 2.0 ** -40
 
 
 def efficient_bias(attn_mask: torch.Tensor, dtype: torch.dtype, kv_len: int, floor: bool = True) -> torch.Tensor:

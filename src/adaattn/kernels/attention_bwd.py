@@ -170,7 +170,7 @@ def exact_delta(q, do, row_a, row_b, k_base, v_base, mask_base, lo, hi, offs_m, 
         delta += tl.sum(p * dp, 1)
         total += tl.sum(p, 1)
     if ROW_NORM:
-        delta = tl.where(total > 0.0, delta / tl.where(total > 0.0, total, 1.0), delta)
+        delta = delta / tl.where(total > 0.0, total, 1.0)  # (no key: total = delta = 0)
     return delta
 
 

@@ -117,7 +117,7 @@ def attention_bwd_ws_prep_kernel(
                 delta += tl.sum(p * dp, 1)
                 total += tl.sum(p, 1)
             if ROW_NORM:  # divided by rowsum(p): attention_bwd.exact_delta says why (not with sinks)
-                delta = tl.where(total > 0.0, delta / tl.where(total > 0.0, total, 1.0), delta)
+                delta = delta / tl.where(total > 0.0, total, 1.0)  # (no key: total = delta = 0)
         else:
             delta = delta_from_out(o_base, do, offs_m, offs_dv, q_len, stride_om, HEAD_DIM_V, BLOCK_DV)
     else:
