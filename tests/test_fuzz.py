@@ -101,7 +101,7 @@ def test_triton_half_gradients_where_torch_runs_math_meet_the_standard(seed, ind
 def test_ds_in_two_roundings_is_closer_to_float64_than_ds_rounded_once():
     """The same float16 backward (#528's tensors) with ds rounded once (settings ds_split "off", what
     runs where a fused torch kernel would) and in two roundings ("on"): both near float64, the
-    second nearer; dv does not involve ds and is the same."""
+    second nearer; dv takes p in two roundings alongside (#170) and is no farther."""
     pytest.importorskip("triton")
     from adaattn import settings
     from adaattn.backends.reference import reference_attention, relative_errors
@@ -121,7 +121,7 @@ def test_ds_in_two_roundings_is_closer_to_float64_than_ds_rounded_once():
         errs[mode] = [relative_errors(a, b).item() for a, b in zip(got, exact)]
     assert all(e < 5e-3 for e in errs["off"] + errs["on"]), errs
     assert errs["on"][0] < errs["off"][0] and errs["on"][1] < errs["off"][1], errs
-    assert errs["on"][2] == errs["off"][2], errs
+    assert errs["on"][2] <= errs["off"][2], errs
 
 
 def test_the_backward_takes_ds_in_two_roundings_only_where_torch_runs_math(monkeypatch):
@@ -163,13 +163,11 @@ def test_the_backward_takes_ds_in_two_roundings_only_where_torch_runs_math(monke
 
 
 @INTERPRETED
-@pytest.mark.xfail(strict=True, reason="open: Triton float16 dv 2.6x torch's math at one query against six keys "
-                   "(p rounded to float16 before P^T dO; seed 5837 #170)")
 def test_triton_half_dv_where_torch_runs_math_meets_the_standard():
     # seed 5837 #170, 1,000 interpreted configurations (session 42, at e886178): float16, Nq=1, Nk=6,
     # D=128, Dv=40, a bool (3, 1, 1, 6) mask, under gradients: dv 2.9e-4 against torch's math 1.1e-4
     # (out, dq, dk equal to torch's). The dv product takes p rounded to float16 (FA2 and cuDNN do);
-    # math keeps it in float32. ds has two roundings where torch runs math (ds_split); p has one.
+    # math keeps it in float32. Under ds_split p now has two roundings for dv as ds has for dk, dq.
     pytest.importorskip("triton")
     result = check(draw(5837, 170, "cpu", "triton"), "cpu")
     assert result["status"] == "ok", result.get("why")

@@ -325,7 +325,8 @@ def ds_low(ds, ds_c, DOT_PRECISION: tl.constexpr):
     """The part of fp32 ds that its rounding to the operand dtype (ds_c) lost, itself rounded: a
     second product with it gives dk and dq from ds to about twice the dtype's bits. FA2 and cuDNN
     round ds once; torch's math kernel keeps it in fp32, and where math is what torch runs (no
-    fused kernel takes the call) our float16 gradients were 2.2-2.3x its error (fuzzer #528, #7381)."""
+    fused kernel takes the call) our float16 gradients were 2.2-2.3x its error (fuzzer #528, #7381).
+    The same split of p gives dv (math keeps p in fp32 too: fuzzer #170, dv 2.6x)."""
     return round_to(ds - ds_c.to(tl.float32), ds_c.dtype, DOT_PRECISION)
 
 
@@ -358,7 +359,10 @@ def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, m
         p_t = tl.math.exp2((s_t - m[None, :]) - l2[None, :])
     else:
         p_t = tl.math.exp2(s_t - lse[None, :])
-    dv = dot(round_to(p_t, do.dtype, DOT_PRECISION), do, dv, DOT_PRECISION)
+    p_c = round_to(p_t, do.dtype, DOT_PRECISION)
+    dv = dot(p_c, do, dv, DOT_PRECISION)
+    if DS_SPLIT:  # p in two roundings as well: math keeps p in fp32 for dv (fuzzer #170)
+        dv = dot(ds_low(p_t, p_c, DOT_PRECISION), do, dv, DOT_PRECISION)
     dp_t = dot(v, tl.trans(do), None, DOT_PRECISION)
     # ds goes to the products times `scale`, the launch's ds scale: the softmax scale, kept at
     # 2^-6 or more in magnitude, with the rest (post_scale) applied to dk and dq in fp32. The
