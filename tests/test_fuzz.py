@@ -162,6 +162,76 @@ def test_the_backward_takes_ds_in_two_roundings_only_where_torch_runs_math(monke
     assert not planner.make_plan(problem, policy).launches[0].ds_split
 
 
+def test_runners_behind_torch_s_own_fused_choice_give_math_grade_gradients():
+    """A runner behind torch's own fused choice runs only where that one refused the tensors or
+    failed, where torch's SDPA runs math: sdpa.math moves up behind it and triton.ptr's launch takes
+    the math-grade backward (seed 5300 #16237: cuDNN refused the views, triton.ptr's dk 3.7x math's)."""
+    import dataclasses
+
+    from adaattn import planner
+    from adaattn.problem import validate
+
+    q = torch.randn(1, 4, 8, 64, dtype=torch.bfloat16, requires_grad=True)
+    k = torch.randn(1, 2, 8, 64, dtype=torch.bfloat16, requires_grad=True)
+    policy = adaattn.Policy()
+    gqa = validate(q, k, k, enable_gqa=True)
+    gqa = dataclasses.replace(gqa, device_type="cuda", torch_fused=True)
+    takes = {"sdpa.cudnn": True, "sdpa.flash": False, "sdpa.efficient": True}
+
+    def plan(problem, order):
+        launches = {n: planner.REGISTRY[n].prepare(problem, policy) for n in order if n != "sdpa.cudnn"}
+        assert not launches["triton.ptr"].ds_split
+        return planner._behind_torch_fused(problem, list(order), launches, takes, "sm90", policy), launches
+
+    order, launches = plan(gqa, ("sdpa.cudnn", "triton.ptr", "sdpa.math"))
+    assert order == ["sdpa.cudnn", "sdpa.math", "triton.ptr"] and launches["triton.ptr"].ds_split
+    order, launches = plan(gqa, ("triton.ptr", "sdpa.cudnn", "sdpa.math"))  # ahead of it: unchanged
+    assert order == ["triton.ptr", "sdpa.cudnn", "sdpa.math"] and not launches["triton.ptr"].ds_split
+    # Without GQA torch's efficient kernel takes the call after cuDNN: nothing moves.
+    plain = validate(q, q, q)
+    plain = dataclasses.replace(plain, device_type="cuda", torch_fused=True)
+    order, launches = plan(plain, ("sdpa.cudnn", "triton.ptr", "sdpa.math"))
+    assert order == ["sdpa.cudnn", "triton.ptr", "sdpa.math"] and not launches["triton.ptr"].ds_split
+    # Behind the efficient kernel too, it does.
+    order, launches = plan(plain, ("sdpa.cudnn", "sdpa.efficient", "triton.ptr", "sdpa.math"))
+    assert order == ["sdpa.cudnn", "sdpa.efficient", "sdpa.math", "triton.ptr"] and launches["triton.ptr"].ds_split
+    # float32, or no gradients: unchanged.
+    order, _ = planner._behind_torch_fused(dataclasses.replace(gqa, needs_grad=False), ["sdpa.cudnn", "triton.ptr"],
+                                           {}, takes, "sm90", policy), None
+    assert order == ["sdpa.cudnn", "triton.ptr"]
+
+
+@INTERPRETED
+def test_exact_delta_at_every_length_where_torch_runs_math():
+    # seed 5300 #16237 (H200): bfloat16, GQA 2/1, Nq=Nk=674, D=128, Dv=16, causal + a bool mask with
+    # dead rows, logits x30, under gradients: dk 6.0e-3 against math's 1.6e-3, with ds in two
+    # roundings or not. rowsum(dO * O) from the rounded O missed the delta of peaked rows; under
+    # ds_split the delta is now rowsum(p dp) at every length (backward.exact_delta_keys). 674 keys
+    # under the interpreter: here at the same logits and dims with 160 keys.
+    pytest.importorskip("triton")
+    from adaattn.backends.reference import reference_attention, relative_errors
+    from adaattn import settings
+
+    g = torch.Generator().manual_seed(16237)
+    n = 160
+    q = torch.randn(1, 2, n, 128, generator=g, dtype=torch.float64) * 30
+    k = torch.randn(1, 1, n, 128, generator=g, dtype=torch.float64)
+    v = torch.randn(1, 1, n, 16, generator=g, dtype=torch.float64)
+    go = torch.randn(1, 2, n, 16, generator=g, dtype=torch.float64)
+    t16 = [x.bfloat16().requires_grad_() for x in (q, k, v)]
+    t64 = [x.bfloat16().double().requires_grad_() for x in (q, k, v)]
+    exact = torch.autograd.grad(reference_attention(*t64, is_causal=True), t64, go)
+    leaves = [t.detach().requires_grad_() for t in t16]
+    math_grads = torch.autograd.grad(torch.nn.functional.scaled_dot_product_attention(
+        *leaves, is_causal=True, enable_gqa=True), leaves, go.bfloat16())
+    with settings.override(ds_split="on"):
+        out = adaattn.attention(*t16, is_causal=True, enable_gqa=True, policy=adaattn.Policy(backends=("triton.ptr",)))
+        ours = torch.autograd.grad(out, t16, go.bfloat16())
+    for name, a, b, r in zip(("dq", "dk", "dv"), ours, math_grads, exact):
+        e_ours, e_math = relative_errors(a, r).item(), relative_errors(b, r).item()
+        assert e_ours <= 2 * e_math + 1e-6, (name, e_ours, e_math)
+
+
 @INTERPRETED
 def test_triton_half_dv_where_torch_runs_math_meets_the_standard():
     # seed 5837 #170, 1,000 interpreted configurations (session 42, at e886178): float16, Nq=1, Nk=6,

@@ -159,6 +159,38 @@ def _math_where_torch_runs_math(problem: Problem, candidates: list[str], notes: 
     return ["sdpa.math"] + [c for c in candidates if c != "sdpa.math"]
 
 
+TORCH_FUSED_RUNNERS = ("sdpa.cudnn", "sdpa.flash", "sdpa.efficient")
+
+
+def _behind_torch_fused(problem: Problem, candidates: list[str], launches: dict, takes: dict, arch: str,
+                        policy: Policy) -> list[str]:
+    """The candidates behind the last of torch's own fused choices for the call run only where that
+    one refused these tensors at run time (torch's own checks: views, alignment) or failed, which
+    torch's SDPA, given the same tensors, meets alike and answers with its math kernel (where no other
+    fused kernel of its takes the call). So half-precision gradients there are math's: sdpa.math right
+    behind it (for calls it can hold, as _math_where_torch_runs_math) and the others prepared as for a
+    call torch answers with math (triton.ptr's math-grade backward). cuDNN refused the views of a
+    bfloat16 GQA call with a bool mask; triton.ptr behind it gave dk 3.7x math's (seed 5300 #16237,
+    H200). Updates `launches` in place; returns the candidates in their order."""
+    if (not problem.torch_fused or not problem.needs_grad or problem.device_type != "cuda"
+            or problem.dtype not in (torch.float16, torch.bfloat16)):
+        return candidates
+    for i, name in enumerate(candidates):
+        if name not in TORCH_FUSED_RUNNERS or not takes.get(name, False):
+            continue
+        ahead = set(candidates[: i + 1])
+        if torch_takes_fused(problem, {n: t for n, t in takes.items() if n not in ahead}, arch):
+            continue
+        behind = dataclasses.replace(problem, torch_fused=False)
+        tail = [c for c in candidates[i + 1:]]
+        if "sdpa.math" in tail and problem.scores <= MATH_SCORES:
+            tail = ["sdpa.math"] + [c for c in tail if c != "sdpa.math"]
+        for n in tail:
+            launches[n] = REGISTRY[n].prepare(behind, policy)
+        return candidates[: i + 1] + tail
+    return candidates
+
+
 def make_plan(problem: Problem, policy: Policy) -> Plan:
     """Ask every registered runner; the first in order with no reasons runs, the rest of those
     with none are its fallbacks."""
@@ -212,6 +244,7 @@ def make_plan(problem: Problem, policy: Policy) -> Plan:
         lines = [f"no runner can run {problem.describe()} under {policy}:"]
         lines += [f"  {n}: {' '.join(reasons[n])}" for n in names]
         raise NoBackendError("\n".join(lines))
+    candidates = _behind_torch_fused(problem, candidates, launches, takes, arch, policy)
     launches = _with_exact_alternative(problem, candidates, launches, timed)
     notes = REGISTRY[candidates[0]].notes(problem, launches[0]) + notes
     return Plan(

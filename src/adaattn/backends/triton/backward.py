@@ -45,11 +45,21 @@ DS_SCALE_FLOOR = 2.0 ** -6
 EXACT_DELTA_KEYS = 64
 
 
+# Under ds_split (calls torch answers with its math kernel) every query tile takes the exact delta:
+# math's delta is exact, and rowsum(dO * O) from a rounded O missed it on peaked rows at any length
+# (bfloat16, Dv 16, 674 keys, logits x30: dk 3.7x math's, ds in two roundings or not; CUDA fuzzer seed
+# 5300 #16237, reproduced under the interpreter; with the exact delta, math's 1.644e-3).
+ALL_KEYS = 1 << 30
+
+
 def exact_delta_keys(lay: RowLayout, launch: AttentionLaunch) -> int:
     """The delta kernels' EXACT_KEYS: EXACT_DELTA_KEYS where at least 1/8 of the query rows see at
     most that many keys, else 0 (the exact pass not compiled in: its shared memory slows the delta
     pass of every tile; compiled in, it cost a causal 4k backward 2% on an H200 for the first rows).
-    Packed calls are judged by their longest sequences."""
+    Packed calls are judged by their longest sequences. Under ds_split, ALL_KEYS: an extra pass over
+    the keys (two products a tile), only in calls torch answers with math."""
+    if launch.ds_split and lay.q_len > 0:
+        return ALL_KEYS
     most = EXACT_DELTA_KEYS
     nq, nk = lay.q_len, lay.k_len
     if most <= 0 or nq <= 0:
