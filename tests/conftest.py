@@ -1,7 +1,14 @@
 import os
 
-import pytest
-import torch
+# Under pytest-xdist (the README's command runs one worker per core) each worker keeps to one thread
+# for torch's intra-op pool and for numpy's BLAS (OpenBLAS spins a thread per core in each process:
+# the interpreter's tl.dot is a numpy matmul). Set before torch imports numpy, which reads them once.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_var, "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Triton kernels run in the interpreter where there is no GPU (CI); set before triton imports.
 if not torch.cuda.is_available():

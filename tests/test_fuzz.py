@@ -60,7 +60,7 @@ def test_score_modifiers_meet_the_standard_on_fuzzed_configurations():
                                                           "alibi": False})
 
 
-# Open findings, each with its own strict xfail below (it must keep failing until fixed): none.
+# Open findings, each with its own strict xfail below (it must keep failing until fixed): #511.
 KNOWN_TRITON: set = set()
 INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="the Triton runners need the interpreter here")
@@ -121,7 +121,7 @@ def test_ds_in_two_roundings_is_closer_to_float64_than_ds_rounded_once():
         errs[mode] = [relative_errors(a, b).item() for a, b in zip(got, exact)]
     assert all(e < 5e-3 for e in errs["off"] + errs["on"]), errs
     assert errs["on"][0] < errs["off"][0] and errs["on"][1] < errs["off"][1], errs
-    assert errs["on"][2] <= errs["off"][2], errs
+    assert errs["on"][2] < errs["off"][2], errs
 
 
 def test_the_backward_takes_ds_in_two_roundings_only_where_torch_runs_math(monkeypatch):
@@ -196,9 +196,13 @@ def test_runners_behind_torch_s_own_fused_choice_give_math_grade_gradients():
     order, launches = plan(plain, ("sdpa.cudnn", "sdpa.efficient", "triton.ptr", "sdpa.math"))
     assert order == ["sdpa.cudnn", "sdpa.efficient", "sdpa.math", "triton.ptr"] and launches["triton.ptr"].ds_split
     # float32, or no gradients: unchanged.
-    order, _ = planner._behind_torch_fused(dataclasses.replace(gqa, needs_grad=False), ["sdpa.cudnn", "triton.ptr"],
-                                           {}, takes, "sm90", policy), None
-    assert order == ["sdpa.cudnn", "triton.ptr"]
+    for problem in (dataclasses.replace(gqa, needs_grad=False), dataclasses.replace(gqa, dtype=torch.float32)):
+        assert planner._behind_torch_fused(problem, ["sdpa.cudnn", "triton.ptr"], {}, takes, "sm90",
+                                           policy) == ["sdpa.cudnn", "triton.ptr"]
+    # A failed runner is not torch's choice (make_plan), and a call sdpa.math cannot hold has its own plan.
+    small = dataclasses.replace(gqa, device_type="cpu")
+    assert planner.plan_key(small, policy)[-1] and not planner.plan_key(dataclasses.replace(small, batch=1 << 20),
+                                                                        policy)[-1]
 
 
 @INTERPRETED
@@ -228,8 +232,22 @@ def test_exact_delta_at_every_length_where_torch_runs_math():
         out = adaattn.attention(*t16, is_causal=True, enable_gqa=True, policy=adaattn.Policy(backends=("triton.ptr",)))
         ours = torch.autograd.grad(out, t16, go.bfloat16())
     for name, a, b, r in zip(("dq", "dk", "dv"), ours, math_grads, exact):
+        # math's error to 0.1% with the exact delta; 2.1-2.7x with rowsum(dO * O) (dq, dk)
         e_ours, e_math = relative_errors(a, r).item(), relative_errors(b, r).item()
-        assert e_ours <= 2 * e_math + 1e-6, (name, e_ours, e_math)
+        assert e_ours <= 1.25 * e_math + 1e-6, (name, e_ours, e_math)
+
+
+@INTERPRETED
+@pytest.mark.xfail(strict=True, reason="open: Triton float32 forward 2.3x torch's error on rows of a -1e4 additive "
+                   "mask (two keys; seed 5840 #511)")
+def test_triton_float32_forward_on_low_rows_meets_the_standard():
+    # seed 5840 #511, 1,000 interpreted configurations (session 43, at a2025e6): float32, GQA 2/1,
+    # Nq=Nk=2, D=64, window (0, 1), a transposed float32 (1, 2, 2, 2) mask of -1e4 with dead rows, no
+    # gradients: out 5.0e-5 against torch's 2.2e-5. The kernel adds the mask in log2 units (mask x
+    # log2(e), rounded, then the sum rounded: two roundings at 1.4e4) where torch adds it once in nats.
+    pytest.importorskip("triton")
+    result = check(draw(5840, 511, "cpu", "triton"), "cpu")
+    assert result["status"] == "ok", result.get("why")
 
 
 @INTERPRETED

@@ -163,7 +163,7 @@ TORCH_FUSED_RUNNERS = ("sdpa.cudnn", "sdpa.flash", "sdpa.efficient")
 
 
 def _behind_torch_fused(problem: Problem, candidates: list[str], launches: dict, takes: dict, arch: str,
-                        policy: Policy) -> list[str]:
+                        policy: Policy, notes: list[str] | None = None) -> list[str]:
     """The candidates behind the last of torch's own fused choices for the call run only where that
     one refused these tensors at run time (torch's own checks: views, alignment) or failed, which
     torch's SDPA, given the same tensors, meets alike and answers with its math kernel (where no other
@@ -187,6 +187,9 @@ def _behind_torch_fused(problem: Problem, candidates: list[str], launches: dict,
             tail = ["sdpa.math"] + [c for c in tail if c != "sdpa.math"]
         for n in tail:
             launches[n] = REGISTRY[n].prepare(behind, policy)
+        if tail and notes is not None:
+            notes.append(f"behind {name} (torch's own choice here), the fallbacks give math's gradients: where "
+                         f"{name} refuses these tensors or fails, torch's SDPA runs its math kernel.")
         return candidates[: i + 1] + tail
     return candidates
 
@@ -217,6 +220,7 @@ def make_plan(problem: Problem, policy: Policy) -> Plan:
         failed = _failed.get((name, problem.shape_class))
         if failed is not None:
             why.append(f"failed at run time earlier for this problem class ({failed}).")
+            takes[name] = False  # torch's own kernel, given such calls, fails alike: not torch's choice
         reasons[name] = why
     approximate = [n for n, r in REGISTRY.items() if not r.exact and not reasons[n]]
     names = approximate + [n for n in order if n in REGISTRY] + [n for n in REGISTRY if n not in order]
@@ -244,7 +248,7 @@ def make_plan(problem: Problem, policy: Policy) -> Plan:
         lines = [f"no runner can run {problem.describe()} under {policy}:"]
         lines += [f"  {n}: {' '.join(reasons[n])}" for n in names]
         raise NoBackendError("\n".join(lines))
-    candidates = _behind_torch_fused(problem, candidates, launches, takes, arch, policy)
+    candidates = _behind_torch_fused(problem, candidates, launches, takes, arch, policy, notes)
     launches = _with_exact_alternative(problem, candidates, launches, timed)
     notes = REGISTRY[candidates[0]].notes(problem, launches[0]) + notes
     return Plan(
@@ -313,9 +317,11 @@ def _with_exact_alternative(problem: Problem, candidates: list[str], launches: d
 
 def plan_key(problem: Problem, policy: Policy) -> tuple:
     """What a plan depends on: the problem's shape class and the values its launch descriptions
-    bake in (scale, window sides), the policy, the settings, determinism."""
+    bake in (scale, window sides), the policy, the settings, determinism, and whether sdpa.math may
+    hold the call (the shape class's length buckets span calls on both sides of MATH_SCORES)."""
     return (problem.shape_class, problem.scale, problem.window_left, problem.window_right, problem.device_index,
-            policy, settings.current(), torch.are_deterministic_algorithms_enabled())
+            policy, settings.current(), torch.are_deterministic_algorithms_enabled(),
+            problem.scores <= MATH_SCORES)  # (sdpa.math's place: _math_where_torch_runs_math, _behind_torch_fused)
 
 
 def get_plan(problem: Problem, policy: Policy, compiling: bool = False) -> Plan:
