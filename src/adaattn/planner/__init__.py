@@ -156,7 +156,14 @@ def _math_where_torch_runs_math(problem: Problem, candidates: list[str], notes: 
     notes.append(f"torch's SDPA runs its math kernel on this call (none of its fused kernels takes it); its "
                  f"float32 gradients are the standard, which {candidates[0]}'s half-precision backward misses: "
                  "sdpa.math runs, as torch's does.")
-    return ["sdpa.math"] + [c for c in candidates if c != "sdpa.math"]
+    return _math_first(problem, candidates)
+
+
+def _math_first(problem: Problem, names: list[str]) -> list[str]:
+    """`names` with sdpa.math first where it is among them and can hold the call (MATH_SCORES)."""
+    if "sdpa.math" not in names or problem.scores > MATH_SCORES:
+        return list(names)
+    return ["sdpa.math"] + [c for c in names if c != "sdpa.math"]
 
 
 TORCH_FUSED_RUNNERS = ("sdpa.cudnn", "sdpa.flash", "sdpa.efficient")
@@ -182,9 +189,7 @@ def _behind_torch_fused(problem: Problem, candidates: list[str], launches: dict,
         if torch_takes_fused(problem, {n: t for n, t in takes.items() if n not in ahead}, arch):
             continue
         behind = dataclasses.replace(problem, torch_fused=False)
-        tail = [c for c in candidates[i + 1:]]
-        if "sdpa.math" in tail and problem.scores <= MATH_SCORES:
-            tail = ["sdpa.math"] + [c for c in tail if c != "sdpa.math"]
+        tail = _math_first(problem, candidates[i + 1:])
         for n in tail:
             launches[n] = REGISTRY[n].prepare(behind, policy)
         if tail and notes is not None:
