@@ -60,7 +60,6 @@ def test_score_modifiers_meet_the_standard_on_fuzzed_configurations():
                                                           "alibi": False})
 
 
-# Open findings, each with its own strict xfail below (it must keep failing until fixed): #511.
 KNOWN_TRITON: set = set()
 INTERPRETED = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                  reason="the Triton runners need the interpreter here")
@@ -238,13 +237,12 @@ def test_exact_delta_at_every_length_where_torch_runs_math():
 
 
 @INTERPRETED
-@pytest.mark.xfail(strict=True, reason="open: Triton float32 forward 2.3x torch's error on rows of a -1e4 additive "
-                   "mask (two keys; seed 5840 #511)")
 def test_triton_float32_forward_on_low_rows_meets_the_standard():
     # seed 5840 #511, 1,000 interpreted configurations (session 43, at a2025e6): float32, GQA 2/1,
     # Nq=Nk=2, D=64, window (0, 1), a transposed float32 (1, 2, 2, 2) mask of -1e4 with dead rows, no
-    # gradients: out 5.0e-5 against torch's 2.2e-5. The kernel adds the mask in log2 units (mask x
-    # log2(e), rounded, then the sum rounded: two roundings at 1.4e4) where torch adds it once in nats.
+    # gradients: out 5.0e-5 against torch's 2.2e-5. At |mask| ~ 1e4 fp32 keeps a score to ~1e-3,
+    # torch's rounding and ours alike; which is closer is luck. The kernels now carry the sum's
+    # residual (apply_masks_lo): out 7e-7.
     pytest.importorskip("triton")
     result = check(draw(5840, 511, "cpu", "triton"), "cpu")
     assert result["status"] == "ok", result.get("why")

@@ -51,7 +51,7 @@ import triton.language as tl
 
 from .attention_fwd import (
     LOG2E_K,
-    apply_masks,
+    apply_masks_lo,
     dot,
     key_tile_range,
     load_rows,
@@ -84,6 +84,19 @@ def load_row_stats(lse_base, delta_base, rows, q_len, stride_lm, CHECK_ROWS: tl.
         delta = tl.load(delta_base + rows * stride_lm)
     lse = tl.where(lse == float("-inf"), float("inf"), lse) * LOG2E_K
     return lse, delta
+
+
+@triton.jit
+def recompute_p(s, lo, row_a, row_b, SPLIT_STATS: tl.constexpr, HAS_LO: tl.constexpr):
+    """p = exp2(s - row_a), or exp2((s - row_a) - row_b) with SPLIT_STATS (row_a the row max, row_b
+    log2 of the row sum), from recomputed scores s; HAS_LO adds their residual lo after the shift
+    (apply_masks_lo), as the forward did."""
+    x = s - row_a
+    if HAS_LO:
+        x = x + lo
+    if SPLIT_STATS:
+        x = x - row_b
+    return tl.math.exp2(x)
 
 
 @triton.jit
@@ -160,12 +173,14 @@ def exact_delta(q, do, row_a, row_b, k_base, v_base, mask_base, lo, hi, offs_m, 
             s, _ = soft_cap(s, SOFTCAP, DOT_PRECISION)
         if HAS_ALIBI:
             s = alibi_bias(s, offs_m[:, None], cols[None, :], diag, alibi2)
-        s = apply_masks(s, offs_m[:, None], cols[None, :], q_len, k_len, diag, window_left, window_right,
-                        mask_base, stride_mm, stride_mn, True, HAS_LEFT, HAS_RIGHT, MASK_KIND)
+        LO: tl.constexpr = (MASK_KIND == 2) and (q.dtype == tl.float32)  # apply_masks_lo
+        s, s_lo = apply_masks_lo(s, offs_m[:, None], cols[None, :], q_len, k_len, diag, window_left,
+                                 window_right, mask_base, stride_mm, stride_mn, True, HAS_LEFT, HAS_RIGHT,
+                                 MASK_KIND, LO)
         if SPLIT_STATS:
-            p = tl.math.exp2((s - row_a[:, None]) - row_b[:, None])
+            p = recompute_p(s, s_lo, row_a[:, None], row_b[:, None], True, LO)
         else:
-            p = tl.math.exp2(s - row_a[:, None])
+            p = recompute_p(s, s_lo, row_a[:, None], 0.0, False, LO)
         dp = dot(do, tl.trans(v), None, DOT_PRECISION)
         delta += tl.sum(p * dp, 1)
         total += tl.sum(p, 1)
@@ -352,13 +367,15 @@ def dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, stats_base, delta_base, m
         s_t, cap_t = soft_cap(s_t, SOFTCAP, DOT_PRECISION)
     if HAS_ALIBI:
         s_t = alibi_bias(s_t, rows[None, :], offs_n[:, None], diag, alibi2)
-    s_t = apply_masks(s_t, rows[None, :], offs_n[:, None], q_len, k_len, diag, window_left, window_right,
-                      mask_base, stride_mm, stride_mn, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND)
+    LO: tl.constexpr = (MASK_KIND == 2) and (q.dtype == tl.float32)  # apply_masks_lo
+    s_t, lo_t = apply_masks_lo(s_t, rows[None, :], offs_n[:, None], q_len, k_len, diag, window_left,
+                               window_right, mask_base, stride_mm, stride_mn, EDGE, HAS_LEFT, HAS_RIGHT,
+                               MASK_KIND, LO)
     if SPLIT_STATS:
         m, l2 = load_split_stats(stats_base, rows, q_len, stride_lm, stride_ls, EDGE)
-        p_t = tl.math.exp2((s_t - m[None, :]) - l2[None, :])
+        p_t = recompute_p(s_t, lo_t, m[None, :], l2[None, :], True, LO)
     else:
-        p_t = tl.math.exp2(s_t - lse[None, :])
+        p_t = recompute_p(s_t, lo_t, lse[None, :], 0.0, False, LO)
     p_c = round_to(p_t, do.dtype, DOT_PRECISION)
     dv = dot(p_c, do, dv, DOT_PRECISION)
     if DS_SPLIT:  # p in two roundings as well: math keeps p in fp32 for dv (fuzzer #170)
@@ -584,12 +601,13 @@ def dq_tile(dq, q, do, row_a, row_b, delta, k_base, v_base, mask_base, start_n,
         s, cap = soft_cap(s, SOFTCAP, DOT_PRECISION)
     if HAS_ALIBI:
         s = alibi_bias(s, offs_m[:, None], cols[None, :], diag, alibi2)
-    s = apply_masks(s, offs_m[:, None], cols[None, :], q_len, k_len, diag, window_left, window_right,
-                    mask_base, stride_mm, stride_mn, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND)
+    LO: tl.constexpr = (MASK_KIND == 2) and (k.dtype == tl.float32)  # apply_masks_lo
+    s, s_lo = apply_masks_lo(s, offs_m[:, None], cols[None, :], q_len, k_len, diag, window_left, window_right,
+                             mask_base, stride_mm, stride_mn, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND, LO)
     if SPLIT_STATS:
-        p = tl.math.exp2((s - row_a[:, None]) - row_b[:, None])
+        p = recompute_p(s, s_lo, row_a[:, None], row_b[:, None], True, LO)
     else:
-        p = tl.math.exp2(s - row_a[:, None])
+        p = recompute_p(s, s_lo, row_a[:, None], 0.0, False, LO)
     dp = dot(do, tl.trans(v), None, DOT_PRECISION)
     ds = p * (dp - delta[:, None]) * scale  # the ds scale (dkdv_tile says why)
     if SOFTCAP != 0.0:

@@ -205,16 +205,28 @@ def position_keep(q_idx, k_idx, q_len, k_len, diag, window_left, window_right,
     return keep
 
 
+# Where |mask x log2(e)| is at least this, apply_masks_lo leaves the residual out: fp32 (torch) and
+# float64 alike lose the scores next to such a mask (finfo.min rows give SDPA's mean of V).
+BIAS_LO_LIMIT: tl.constexpr = tl.constexpr(2.0**40)
+
+
 @triton.jit
-def apply_masks(s, q_idx, k_idx, q_len, k_len, diag, window_left, window_right,
-                mask_base, stride_mm, stride_mn,
-                EDGE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                MASK_KIND: tl.constexpr):
-    """Scores s (log2 domain) with masked entries set to -inf and the additive mask added.
+def apply_masks_lo(s, q_idx, k_idx, q_len, k_len, diag, window_left, window_right,
+                   mask_base, stride_mm, stride_mn,
+                   EDGE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                   MASK_KIND: tl.constexpr, LO: tl.constexpr = False):
+    """Scores s (log2 domain) with masked entries set to -inf and the additive mask added, and
+    with LO what that sum's rounding lost: (s, lo), lo a tensor for an additive mask (MASK_KIND
+    2) under LO, else 0.0. p = exp2((s - m) + lo) is then the exact score's, where exp2(s - m)
+    takes the sum's rounding at the mask's size: at |mask| ~ 1e4 fp32 keeps a score to 1e-3, what
+    torch keeps (seed 5840 #511 was 2.3x torch's error by such luck; with lo float64's to ~1e-7).
+    Callers take LO for float32 inputs only: half inputs round p to 16 bits for P.V
+    anyway, and a row's largest p, exp2(lo) there, would no longer round to exactly 1.
 
     q_idx and k_idx broadcast to the shape of s, so the same code serves the (query, key)
     orientation of the forward and the (key, query) orientation of the backward.
     """
+    lo = 0.0
     if MASK_KIND != 0:
         in_bounds = (q_idx < q_len) & (k_idx < k_len)
         mask_ptrs = mask_base + q_idx.to(tl.int64) * stride_mm + k_idx * stride_mn
@@ -226,11 +238,29 @@ def apply_masks(s, q_idx, k_idx, q_len, k_len, diag, window_left, window_right,
             # finfo(bf16/fp32).min (the Hugging Face "masked" value) times log2(e) would overflow
             # to -inf and turn a fully masked row into zeros; SDPA gives the mean of V there.
             # (-inf itself stays -inf: a row masked with -inf everywhere gives zeros.)
-            s = s + tl.where(bias == float("-inf"), bias, tl.maximum(bias, -2.0e38)) * LOG2E_K
+            bias = tl.where(bias == float("-inf"), bias, tl.maximum(bias, -2.0e38))
+            # Explicit fmas (one rounding each, whatever the compiler contracts): t = bias log2(e)
+            # + s rounded once, and lo = (bias log2(e) - t) + s, exact but for s's own rounding.
+            t = tl.math.fma(bias, LOG2E_K, s)
+            if LO:
+                lo = tl.math.fma(bias, LOG2E_K, -t) + s
+                lo = tl.where(tl.abs(bias) < BIAS_LO_LIMIT / LOG2E_K, lo, 0.0)
+            s = t
     if EDGE:
         keep = position_keep(q_idx, k_idx, q_len, k_len, diag, window_left, window_right,
                              HAS_LEFT, HAS_RIGHT)
         s = tl.where(keep, s, float("-inf"))
+    return s, lo
+
+
+@triton.jit
+def apply_masks(s, q_idx, k_idx, q_len, k_len, diag, window_left, window_right,
+                mask_base, stride_mm, stride_mn,
+                EDGE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                MASK_KIND: tl.constexpr):
+    """apply_masks_lo's scores without the residual (the quantized kernels' approximate path)."""
+    s, _ = apply_masks_lo(s, q_idx, k_idx, q_len, k_len, diag, window_left, window_right,
+                          mask_base, stride_mm, stride_mn, EDGE, HAS_LEFT, HAS_RIGHT, MASK_KIND)
     return s
 
 
@@ -269,13 +299,18 @@ def head_slope(Slopes, b64, stride_sb, head, HAS_ALIBI: tl.constexpr):
 
 
 @triton.jit
-def masked_softmax_step(s, m_i):
+def masked_softmax_step(s, m_i, lo=0.0, HAS_LO: tl.constexpr = False):
     """A tile's scores s (log2 domain, -inf where masked) against the running row max m_i:
     (p = exp2(s - new max), alpha = the rescale of what came before, the new max). A row that
-    has seen only masked keys keeps m = -inf; subtracting 0 keeps p = 0, not NaN."""
+    has seen only masked keys keeps m = -inf; subtracting 0 keeps p = 0, not NaN. HAS_LO: p takes
+    the scores' residual lo (apply_masks_lo) after the shift, exp2((s - max) + lo)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-    return tl.math.exp2(s - m_shift[:, None]), tl.math.exp2(m_i - m_shift), m_new
+    if HAS_LO:
+        p = tl.math.exp2((s - m_shift[:, None]) + lo)
+    else:
+        p = tl.math.exp2(s - m_shift[:, None])
+    return p, tl.math.exp2(m_i - m_shift), m_new
 
 
 @triton.jit
@@ -305,10 +340,11 @@ def fwd_tile(acc, l_i, m_i, q, k_base, v_base, mask_base, start_n,
             s, _ = soft_cap(s, SOFTCAP, DOT_PRECISION)
         if HAS_ALIBI:
             s = alibi_bias(s, offs_m[:, None], cols[None, :], diag, alibi2)
-        s = apply_masks(s, offs_m[:, None], cols[None, :], q_len, k_len, diag,
-                        window_left, window_right, mask_base, stride_mm, stride_mn, EDGE,
-                        HAS_LEFT, HAS_RIGHT, MASK_KIND)
-        p, alpha, m_new = masked_softmax_step(s, m_i)
+        LO: tl.constexpr = (MASK_KIND == 2) and (q.dtype == tl.float32)  # apply_masks_lo
+        s, s_lo = apply_masks_lo(s, offs_m[:, None], cols[None, :], q_len, k_len, diag,
+                                 window_left, window_right, mask_base, stride_mm, stride_mn, EDGE,
+                                 HAS_LEFT, HAS_RIGHT, MASK_KIND, LO)
+        p, alpha, m_new = masked_softmax_step(s, m_i, s_lo, LO)
     l_i = l_i * alpha + tl.sum(p, 1)
     v = load_rows(v_base + cols[:, None] * stride_vn + offs_dv[None, :], cols, k_len, offs_dv,
                   HEAD_DIM_V, BLOCK_DV, EDGE)
