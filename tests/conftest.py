@@ -66,8 +66,59 @@ def _skip_repeated_interpreter_patches() -> None:
     interp.InterpretedFunction.__call__ = helper
 
 
+def _no_overflow_sanitizer() -> None:
+    """triton's interpreter checks every 32-bit integer add, sub and mul for overflow (each one
+    recomputed in int64 and compared: about 30% of an interpreted attention launch's time). The
+    suite's calls are small, its offsets far from 2^31, and the compiled kernels on the GPU do not
+    check (sanitize_overflow asserts only under debug). The fuzzer's interpreter runs
+    (python -m tests.fuzz) keep the check. Where the interpreter's internals differ, nothing changes."""
+    try:
+        from dataclasses import replace
+
+        from triton.runtime import interpreter as interp
+
+        builder = interp.interpreter_builder
+        builder.options = replace(builder.options, sanitize_overflow=False)
+    except (ImportError, AttributeError, TypeError):
+        return
+
+
+def _np_dtypes_once() -> None:
+    """triton's interpreter maps a triton dtype to numpy's through a dict it builds on every call
+    (about 10,000 calls in one small attention backward); the same map, built once. Anything it
+    does not hold goes to the original."""
+    try:
+        import numpy as np
+        from triton.runtime import interpreter as interp
+
+        original, tl = interp._get_np_dtype, interp.tl
+        known = {t: original(t) for t in (tl.int1, tl.float16, tl.float32, tl.float64, tl.int8, tl.uint8,
+                                            tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64,
+                                            tl.bfloat16)}
+    except (ImportError, AttributeError, KeyError, TypeError):
+        return
+    u64 = np.dtype(np.uint64)
+
+    def get_np_dtype(tt_dtype):
+        if isinstance(tt_dtype, tl.pointer_type):
+            return u64
+        if isinstance(tt_dtype, tl.block_type):
+            element = tt_dtype.element_ty
+            if isinstance(element, tl.pointer_type):
+                return u64
+            got = known.get(element)
+        else:
+            got = known.get(tt_dtype)
+        return got if got is not None else original(tt_dtype)
+
+    interp._get_np_dtype = get_np_dtype
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _skip_repeated_interpreter_patches()
+    _np_dtypes_once()
+    if os.environ.get("ADAATTN_TEST_OVERFLOW_CHECKS", "") != "1":
+        _no_overflow_sanitizer()
 
 # Under pytest-xdist (the README's command runs one worker per core) each worker keeps to one
 # intra-op thread: two workers of two threads each on two cores ran slower than one of two.
