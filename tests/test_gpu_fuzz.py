@@ -214,6 +214,54 @@ FOUND_AFTER_1E71C02 = [(5101, i) for i in (15, 416, 608, 1625, 1979, 2538, 2602,
 
 
 @cuda
+@pytest.mark.parametrize("seed,index", [(5902, 17), (5902, 2777)])
+def test_triton_forward_at_padded_large_head_dims_under_gqa_runs_without_a_fault(seed, index):
+    # float16, rank 3, GQA 4/1, D 192 and 160 (BLOCK_D 256), Policy(backends=("triton",)): the
+    # tuner's first candidate BM128/BN32/w8/s2 read out of bounds (illegal memory access, a dead
+    # CUDA context). Each is run in a fresh process, so a fault fails the test and no other.
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.path[:0] = ['tests']; from fuzz.sdpa import check, draw; "
+            f"r = check(draw({seed}, {index}, 'cuda', policy='triton'), 'cuda'); "
+            "print(r['status'], r.get('why', '')[:300])")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.startswith("ok"), (done.stdout + done.stderr)[-2000:]
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d,nq,nk,groups", [(144, 91, 55, 4), (160, 91, 55, 2), (192, 300, 300, 4)])
+def test_triton_forward_padded_large_head_dims_with_gqa_match_float64(dtype, d, nq, nk, groups):
+    import subprocess
+    import sys
+
+    # A fresh process: a fault here must not take the session's CUDA context with it.
+    code = f"""
+import sys, torch
+sys.path[:0] = ['tests']
+import adaattn
+from adaattn.backends.triton.tuner import CONFIGS
+from fuzz.sdpa import softmax_attention
+CONFIGS.tune = True  # every fitting candidate runs once
+g = torch.Generator(device='cuda').manual_seed({d})
+q = torch.randn(2, 4, {nq}, {d}, device='cuda', generator=g).to({dtype})
+k, v = (torch.randn(2, 4 // {groups}, {nk}, {d}, device='cuda', generator=g).to({dtype}) for _ in range(2))
+out = adaattn.attention(q, k, v, enable_gqa=True, policy=adaattn.Policy(backends=('triton',)))
+sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+kk, vv = (t.double().repeat_interleave({groups}, 1) for t in (k, v))
+keep = torch.ones({nq}, {nk}, dtype=torch.bool, device='cuda')
+ref = softmax_attention(q.double(), kk, vv, {d} ** -0.5, keep, None)
+err = lambda x: ((x.double() - ref).norm() / ref.norm()).item()
+print('ERR', err(out), err(sdpa))
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-2000:]
+    ours, torch_err = map(float, done.stdout.split("ERR")[1].split())
+    assert ours <= 2 * torch_err + 1e-6, (ours, torch_err)
+
+
+@cuda
 @pytest.mark.parametrize("seed,index", FOUND_AFTER_1E71C02)
 def test_configurations_found_after_1e71c02_meet_the_standard(seed, index):
     from fuzz.sdpa import check, draw

@@ -404,6 +404,22 @@ def test_configs_fit_the_device_shared_memory(monkeypatch, smem):
     assert tc.fitting_configs("fwd", 128, torch.bfloat16, torch.device("cpu"))[0] == KernelConfig(128, 128, 8, 3)
 
 
+def test_padded_large_head_dims_leave_out_the_forward_configs_that_faulted(monkeypatch):
+    # BM128/BN32/w8/s2 faulted at D 144-192 (BLOCK_D 256) under GQA (triton 3.6, H200; seed 5902
+    # #17, #2777 under the Triton policy): padded large head dims take the other candidates.
+    monkeypatch.setattr(hardware, "max_shared_memory", lambda index: 232448)
+    cpu = torch.device("cpu")
+    for dtype in (torch.float16, torch.bfloat16):
+        whole = tc.fitting_configs("fwd", 256, dtype, cpu)
+        assert whole[0] == KernelConfig(128, 32, 8, 2)
+        padded = tc.fitting_configs("fwd", 256, dtype, cpu, padded=True)
+        assert padded and padded == [c for c in whole if not (c.block_m == 128 and c.num_warps == 8)]
+        assert padded != whole
+        # Smaller classes and float32 keep their tables.
+        assert tc.fitting_configs("fwd", 128, dtype, cpu, padded=True) == tc.fitting_configs("fwd", 128, dtype, cpu)
+    assert tc.fitting_configs("fwd", 256, torch.float32, cpu, padded=True) == tc.fitting_configs("fwd", 256, torch.float32, cpu)
+
+
 def test_config_chooser_times_candidates_once_and_skips_failures(monkeypatch):
     chooser = triton_tuner.ConfigChooser()
     a, b, c = KernelConfig(64, 64), KernelConfig(128, 64), KernelConfig(128, 128)

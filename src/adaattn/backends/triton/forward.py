@@ -126,7 +126,8 @@ def _launch_fwd(q, k, v, attn_mask, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         key = key + (f"exp_fma{launch.exp_fma}",)
 
     def general() -> list:
-        return fitting_configs("fwd", bd, q.dtype, q.device, mask_elem, bdv)
+        return fitting_configs("fwd", bd, q.dtype, q.device, mask_elem, bdv,
+                               padded=lay.head_dim != bd or lay.value_dim != bdv)
 
     if gluon_varlen_fwd_ok(q, k, v, out, lay, launch, mask_kind):
         # Packed sequences on Hopper: the Gluon forward, timed beside this kernel's configs.
