@@ -199,18 +199,12 @@ FOUND_AFTER_1E71C02 = [(5101, i) for i in (15, 416, 608, 1625, 1979, 2538, 2602,
     # access, H200): they are now copied to aligned rows first. Its dk was then 3.8x math's (cuDNN
     # refused the views, torch's own SDPA runs math there): runners behind torch's fused choice now
     # give math-grade gradients (sdpa.math first where it fits; triton.ptr's exact delta) (session 43).
-    (5300, 16237)] + [
-    pytest.param(seed, i, marks=pytest.mark.xfail(strict=True, reason=why)) for seed, i, why in (
-        # cuDNN's bfloat16 backward with a bool mask, causal and a window at logits x100: dq not finite
-        # on rows whose log-sum-exp is below about -88 (torch's own default runs cuDNN and gives the
-        # same). A checked backward (session 42) cost checkpointed blocks a second recomputation and
-        # held the graph after the backward: reverted (NOTES).
-        (5419, 12693, "open: sdpa.cudnn bfloat16 dq not finite on rows of log-sum-exp below -88 (H200)"),
-        # cuDNN's float16 backward with a window (folded into a mask) at logits x30 under a default
-        # scale (0.10, under CUDNN_HALF_MASKED_GRAD_SCALE): inf dq, its rows' log-sum-exp no lower than
-        # -32 (session 43). The declared scale does not bound the logits. Pinned on the same tensors:
-        # efficient and math meet the standard; efficient fails #3423 (2.9x), where cuDNN passes.
-        (5421, 2768, "open: sdpa.cudnn float16 windowed dq inf at logits x30 under a scale of 0.10 (H200)"),)]
+    (5300, 16237),
+    # cuDNN's backward at exactly 64 keys gave NaN dq on rows of a low log-sum-exp: bfloat16 with a bool
+    # mask, causal and a window at logits x100 (rows below -88), and float16 with a window at logits
+    # x30 (rows of -15 and -32); torch's own default alike. sdpa.cudnn takes no gradients at 64 keys;
+    # sdpa.math runs first there (session 45).
+    (5419, 12693), (5421, 2768)]
 
 
 @cuda
@@ -259,6 +253,45 @@ print('ERR', err(out), err(sdpa))
     assert done.returncode == 0, (done.stdout + done.stderr)[-2000:]
     ours, torch_err = map(float, done.stdout.split("ERR")[1].split())
     assert ours <= 2 * torch_err + 1e-6, (ours, torch_err)
+
+
+@cuda
+@pytest.mark.parametrize("dtype,low", [(torch.float16, 30.0), (torch.bfloat16, 200.0)])
+@pytest.mark.parametrize("nq,masked", [(64, True), (5, True), (64, False)])
+def test_gradients_at_64_keys_on_rows_of_low_log_sum_exp_are_finite_and_meet_the_standard(dtype, low, nq, masked):
+    # cuDNN's backward gave NaN dq on every such row at exactly 64 keys (5, 65, 128 keys finite).
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = torch.Generator(device="cuda").manual_seed(64)
+    q, go = (torch.randn(1, 2, nq, 64, device="cuda", generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(1, 2, 64, 64, device="cuda", generator=g).to(dtype) for _ in range(2))
+    mask = None
+    if masked:
+        mask = torch.full((nq, 64), -low, device="cuda").to(dtype)
+        mask[:, 40:] = float("-inf")
+    else:  # keys that all point away from the queries: every score near -low
+        k0 = torch.randn(64, device="cuda", generator=g)
+        k0 = k0 / k0.norm()
+        k = (k0 + 0.05 * torch.randn(1, 2, 64, 64, device="cuda", generator=g)).to(dtype)
+        q = (-(low * 8.0) * k0).expand(1, 2, nq, 64).contiguous().to(dtype)
+
+    def grads(fn, *t):
+        t = [x.detach().clone().requires_grad_() for x in t]
+        out = fn(*t)
+        return torch.autograd.grad(out, t, go.to(out.dtype))
+
+    ref = grads(lambda q, k, v: _ref64(q, k, v, None if mask is None else mask.double()), q, k, v)
+
+    def math(q, k, v):
+        with sdpa_kernel(SDPBackend.MATH):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    ours = _no_fallback_warning(lambda: grads(lambda q, k, v: adaattn.attention(q, k, v, attn_mask=mask), q, k, v))
+    yard = grads(math, q, k, v)
+    for name, a, b, r in zip("qkv", ours, yard, ref):
+        assert torch.isfinite(a).all(), name
+        err = lambda x: ((x.double() - r).norm() / r.norm()).item()
+        assert err(a) <= 2 * err(b) + 1e-6, (name, err(a), err(b))
 
 
 @cuda

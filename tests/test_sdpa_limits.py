@@ -550,6 +550,35 @@ def test_cudnn_declines_the_gradients_its_backward_would_refuse_or_overflow(monk
         assert not says(_problem(), "9.10.0 and 9.10.1")
 
 
+def test_cudnn_takes_no_gradients_at_exactly_64_keys_and_math_runs_there_first():
+    """cuDNN's backward gave NaN dq on rows of a low log-sum-exp at exactly 64 keys, masked or not,
+    float16 and bfloat16 (seeds 5421 #2768, 5419 #12693; a probe: 5, 65, 96, 128 keys finite, H200):
+    sdpa.cudnn declines those gradients, and sdpa.math runs first (flash where it takes the call)."""
+    from adaattn import planner
+
+    cudnn = RUNNERS["sdpa.cudnn"]
+
+    def says(problem):
+        return any("exactly 64 keys" in r for r in cudnn.supports(problem, Policy()))
+
+    for dtype in (torch.float16, torch.bfloat16):
+        for form in (dict(), dict(mask_kind="bool"), dict(causal=True), dict(q_len=5)):
+            hit = _problem(needs_grad=True, dtype=dtype, **form)
+            assert says(hit), (dtype, form)
+            assert not says(replace(hit, needs_grad=False))
+            for keys in (63, 65, 128):
+                assert not says(replace(hit, kv_len=keys, q_len=min(hit.q_len, keys)))
+    hit = _problem(needs_grad=True, mask_kind="additive")
+    notes = []
+    order = ["sdpa.efficient", "triton.ptr", "sdpa.math"]
+    assert planner._math_where_cudnn_nans(hit, order, notes) == ["sdpa.math", "sdpa.efficient", "triton.ptr"]
+    assert notes and "NaN" in notes[0]
+    assert planner._math_where_cudnn_nans(hit, ["sdpa.flash", "sdpa.math"], []) == ["sdpa.flash", "sdpa.math"]
+    for change in (dict(kv_len=65), dict(needs_grad=False), dict(dtype=torch.float32), dict(device_type="cpu")):
+        assert planner._math_where_cudnn_nans(replace(hit, **change), order, []) == order
+    assert planner._math_where_cudnn_nans(hit, ["sdpa.efficient"], []) == ["sdpa.efficient"]
+
+
 def test_float64_queries_with_a_float32_mask_match_float64_on_the_cpu():
     """torch's fused CPU kernel takes a float32 additive mask with float64 queries and answers
     wrongly (1.6 relative, torch 2.13; CPU fuzz seed 5833 #64792): the mask goes in as float64."""

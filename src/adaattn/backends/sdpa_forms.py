@@ -88,6 +88,11 @@ def finite_floor(attn_mask: torch.Tensor) -> torch.Tensor:
 # common masked_fill(-1e20) rows were shifted: softmax of their scores, 2.2 relative off.)
 DROWN_BELOW = -1e18
 # Rows peaking below this are shifted to peak at 0 under gradients (drowned_rows).
+# cuDNN's backward gave NaN dq (dk and dv too with one query) on every row of a low log-sum-exp
+# (float16 below about -16, bfloat16 below about -90), masked or not, at exactly 64 keys: 2, 5, 16,
+# 65, 96, 100, 128 and 256 keys stayed finite, any query count, head dims 64 and 128; torch's own
+# choice alike (H200, torch 2.11; seeds 5421 #2768 and 5419 #12693, benchmarks/NOTES.md, session 45).
+CUDNN_NAN_KEYS = 64
 LOW_PEAK = -1e3
 # The efficient kernel's rows are shifted from here down: rows of -1e4 keep torch's own answer
 # (seed 5418 #2950), rows where float32's spacing swallows the scores (8e-3 at 1e5, 64 at 1e9) move.

@@ -26,7 +26,7 @@ from ..adaptive.rank import rank_runners
 from ..adaptive.runner import adaptive_runners
 from ..backends import ExactAlternative, Runner, exact_runners
 from ..backends.base import modifier_reasons
-from ..backends.sdpa_forms import CUDNN_VERSION, CUDNN_WIDE
+from ..backends.sdpa_forms import CUDNN_NAN_KEYS, CUDNN_VERSION, CUDNN_WIDE
 from ..backends.ring_blocks import ring_block_runners
 from ..policy import Policy
 from ..problem import Problem, default_scale
@@ -159,6 +159,21 @@ def _math_where_torch_runs_math(problem: Problem, candidates: list[str], notes: 
     return _math_first(problem, candidates)
 
 
+def _math_where_cudnn_nans(problem: Problem, candidates: list[str], notes: list[str]) -> list[str]:
+    """Half-precision gradients at the key count where cuDNN's backward gives NaN (sdpa.CUDNN_NAN_KEYS,
+    which sdpa.cudnn declines): torch's own choice there is cuDNN, whose finite answers the efficient
+    kernel's half-precision backward misses by up to 2.9x (seed 5200 #3423). sdpa.math runs first
+    (these calls have 64 keys: math holds any but the largest), sdpa.flash where it takes the call."""
+    if (not problem.needs_grad or problem.device_type != "cuda" or problem.kv_len != CUDNN_NAN_KEYS
+            or problem.dtype not in (torch.float16, torch.bfloat16) or not candidates
+            or candidates[0] in ("sdpa.math", "sdpa.flash") or "sdpa.math" not in candidates
+            or problem.scores > MATH_SCORES):
+        return candidates
+    notes.append(f"cuDNN's backward gives NaN on low rows at exactly {CUDNN_NAN_KEYS} keys (torch's own choice "
+                 "here): sdpa.math runs, whose gradients meet what cuDNN's finite ones would.")
+    return _math_first(problem, candidates)
+
+
 def _math_first(problem: Problem, names: list[str]) -> list[str]:
     """`names` with sdpa.math first where it is among them and can hold the call (MATH_SCORES)."""
     if "sdpa.math" not in names or problem.scores > MATH_SCORES:
@@ -249,6 +264,7 @@ def make_plan(problem: Problem, policy: Policy) -> Plan:
     launches = {n: REGISTRY[n].prepare(problem, policy) for n in candidates}
     candidates, timed = _by_cost(problem, candidates, launches, reasons)
     candidates = _math_where_torch_runs_math(problem, candidates, notes)
+    candidates = _math_where_cudnn_nans(problem, candidates, notes)
     if not candidates:
         lines = [f"no runner can run {problem.describe()} under {policy}:"]
         lines += [f"  {n}: {' '.join(reasons[n])}" for n in names]
