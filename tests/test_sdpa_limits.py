@@ -550,10 +550,10 @@ def test_cudnn_declines_the_gradients_its_backward_would_refuse_or_overflow(monk
         assert not says(_problem(), "9.10.0 and 9.10.1")
 
 
-def test_cudnn_takes_no_gradients_at_exactly_64_keys_and_math_runs_there_first():
+def test_cudnn_takes_no_gradients_at_exactly_64_keys_and_math_runs_there_first(monkeypatch):
     """cuDNN's backward gave NaN dq on rows of a low log-sum-exp at exactly 64 keys, masked or not,
     float16 and bfloat16 (seeds 5421 #2768, 5419 #12693; a probe: 5, 65, 96, 128 keys finite, H200):
-    sdpa.cudnn declines those gradients, and sdpa.math runs first (flash where it takes the call)."""
+    sdpa.cudnn declines those gradients, and sdpa.math runs first (flash's bfloat16 dq there: 108x math's)."""
     from adaattn import planner
 
     cudnn = RUNNERS["sdpa.cudnn"]
@@ -568,15 +568,18 @@ def test_cudnn_takes_no_gradients_at_exactly_64_keys_and_math_runs_there_first()
             assert not says(replace(hit, needs_grad=False))
             for keys in (63, 65, 128):
                 assert not says(replace(hit, kv_len=keys, q_len=min(hit.q_len, keys)))
+    monkeypatch.setattr(planner, "_torch_prefers_cudnn", lambda arch: arch == "sm90")
     hit = _problem(needs_grad=True, mask_kind="additive")
     notes = []
     order = ["sdpa.efficient", "triton.ptr", "sdpa.math"]
-    assert planner._math_where_cudnn_nans(hit, order, notes) == ["sdpa.math", "sdpa.efficient", "triton.ptr"]
+    assert planner._math_where_cudnn_nans(hit, order, notes, "sm90") == ["sdpa.math", "sdpa.efficient", "triton.ptr"]
     assert notes and "NaN" in notes[0]
-    assert planner._math_where_cudnn_nans(hit, ["sdpa.flash", "sdpa.math"], []) == ["sdpa.flash", "sdpa.math"]
+    assert planner._math_where_cudnn_nans(hit, ["sdpa.flash", "sdpa.math"], [], "sm90") == ["sdpa.math", "sdpa.flash"]
     for change in (dict(kv_len=65), dict(needs_grad=False), dict(dtype=torch.float32), dict(device_type="cpu")):
-        assert planner._math_where_cudnn_nans(replace(hit, **change), order, []) == order
-    assert planner._math_where_cudnn_nans(hit, ["sdpa.efficient"], []) == ["sdpa.efficient"]
+        assert planner._math_where_cudnn_nans(replace(hit, **change), order, [], "sm90") == order
+    assert planner._math_where_cudnn_nans(hit, ["sdpa.efficient"], [], "sm90") == ["sdpa.efficient"]
+    # Where torch's own choice is not cuDNN (an A100), its fused kernel stays the standard.
+    assert planner._math_where_cudnn_nans(hit, order, [], "sm80") == order
 
 
 def test_float64_queries_with_a_float32_mask_match_float64_on_the_cpu():

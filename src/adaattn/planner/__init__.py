@@ -159,14 +159,17 @@ def _math_where_torch_runs_math(problem: Problem, candidates: list[str], notes: 
     return _math_first(problem, candidates)
 
 
-def _math_where_cudnn_nans(problem: Problem, candidates: list[str], notes: list[str]) -> list[str]:
+def _math_where_cudnn_nans(problem: Problem, candidates: list[str], notes: list[str], arch: str) -> list[str]:
     """Half-precision gradients at the key count where cuDNN's backward gives NaN (sdpa.CUDNN_NAN_KEYS,
-    which sdpa.cudnn declines): torch's own choice there is cuDNN, whose finite answers the efficient
-    kernel's half-precision backward misses by up to 2.9x (seed 5200 #3423). sdpa.math runs first
-    (these calls have 64 keys: math holds any but the largest), sdpa.flash where it takes the call."""
-    if (not problem.needs_grad or problem.device_type != "cuda" or problem.kv_len != CUDNN_NAN_KEYS
+    which sdpa.cudnn declines): torch's own choice there is cuDNN, so on its NaN rows the standard is
+    math's. sdpa.math runs first (these calls have 64 keys: math holds any but the largest). The
+    fused kernels miss it there: the efficient kernel's half backward is up to 2.9x cuDNN's elsewhere
+    (seed 5200 #3423), and flash's bfloat16 dq on rows of scores near -200 against nearly parallel keys
+    was 108x math's (1.5e-2, H200, session 45). Only where torch's choice is cuDNN (_torch_prefers_cudnn):
+    elsewhere torch's own fused choice stays the standard, and the order stands."""
+    if (not problem.needs_grad or not _torch_prefers_cudnn(arch) or problem.device_type != "cuda" or problem.kv_len != CUDNN_NAN_KEYS
             or problem.dtype not in (torch.float16, torch.bfloat16) or not candidates
-            or candidates[0] in ("sdpa.math", "sdpa.flash") or "sdpa.math" not in candidates
+            or candidates[0] == "sdpa.math" or "sdpa.math" not in candidates
             or problem.scores > MATH_SCORES):
         return candidates
     notes.append(f"cuDNN's backward gives NaN on low rows at exactly {CUDNN_NAN_KEYS} keys (torch's own choice "
@@ -264,7 +267,7 @@ def make_plan(problem: Problem, policy: Policy) -> Plan:
     launches = {n: REGISTRY[n].prepare(problem, policy) for n in candidates}
     candidates, timed = _by_cost(problem, candidates, launches, reasons)
     candidates = _math_where_torch_runs_math(problem, candidates, notes)
-    candidates = _math_where_cudnn_nans(problem, candidates, notes)
+    candidates = _math_where_cudnn_nans(problem, candidates, notes, arch)
     if not candidates:
         lines = [f"no runner can run {problem.describe()} under {policy}:"]
         lines += [f"  {n}: {' '.join(reasons[n])}" for n in names]
