@@ -580,6 +580,74 @@ def test_cudnn_takes_no_gradients_at_exactly_64_keys_and_math_runs_there_first(m
     assert planner._math_where_cudnn_nans(hit, ["sdpa.efficient"], [], "sm90") == ["sdpa.efficient"]
     # Where torch's own choice is not cuDNN (an A100), its fused kernel stays the standard.
     assert planner._math_where_cudnn_nans(hit, order, [], "sm80") == order
+    # An approximate runner first (mode="auto") keeps its place: math is no exact alternative's stand-in.
+    assert planner._math_where_cudnn_nans(hit, ["triton.rank", "sdpa.efficient", "sdpa.math"], [], "sm90") == \
+        ["triton.rank", "sdpa.efficient", "sdpa.math"]
+
+
+def test_plans_at_64_keys_under_gradients_are_their_own_class(monkeypatch):
+    """64 and 65 keys share a shape class; the 64-key rule (sdpa.cudnn declines, sdpa.math first)
+    must not reach a 65-key call's cached plan, nor that plan a 64-key call (a review's repro)."""
+    from adaattn import hardware, planner
+
+    monkeypatch.setattr(hardware, "arch", lambda t, i=None: "sm90" if t == "cuda" else "cpu")
+    monkeypatch.setattr(hardware, "capability_at_least", lambda *a: True)
+    monkeypatch.setattr(hardware, "max_shared_memory", lambda i: 232448)
+    monkeypatch.setattr(planner, "_torch_prefers_cudnn", lambda arch: True)
+    p64 = _problem(needs_grad=True, dtype=torch.bfloat16)
+    p65 = replace(p64, kv_len=65, q_len=65)
+    assert p64.shape_class == p65.shape_class
+    assert planner.plan_key(p64, Policy()) != planner.plan_key(p65, Policy())
+    for first, second in ((p65, p64), (p64, p65)):
+        planner.reset()
+        plans = {p.kv_len: planner.get_plan(p, Policy()) for p in (first, second)}
+        assert plans[64].backend == "sdpa.math" and "sdpa.cudnn" not in plans[64].candidates
+        assert plans[65].backend != "sdpa.math" and "sdpa.cudnn" in plans[65].candidates
+    planner.reset()
+    # Forward-only calls at 64 keys keep cuDNN.
+    assert "sdpa.cudnn" in planner.get_plan(replace(p64, needs_grad=False), Policy()).candidates
+    planner.reset()
+
+
+def test_sinks_cudnn_and_the_ring_cudnn_blocks_take_no_gradients_at_64_keys(monkeypatch):
+    """The other paths through cuDNN's backward: sinks.cudnn declines gradients at 64 keys, a ring's
+    64-key block (a zigzag shard of 128) runs its backward on our Triton blocks, and varlen.sdpa's
+    64-key documents run torch's math kernel."""
+    from adaattn.backends import ring_blocks
+    from adaattn.backends.sdpa_sinks import sinks_runners
+
+    monkeypatch.setattr("adaattn.backends.sdpa_sinks.hardware.capability_at_least", lambda *a: True)
+    sinks = {r.name: r for r in sinks_runners()}
+    call = _problem(needs_grad=True, sinks=True)
+
+    def says(name, problem):
+        return any("exactly 64 keys" in r for r in sinks[name].supports(problem, Policy()))
+
+    assert says("sinks.cudnn", call)
+    assert not says("sinks.cudnn", replace(call, needs_grad=False))
+    assert not says("sinks.cudnn", replace(call, kv_len=65, q_len=65))
+    assert not says("sinks.flash", call)
+
+    seen = []
+    eng = ring_blocks.CudnnBlocks.__new__(ring_blocks.CudnnBlocks)
+
+    class Ours:
+        def backward(self, *args):
+            seen.append("ours")
+            return "ours"
+
+    eng.triton = Ours()
+    monkeypatch.setattr(ring_blocks.CudnnBlocks, "failed", False)
+    monkeypatch.setattr(ring_blocks.CudnnBlocks, "_bwd", staticmethod(lambda *a: seen.append("cudnn") or "cudnn"))
+    for keys, want in ((64, "ours"), (65, "cudnn"), (128, "cudnn")):
+        q, k, v = torch.randn(1, 2, 64, 16), torch.randn(1, 2, keys, 16), torch.randn(1, 2, keys, 16)
+        assert eng.backward(q, k, v, q, q, q[..., 0], 0.25, -1, -1) == want, keys
+    # varlen.sdpa's per-document calls: math at 64 keys under gradients on CUDA, torch's choice elsewhere.
+    from adaattn.backends.varlen import math_only
+
+    assert math_only(64, torch.bfloat16, "cuda", True) and math_only(64, torch.float16, "cuda", True)
+    assert not any((math_only(65, torch.bfloat16, "cuda", True), math_only(64, torch.bfloat16, "cuda", False),
+                    math_only(64, torch.float32, "cuda", True), math_only(64, torch.bfloat16, "cpu", True)))
 
 
 def test_float64_queries_with_a_float32_mask_match_float64_on_the_cpu():

@@ -420,6 +420,30 @@ def test_padded_large_head_dims_leave_out_the_forward_configs_that_faulted(monke
     assert tc.fitting_configs("fwd", 256, torch.float32, cpu, padded=True) == tc.fitting_configs("fwd", 256, torch.float32, cpu)
 
 
+@pytest.mark.parametrize("d,dv,padded", [(160, 160, True), (256, 192, True), (256, 256, False)])
+def test_the_forward_launch_offers_the_padded_candidate_list(monkeypatch, d, dv, padded):
+    """The launch, not only fitting_configs: a padded large head dim's candidates leave out BM128/w8."""
+    monkeypatch.setattr(hardware, "max_shared_memory", lambda index: 232448)
+    offered = []
+
+    class Recorder:
+        def pick(self, kind, key, candidates, launch, output=None):
+            offered.append(candidates() if callable(candidates) else candidates)
+            return tc.INTERPRET_CONFIGS[kind]
+
+    monkeypatch.setattr(tl_forward, "CONFIGS", Recorder())
+    q = torch.randn(1, 4, 8, d, dtype=torch.float16)
+    k = torch.randn(1, 2, 8, d, dtype=torch.float16)
+    v = torch.randn(1, 2, 8, dv, dtype=torch.float16)
+    launch = tl_launch.make_launch("ptr", d ** -0.5, False, -1, -1, False, False)
+    out, _ = tl_forward.launch_fwd(q, k, v, None, None, None, 8, 8, launch)
+    ref = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(2, 1), v.float().repeat_interleave(2, 1))
+    assert (out.float() - ref).abs().max() < 1e-2
+    assert len(offered) == 1 and offered[0]
+    has_w8 = any(c.block_m == 128 and c.num_warps == 8 for c in offered[0])
+    assert has_w8 == (not padded)
+
+
 def test_config_chooser_times_candidates_once_and_skips_failures(monkeypatch):
     chooser = triton_tuner.ConfigChooser()
     a, b, c = KernelConfig(64, 64), KernelConfig(128, 64), KernelConfig(128, 128)

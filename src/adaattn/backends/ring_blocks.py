@@ -29,6 +29,7 @@ import torch
 from ..policy import Policy
 from ..problem import Problem, default_scale, tma_aligned
 from .masks import position_keep
+from .sdpa_forms import CUDNN_NAN_KEYS
 from .triton.backward import launch_bwd
 from .triton.forward import launch_fwd
 from .triton.launch import make_launch
@@ -457,7 +458,10 @@ class CudnnBlocks:
         self.triton.merge(out, lse, block_out, block_lse)
 
     def backward(self, q, k, v, dout, out, lse, scale, left, right):
-        if not CudnnBlocks.failed and self._takes(q, k, v, scale, left, right):
+        # At exactly CUDNN_NAN_KEYS keys cuDNN's backward gave NaN dq on rows of a low log-sum-exp
+        # (sdpa_forms): such blocks (a zigzag shard of 128 splits into 64-key blocks) take ours.
+        if (not CudnnBlocks.failed and k.shape[2] != CUDNN_NAN_KEYS
+                and self._takes(q, k, v, scale, left, right)):
             try:
                 return self._gqa("bwd", lambda a, b, c: self._bwd(a, b, c, dout, out, lse, scale, right == 0),
                                  q, k, v)

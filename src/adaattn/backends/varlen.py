@@ -8,11 +8,15 @@ A varlen runner takes the offsets through `run_varlen`; dense runners decline pa
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .base import Runner
 from .masks import position_keep
+from .sdpa_forms import CUDNN_NAN_KEYS
 from .triton.common import unsupported_options
 from .triton.launch import AttentionLaunch, launch_id, make_launch
 from .triton.runner import triton_reasons
@@ -169,6 +173,7 @@ class VarlenSdpaRunner(Runner):
         cu_k = cu_seqlens_k.tolist()
         groups = q.shape[1] // k.shape[1]
         bottom_right = problem.bottom_right
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
         out = q.new_zeros(q.shape[0], q.shape[1], v.shape[-1])
         wrote = False
         for b in range(len(cu_q) - 1):
@@ -179,12 +184,13 @@ class VarlenSdpaRunner(Runner):
             if nq == 0 or nk == 0:
                 continue
             keep = position_keep(nq, nk, problem.causal, problem.window, q.device, bottom_right)
-            if keep is None:
-                o = F.scaled_dot_product_attention(qs, ks, vs, scale=problem.scale)
-            else:
-                # Fully masked rows: SDPA's math gives NaN on some versions; define them as 0.
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=keep, scale=problem.scale)
-                o = torch.where(keep.any(-1, keepdim=True), o, torch.zeros_like(o))
+            with sdpa_kernel(SDPBackend.MATH) if math_only(nk, q.dtype, q.device.type, grad) else nullcontext():
+                if keep is None:
+                    o = F.scaled_dot_product_attention(qs, ks, vs, scale=problem.scale)
+                else:
+                    # Fully masked rows: SDPA's math gives NaN on some versions; define them as 0.
+                    o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=keep, scale=problem.scale)
+                    o = torch.where(keep.any(-1, keepdim=True), o, torch.zeros_like(o))
             out[cu_q[b]:cu_q[b + 1]] = o.transpose(0, 1)
             wrote = True
         if not wrote and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
@@ -193,6 +199,13 @@ class VarlenSdpaRunner(Runner):
             link = torch.where(torch.zeros((), dtype=torch.bool, device=q.device), q.sum() + k.sum() + v.sum(), 0.0)
             out = out + link.to(out.dtype)
         return out
+
+
+def math_only(keys: int, dtype: torch.dtype, device_type: str, grad: bool) -> bool:
+    """Whether a document's SDPA call under gradients runs torch's math kernel: at exactly
+    CUDNN_NAN_KEYS keys, where torch's choice (cuDNN on Hopper) gave NaN dq on rows of a low
+    log-sum-exp (sdpa_forms; sdpa.cudnn declines such calls and the planner runs sdpa.math)."""
+    return grad and device_type == "cuda" and keys == CUDNN_NAN_KEYS and dtype in (torch.float16, torch.bfloat16)
 
 
 def varlen_runners() -> list[Runner]:

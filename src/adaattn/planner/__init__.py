@@ -170,7 +170,7 @@ def _math_where_cudnn_nans(problem: Problem, candidates: list[str], notes: list[
     if (not problem.needs_grad or not _torch_prefers_cudnn(arch) or problem.device_type != "cuda" or problem.kv_len != CUDNN_NAN_KEYS
             or problem.dtype not in (torch.float16, torch.bfloat16) or not candidates
             or candidates[0] == "sdpa.math" or "sdpa.math" not in candidates
-            or problem.scores > MATH_SCORES):
+            or not REGISTRY[candidates[0]].exact or problem.scores > MATH_SCORES):
         return candidates
     notes.append(f"cuDNN's backward gives NaN on low rows at exactly {CUDNN_NAN_KEYS} keys (torch's own choice "
                  "here): sdpa.math runs, whose gradients meet what cuDNN's finite ones would.")
@@ -342,10 +342,13 @@ def _with_exact_alternative(problem: Problem, candidates: list[str], launches: d
 def plan_key(problem: Problem, policy: Policy) -> tuple:
     """What a plan depends on: the problem's shape class and the values its launch descriptions
     bake in (scale, window sides), the policy, the settings, determinism, and whether sdpa.math may
-    hold the call (the shape class's length buckets span calls on both sides of MATH_SCORES)."""
+    hold the call (the shape class's length buckets span calls on both sides of MATH_SCORES), and
+    whether a call with gradients has exactly CUDNN_NAN_KEYS keys (sdpa.cudnn declines those; the
+    bucket holds lengths on both sides)."""
     return (problem.shape_class, problem.scale, problem.window_left, problem.window_right, problem.device_index,
             policy, settings.current(), torch.are_deterministic_algorithms_enabled(),
-            problem.scores <= MATH_SCORES)  # (sdpa.math's place: _math_where_torch_runs_math, _behind_torch_fused)
+            problem.scores <= MATH_SCORES,  # (sdpa.math's place: _math_where_torch_runs_math, _behind_torch_fused)
+            problem.needs_grad and problem.kv_len == CUDNN_NAN_KEYS)
 
 
 def get_plan(problem: Problem, policy: Policy, compiling: bool = False) -> Plan:
