@@ -343,9 +343,18 @@ class SdpaRunner(Runner):
             # 5418 #2950, H200). Its rows move from EFFICIENT_LOW_PEAK down, where float32 loses the
             # scores beside the bias (at -1e9 a spacing of 64: uniform weights, lse without log n).
             low_peak = EFFICIENT_LOW_PEAK if self.kernel == SDPBackend.EFFICIENT_ATTENTION else LOW_PEAK
-            attn_mask, rows = drowned_rows(attn_mask, low_peak)
+            shifted, rows = drowned_rows(attn_mask, low_peak)
             if rows is not None:
-                return self._run_drowned(query, key, value, attn_mask, rows, problem)
+                return self._run_drowned(query, key, value, shifted, rows, problem)
+            if (shifted is not attn_mask and self.kernel is None and query.dtype in (torch.float16, torch.bfloat16)
+                    and not torch.compiler.is_compiling()):
+                # On the CPU torch's fused kernel gives NaN on the unshifted low rows, so SDPA's answer
+                # there is its math kernel's (float32 inside). On the shifted mask the fused kernel is
+                # finite but rounds in half: a finfo.min row of float16 scores near 200 gave dq 2.1x
+                # math's error (CPU fuzz seed 5910 #90046). Math runs the shifted mask instead.
+                with sdpa_kernel(SDPBackend.MATH):
+                    return self._launch(query, key, value, shifted, problem, causal)
+            attn_mask = shifted
         return self._launch(query, key, value, attn_mask, problem, causal)
 
     def _lse_backward(self, query, key, value, attn_mask, problem) -> bool:

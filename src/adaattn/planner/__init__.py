@@ -347,8 +347,8 @@ def plan_key(problem: Problem, policy: Policy) -> tuple:
     bucket holds lengths on both sides)."""
     return (problem.shape_class, problem.scale, problem.window_left, problem.window_right, problem.device_index,
             policy, settings.current(), torch.are_deterministic_algorithms_enabled(),
-            problem.scores <= MATH_SCORES,  # (sdpa.math's place: _math_where_torch_runs_math, _behind_torch_fused)
-            problem.needs_grad and problem.kv_len == CUDNN_NAN_KEYS)
+            problem.needs_grad and problem.kv_len == CUDNN_NAN_KEYS,  # (sdpa.cudnn's decline, _math_where_cudnn_nans)
+            problem.scores <= MATH_SCORES)  # (sdpa.math's place: _math_where_torch_runs_math, _behind_torch_fused)
 
 
 def get_plan(problem: Problem, policy: Policy, compiling: bool = False) -> Plan:
