@@ -21,8 +21,9 @@ from .. import hardware
 from .base import Declined, Runner, no_keys
 from ..problem import SMALL_SCORES
 from .masks import fold_positions
-from .sdpa_forms import (CUDNN_NAN_KEYS, CUDNN_VERSION, CUDNN_WIDE, DROWN_EPS, EFFICIENT_LOW_PEAK, F32_ALIGN_DIM, FUSED,
-                         HALF, LOW_PEAK, _GradTimes, cudnn_bias, dim_unit, drowned_rows, efficient_bias, fused_form, fused_ready, padded_dim)
+from .sdpa_forms import (CUDNN_NAN_KEYS, CUDNN_NAN_REASON, CUDNN_VERSION, CUDNN_WIDE, DROWN_EPS, EFFICIENT_LOW_PEAK,
+                         F32_ALIGN_DIM, FUSED, HALF, LOW_PEAK, _GradTimes, cudnn_bias, dim_unit, drowned_rows,
+                         efficient_bias, fused_form, fused_ready, padded_dim)
 
 
 _CAN_USE = {
@@ -143,10 +144,7 @@ class SdpaRunner(Runner):
                                f"takes such calls at scales under {CUDNN_HALF_MASKED_GRAD_SCALE:g} (here "
                                f"{problem.scale:.3g}).")
             if problem.kv_len == CUDNN_NAN_KEYS:
-                reasons.append(f"gave NaN gradients at exactly {CUDNN_NAN_KEYS} keys on rows of a low log-sum-exp "
-                               "(float16 below about -16, bfloat16 below about -90; 65 keys and more, or fewer, stayed "
-                               "finite; torch's own choice alike: CUDA fuzzer seeds 5421 #2768 and 5419 #12693, "
-                               "H200, torch 2.11): it takes no gradients at that length.")
+                reasons.append(CUDNN_NAN_REASON)
             if CUDNN_VERSION in (91000, 91001):
                 reasons.append("has no half-precision backward on cuDNN 9.10.0 and 9.10.1 (known bugs; cuDNN "
                                "refuses the graph): upgrade to 9.10.2 or newer.")
@@ -346,7 +344,7 @@ class SdpaRunner(Runner):
             shifted, rows = drowned_rows(attn_mask, low_peak)
             if rows is not None:
                 return self._run_drowned(query, key, value, shifted, rows, problem)
-            if (shifted is not attn_mask and self.kernel is None and query.dtype in (torch.float16, torch.bfloat16)
+            if (shifted is not attn_mask and self.kernel is None and query.dtype in HALF
                     and not torch.compiler.is_compiling()):
                 # On the CPU torch's fused kernel gives NaN on the unshifted low rows, so SDPA's answer
                 # there is its math kernel's (float32 inside). On the shifted mask the fused kernel is

@@ -93,6 +93,10 @@ DROWN_BELOW = -1e18
 # 65, 96, 100, 128 and 256 keys stayed finite, any query count, head dims 64 and 128; torch's own
 # choice alike (H200, torch 2.11; seeds 5421 #2768 and 5419 #12693, benchmarks/NOTES.md, session 45).
 CUDNN_NAN_KEYS = 64
+CUDNN_NAN_REASON = (f"gave NaN gradients at exactly {CUDNN_NAN_KEYS} keys on rows of a low log-sum-exp (float16 below "
+                    "about -16, bfloat16 below about -90; fewer keys or more stayed finite; torch's own choice alike: "
+                    "CUDA fuzzer seeds 5421 #2768 and 5419 #12693, H200, torch 2.11): it takes no gradients at that "
+                    "length.")
 LOW_PEAK = -1e3
 # The efficient kernel's rows are shifted from here down: rows of -1e4 keep torch's own answer
 # (seed 5418 #2950), rows where float32's spacing swallows the scores (8e-3 at 1e5, 64 at 1e9) move.

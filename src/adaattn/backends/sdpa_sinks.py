@@ -25,7 +25,7 @@ from torch.autograd.function import once_differentiable
 from .. import costs, hardware
 from .base import Runner
 from .modifiers import modified_attention, sink_backward, sink_margin
-from .sdpa_forms import ALIGN_DIM, CUDNN_NAN_KEYS, CUDNN_WIDE, HALF, fused_ready
+from .sdpa_forms import ALIGN_DIM, CUDNN_NAN_KEYS, CUDNN_NAN_REASON, CUDNN_WIDE, HALF, fused_ready
 
 
 # The sink's passes over the output (scale it; in the backward, w g and d sinks) against the
@@ -138,8 +138,7 @@ class SdpaSinksRunner(Runner):
         if torch.compiler.is_compiling():
             reasons.append("runs eager calls only (it scales its kernel's saved output in place).")
         if self.kernel == "cudnn" and problem.needs_grad and problem.kv_len == CUDNN_NAN_KEYS:
-            reasons.append(f"takes no gradients at exactly {CUDNN_NAN_KEYS} keys (cuDNN's backward gave NaN there on "
-                           "rows of a low log-sum-exp; sdpa.cudnn declines them alike).")
+            reasons.append(CUDNN_NAN_REASON)
         return reasons
 
     def run(self, query, key, value, attn_mask, problem, launch, label=None, modifiers=None):

@@ -16,7 +16,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .base import Runner
 from .masks import position_keep
-from .sdpa_forms import CUDNN_NAN_KEYS
+from .sdpa_forms import CUDNN_NAN_KEYS, HALF
 from .triton.common import unsupported_options
 from .triton.launch import AttentionLaunch, launch_id, make_launch
 from .triton.runner import triton_reasons
@@ -193,7 +193,7 @@ class VarlenSdpaRunner(Runner):
                     o = torch.where(keep.any(-1, keepdim=True), o, torch.zeros_like(o))
             out[cu_q[b]:cu_q[b + 1]] = o.transpose(0, 1)
             wrote = True
-        if not wrote and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        if not wrote and grad:
             # No sequence had both rows and keys: still differentiable (every gradient 0, as
             # SDPA's), through a zero that depends on q, k and v, exact whatever their values.
             link = torch.where(torch.zeros((), dtype=torch.bool, device=q.device), q.sum() + k.sum() + v.sum(), 0.0)
@@ -205,7 +205,7 @@ def math_only(keys: int, dtype: torch.dtype, device_type: str, grad: bool) -> bo
     """Whether a document's SDPA call under gradients runs torch's math kernel: at exactly
     CUDNN_NAN_KEYS keys, where torch's choice (cuDNN on Hopper) gave NaN dq on rows of a low
     log-sum-exp (sdpa_forms; sdpa.cudnn declines such calls and the planner runs sdpa.math)."""
-    return grad and device_type == "cuda" and keys == CUDNN_NAN_KEYS and dtype in (torch.float16, torch.bfloat16)
+    return grad and device_type == "cuda" and keys == CUDNN_NAN_KEYS and dtype in HALF
 
 
 def varlen_runners() -> list[Runner]:

@@ -26,7 +26,7 @@ from ..adaptive.rank import rank_runners
 from ..adaptive.runner import adaptive_runners
 from ..backends import ExactAlternative, Runner, exact_runners
 from ..backends.base import modifier_reasons
-from ..backends.sdpa_forms import CUDNN_NAN_KEYS, CUDNN_VERSION, CUDNN_WIDE
+from ..backends.sdpa_forms import CUDNN_NAN_KEYS, CUDNN_VERSION, CUDNN_WIDE, HALF
 from ..backends.ring_blocks import ring_block_runners
 from ..policy import Policy
 from ..problem import Problem, default_scale
@@ -167,14 +167,15 @@ def _math_where_cudnn_nans(problem: Problem, candidates: list[str], notes: list[
     (seed 5200 #3423), and flash's bfloat16 dq on rows of scores near -200 against nearly parallel keys
     was 108x math's (1.5e-2, H200, session 45). Only where torch's choice is cuDNN (_torch_prefers_cudnn):
     elsewhere torch's own fused choice stays the standard, and the order stands."""
-    if (not problem.needs_grad or not _torch_prefers_cudnn(arch) or problem.device_type != "cuda" or problem.kv_len != CUDNN_NAN_KEYS
-            or problem.dtype not in (torch.float16, torch.bfloat16) or not candidates
-            or candidates[0] == "sdpa.math" or "sdpa.math" not in candidates
-            or not REGISTRY[candidates[0]].exact or problem.scores > MATH_SCORES):
+    if (not problem.needs_grad or problem.device_type != "cuda" or problem.kv_len != CUDNN_NAN_KEYS
+            or problem.dtype not in HALF or not candidates or not REGISTRY[candidates[0]].exact
+            or not _torch_prefers_cudnn(arch)):
         return candidates
-    notes.append(f"cuDNN's backward gives NaN on low rows at exactly {CUDNN_NAN_KEYS} keys (torch's own choice "
-                 "here): sdpa.math runs, whose gradients meet what cuDNN's finite ones would.")
-    return _math_first(problem, candidates)
+    moved = _math_first(problem, candidates)  # (unchanged where math is absent or cannot hold the call)
+    if moved != candidates:
+        notes.append(f"cuDNN's backward gives NaN on low rows at exactly {CUDNN_NAN_KEYS} keys (torch's own choice "
+                     "here): sdpa.math runs, whose gradients meet what cuDNN's finite ones would.")
+    return moved
 
 
 def _math_first(problem: Problem, names: list[str]) -> list[str]:

@@ -163,8 +163,9 @@ def fitting_configs(kind: str, block_d: int, dtype: torch.dtype, device: torch.d
     if dtype == torch.float32:
         configs = FP32_CONFIGS[kind]
     else:
-        configs = HALF_CONFIGS[kind][d_class(max(block_d, block_dv))]
-        if kind == "fwd" and padded and d_class(max(block_d, block_dv)) == "large_d":
+        cls = d_class(max(block_d, block_dv))
+        configs = HALF_CONFIGS[kind][cls]
+        if kind == "fwd" and padded and cls == "large_d":
             configs = [c for c in configs if not padded_large_d_faults(c)]
     elem = torch.empty((), dtype=dtype).element_size()
     limit = hardware.max_shared_memory(device.index)
